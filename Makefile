@@ -1,0 +1,35 @@
+# Two entry points for a fresh Debian/Ubuntu machine; each installs what is missing first.
+#   make demo   - a small multi-rank training run on CPU
+#   make test   - the whole test suite (what CI runs)
+SHELL := /bin/bash
+RANKS ?= 4
+MPIRUN ?= mpirun --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root,)
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+APT_PACKAGES := build-essential pkg-config libclang-dev libopenmpi-dev openmpi-bin
+export HDF5_DIR ?= /usr/lib/x86_64-linux-gnu/hdf5/serial
+
+.PHONY: deps rust build release demo test bench
+
+deps: rust
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+rust:
+	@command -v cargo >/dev/null 2>&1 || [ -x "$$HOME/.cargo/bin/cargo" ] || { \
+	  echo "cargo not found: installing Rust with rustup"; \
+	  curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal; }
+
+build: deps
+	PATH="$$HOME/.cargo/bin:$$PATH" cargo build --release
+
+demo: build
+	$(MPIRUN) -np $(RANKS) target/release/meshtrain train jobs/demo.toml
+
+test: deps
+	PATH="$$HOME/.cargo/bin:$$PATH" cargo test --release -- --test-threads=1
+
+bench: build
+	$(MPIRUN) -np $(RANKS) target/release/meshtrain bench all --min 4K --max 64M --vs-mpi

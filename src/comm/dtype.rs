@@ -1,0 +1,340 @@
+//! Element types and reduction operators of the collectives, and the byte-level kernels that apply
+//! them.
+//!
+//! Algorithms move and combine untyped byte ranges; the [`Reducer`] built once per operation knows
+//! the element type and the operator. Invariants:
+//! - every byte range handed to a kernel has a length that is a multiple of the element size;
+//! - combining is commutative bit for bit (`a + b == b + a` in IEEE arithmetic), so only the
+//!   association order matters, and each algorithm fixes that order identically on every rank;
+//! - `Avg` sums and then divides by the communicator size once, when a result becomes final
+//!   (integers divide with truncation toward zero; bf16/f16 accumulate in their own precision, as
+//!   the wire format does).
+
+use bytemuck::Pod;
+use half::{bf16, f16};
+
+/// Element type of a collective buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// 32-bit float.
+    F32,
+    /// 64-bit float.
+    F64,
+    /// bfloat16.
+    BF16,
+    /// IEEE half.
+    F16,
+    /// 32-bit signed integer.
+    I32,
+    /// 64-bit signed integer.
+    I64,
+    /// Byte.
+    U8,
+}
+
+impl DType {
+    /// Every element type, in a fixed order (used by tests and the benchmark).
+    pub const ALL: [DType; 7] = [DType::F32, DType::F64, DType::BF16, DType::F16, DType::I32, DType::I64, DType::U8];
+
+    /// Size of one element in bytes.
+    pub fn size(self) -> usize {
+        match self {
+            DType::U8 => 1,
+            DType::BF16 | DType::F16 => 2,
+            DType::F32 | DType::I32 => 4,
+            DType::F64 | DType::I64 => 8,
+        }
+    }
+
+    /// Lower-case name as used on the command line (`f32`, `bf16`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::U8 => "u8",
+        }
+    }
+
+    /// Parses a name produced by [`DType::name`].
+    pub fn parse(s: &str) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| d.name() == s.to_ascii_lowercase())
+    }
+}
+
+/// Reduction operator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum.
+    Sum,
+    /// Product.
+    Prod,
+    /// Minimum.
+    Min,
+    /// Maximum.
+    Max,
+    /// Sum divided by the number of ranks.
+    Avg,
+}
+
+impl ReduceOp {
+    /// Every operator, in a fixed order.
+    pub const ALL: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+
+    /// Lower-case name (`sum`, `prod`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Prod => "prod",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+            ReduceOp::Avg => "avg",
+        }
+    }
+
+    /// Parses a name produced by [`ReduceOp::name`].
+    pub fn parse(s: &str) -> Option<ReduceOp> {
+        ReduceOp::ALL.into_iter().find(|o| o.name() == s.to_ascii_lowercase())
+    }
+}
+
+/// A type that collectives can carry.
+pub trait Element: Pod + Send + Sync + PartialOrd + 'static {
+    /// Its [`DType`].
+    const DTYPE: DType;
+    /// `a + b` (wrapping for integers).
+    fn add(a: Self, b: Self) -> Self;
+    /// `a * b` (wrapping for integers).
+    fn mul(a: Self, b: Self) -> Self;
+    /// `self / n` (truncating for integers).
+    fn div_count(self, n: usize) -> Self;
+    /// Converts a small integer exactly (test and benchmark inputs are built from these).
+    fn from_i64(v: i64) -> Self;
+}
+
+macro_rules! float_element {
+    ($t:ty, $d:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = $d;
+            fn add(a: Self, b: Self) -> Self {
+                a + b
+            }
+            fn mul(a: Self, b: Self) -> Self {
+                a * b
+            }
+            fn div_count(self, n: usize) -> Self {
+                self / n as $t
+            }
+            fn from_i64(v: i64) -> Self {
+                v as $t
+            }
+        }
+    };
+}
+float_element!(f32, DType::F32);
+float_element!(f64, DType::F64);
+
+macro_rules! half_element {
+    ($t:ty, $d:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = $d;
+            fn add(a: Self, b: Self) -> Self {
+                <$t>::from_f32(a.to_f32() + b.to_f32())
+            }
+            fn mul(a: Self, b: Self) -> Self {
+                <$t>::from_f32(a.to_f32() * b.to_f32())
+            }
+            fn div_count(self, n: usize) -> Self {
+                <$t>::from_f32(self.to_f32() / n as f32)
+            }
+            fn from_i64(v: i64) -> Self {
+                <$t>::from_f32(v as f32)
+            }
+        }
+    };
+}
+half_element!(bf16, DType::BF16);
+half_element!(f16, DType::F16);
+
+macro_rules! int_element {
+    ($t:ty, $d:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = $d;
+            fn add(a: Self, b: Self) -> Self {
+                a.wrapping_add(b)
+            }
+            fn mul(a: Self, b: Self) -> Self {
+                a.wrapping_mul(b)
+            }
+            fn div_count(self, n: usize) -> Self {
+                self / n as $t
+            }
+            fn from_i64(v: i64) -> Self {
+                v as $t
+            }
+        }
+    };
+}
+int_element!(i32, DType::I32);
+int_element!(i64, DType::I64);
+int_element!(u8, DType::U8);
+
+fn combine<T: Element>(op: ReduceOp) -> fn(T, T) -> T {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => T::add,
+        ReduceOp::Prod => T::mul,
+        ReduceOp::Min => |a, b| if b < a { b } else { a },
+        ReduceOp::Max => |a, b| if b > a { b } else { a },
+    }
+}
+
+fn aligned<T>(b: &[u8]) -> bool {
+    b.as_ptr() as usize % std::mem::align_of::<T>() == 0
+}
+
+/// Applies `f(out[i], x[i])` into `out` element-wise; `out` and `x` hold `T`s as bytes.
+#[inline]
+fn zip_into<T: Element>(out: &mut [u8], x: &[u8], f: fn(T, T) -> T) {
+    if aligned::<T>(out) && aligned::<T>(x) {
+        let (o, x) = (bytemuck::cast_slice_mut::<u8, T>(out), bytemuck::cast_slice::<u8, T>(x));
+        o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(*o, x));
+    } else {
+        // A transport slot that is not aligned for T: take the slow, unaligned path.
+        let n = std::mem::size_of::<T>();
+        for (o, x) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
+            let r = f(bytemuck::pod_read_unaligned(o), bytemuck::pod_read_unaligned(x));
+            o.copy_from_slice(bytemuck::bytes_of(&r));
+        }
+    }
+}
+
+/// Writes `f(a[i], b[i])` into `out`.
+#[inline]
+fn zip_out<T: Element>(out: &mut [u8], a: &[u8], b: &[u8], f: fn(T, T) -> T) {
+    if aligned::<T>(out) && aligned::<T>(a) && aligned::<T>(b) {
+        let o = bytemuck::cast_slice_mut::<u8, T>(out);
+        let (a, b) = (bytemuck::cast_slice::<u8, T>(a), bytemuck::cast_slice::<u8, T>(b));
+        o.iter_mut().zip(a.iter().zip(b)).for_each(|(o, (&a, &b))| *o = f(a, b));
+    } else {
+        out.copy_from_slice(a);
+        zip_into(out, b, f);
+    }
+}
+
+fn scale<T: Element>(buf: &mut [u8], n: usize) {
+    if aligned::<T>(buf) {
+        bytemuck::cast_slice_mut::<u8, T>(buf).iter_mut().for_each(|v| *v = v.div_count(n));
+    } else {
+        for c in buf.chunks_exact_mut(std::mem::size_of::<T>()) {
+            let v: T = bytemuck::pod_read_unaligned(c);
+            c.copy_from_slice(bytemuck::bytes_of(&v.div_count(n)));
+        }
+    }
+}
+
+/// Byte-level reduction kernels for one (dtype, op) pair, chosen once per operation.
+#[derive(Clone, Copy)]
+pub struct Reducer {
+    /// Element type.
+    pub dtype: DType,
+    /// Operator.
+    pub op: ReduceOp,
+    into: fn(&mut [u8], &[u8], ReduceOp),
+    out: fn(&mut [u8], &[u8], &[u8], ReduceOp),
+    scale: fn(&mut [u8], usize),
+}
+
+impl Reducer {
+    /// Kernels for `dtype` and `op`.
+    pub fn new(dtype: DType, op: ReduceOp) -> Self {
+        fn make<T: Element>(op: ReduceOp) -> Reducer {
+            Reducer {
+                dtype: T::DTYPE,
+                op,
+                into: |o, x, op| zip_into::<T>(o, x, combine::<T>(op)),
+                out: |o, a, b, op| zip_out::<T>(o, a, b, combine::<T>(op)),
+                scale: scale::<T>,
+            }
+        }
+        match dtype {
+            DType::F32 => make::<f32>(op),
+            DType::F64 => make::<f64>(op),
+            DType::BF16 => make::<bf16>(op),
+            DType::F16 => make::<f16>(op),
+            DType::I32 => make::<i32>(op),
+            DType::I64 => make::<i64>(op),
+            DType::U8 => make::<u8>(op),
+        }
+    }
+
+    /// `acc = acc (op) x`.
+    pub fn reduce_into(&self, acc: &mut [u8], x: &[u8]) {
+        debug_assert_eq!(acc.len(), x.len());
+        (self.into)(acc, x, self.op)
+    }
+
+    /// `out = a (op) b`.
+    pub fn reduce_out(&self, out: &mut [u8], a: &[u8], b: &[u8]) {
+        debug_assert!(out.len() == a.len() && a.len() == b.len());
+        (self.out)(out, a, b, self.op)
+    }
+
+    /// Turns a finished reduction over `ranks` contributions into the operator's result: divides by
+    /// `ranks` for `Avg`, does nothing otherwise.
+    pub fn finalize(&self, buf: &mut [u8], ranks: usize) {
+        if self.op == ReduceOp::Avg {
+            (self.scale)(buf, ranks)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for d in DType::ALL {
+            assert_eq!(DType::parse(d.name()), Some(d));
+        }
+        for o in ReduceOp::ALL {
+            assert_eq!(ReduceOp::parse(o.name()), Some(o));
+        }
+        assert_eq!(DType::parse("f128"), None);
+    }
+
+    #[test]
+    fn kernels_compute_each_op() {
+        let a: Vec<f32> = vec![1.0, -2.0, 3.0, 8.0];
+        let b: Vec<f32> = vec![4.0, 5.0, -6.0, 8.0];
+        let expect = |op| match op {
+            ReduceOp::Sum => vec![5.0f32, 3.0, -3.0, 16.0],
+            ReduceOp::Prod => vec![4.0, -10.0, -18.0, 64.0],
+            ReduceOp::Min => vec![1.0, -2.0, -6.0, 8.0],
+            ReduceOp::Max => vec![4.0, 5.0, 3.0, 8.0],
+            ReduceOp::Avg => vec![2.5, 1.5, -1.5, 8.0],
+        };
+        for op in ReduceOp::ALL {
+            let r = Reducer::new(DType::F32, op);
+            let mut out = vec![0f32; 4];
+            r.reduce_out(bytemuck::cast_slice_mut(&mut out), bytemuck::cast_slice(&a), bytemuck::cast_slice(&b));
+            r.finalize(bytemuck::cast_slice_mut(&mut out), 2);
+            assert_eq!(out, expect(op), "{op:?}");
+        }
+    }
+
+    #[test]
+    fn unaligned_bytes_take_the_slow_path_correctly() {
+        let a: Vec<i64> = vec![7, -3, 1 << 40];
+        let b: Vec<i64> = vec![1, 5, 2];
+        let mut raw = vec![0u8; 8 * 3 + 1];
+        raw[1..].copy_from_slice(bytemuck::cast_slice(&a));
+        let r = Reducer::new(DType::I64, ReduceOp::Sum);
+        r.reduce_into(&mut raw[1..], bytemuck::cast_slice(&b));
+        let got: Vec<i64> = raw[1..].chunks_exact(8).map(bytemuck::pod_read_unaligned).collect();
+        assert_eq!(got, vec![8, 2, (1 << 40) + 2]);
+    }
+}

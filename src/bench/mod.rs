@@ -1,1 +1,4 @@
-//! (module under construction)
+//! `meshtrain bench`: measurements, never tests. [`collectives`] sweeps buffer sizes for each
+//! collective (optionally against the system MPI).
+
+pub mod collectives;

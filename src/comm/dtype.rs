@@ -291,6 +291,30 @@ impl Reducer {
     }
 }
 
+/// Input of rank `rank` at element `i` for testing and benchmarking `op`: small integers whose
+/// sums over up to 8 ranks (|sum| <= 40) and products (at most 8 factors in {-1, 1, 2}) are exact in
+/// every element type, so results can be compared bit for bit (u8 avoids negatives).
+pub fn exact_input<T: Element>(op: ReduceOp, rank: usize, i: usize) -> T {
+    let v = match op {
+        ReduceOp::Prod if T::DTYPE == DType::U8 => 1 + i64::from((rank + i) % 3 == 0),
+        ReduceOp::Prod => [1, -1, 2][(rank * 5 + i * 7) % 3],
+        _ if T::DTYPE == DType::U8 => ((rank * 7 + i * 3) % 11) as i64,
+        _ => ((rank * 7 + i * 3) % 11) as i64 - 5,
+    };
+    T::from_i64(v)
+}
+
+/// The reduction of [`exact_input`] over ranks `0..ranks` at element `i`, combined in rank order.
+pub fn exact_result<T: Element>(op: ReduceOp, ranks: usize, i: usize) -> T {
+    let f = combine::<T>(op);
+    let acc = (1..ranks).fold(exact_input::<T>(op, 0, i), |acc, r| f(acc, exact_input(op, r, i)));
+    if op == ReduceOp::Avg {
+        acc.div_count(ranks)
+    } else {
+        acc
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -13,10 +13,11 @@ pub mod algo;
 pub mod communicator;
 pub mod dtype;
 pub mod primitives;
+pub mod selftest;
 #[cfg(test)]
 mod collective_tests;
 #[cfg(test)]
-mod testing;
+pub(crate) mod testing;
 
 use std::ops::Range;
 

@@ -1,0 +1,442 @@
+//! `meshtrain bench <collective|all>`: bandwidth and latency of the collectives, in the spirit of
+//! nccl-tests, optionally side by side with the system MPI's own collective on the same buffers.
+//!
+//! For each size (bytes of the whole buffer, rounded down to a multiple of the element size times
+//! the world size so that MPI's equal-block collectives apply): warm-up, timed iterations (time per
+//! operation = the slowest rank's average), then one more call on freshly built exact inputs whose
+//! result is compared element by element (`wrong` = elements that differ). Bus bandwidth uses the
+//! usual factors: all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n; broadcast
+//! and reduce 1.
+
+use std::fmt::Write as _;
+use std::time::Instant;
+
+use half::{bf16, f16};
+use mpi::collective::SystemOperation;
+use mpi::traits::{CommunicatorCollectives, Root};
+
+use crate::comm::dtype::{exact_input, exact_result};
+use crate::comm::{block_range, Communicator, DType, Element, ReduceOp};
+use crate::error::{Error, Result};
+
+/// The collectives the benchmark knows, in `all` order.
+pub const COLLECTIVES: [&str; 6] = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce"];
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct CollBench {
+    /// Collective names (from [`COLLECTIVES`]).
+    pub colls: Vec<String>,
+    /// Smallest buffer, bytes.
+    pub min_bytes: usize,
+    /// Largest buffer, bytes.
+    pub max_bytes: usize,
+    /// Size multiplier between rows.
+    pub factor: usize,
+    /// Element type.
+    pub dtype: DType,
+    /// Reduction operator.
+    pub op: ReduceOp,
+    /// Untimed calls per size.
+    pub warmup: usize,
+    /// Timed calls per size.
+    pub iters: usize,
+    /// In-place variants instead of separate output buffers.
+    pub inplace: bool,
+    /// Also time the system MPI's collective.
+    pub vs_mpi: bool,
+    /// Print CSV instead of a table.
+    pub csv: bool,
+}
+
+/// Parses `4K`, `64M`, `1G`, `512` (binary multiples) into bytes.
+pub fn parse_size(s: &str) -> std::result::Result<usize, String> {
+    let t = s.trim();
+    let (num, mult) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 1usize << 10),
+        Some('M') => (&t[..t.len() - 1], 1 << 20),
+        Some('G') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    num.parse::<usize>().map(|n| n * mult).map_err(|_| format!("`{s}` is not a size like 4K, 64M or 1G"))
+}
+
+/// Bus-bandwidth factor of a collective on `n` ranks.
+pub fn bus_factor(coll: &str, n: usize) -> f64 {
+    let n = n as f64;
+    match coll {
+        "all_reduce" => 2.0 * (n - 1.0) / n,
+        "all_gather" | "reduce_scatter" | "all_to_all" => (n - 1.0) / n,
+        _ => 1.0,
+    }
+}
+
+/// One result row.
+#[derive(Debug, Clone)]
+pub struct Row {
+    /// Collective.
+    pub coll: String,
+    /// Buffer bytes.
+    pub bytes: usize,
+    /// Buffer elements.
+    pub count: usize,
+    /// Element type.
+    pub dtype: DType,
+    /// Microseconds per operation (slowest rank).
+    pub time_us: f64,
+    /// Wrong elements in the checked result (summed over ranks).
+    pub wrong: u64,
+    /// MPI's microseconds per operation, when compared and supported.
+    pub mpi_time_us: Option<f64>,
+    /// World size.
+    pub ranks: usize,
+}
+
+impl Row {
+    fn algbw(&self, us: f64) -> f64 {
+        if us > 0.0 {
+            self.bytes as f64 / (us * 1e3)
+        } else {
+            0.0
+        }
+    }
+
+    /// Algorithm bandwidth, GB/s.
+    pub fn algbw_gbs(&self) -> f64 {
+        self.algbw(self.time_us)
+    }
+
+    /// Bus bandwidth, GB/s.
+    pub fn busbw_gbs(&self) -> f64 {
+        self.algbw_gbs() * bus_factor(&self.coll, self.ranks)
+    }
+}
+
+const HEADER: [&str; 8] = ["coll", "bytes", "count", "dtype", "time_us", "algbw_gbs", "busbw_gbs", "wrong"];
+const MPI_HEADER: [&str; 3] = ["mpi_time_us", "mpi_busbw_gbs", "speedup"];
+
+/// The header line (CSV or table).
+pub fn header(csv: bool, vs_mpi: bool) -> String {
+    let mut cols: Vec<&str> = HEADER.to_vec();
+    if vs_mpi {
+        cols.extend(MPI_HEADER);
+    }
+    if csv {
+        cols.join(",")
+    } else {
+        cols.iter().map(|c| format!("{c:>14}")).collect::<Vec<_>>().join("")
+    }
+}
+
+/// One row as CSV or a table line.
+pub fn format_row(r: &Row, csv: bool, vs_mpi: bool) -> String {
+    let mut cells = vec![
+        r.coll.clone(),
+        r.bytes.to_string(),
+        r.count.to_string(),
+        r.dtype.name().to_string(),
+        format!("{:.2}", r.time_us),
+        format!("{:.3}", r.algbw_gbs()),
+        format!("{:.3}", r.busbw_gbs()),
+        r.wrong.to_string(),
+    ];
+    if vs_mpi {
+        match r.mpi_time_us {
+            Some(t) => {
+                let busbw = r.algbw(t) * bus_factor(&r.coll, r.ranks);
+                cells.extend([format!("{t:.2}"), format!("{busbw:.3}"), format!("{:.2}", t / r.time_us)]);
+            }
+            None => cells.extend(["".to_string(), "".to_string(), "".to_string()]),
+        }
+    }
+    if csv {
+        cells.join(",")
+    } else {
+        cells.iter().fold(String::new(), |mut s, c| {
+            let _ = write!(s, "{c:>14}");
+            s
+        })
+    }
+}
+
+/// Element types the benchmark can run, with their MPI equivalent where MPI has one.
+pub trait BenchElement: Element {
+    /// Times `iters` calls of MPI's version of `coll` (None: MPI has no such type or operator).
+    fn mpi_time(mpi: &mpi::topology::SimpleCommunicator, coll: &str, op: ReduceOp, n: usize, iters: usize) -> Option<f64>;
+}
+
+fn mpi_op(op: ReduceOp) -> Option<SystemOperation> {
+    match op {
+        ReduceOp::Sum => Some(SystemOperation::sum()),
+        ReduceOp::Prod => Some(SystemOperation::product()),
+        ReduceOp::Min => Some(SystemOperation::min()),
+        ReduceOp::Max => Some(SystemOperation::max()),
+        ReduceOp::Avg => None,
+    }
+}
+
+fn mpi_time_of<T: Element + mpi::datatype::Equivalence>(
+    mpi: &mpi::topology::SimpleCommunicator,
+    coll: &str,
+    op: ReduceOp,
+    n: usize,
+    iters: usize,
+) -> Option<f64> {
+    use mpi::traits::Communicator as _;
+    let k = mpi.size() as usize;
+    let input: Vec<T> = (0..n).map(|i| exact_input(op, mpi.rank() as usize, i)).collect();
+    let mut out = vec![T::from_i64(0); n];
+    let block = n / k;
+    let sop = mpi_op(op);
+    let root = mpi.process_at_rank(0);
+    let one = |out: &mut Vec<T>| -> Option<()> {
+        match coll {
+            "all_reduce" => mpi.all_reduce_into(&input[..], &mut out[..], sop?),
+            "all_gather" => mpi.all_gather_into(&input[..block], &mut out[..]),
+            "reduce_scatter" => mpi.reduce_scatter_block_into(&input[..], &mut out[..block], sop?),
+            "all_to_all" => mpi.all_to_all_into(&input[..], &mut out[..]),
+            "broadcast" => root.broadcast_into(&mut out[..]),
+            "reduce" if mpi.rank() == 0 => root.reduce_into_root(&input[..], &mut out[..], sop?),
+            "reduce" => root.reduce_into(&input[..], sop?),
+            _ => return None,
+        }
+        Some(())
+    };
+    for _ in 0..2 {
+        one(&mut out)?;
+    }
+    mpi.barrier();
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        one(&mut out)?;
+    }
+    Some(t0.elapsed().as_secs_f64() * 1e6 / iters as f64)
+}
+
+macro_rules! bench_element {
+    (mpi: $($t:ty),*) => {$(
+        impl BenchElement for $t {
+            fn mpi_time(m: &mpi::topology::SimpleCommunicator, c: &str, op: ReduceOp, n: usize, it: usize) -> Option<f64> {
+                mpi_time_of::<$t>(m, c, op, n, it)
+            }
+        }
+    )*};
+    (no_mpi: $($t:ty),*) => {$(
+        impl BenchElement for $t {
+            fn mpi_time(_: &mpi::topology::SimpleCommunicator, _: &str, _: ReduceOp, _: usize, _: usize) -> Option<f64> {
+                None
+            }
+        }
+    )*};
+}
+bench_element!(mpi: f32, f64, i32, i64, u8);
+bench_element!(no_mpi: bf16, f16);
+
+/// Buffers of one collective call and the function that runs it.
+struct Case<T> {
+    input: Vec<T>,
+    out: Vec<T>,
+}
+
+/// Element `i` of the buffer that all-gather and broadcast should leave on every rank.
+fn owner_value<T: Element>(i: usize) -> T {
+    exact_input(ReduceOp::Sum, 1 + i % 3, i)
+}
+
+/// Exact inputs (and an output buffer) for one call of `coll` on this rank.
+fn build<T: Element>(c: &Communicator, coll: &str, op: ReduceOp, n: usize, inplace: bool) -> Case<T> {
+    let (k, me) = (c.size(), c.rank());
+    let filler = T::from_i64(0);
+    match coll {
+        "all_reduce" | "reduce" | "reduce_scatter" => {
+            let input: Vec<T> = (0..n).map(|i| exact_input(op, me, i)).collect();
+            let out_len = if coll == "reduce_scatter" { block_range(n, k, me).len() } else { n };
+            Case { out: if inplace { input.clone() } else { vec![filler; out_len] }, input }
+        }
+        "all_gather" => {
+            let mine = block_range(n, k, me);
+            let input: Vec<T> = mine.clone().map(owner_value).collect();
+            let mut out = vec![filler; n];
+            if inplace {
+                out[mine.clone()].copy_from_slice(&input);
+            }
+            Case { input, out }
+        }
+        "all_to_all" => {
+            let input: Vec<T> = (0..n).map(|i| exact_input(ReduceOp::Sum, me, i)).collect();
+            Case { input, out: vec![filler; block_range(n, k, me).len() * k] }
+        }
+        _ => {
+            let out = if me == 0 { (0..n).map(owner_value).collect() } else { vec![filler; n] };
+            Case { input: Vec::new(), out }
+        }
+    }
+}
+
+fn run_once<T: Element>(c: &Communicator, coll: &str, op: ReduceOp, inplace: bool, case: &mut Case<T>) -> Result<()> {
+    let Case { input, out } = case;
+    match (coll, inplace) {
+        ("all_reduce", false) => c.all_reduce_into(input, out, op),
+        ("all_reduce", true) => c.all_reduce(out, op),
+        ("reduce_scatter", false) => c.reduce_scatter_into(input, out, op),
+        ("reduce_scatter", true) => c.reduce_scatter(out, op),
+        ("all_gather", false) => c.all_gather_into(input, out),
+        ("all_gather", true) => c.all_gather(out),
+        ("all_to_all", _) => c.all_to_all_into(input, out),
+        ("broadcast", _) => c.broadcast(out, 0),
+        ("reduce", false) => c.reduce_into(input, out, op, 0),
+        ("reduce", true) => c.reduce(out, op, 0),
+        _ => Err(Error::InvalidArgument(format!("unknown collective `{coll}` (known: {})", COLLECTIVES.join(", ")))),
+    }
+}
+
+/// Elements of this rank's result that differ from the exact expectation.
+fn count_wrong<T: Element>(c: &Communicator, coll: &str, op: ReduceOp, n: usize, inplace: bool, case: &Case<T>) -> u64 {
+    let (k, me) = (c.size(), c.rank());
+    let eq = |a: &T, b: &T| bytemuck::bytes_of(a) == bytemuck::bytes_of(b);
+    let wrong = |got: &[T], want: &mut dyn Iterator<Item = T>| got.iter().zip(want).filter(|(g, w)| !eq(g, w)).count();
+    let out = &case.out;
+    let n_wrong = match coll {
+        "all_reduce" => wrong(out, &mut (0..n).map(|i| exact_result(op, k, i))),
+        "reduce" if me == 0 => wrong(out, &mut (0..n).map(|i| exact_result(op, k, i))),
+        "reduce" => 0,
+        "reduce_scatter" => {
+            let mine = block_range(n, k, me);
+            let got = if inplace { &out[mine.clone()] } else { &out[..] };
+            wrong(got, &mut mine.map(|i| exact_result(op, k, i)))
+        }
+        "all_gather" | "broadcast" => wrong(out, &mut (0..n).map(owner_value)),
+        "all_to_all" => {
+            let mine = block_range(n, k, me);
+            wrong(out, &mut (0..k).flat_map(|s| mine.clone().map(move |i| exact_input(ReduceOp::Sum, s, i))))
+        }
+        _ => 0,
+    };
+    n_wrong as u64
+}
+
+/// Runs one size of one collective; every rank returns the same row.
+fn bench_size<T: BenchElement>(
+    c: &Communicator,
+    mpi: Option<&mpi::topology::SimpleCommunicator>,
+    b: &CollBench,
+    coll: &str,
+    n: usize,
+) -> Result<Row> {
+    let mut case = build::<T>(c, coll, b.op, n, b.inplace);
+    for _ in 0..b.warmup {
+        run_once(c, coll, b.op, b.inplace, &mut case)?;
+    }
+    c.barrier()?;
+    let t0 = Instant::now();
+    for _ in 0..b.iters {
+        run_once(c, coll, b.op, b.inplace, &mut case)?;
+    }
+    let mut time = [t0.elapsed().as_secs_f64() * 1e6 / b.iters.max(1) as f64];
+    c.all_reduce(&mut time, ReduceOp::Max)?;
+
+    let mut check = build::<T>(c, coll, b.op, n, b.inplace);
+    run_once(c, coll, b.op, b.inplace, &mut check)?;
+    let mut wrong = [count_wrong(c, coll, b.op, n, b.inplace, &check) as i64];
+    c.all_reduce(&mut wrong, ReduceOp::Sum)?;
+
+    let mpi_time_us = match mpi {
+        Some(m) => {
+            let t = T::mpi_time(m, coll, b.op, n, b.iters.max(1));
+            let mut t = [t.unwrap_or(f64::NAN)];
+            c.all_reduce(&mut t, ReduceOp::Max)?;
+            Some(t[0]).filter(|t| t.is_finite())
+        }
+        None => None,
+    };
+    Ok(Row { coll: coll.to_string(), bytes: n * T::DTYPE.size(), count: n, dtype: T::DTYPE, time_us: time[0], wrong: wrong[0] as u64, mpi_time_us, ranks: c.size() })
+}
+
+/// Element counts of the size sweep: each size rounded down to whole elements and to a multiple
+/// of the world size (at least one element per rank).
+pub fn counts(b: &CollBench, ranks: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut bytes = b.min_bytes.max(1);
+    while bytes <= b.max_bytes {
+        let n = (bytes / b.dtype.size() / ranks).max(1) * ranks;
+        if out.last() != Some(&n) {
+            out.push(n);
+        }
+        bytes = bytes.saturating_mul(b.factor.max(2));
+    }
+    out
+}
+
+/// Runs the sweep; `emit` receives each row as it completes (every rank gets every row).
+pub fn run(
+    c: &Communicator,
+    mpi: Option<&mpi::topology::SimpleCommunicator>,
+    b: &CollBench,
+    mut emit: impl FnMut(&Row),
+) -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for coll in &b.colls {
+        if !COLLECTIVES.contains(&coll.as_str()) {
+            return Err(Error::InvalidArgument(format!("unknown collective `{coll}` (known: {}, all)", COLLECTIVES.join(", "))));
+        }
+        for n in counts(b, c.size()) {
+            let row = match b.dtype {
+                DType::F32 => bench_size::<f32>(c, mpi, b, coll, n)?,
+                DType::F64 => bench_size::<f64>(c, mpi, b, coll, n)?,
+                DType::BF16 => bench_size::<bf16>(c, mpi, b, coll, n)?,
+                DType::F16 => bench_size::<f16>(c, mpi, b, coll, n)?,
+                DType::I32 => bench_size::<i32>(c, mpi, b, coll, n)?,
+                DType::I64 => bench_size::<i64>(c, mpi, b, coll, n)?,
+                DType::U8 => bench_size::<u8>(c, mpi, b, coll, n)?,
+            };
+            emit(&row);
+            rows.push(row);
+        }
+    }
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_suffixes() {
+        assert_eq!(parse_size("4K"), Ok(4096));
+        assert_eq!(parse_size("64m"), Ok(64 << 20));
+        assert_eq!(parse_size("1G"), Ok(1 << 30));
+        assert_eq!(parse_size("100"), Ok(100));
+        assert!(parse_size("4X").is_err());
+    }
+
+    #[test]
+    fn bus_factors_match_nccl_tests() {
+        assert_eq!(bus_factor("all_reduce", 4), 1.5);
+        assert_eq!(bus_factor("all_gather", 4), 0.75);
+        assert_eq!(bus_factor("broadcast", 4), 1.0);
+    }
+
+    #[test]
+    fn every_benchmarked_result_is_checked_and_right() {
+        use crate::comm::testing::run_ranks;
+        use crate::comm::CommConfig;
+        let rows = run_ranks(3, CommConfig { chunk_bytes: 256, small_bytes: 1024, ..CommConfig::default() }, |c| {
+            let b = CollBench {
+                colls: COLLECTIVES.iter().map(|s| s.to_string()).collect(),
+                min_bytes: 64,
+                max_bytes: 8192,
+                factor: 4,
+                dtype: DType::BF16,
+                op: ReduceOp::Avg,
+                warmup: 1,
+                iters: 2,
+                inplace: c.size() == 3,
+                vs_mpi: false,
+                csv: true,
+            };
+            run(&c, None, &b, |_| {}).unwrap()
+        });
+        assert_eq!(rows[0].len(), 6 * 4);
+        assert!(rows.iter().flatten().all(|r| r.wrong == 0 && r.count % 3 == 0));
+    }
+}

@@ -19,6 +19,8 @@
 
 pub mod shm;
 pub mod tcp;
+#[cfg(test)]
+mod test_util;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

@@ -18,6 +18,7 @@
 //! TCP otherwise or when `MESHTRAIN_TRANSPORT=tcp`. libfabric will be one more file here.
 
 pub mod handshake;
+pub mod net;
 pub mod shm;
 pub mod tcp;
 #[cfg(test)]

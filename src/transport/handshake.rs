@@ -117,8 +117,8 @@ pub fn server(
     read_by(stream, &mut magic, deadline, "client magic")?;
     if magic != MAGIC {
         return Err(format!(
-            "bad magic {:?} (not a meshtrain client)",
-            String::from_utf8_lossy(&magic)
+            "bad magic \"{}\" (not a meshtrain client)",
+            magic.escape_ascii()
         ));
     }
     let mut header = [0u8; HEADER_LEN];

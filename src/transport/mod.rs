@@ -93,8 +93,11 @@ pub trait Connector: Send + Sync {
 pub struct AbortState {
     flag: AtomicBool,
     reason: Mutex<Option<String>>,
-    notify: Mutex<Option<Box<dyn Fn(&str) + Send + Sync>>>,
+    notify: Mutex<Option<AbortHook>>,
 }
+
+/// Forwards a locally raised abort reason to the other ranks.
+pub type AbortHook = Box<dyn Fn(&str) + Send + Sync>;
 
 impl AbortState {
     /// Marks the job as aborted for `reason` (the first reason wins) without telling other ranks.
@@ -119,7 +122,7 @@ impl AbortState {
     }
 
     /// Installs the function that forwards a locally raised abort to the other ranks.
-    pub fn set_notify(&self, hook: Box<dyn Fn(&str) + Send + Sync>) {
+    pub fn set_notify(&self, hook: AbortHook) {
         *self.notify.lock().unwrap_or_else(|e| e.into_inner()) = Some(hook);
     }
 

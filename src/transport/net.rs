@@ -260,7 +260,10 @@ impl Acceptor {
             return Err(format!("request is for rank {to}, this is rank {}", self.rank));
         }
         if from >= self.size || from == self.rank {
-            return Err(format!("request from rank {from} (world size {})", self.size));
+            return Err(format!(
+                "request from rank {from} (world size {}, this is rank {})",
+                self.size, self.rank
+            ));
         }
         let key = (req.comm_id, from, req.tag);
         let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
@@ -816,6 +819,8 @@ mod tests {
 
     #[test]
     fn strangers_are_rejected_and_do_not_block_legitimate_peers() {
+        // RUST_LOG=warn shows the rejection reasons.
+        let _ = env_logger::builder().is_test(true).try_init();
         let conns = world(3, true, "strangers");
         let addr = conns[1].local_addr();
         // Well beyond the 400 ms handshake timeout, so a pass proves the server closed the stream.

@@ -46,8 +46,10 @@ const LINE: usize = 64;
 const PAGE: usize = 4096;
 /// Busy polls before yielding the CPU (a few microseconds).
 const SPIN_ROUNDS: u32 = 256;
-/// `sched_yield` rounds before sleeping on the futex.
-const YIELD_ROUNDS: u32 = 16;
+/// How long to keep yielding the CPU before sleeping on the futex: longer than a typical chunk copy
+/// (~50 us for 512 KiB), so a streaming receiver rarely needs a futex wake, yet short enough that an
+/// idle waiter soon stops competing with oversubscribed ranks for the CPU.
+const YIELD_FOR: Duration = Duration::from_micros(200);
 /// Longest futex sleep; bounds how late a deadline, an abort or a dead peer is noticed.
 const FUTEX_SLEEP: Duration = Duration::from_millis(2);
 /// How often a sleeping waiter checks the peer's liveness.
@@ -385,7 +387,8 @@ impl Liveness {
             }
             std::hint::spin_loop();
         }
-        for _ in 0..YIELD_ROUNDS {
+        let yield_until = Instant::now() + YIELD_FOR;
+        while Instant::now() < yield_until {
             if ready() {
                 return Ok(());
             }

@@ -17,8 +17,12 @@
 //! Which transport carries a pair is decided by [`LinkKind`]: shared memory for ranks on one node,
 //! TCP otherwise or when `MESHTRAIN_TRANSPORT=tcp`. libfabric will be one more file here.
 
+pub mod handshake;
+pub mod net;
 pub mod shm;
 pub mod tcp;
+#[cfg(test)]
+mod test_util;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -89,8 +93,11 @@ pub trait Connector: Send + Sync {
 pub struct AbortState {
     flag: AtomicBool,
     reason: Mutex<Option<String>>,
-    notify: Mutex<Option<Box<dyn Fn(&str) + Send + Sync>>>,
+    notify: Mutex<Option<AbortHook>>,
 }
+
+/// Forwards a locally raised abort reason to the other ranks.
+pub type AbortHook = Box<dyn Fn(&str) + Send + Sync>;
 
 impl AbortState {
     /// Marks the job as aborted for `reason` (the first reason wins) without telling other ranks.
@@ -115,7 +122,7 @@ impl AbortState {
     }
 
     /// Installs the function that forwards a locally raised abort to the other ranks.
-    pub fn set_notify(&self, hook: Box<dyn Fn(&str) + Send + Sync>) {
+    pub fn set_notify(&self, hook: AbortHook) {
         *self.notify.lock().unwrap_or_else(|e| e.into_inner()) = Some(hook);
     }
 

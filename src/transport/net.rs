@@ -1,0 +1,905 @@
+//! The network [`Connector`]: authenticated TCP connections between the ranks of one job, and the
+//! choice of shared memory or TCP for each link.
+//!
+//! Why: every rank listens on one port; anything may connect to it, so each connection is
+//! authenticated with the job secret ([`super::handshake`]) before it is handed to the code waiting
+//! for it, and strangers are rejected without claiming anything. Links are opened pairwise: the lower
+//! rank dials the higher one's listener and sends a setup message saying which transport to use; the
+//! higher rank takes the stream from its accept thread. Ranks on one node (and not `force_tcp`) get a
+//! shared-memory segment created by the lower rank; the stream then only serves as liveness signal.
+//!
+//! Invariants: a lower rank's `connect` never waits for the higher rank's application thread (only
+//! for its accept thread), and a higher rank waits only for lower ranks, so no call order of
+//! `connect` among ranks can deadlock. Every incoming handshake runs on its own thread with a deadline;
+//! a stream is delivered once per (comm_id, from_rank, tag) and duplicates are rejected. The n-th
+//! `connect(comm, peer)` on one rank pairs with the n-th on the peer (the tag counts them).
+
+use std::collections::{HashMap, HashSet};
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use hmac::{Hmac, Mac};
+use log::{debug, warn};
+use sha2::Sha256;
+
+use super::handshake::{self, Request};
+use super::shm::{self, PeerWatch, Segment};
+use super::tcp::{self, tcp_link};
+use super::{AbortState, Connector, Link, LinkKind, Waiter};
+use crate::error::{Error, Result};
+
+/// Tags with this bit are used by [`Connector::connect`]; raw streams use the tags below it.
+pub const LINK_TAG: u32 = 1 << 31;
+/// Handshakes in progress at once; further connections are refused until some finish.
+const MAX_HANDSHAKES: usize = 64;
+/// Pause between attempts to reach a listener that refused the connection.
+const CONNECT_RETRY: Duration = Duration::from_millis(20);
+/// How often `accept_stream` polls the waiter.
+const POLL: Duration = Duration::from_millis(5);
+/// Setup message kinds (first byte sent by the lower rank after the handshake).
+const SETUP_SHM: u8 = 1;
+const SETUP_TCP: u8 = 2;
+const SETUP_LEN: usize = 1 + 4 + 8 + 4;
+
+/// Settings of the network connector.
+#[derive(Debug, Clone)]
+pub struct NetConfig {
+    /// Address the listener binds to (port chosen by the OS).
+    pub bind_ip: IpAddr,
+    /// Use TCP even between ranks of one node.
+    pub force_tcp: bool,
+    /// Limit for each handshake and link setup exchange.
+    pub handshake_timeout: Duration,
+    /// Slot size of shared-memory links.
+    pub shm_chunk: usize,
+    /// Slots per direction of shared-memory links.
+    pub shm_depth: usize,
+    /// Chunk size of TCP links.
+    pub tcp_chunk: usize,
+    /// Buffers per direction of TCP links.
+    pub tcp_depth: usize,
+    /// Short job identifier put into shm segment names (sanitised, may be empty).
+    pub job_tag: String,
+}
+
+impl NetConfig {
+    /// Defaults: 5 s handshakes, shm 512 KiB x 4, TCP 1 MiB x 4, transport chosen by node.
+    pub fn new(bind_ip: IpAddr, job_tag: &str) -> NetConfig {
+        NetConfig {
+            bind_ip,
+            force_tcp: false,
+            handshake_timeout: Duration::from_secs(5),
+            shm_chunk: shm::DEFAULT_SHM_CHUNK,
+            shm_depth: shm::DEFAULT_SHM_DEPTH,
+            tcp_chunk: tcp::DEFAULT_TCP_CHUNK,
+            tcp_depth: tcp::DEFAULT_TCP_DEPTH,
+            job_tag: job_tag.to_string(),
+        }
+    }
+
+    /// Applies `MESHTRAIN_TRANSPORT` (`tcp` or `auto`), `MESHTRAIN_SHM_CHUNK`, `MESHTRAIN_SHM_DEPTH`,
+    /// `MESHTRAIN_TCP_CHUNK` and `MESHTRAIN_TCP_DEPTH` (sizes accept a K/M/G suffix).
+    pub fn with_env(mut self) -> Result<NetConfig> {
+        let var = |key: &str| std::env::var(key).ok().filter(|v| !v.is_empty());
+        if let Some(t) = var("MESHTRAIN_TRANSPORT") {
+            self.force_tcp = match t.as_str() {
+                "tcp" => true,
+                "auto" => false,
+                _ => {
+                    return Err(Error::config(
+                        "MESHTRAIN_TRANSPORT",
+                        format!("{t:?}: expected tcp or auto"),
+                    ))
+                }
+            };
+        }
+        for (key, field) in [
+            ("MESHTRAIN_SHM_CHUNK", &mut self.shm_chunk),
+            ("MESHTRAIN_SHM_DEPTH", &mut self.shm_depth),
+            ("MESHTRAIN_TCP_CHUNK", &mut self.tcp_chunk),
+            ("MESHTRAIN_TCP_DEPTH", &mut self.tcp_depth),
+        ] {
+            if let Some(v) = var(key) {
+                *field = parse_size(&v).ok_or_else(|| Error::config(key, format!("{v:?} is not a size")))?;
+            }
+        }
+        self.validate()?;
+        Ok(self)
+    }
+
+    fn validate(&self) -> Result<()> {
+        let check = |key: &str, v: usize, max: usize| {
+            if v == 0 || v > max {
+                Err(Error::config(key, format!("{v} is outside 1..={max}")))
+            } else {
+                Ok(())
+            }
+        };
+        check("MESHTRAIN_SHM_CHUNK", self.shm_chunk, shm::MAX_SHM_CHUNK)?;
+        check("MESHTRAIN_SHM_DEPTH", self.shm_depth, shm::MAX_SHM_DEPTH)?;
+        check("MESHTRAIN_TCP_CHUNK", self.tcp_chunk, tcp::MAX_TCP_CHUNK)?;
+        check("MESHTRAIN_TCP_DEPTH", self.tcp_depth, tcp::MAX_TCP_DEPTH)
+    }
+}
+
+/// `123`, `64K`, `4M`, `1G` (powers of 1024).
+fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (digits, unit) = match s.char_indices().last()? {
+        (i, 'k' | 'K') => (&s[..i], 1usize << 10),
+        (i, 'm' | 'M') => (&s[..i], 1 << 20),
+        (i, 'g' | 'G') => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    digits.parse::<usize>().ok()?.checked_mul(unit)
+}
+
+/// Where a rank listens and which node it runs on (from the bootstrap's address exchange).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// The rank's listener address.
+    pub addr: SocketAddr,
+    /// Node index; ranks with equal index share memory.
+    pub node: usize,
+    /// Process id on that node (0: unknown); used to notice a dead shared-memory peer.
+    pub pid: u32,
+}
+
+/// Identifies one authenticated stream: (comm_id, from_rank, tag).
+type StreamKey = (u64, usize, u32);
+
+/// Streams that finished their handshake, waiting for `accept_stream`.
+#[derive(Default)]
+struct Inbox {
+    ready: HashMap<StreamKey, TcpStream>,
+    /// Every key ever admitted; a second connection with the same key is a duplicate.
+    claimed: HashSet<StreamKey>,
+}
+
+/// State shared between the connector, its accept thread and the handshake threads.
+struct Acceptor {
+    rank: usize,
+    size: usize,
+    secret: [u8; 16],
+    timeout: Duration,
+    inbox: Mutex<Inbox>,
+    arrived: Condvar,
+    stopping: AtomicBool,
+    in_handshake: AtomicUsize,
+}
+
+impl Acceptor {
+    fn run(self: Arc<Self>, listener: Arc<TcpListener>) {
+        loop {
+            let accepted = listener.accept();
+            if self.stopping.load(Ordering::Acquire) {
+                return;
+            }
+            let (stream, addr) = match accepted {
+                Ok(c) => c,
+                Err(e) => {
+                    warn!("transport: rank {}: accept failed: {e}", self.rank);
+                    std::thread::sleep(CONNECT_RETRY);
+                    continue;
+                }
+            };
+            if self.in_handshake.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
+                self.in_handshake.fetch_sub(1, Ordering::AcqRel);
+                warn!(
+                    "transport: rank {}: rejected connection from {addr}: too many handshakes",
+                    self.rank
+                );
+                continue;
+            }
+            let me = self.clone();
+            let spawned = std::thread::Builder::new()
+                .name("mt-handshake".into())
+                .stack_size(256 * 1024)
+                .spawn(move || {
+                    me.handle(stream, addr);
+                    me.in_handshake.fetch_sub(1, Ordering::AcqRel);
+                });
+            if let Err(e) = spawned {
+                self.in_handshake.fetch_sub(1, Ordering::AcqRel);
+                warn!(
+                    "transport: rank {}: rejected connection from {addr}: no thread: {e}",
+                    self.rank
+                );
+            }
+        }
+    }
+
+    /// Authenticates one incoming connection and files it in the inbox, or rejects it with a warning.
+    fn handle(&self, mut stream: TcpStream, addr: SocketAddr) {
+        let mut claimed = None;
+        let result = handshake::server(&mut stream, &self.secret, self.timeout, |req| {
+            claimed = Some(self.admit(req)?);
+            Ok(())
+        })
+        .and_then(|req| {
+            stream
+                .set_nodelay(true)
+                .map_err(|e| format!("TCP_NODELAY: {e}"))?;
+            stream
+                .set_read_timeout(None)
+                .map_err(|e| format!("clear read timeout: {e}"))?;
+            stream
+                .set_write_timeout(None)
+                .map_err(|e| format!("clear write timeout: {e}"))?;
+            Ok(req)
+        });
+        let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        match (result, claimed) {
+            (Ok(req), Some(key)) => {
+                debug!("transport: rank {}: accepted {req:?} from {addr}", self.rank);
+                inbox.ready.insert(key, stream);
+                self.arrived.notify_all();
+            }
+            (result, claimed) => {
+                if let Some(key) = claimed {
+                    inbox.claimed.remove(&key);
+                }
+                let reason = result.err().unwrap_or_else(|| "admitted without a key".into());
+                warn!(
+                    "transport: rank {}: rejected connection from {addr}: {reason}",
+                    self.rank
+                );
+            }
+        }
+    }
+
+    /// Checks an authenticated request and claims its key.
+    fn admit(&self, req: &Request) -> std::result::Result<StreamKey, String> {
+        let (from, to) = (req.from as usize, req.to as usize);
+        if to != self.rank {
+            return Err(format!("request is for rank {to}, this is rank {}", self.rank));
+        }
+        if from >= self.size || from == self.rank {
+            return Err(format!(
+                "request from rank {from} (world size {}, this is rank {})",
+                self.size, self.rank
+            ));
+        }
+        let key = (req.comm_id, from, req.tag);
+        let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        if !inbox.claimed.insert(key) {
+            return Err(format!(
+                "duplicate stream from rank {from} (comm {:#x}, tag {:#x})",
+                req.comm_id, req.tag
+            ));
+        }
+        Ok(key)
+    }
+}
+
+/// Opens authenticated links between the ranks of one job over TCP and shared memory.
+pub struct NetConnector {
+    rank: usize,
+    size: usize,
+    secret: [u8; 16],
+    cfg: NetConfig,
+    abort: Arc<AbortState>,
+    acceptor: Arc<Acceptor>,
+    listener: Arc<TcpListener>,
+    local: SocketAddr,
+    accept_thread: Option<JoinHandle<()>>,
+    peers: OnceLock<Vec<PeerInfo>>,
+    /// Links opened so far per (comm_id, peer); numbers the next one.
+    links_opened: Mutex<HashMap<(u64, usize), u32>>,
+    shm_prefix: String,
+}
+
+impl NetConnector {
+    /// Binds `cfg.bind_ip:0` and starts accepting connections for world rank `rank` of `size`.
+    pub fn new(
+        rank: usize,
+        size: usize,
+        secret: [u8; 16],
+        cfg: NetConfig,
+        abort: Arc<AbortState>,
+    ) -> Result<Self> {
+        if rank >= size {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} is outside world size {size}"
+            )));
+        }
+        cfg.validate()?;
+        let bind = SocketAddr::new(cfg.bind_ip, 0);
+        let listener =
+            TcpListener::bind(bind).map_err(|e| Error::io(format!("rank {rank}: bind {bind}"), e))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| Error::io(format!("rank {rank}: listener address"), e))?;
+        let listener = Arc::new(listener);
+        let acceptor = Arc::new(Acceptor {
+            rank,
+            size,
+            secret,
+            timeout: cfg.handshake_timeout,
+            inbox: Mutex::new(Inbox::default()),
+            arrived: Condvar::new(),
+            stopping: AtomicBool::new(false),
+            in_handshake: AtomicUsize::new(0),
+        });
+        let (acc, lis) = (acceptor.clone(), listener.clone());
+        let accept_thread = std::thread::Builder::new()
+            .name(format!("mt-accept-{rank}"))
+            .spawn(move || acc.run(lis))
+            .map_err(|e| Error::io(format!("rank {rank}: spawn accept thread"), e))?;
+        let shm_prefix = shm_prefix(&cfg.job_tag, &secret);
+        Ok(NetConnector {
+            rank,
+            size,
+            secret,
+            cfg,
+            abort,
+            acceptor,
+            listener,
+            local,
+            accept_thread: Some(accept_thread),
+            peers: OnceLock::new(),
+            links_opened: Mutex::new(HashMap::new()),
+            shm_prefix,
+        })
+    }
+
+    /// The listener's address (to publish in the bootstrap's address exchange).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// Records every rank's address, node and pid; call once, with `size` entries.
+    pub fn set_peers(&self, peers: Vec<PeerInfo>) -> Result<()> {
+        if peers.len() != self.size {
+            return Err(Error::InvalidArgument(format!(
+                "{} peer entries for world size {}",
+                peers.len(),
+                self.size
+            )));
+        }
+        self.peers
+            .set(peers)
+            .map_err(|_| Error::InvalidArgument("set_peers called twice".into()))
+    }
+
+    /// File-name prefix of this job's shm segments (as listed in /dev/shm).
+    pub fn shm_prefix(&self) -> &str {
+        &self.shm_prefix
+    }
+
+    /// Dials `addr` (rank `peer`) and authenticates a raw stream for (`comm_id`, `tag`), `tag < LINK_TAG`.
+    pub fn connect_stream(
+        &self,
+        addr: SocketAddr,
+        peer: usize,
+        comm_id: u64,
+        tag: u32,
+        w: &Waiter,
+    ) -> Result<TcpStream> {
+        check_raw_tag(tag)?;
+        self.dial(addr, peer, comm_id, tag, w)
+    }
+
+    /// Waits for the authenticated raw stream from rank `peer` for (`comm_id`, `tag`), `tag < LINK_TAG`.
+    pub fn accept_stream(&self, peer: usize, comm_id: u64, tag: u32, w: &Waiter) -> Result<TcpStream> {
+        check_raw_tag(tag)?;
+        self.await_stream(peer, comm_id, tag, w)
+    }
+
+    fn dial(&self, addr: SocketAddr, peer: usize, comm_id: u64, tag: u32, w: &Waiter) -> Result<TcpStream> {
+        let timeout = self.cfg.handshake_timeout;
+        let give_up = Instant::now() + timeout;
+        let mut stream = loop {
+            match TcpStream::connect_timeout(&addr, timeout) {
+                Ok(s) => break s,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && Instant::now() < give_up => {
+                    w.check(peer)?;
+                    std::thread::sleep(CONNECT_RETRY);
+                }
+                Err(e) => return Err(w.fail(peer, format!("connect to {addr}: {e}"))),
+            }
+        };
+        let req = Request {
+            from: self.rank as u32,
+            to: peer as u32,
+            comm_id,
+            tag,
+        };
+        handshake::client(&mut stream, &self.secret, &req, timeout)
+            .map_err(|e| w.fail(peer, format!("handshake with {addr}: {e}")))?;
+        let setup = |s: &TcpStream| -> std::io::Result<()> {
+            s.set_nodelay(true)?;
+            s.set_read_timeout(None)?;
+            s.set_write_timeout(None)
+        };
+        setup(&stream).map_err(|e| w.fail(peer, format!("configure stream to {addr}: {e}")))?;
+        Ok(stream)
+    }
+
+    fn await_stream(&self, peer: usize, comm_id: u64, tag: u32, w: &Waiter) -> Result<TcpStream> {
+        let key = (comm_id, peer, tag);
+        let mut inbox = self.acceptor.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(s) = inbox.ready.remove(&key) {
+                return Ok(s);
+            }
+            w.check(peer)?;
+            inbox = self
+                .acceptor
+                .arrived
+                .wait_timeout(inbox, POLL)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    fn peer(&self, peer: usize) -> Result<&PeerInfo> {
+        self.peers
+            .get()
+            .map(|p| &p[peer])
+            .ok_or_else(|| Error::Bootstrap {
+                rank: self.rank,
+                msg: format!("address of rank {peer} unknown: set_peers was not called"),
+            })
+    }
+
+    /// Name of the shm segment of link `tag` between `lower` and `higher` on `comm_id`.
+    fn shm_name(&self, comm_id: u64, lower: usize, higher: usize, tag: u32) -> String {
+        format!(
+            "/{}-{comm_id:x}-{lower}-{higher}-{:x}",
+            self.shm_prefix,
+            tag & !LINK_TAG
+        )
+    }
+
+    /// Lower rank: announces the transport and builds its half of the link.
+    fn offer_link(
+        &self,
+        mut stream: TcpStream,
+        comm_id: u64,
+        peer: usize,
+        tag: u32,
+        w: &Waiter,
+    ) -> Result<Link> {
+        let pid = self.peer(peer)?.pid;
+        if !self.cfg.force_tcp && self.node_of(self.rank) == self.node_of(peer) {
+            let name = self.shm_name(comm_id, self.rank, peer, tag);
+            let seg = Segment::create(&name, self.cfg.shm_chunk, self.cfg.shm_depth)?;
+            send_setup(&mut stream, SETUP_SHM, self.cfg.shm_chunk, self.cfg.shm_depth)
+                .map_err(|e| w.fail(peer, format!("sending shm link setup: {e}")))?;
+            let (send, recv) = shm::shm_link(seg, true, peer, PeerWatch::new(stream, pid));
+            return Ok(Link {
+                peer,
+                kind: LinkKind::Shm,
+                send: Box::new(send),
+                recv: Box::new(recv),
+            });
+        }
+        send_setup(&mut stream, SETUP_TCP, self.cfg.tcp_chunk, self.cfg.tcp_depth)
+            .map_err(|e| w.fail(peer, format!("sending tcp link setup: {e}")))?;
+        let (send, recv) = tcp_link(stream, peer, self.cfg.tcp_chunk, self.cfg.tcp_depth)?;
+        Ok(Link {
+            peer,
+            kind: LinkKind::Tcp,
+            send: Box::new(send),
+            recv: Box::new(recv),
+        })
+    }
+
+    /// Higher rank: reads the lower rank's setup message and builds its half of the link.
+    fn take_link(
+        &self,
+        mut stream: TcpStream,
+        comm_id: u64,
+        peer: usize,
+        tag: u32,
+        w: &Waiter,
+    ) -> Result<Link> {
+        let mut msg = [0u8; SETUP_LEN];
+        stream
+            .set_read_timeout(Some(self.cfg.handshake_timeout))
+            .and_then(|_| stream.read_exact(&mut msg))
+            .and_then(|_| stream.set_read_timeout(None))
+            .map_err(|e| w.fail(peer, format!("reading link setup: {e}")))?;
+        let pid = u32::from_le_bytes([msg[1], msg[2], msg[3], msg[4]]);
+        let mut chunk = [0u8; 8];
+        chunk.copy_from_slice(&msg[5..13]);
+        let chunk = u64::from_le_bytes(chunk) as usize;
+        let depth = u32::from_le_bytes([msg[13], msg[14], msg[15], msg[16]]) as usize;
+        match msg[0] {
+            SETUP_SHM => {
+                let name = self.shm_name(comm_id, peer, self.rank, tag);
+                let seg = Segment::open(&name).map_err(|e| w.fail(peer, format!("mapping shm link: {e}")))?;
+                seg.unlink();
+                if seg.chunk() != chunk || seg.depth() != depth {
+                    return Err(w.fail(peer, format!("shm segment {name} does not match the link setup")));
+                }
+                let (send, recv) = shm::shm_link(seg, false, peer, PeerWatch::new(stream, pid));
+                Ok(Link {
+                    peer,
+                    kind: LinkKind::Shm,
+                    send: Box::new(send),
+                    recv: Box::new(recv),
+                })
+            }
+            SETUP_TCP => {
+                let (send, recv) = tcp_link(stream, peer, chunk, depth)
+                    .map_err(|e| w.fail(peer, format!("tcp link setup: {e}")))?;
+                Ok(Link {
+                    peer,
+                    kind: LinkKind::Tcp,
+                    send: Box::new(send),
+                    recv: Box::new(recv),
+                })
+            }
+            k => Err(w.fail(peer, format!("link setup names unknown transport {k}"))),
+        }
+    }
+}
+
+impl Connector for NetConnector {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Node of `rank` as given to `set_peers`; before that, every rank counts as its own node.
+    fn node_of(&self, rank: usize) -> usize {
+        self.peers
+            .get()
+            .and_then(|p| p.get(rank))
+            .map_or(rank, |p| p.node)
+    }
+
+    fn connect(&self, comm_id: u64, peer: usize, w: &Waiter) -> Result<Link> {
+        if peer >= self.size || peer == self.rank {
+            return Err(Error::InvalidArgument(format!(
+                "rank {} cannot open a link to rank {peer} (world size {})",
+                self.rank, self.size
+            )));
+        }
+        let index = {
+            let mut opened = self.links_opened.lock().unwrap_or_else(|e| e.into_inner());
+            let n = opened.entry((comm_id, peer)).or_insert(0);
+            *n += 1;
+            *n - 1
+        };
+        if index >= LINK_TAG {
+            return Err(Error::InvalidArgument(format!(
+                "too many links to rank {peer} on comm {comm_id:#x}"
+            )));
+        }
+        let tag = LINK_TAG | index;
+        let link = if self.rank < peer {
+            let stream = self.dial(self.peer(peer)?.addr, peer, comm_id, tag, w)?;
+            self.offer_link(stream, comm_id, peer, tag, w)?
+        } else {
+            let stream = self.await_stream(peer, comm_id, tag, w)?;
+            self.take_link(stream, comm_id, peer, tag, w)?
+        };
+        debug!(
+            "transport: rank {} linked to rank {peer} on comm {comm_id:#x} over {:?}",
+            self.rank, link.kind
+        );
+        Ok(link)
+    }
+
+    fn abort(&self) -> &Arc<AbortState> {
+        &self.abort
+    }
+}
+
+impl Drop for NetConnector {
+    fn drop(&mut self) {
+        self.acceptor.stopping.store(true, Ordering::Release);
+        // SAFETY: shutting down our own listening socket (still open: we hold an Arc to it) wakes the
+        // accept thread blocked in accept(), which then sees `stopping` and returns.
+        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+        if let Some(t) = self.accept_thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn check_raw_tag(tag: u32) -> Result<()> {
+    if tag & LINK_TAG != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "stream tag {tag:#x} is reserved for links"
+        )));
+    }
+    Ok(())
+}
+
+fn send_setup(stream: &mut TcpStream, kind: u8, chunk: usize, depth: usize) -> std::io::Result<()> {
+    let mut msg = [0u8; SETUP_LEN];
+    msg[0] = kind;
+    msg[1..5].copy_from_slice(&std::process::id().to_le_bytes());
+    msg[5..13].copy_from_slice(&(chunk as u64).to_le_bytes());
+    msg[13..17].copy_from_slice(&(depth as u32).to_le_bytes());
+    stream.write_all(&msg)
+}
+
+/// `mt-<job tag>-<12 hex digits derived from the secret>`: unique per job, short, valid in a name.
+fn shm_prefix(job_tag: &str, secret: &[u8; 16]) -> String {
+    let tag: String = job_tag
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .take(24)
+        .collect();
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes any key length");
+    mac.update(b"meshtrain shm prefix");
+    let digest = mac.finalize().into_bytes();
+    let hex: String = digest[..6].iter().map(|b| format!("{b:02x}")).collect();
+    format!("mt-{tag}-{hex}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::test_util::{pattern, waiter};
+    use std::io::ErrorKind;
+    use std::net::Ipv4Addr;
+
+    const SECRET: [u8; 16] = *b"0123456789abcdef";
+
+    /// `size` connectors on 127.0.0.1 that know each other, all on node 0.
+    fn world(size: usize, force_tcp: bool, tag: &str) -> Vec<NetConnector> {
+        let mut cfg = NetConfig::new(IpAddr::V4(Ipv4Addr::LOCALHOST), tag);
+        cfg.force_tcp = force_tcp;
+        cfg.handshake_timeout = Duration::from_millis(400);
+        let abort = Arc::new(AbortState::default());
+        let conns: Vec<_> = (0..size)
+            .map(|r| NetConnector::new(r, size, SECRET, cfg.clone(), abort.clone()).expect("connector"))
+            .collect();
+        let pid = std::process::id();
+        let peers: Vec<_> = conns
+            .iter()
+            .map(|c| PeerInfo {
+                addr: c.local_addr(),
+                node: 0,
+                pid,
+            })
+            .collect();
+        for c in &conns {
+            c.set_peers(peers.clone()).expect("set_peers");
+        }
+        conns
+    }
+
+    fn shm_files(prefix: &str) -> Vec<String> {
+        std::fs::read_dir("/dev/shm")
+            .expect("list /dev/shm")
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with(prefix))
+            .collect()
+    }
+
+    /// Sends `total` bytes to `next` while receiving as many from `prev`, posting up to `depth` chunks
+    /// ahead of what was received (the most the FIFO contract lets a ring have in flight), and checks
+    /// every received byte.
+    fn ring_transfer(rank: usize, prev: usize, next: &mut Link, from_prev: &mut Link, total: usize) {
+        let w = waiter(rank, 60);
+        let (chunk, depth) = (next.send.max_chunk(), next.send.depth());
+        let n = total.div_ceil(chunk);
+        let len_of = |i: usize| chunk.min(total - i * chunk);
+        let (mut sent, mut got) = (0, 0);
+        while got < n {
+            while sent < n && sent < got + depth {
+                let slot = next.send.reserve(len_of(sent), &w).expect("reserve");
+                slot.iter_mut()
+                    .enumerate()
+                    .for_each(|(j, b)| *b = pattern(rank as u8, sent, j));
+                next.send.post(len_of(sent), &w).expect("post");
+                sent += 1;
+            }
+            let data = from_prev.recv.wait(&w).expect("wait");
+            assert_eq!(data.len(), len_of(got), "chunk {got} length");
+            let bad = data
+                .iter()
+                .enumerate()
+                .position(|(j, &b)| b != pattern(prev as u8, got, j));
+            assert_eq!(
+                bad, None,
+                "rank {rank}: first wrong byte of chunk {got} from rank {prev}"
+            );
+            from_prev.recv.release(&w).expect("release");
+            got += 1;
+        }
+    }
+
+    fn ring_of_three(force_tcp: bool, tag: &str) {
+        let conns = world(3, force_tcp, tag);
+        let prefix = conns[0].shm_prefix().to_string();
+        let want = if force_tcp { LinkKind::Tcp } else { LinkKind::Shm };
+        std::thread::scope(|s| {
+            for (rank, c) in conns.iter().enumerate() {
+                let prefix = &prefix;
+                s.spawn(move || {
+                    let (next, prev) = ((rank + 1) % 3, (rank + 2) % 3);
+                    let w = waiter(rank, 30);
+                    let mut to_next = c.connect(7, next, &w).expect("connect next");
+                    let mut from_prev = c.connect(7, prev, &w).expect("connect prev");
+                    assert_eq!((to_next.kind, from_prev.kind), (want, want));
+                    assert_eq!((to_next.peer, from_prev.peer), (next, prev));
+                    ring_transfer(rank, prev, &mut to_next, &mut from_prev, 64 << 20);
+                    // Both ends mapped every segment before any data came back, so no name is left.
+                    assert_eq!(shm_files(prefix), Vec::<String>::new());
+                });
+            }
+        });
+        assert_eq!(shm_files(&prefix), Vec::<String>::new());
+    }
+
+    #[test]
+    fn ring_of_three_over_tcp_does_not_deadlock() {
+        ring_of_three(true, "ringtcp");
+    }
+
+    #[test]
+    fn ring_of_three_over_shm_does_not_deadlock() {
+        ring_of_three(false, "ringshm");
+    }
+
+    #[test]
+    fn dropped_peer_link_is_reported() {
+        let conns = world(2, false, "dropped");
+        let w = waiter(1, 30);
+        let (low, high) = std::thread::scope(|s| {
+            let low = s.spawn(|| conns[0].connect(3, 1, &waiter(0, 30)).expect("low"));
+            (
+                low.join().expect("join"),
+                conns[1].connect(3, 0, &w).expect("high"),
+            )
+        });
+        let mut high = high;
+        drop(low);
+        match high.recv.wait(&w) {
+            Err(Error::Comm { peer: 0, rank: 1, .. }) => {}
+            other => panic!(
+                "expected a Comm error naming peer 0, got {:?}",
+                other.map(|b| b.len())
+            ),
+        }
+        assert_eq!(shm_files(conns[0].shm_prefix()), Vec::<String>::new());
+    }
+
+    #[test]
+    fn invalid_requests_are_rejected() {
+        let conns = world(2, true, "invalid");
+        let w = waiter(0, 5);
+        assert!(matches!(
+            conns[0].connect(1, 0, &w),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            conns[0].connect(1, 2, &w),
+            Err(Error::InvalidArgument(_))
+        ));
+        let addr = conns[1].local_addr();
+        assert!(matches!(
+            conns[0].connect_stream(addr, 1, 1, LINK_TAG, &w),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(conns[0].set_peers(Vec::new()).is_err());
+        let quick = Waiter::new(
+            1,
+            "accept",
+            4,
+            0,
+            Duration::from_millis(30),
+            Arc::new(AbortState::default()),
+        );
+        assert!(matches!(
+            conns[1].accept_stream(0, 1, 1, &quick),
+            Err(Error::Timeout { peer: 0, seq: 4, .. })
+        ));
+    }
+
+    /// Reads until the server closes the connection; fails if it is still open after `limit`.
+    fn expect_closed(mut s: TcpStream, limit: Duration, what: &str) {
+        s.set_read_timeout(Some(limit)).expect("timeout");
+        let mut buf = [0u8; 256];
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => return,
+                Ok(_) => {}
+                Err(e) if e.kind() == ErrorKind::ConnectionReset => return,
+                Err(e) => panic!("{what}: connection not closed by the server: {e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn strangers_are_rejected_and_do_not_block_legitimate_peers() {
+        // RUST_LOG=warn shows the rejection reasons.
+        let _ = env_logger::builder().is_test(true).try_init();
+        let conns = world(3, true, "strangers");
+        let addr = conns[1].local_addr();
+        // Well beyond the 400 ms handshake timeout, so a pass proves the server closed the stream.
+        let limit = Duration::from_secs(10);
+        let raw = || TcpStream::connect(addr).expect("connect");
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut c = raw();
+                let mut junk = [0u8; 300];
+                getrandom::getrandom(&mut junk).expect("random");
+                junk[0] = b'x';
+                c.write_all(&junk).expect("write junk");
+                expect_closed(c, limit, "random bytes");
+            });
+            s.spawn(|| {
+                let mut c = raw();
+                c.write_all(b"GET / HTTP/1.1\r\n\r\n").expect("write http");
+                expect_closed(c, limit, "http request");
+            });
+            s.spawn(|| {
+                let mut c = raw();
+                c.write_all(b"MES").expect("write partial");
+                expect_closed(c, limit, "stalled half header");
+            });
+            s.spawn(|| {
+                let mut c = raw();
+                let req = Request {
+                    from: 0,
+                    to: 1,
+                    comm_id: 1,
+                    tag: 1,
+                };
+                let r = handshake::client(&mut c, b"not-the-secret!!", &req, limit);
+                assert!(r.is_err(), "wrong secret accepted");
+            });
+            s.spawn(|| {
+                for (from, to) in [(9, 1), (0, 2), (1, 1)] {
+                    let mut c = raw();
+                    let req = Request {
+                        from,
+                        to,
+                        comm_id: 1,
+                        tag: 2,
+                    };
+                    assert!(
+                        handshake::client(&mut c, &SECRET, &req, limit).is_err(),
+                        "{from}->{to} accepted"
+                    );
+                }
+            });
+            // Meanwhile a legitimate peer connects, twice with the same key; the duplicate is refused
+            // and the first stream is still delivered and usable.
+            let w = waiter(0, 10);
+            let mut first = conns[0]
+                .connect_stream(addr, 1, 1, 5, &w)
+                .expect("legitimate stream");
+            assert!(
+                conns[0].connect_stream(addr, 1, 1, 5, &w).is_err(),
+                "duplicate accepted"
+            );
+            let mut got = conns[1].accept_stream(0, 1, 5, &waiter(1, 10)).expect("accept");
+            first.write_all(b"hello").expect("write");
+            let mut buf = [0u8; 5];
+            got.read_exact(&mut buf).expect("read");
+            assert_eq!(&buf, b"hello");
+        });
+        // None of the rejected connections left a stream behind.
+        let inbox = conns[1].acceptor.inbox.lock().expect("inbox");
+        assert!(inbox.ready.is_empty());
+        assert_eq!(inbox.claimed.len(), 1);
+    }
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("512K"), Some(512 << 10));
+        assert_eq!(parse_size("2m"), Some(2 << 20));
+        assert_eq!(parse_size("1G"), Some(1 << 30));
+        assert_eq!(parse_size("x"), None);
+        assert_eq!(parse_size(""), None);
+    }
+}

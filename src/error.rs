@@ -97,6 +97,9 @@ pub enum Error {
     /// A device (GPU) could not be used.
     #[error("device: {0}")]
     Device(String),
+    /// A self-check or benchmark found results that differ from the exact expectation.
+    #[error("check failed: {0}")]
+    Check(String),
     /// A caller passed arguments that violate an API contract (sizes, ranks, dtypes).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

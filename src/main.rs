@@ -1,6 +1,17 @@
 //! The `meshtrain` command: one process per GPU (or CPU rank), started by srun or mpirun.
+//!
+//! Errors print one line naming the rank and exit non-zero (2 for bad input). A failing rank raises
+//! the job-wide abort first, so that every other rank stops within its deadline instead of hanging,
+//! and exits without finalizing MPI (finalize waits for peers that are gone).
 
-use clap::{Parser, Subcommand};
+use std::io::Write;
+
+use clap::{Args, Parser, Subcommand};
+
+use meshtrain::bench::collectives::{self, parse_size, CollBench, COLLECTIVES};
+use meshtrain::bootstrap::{rank_hint, World};
+use meshtrain::comm::{selftest, DType, ReduceOp};
+use meshtrain::{Error, Result};
 
 #[derive(Parser)]
 #[command(name = "meshtrain", version, about = "Train GPT models on supercomputers")]
@@ -10,14 +21,181 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
-enum Command {}
+enum Command {
+    /// Benchmark collectives (`all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`,
+    /// `broadcast`, `reduce`, or `all`); run one process per rank under mpirun/srun.
+    Bench(BenchArgs),
+    /// Check every collective, element type and operator bit for bit on this job's ranks and
+    /// transports (exit status 1 on any mismatch).
+    Selftest(SelftestArgs),
+}
+
+#[derive(Args)]
+struct SelftestArgs {
+    /// Counts checked with every element type and operator.
+    #[arg(long, value_delimiter = ',', default_value = "0,1,2,13,97,4099")]
+    counts: Vec<usize>,
+    /// A large count (several MiB) checked with sum for every element type and with every operator
+    /// for f32; 0 skips it.
+    #[arg(long, default_value_t = 786_431)]
+    large: usize,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// What to measure: a collective name or `all`.
+    what: String,
+    /// Smallest buffer (K/M/G suffixes).
+    #[arg(long, default_value = "4K", value_parser = parse_size)]
+    min: usize,
+    /// Largest buffer (K/M/G suffixes).
+    #[arg(long, default_value = "64M", value_parser = parse_size)]
+    max: usize,
+    /// Size multiplier between rows.
+    #[arg(long, default_value_t = 2)]
+    factor: usize,
+    /// Element type: f32, f64, bf16, f16, i32, i64, u8.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Reduction: sum, prod, min, max, avg.
+    #[arg(long, default_value = "sum")]
+    op: String,
+    /// Untimed calls per size.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Timed calls per size.
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// Use the in-place variants.
+    #[arg(long)]
+    inplace: bool,
+    /// Also time the system MPI's collective on the same buffers.
+    #[arg(long)]
+    vs_mpi: bool,
+    /// Print CSV (header + one line per size).
+    #[arg(long)]
+    csv: bool,
+}
+
+impl BenchArgs {
+    fn to_bench(&self) -> Result<CollBench> {
+        let colls = if self.what == "all" {
+            COLLECTIVES.iter().map(|s| s.to_string()).collect()
+        } else if COLLECTIVES.contains(&self.what.as_str()) {
+            vec![self.what.clone()]
+        } else {
+            return Err(Error::InvalidArgument(format!(
+                "bench: unknown target `{}` (known: {}, all)",
+                self.what,
+                COLLECTIVES.join(", ")
+            )));
+        };
+        let dtype = DType::parse(&self.dtype)
+            .ok_or_else(|| Error::InvalidArgument(format!("bench: --dtype `{}` is not f32/f64/bf16/f16/i32/i64/u8", self.dtype)))?;
+        let op = ReduceOp::parse(&self.op)
+            .ok_or_else(|| Error::InvalidArgument(format!("bench: --op `{}` is not sum/prod/min/max/avg", self.op)))?;
+        if self.min > self.max || self.iters == 0 {
+            return Err(Error::InvalidArgument("bench: need --min <= --max and --iters >= 1".into()));
+        }
+        Ok(CollBench {
+            colls,
+            min_bytes: self.min,
+            max_bytes: self.max,
+            factor: self.factor,
+            dtype,
+            op,
+            warmup: self.warmup,
+            iters: self.iters,
+            inplace: self.inplace,
+            vs_mpi: self.vs_mpi,
+            csv: self.csv,
+        })
+    }
+}
+
+fn bench(world: &World, args: &BenchArgs) -> Result<()> {
+    let b = args.to_bench()?;
+    let comm = world.communicator()?;
+    let mpi = b.vs_mpi.then(|| world.mpi_for_comparison());
+    let leader = world.rank == 0;
+    if leader {
+        if !b.csv {
+            println!(
+                "# meshtrain bench: {} ranks on {} node(s), dtype {}, op {}, {}",
+                world.size,
+                world.nodes.iter().max().map_or(1, |m| m + 1),
+                b.dtype.name(),
+                b.op.name(),
+                if b.inplace { "in place" } else { "out of place" }
+            );
+        }
+        println!("{}", collectives::header(b.csv, b.vs_mpi));
+    }
+    let rows = collectives::run(&comm, mpi, &b, |row| {
+        if leader {
+            println!("{}", collectives::format_row(row, b.csv, b.vs_mpi));
+            let _ = std::io::stdout().flush();
+        }
+    })?;
+    let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+    if wrong > 0 {
+        return Err(Error::Check(format!("bench: {wrong} wrong elements in checked results")));
+    }
+    Ok(())
+}
+
+fn selftest(world: &World, args: &SelftestArgs) -> Result<()> {
+    let comm = world.communicator()?;
+    let mut fails = selftest::check_all(&comm, &args.counts, &ReduceOp::ALL)?;
+    if args.large > 0 {
+        fails.extend(selftest::check_all(&comm, &[args.large], &[ReduceOp::Sum])?);
+        fails.extend(selftest::check_type::<f32>(&comm, &[args.large], &ReduceOp::ALL)?);
+    }
+    for f in &fails {
+        log::error!("selftest: {f}");
+    }
+    let mut total = [fails.len() as i64];
+    comm.all_reduce(&mut total, ReduceOp::Sum)?;
+    if world.rank == 0 {
+        println!("selftest: {} ranks, counts {:?} + {}: {} mismatches", world.size, args.counts, args.large, total[0]);
+    }
+    if total[0] > 0 {
+        return Err(Error::Check(format!("selftest: {} mismatches", total[0])));
+    }
+    Ok(())
+}
+
+/// Runs `f` inside an initialized world; on failure raises the job-wide abort and exits at once.
+fn with_world(f: impl FnOnce(&World) -> Result<()>) -> Result<()> {
+    let world = World::init()?;
+    if let Err(e) = f(&world) {
+        world.abort_state().raise(&e.to_string());
+        fail(&e);
+    }
+    drop(world);
+    Ok(())
+}
+
+fn fail(e: &Error) -> ! {
+    eprintln!("meshtrain: error: {e}");
+    let _ = std::io::stderr().flush();
+    std::process::exit(e.exit_code());
+}
 
 fn main() {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    let rank = rank_hint();
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .format(move |buf, rec| {
+            let r = rank.map_or(String::new(), |r| format!("r{r} "));
+            writeln!(buf, "[{r}{} {}] {}", rec.level(), rec.target(), rec.args())
+        })
+        .init();
     let cli = Cli::parse();
-    let result: meshtrain::Result<()> = match cli.command {};
+    let result = match &cli.command {
+        Command::Bench(args) => with_world(|w| bench(w, args)),
+        Command::Selftest(args) => with_world(|w| selftest(w, args)),
+    };
     if let Err(e) = result {
-        eprintln!("meshtrain: error: {e}");
-        std::process::exit(e.exit_code());
+        fail(&e);
     }
 }

@@ -1,0 +1,113 @@
+//! Faults with real rank processes: a rank SIGKILLed in the middle of a large all-reduce (over
+//! shared memory and over TCP) must make every other rank exit non-zero, within the deadline, with
+//! an error naming the dead rank, and leave no shared-memory segment behind; strangers talking to a
+//! job's listener must be turned away while the job completes with correct results.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+/// Deadline given to every operation in these tests.
+const DEADLINE_S: u64 = 40;
+
+fn kill_rank_mid_all_reduce(envs: &[(&str, &str)]) {
+    let before = common::shm_files("mt-");
+    let mut cmd = common::mpirun(4);
+    cmd.args(["bench", "all_reduce", "--min", "32M", "--max", "32M", "--warmup", "0", "--iters", "100000"])
+        .env("MESHTRAIN_TIMEOUT", DEADLINE_S.to_string());
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let child = common::spawn(cmd);
+    let mpirun_pid = child.id();
+    let start = Instant::now();
+    let pids = loop {
+        let p = common::rank_pids(mpirun_pid);
+        if p.len() == 4 || start.elapsed() > Duration::from_secs(30) {
+            break p;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(pids.len(), 4, "all four ranks started");
+    // Let the ranks connect and get deep into the all-reduce loop.
+    std::thread::sleep(Duration::from_secs(4));
+    let victim = pids[2].1;
+    let killed = std::process::Command::new("kill").args(["-9", &victim.to_string()]).status().unwrap();
+    assert!(killed.success());
+    let killed_at = Instant::now();
+    let out = common::wait(child, Duration::from_secs(DEADLINE_S + 30));
+    let took = killed_at.elapsed();
+    assert!(out.status.is_some(), "the job hung after rank 2 was killed:\n{}", out.stderr);
+    assert!(!out.success(), "the job reported success after rank 2 was killed");
+    assert!(took < Duration::from_secs(DEADLINE_S), "survivors took {took:?}, longer than the deadline");
+    for r in [0, 1, 3] {
+        let lines = out.rank_stderr(r);
+        assert!(
+            lines.iter().any(|l| l.contains("meshtrain: error") && l.contains("rank 2")),
+            "rank {r} did not report an error naming rank 2; its output:\n{}\n--- all stderr:\n{}",
+            lines.join("\n"),
+            out.stderr
+        );
+    }
+    let after = common::shm_files("mt-");
+    let leaked: Vec<_> = after.iter().filter(|f| !before.contains(f)).collect();
+    assert!(leaked.is_empty(), "shared-memory segments left behind: {leaked:?}");
+}
+
+#[test]
+fn killed_rank_over_shared_memory() {
+    kill_rank_mid_all_reduce(&[]);
+}
+
+#[test]
+fn killed_rank_over_tcp() {
+    kill_rank_mid_all_reduce(&[("MESHTRAIN_TRANSPORT", "tcp")]);
+}
+
+#[test]
+fn strangers_are_rejected_and_the_job_completes() {
+    let mut cmd = common::mpirun(3);
+    cmd.args(["bench", "all_reduce", "--min", "1M", "--max", "1M", "--warmup", "2", "--iters", "1500"])
+        .env("RUST_LOG", "info")
+        .env("MESHTRAIN_TIMEOUT", "60");
+    let mut child = common::spawn(cmd);
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line.clone());
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+    // Rank 0 logs its listener ("listening on 127.0.0.1:PORT"): the bootstrap and data port.
+    let addr = loop {
+        let line = rx.recv_timeout(Duration::from_secs(60)).expect("rank 0 logs its listener");
+        if let Some(a) = line.split("listening on ").nth(1) {
+            break a.trim().to_string();
+        }
+    };
+    let mut stalled = Vec::new();
+    for attempt in 0..3 {
+        let mut random = TcpStream::connect(&addr).unwrap();
+        let noise: Vec<u8> = (0..4096u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8 ^ attempt).collect();
+        let _ = random.write_all(&noise);
+        let mut http = TcpStream::connect(&addr).unwrap();
+        let _ = http.write_all(b"GET / HTTP/1.1\r\nHost: meshtrain\r\n\r\n");
+        let mut half = TcpStream::connect(&addr).unwrap();
+        let _ = half.write_all(&[0x4d, 0x54, 0x52]);
+        stalled.push((random, http, half));
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let out = common::wait(child, Duration::from_secs(240));
+    drop(stalled);
+    let stderr = reader.join().unwrap();
+    assert!(out.success(), "job failed with strangers around: {:?}\n{}\n{}", out.status, out.stdout, stderr);
+    assert!(out.stdout.contains("all_reduce"), "bench printed its row:\n{}", out.stdout);
+    let rejections = stderr.lines().filter(|l| l.contains("127.0.0.1:") && l.to_lowercase().contains("reject")).count();
+    assert!(rejections >= 6, "expected the strangers to be logged as rejected, got {rejections}:\n{stderr}");
+}

@@ -17,6 +17,7 @@
 //! Which transport carries a pair is decided by [`LinkKind`]: shared memory for ranks on one node,
 //! TCP otherwise or when `MESHTRAIN_TRANSPORT=tcp`. libfabric will be one more file here.
 
+mod accept;
 pub mod handshake;
 pub mod net;
 pub mod shm;

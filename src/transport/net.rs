@@ -14,19 +14,17 @@
 //! a stream is delivered once per (comm_id, from_rank, tag) and duplicates are rejected. The n-th
 //! `connect(comm, peer)` on one rank pairs with the n-th on the peer (the tag counts them).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::thread::JoinHandle;
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use hmac::{Hmac, Mac};
-use log::{debug, warn};
+use log::debug;
 use sha2::Sha256;
 
+use super::accept::Acceptor;
 use super::handshake::{self, Request};
 use super::shm::{self, PeerWatch, Segment};
 use super::tcp::{self, tcp_link};
@@ -35,12 +33,8 @@ use crate::error::{Error, Result};
 
 /// Tags with this bit are used by [`Connector::connect`]; raw streams use the tags below it.
 pub const LINK_TAG: u32 = 1 << 31;
-/// Handshakes in progress at once; further connections are refused until some finish.
-const MAX_HANDSHAKES: usize = 64;
 /// Pause between attempts to reach a listener that refused the connection.
 const CONNECT_RETRY: Duration = Duration::from_millis(20);
-/// How often `accept_stream` polls the waiter.
-const POLL: Duration = Duration::from_millis(5);
 /// Setup message kinds (first byte sent by the lower rank after the handshake).
 const SETUP_SHM: u8 = 1;
 const SETUP_TCP: u8 = 2;
@@ -150,133 +144,6 @@ pub struct PeerInfo {
     pub pid: u32,
 }
 
-/// Identifies one authenticated stream: (comm_id, from_rank, tag).
-type StreamKey = (u64, usize, u32);
-
-/// Streams that finished their handshake, waiting for `accept_stream`.
-#[derive(Default)]
-struct Inbox {
-    ready: HashMap<StreamKey, TcpStream>,
-    /// Every key ever admitted; a second connection with the same key is a duplicate.
-    claimed: HashSet<StreamKey>,
-}
-
-/// State shared between the connector, its accept thread and the handshake threads.
-struct Acceptor {
-    rank: usize,
-    size: usize,
-    secret: [u8; 16],
-    timeout: Duration,
-    inbox: Mutex<Inbox>,
-    arrived: Condvar,
-    stopping: AtomicBool,
-    in_handshake: AtomicUsize,
-}
-
-impl Acceptor {
-    fn run(self: Arc<Self>, listener: Arc<TcpListener>) {
-        loop {
-            let accepted = listener.accept();
-            if self.stopping.load(Ordering::Acquire) {
-                return;
-            }
-            let (stream, addr) = match accepted {
-                Ok(c) => c,
-                Err(e) => {
-                    warn!("transport: rank {}: accept failed: {e}", self.rank);
-                    std::thread::sleep(CONNECT_RETRY);
-                    continue;
-                }
-            };
-            if self.in_handshake.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
-                self.in_handshake.fetch_sub(1, Ordering::AcqRel);
-                warn!(
-                    "transport: rank {}: rejected connection from {addr}: too many handshakes",
-                    self.rank
-                );
-                continue;
-            }
-            let me = self.clone();
-            let spawned = std::thread::Builder::new()
-                .name("mt-handshake".into())
-                .stack_size(256 * 1024)
-                .spawn(move || {
-                    me.handle(stream, addr);
-                    me.in_handshake.fetch_sub(1, Ordering::AcqRel);
-                });
-            if let Err(e) = spawned {
-                self.in_handshake.fetch_sub(1, Ordering::AcqRel);
-                warn!(
-                    "transport: rank {}: rejected connection from {addr}: no thread: {e}",
-                    self.rank
-                );
-            }
-        }
-    }
-
-    /// Authenticates one incoming connection and files it in the inbox, or rejects it with a warning.
-    fn handle(&self, mut stream: TcpStream, addr: SocketAddr) {
-        let mut claimed = None;
-        let result = handshake::server(&mut stream, &self.secret, self.timeout, |req| {
-            claimed = Some(self.admit(req)?);
-            Ok(())
-        })
-        .and_then(|req| {
-            stream
-                .set_nodelay(true)
-                .map_err(|e| format!("TCP_NODELAY: {e}"))?;
-            stream
-                .set_read_timeout(None)
-                .map_err(|e| format!("clear read timeout: {e}"))?;
-            stream
-                .set_write_timeout(None)
-                .map_err(|e| format!("clear write timeout: {e}"))?;
-            Ok(req)
-        });
-        let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
-        match (result, claimed) {
-            (Ok(req), Some(key)) => {
-                debug!("transport: rank {}: accepted {req:?} from {addr}", self.rank);
-                inbox.ready.insert(key, stream);
-                self.arrived.notify_all();
-            }
-            (result, claimed) => {
-                if let Some(key) = claimed {
-                    inbox.claimed.remove(&key);
-                }
-                let reason = result.err().unwrap_or_else(|| "admitted without a key".into());
-                warn!(
-                    "transport: rank {}: rejected connection from {addr}: {reason}",
-                    self.rank
-                );
-            }
-        }
-    }
-
-    /// Checks an authenticated request and claims its key.
-    fn admit(&self, req: &Request) -> std::result::Result<StreamKey, String> {
-        let (from, to) = (req.from as usize, req.to as usize);
-        if to != self.rank {
-            return Err(format!("request is for rank {to}, this is rank {}", self.rank));
-        }
-        if from >= self.size || from == self.rank {
-            return Err(format!(
-                "request from rank {from} (world size {}, this is rank {})",
-                self.size, self.rank
-            ));
-        }
-        let key = (req.comm_id, from, req.tag);
-        let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
-        if !inbox.claimed.insert(key) {
-            return Err(format!(
-                "duplicate stream from rank {from} (comm {:#x}, tag {:#x})",
-                req.comm_id, req.tag
-            ));
-        }
-        Ok(key)
-    }
-}
-
 /// Opens authenticated links between the ranks of one job over TCP and shared memory.
 pub struct NetConnector {
     rank: usize,
@@ -284,10 +151,7 @@ pub struct NetConnector {
     secret: [u8; 16],
     cfg: NetConfig,
     abort: Arc<AbortState>,
-    acceptor: Arc<Acceptor>,
-    listener: Arc<TcpListener>,
-    local: SocketAddr,
-    accept_thread: Option<JoinHandle<()>>,
+    acceptor: Acceptor,
     peers: OnceLock<Vec<PeerInfo>>,
     /// Links opened so far per (comm_id, peer); numbers the next one.
     links_opened: Mutex<HashMap<(u64, usize), u32>>,
@@ -310,27 +174,7 @@ impl NetConnector {
         }
         cfg.validate()?;
         let bind = SocketAddr::new(cfg.bind_ip, 0);
-        let listener =
-            TcpListener::bind(bind).map_err(|e| Error::io(format!("rank {rank}: bind {bind}"), e))?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| Error::io(format!("rank {rank}: listener address"), e))?;
-        let listener = Arc::new(listener);
-        let acceptor = Arc::new(Acceptor {
-            rank,
-            size,
-            secret,
-            timeout: cfg.handshake_timeout,
-            inbox: Mutex::new(Inbox::default()),
-            arrived: Condvar::new(),
-            stopping: AtomicBool::new(false),
-            in_handshake: AtomicUsize::new(0),
-        });
-        let (acc, lis) = (acceptor.clone(), listener.clone());
-        let accept_thread = std::thread::Builder::new()
-            .name(format!("mt-accept-{rank}"))
-            .spawn(move || acc.run(lis))
-            .map_err(|e| Error::io(format!("rank {rank}: spawn accept thread"), e))?;
+        let acceptor = Acceptor::start(rank, size, secret, cfg.handshake_timeout, bind)?;
         let shm_prefix = shm_prefix(&cfg.job_tag, &secret);
         Ok(NetConnector {
             rank,
@@ -339,9 +183,6 @@ impl NetConnector {
             cfg,
             abort,
             acceptor,
-            listener,
-            local,
-            accept_thread: Some(accept_thread),
             peers: OnceLock::new(),
             links_opened: Mutex::new(HashMap::new()),
             shm_prefix,
@@ -350,7 +191,7 @@ impl NetConnector {
 
     /// The listener's address (to publish in the bootstrap's address exchange).
     pub fn local_addr(&self) -> SocketAddr {
-        self.local
+        self.acceptor.local_addr()
     }
 
     /// Records every rank's address, node and pid; call once, with `size` entries.
@@ -422,20 +263,7 @@ impl NetConnector {
     }
 
     fn await_stream(&self, peer: usize, comm_id: u64, tag: u32, w: &Waiter) -> Result<TcpStream> {
-        let key = (comm_id, peer, tag);
-        let mut inbox = self.acceptor.inbox.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            if let Some(s) = inbox.ready.remove(&key) {
-                return Ok(s);
-            }
-            w.check(peer)?;
-            inbox = self
-                .acceptor
-                .arrived
-                .wait_timeout(inbox, POLL)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        self.acceptor.take((comm_id, peer, tag), peer, w)
     }
 
     fn peer(&self, peer: usize) -> Result<&PeerInfo> {
@@ -594,18 +422,6 @@ impl Connector for NetConnector {
 
     fn abort(&self) -> &Arc<AbortState> {
         &self.abort
-    }
-}
-
-impl Drop for NetConnector {
-    fn drop(&mut self) {
-        self.acceptor.stopping.store(true, Ordering::Release);
-        // SAFETY: shutting down our own listening socket (still open: we hold an Arc to it) wakes the
-        // accept thread blocked in accept(), which then sees `stopping` and returns.
-        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
-        if let Some(t) = self.accept_thread.take() {
-            let _ = t.join();
-        }
     }
 }
 
@@ -888,9 +704,7 @@ mod tests {
             assert_eq!(&buf, b"hello");
         });
         // None of the rejected connections left a stream behind.
-        let inbox = conns[1].acceptor.inbox.lock().expect("inbox");
-        assert!(inbox.ready.is_empty());
-        assert_eq!(inbox.claimed.len(), 1);
+        assert_eq!(conns[1].acceptor.counts(), (0, 1));
     }
 
     #[test]

@@ -15,7 +15,7 @@
 //! `reserve`/`post` (send side). Dropping a half ends its thread: the send half after flushing what
 //! was posted (then half-closes the socket), the receive half by shutting the socket's read side.
 
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
@@ -36,7 +36,10 @@ pub const MAX_TCP_DEPTH: usize = 1024;
 /// How often a blocked `reserve`/`wait` polls the waiter (deadline, abort).
 const POLL: Duration = Duration::from_millis(2);
 
-/// A filled buffer and the number of valid bytes in it.
+/// Bytes of the little-endian length that precedes every chunk on the wire.
+const PREFIX: usize = 8;
+
+/// A buffer and the number of payload bytes in it (after `PREFIX` bytes on the send side).
 type Chunk = (Vec<u8>, usize);
 
 /// State shared by the two halves and their threads.
@@ -117,10 +120,13 @@ pub fn tcp_link(stream: TcpStream, peer: usize, chunk: usize, depth: usize) -> R
     Ok((send, recv))
 }
 
-/// Writes queued chunks until the send half is dropped (queue closed) or the socket fails.
+/// Writes queued chunks until the send half is dropped (queue closed) or the socket fails. Each send
+/// buffer starts with `PREFIX` bytes reserved for the length, so a chunk goes out in one `send`
+/// (which, unlike `writev`, is issued with MSG_NOSIGNAL: a closed peer is an error, not a SIGPIPE).
 fn send_loop(sh: &Shared, queue: Receiver<Chunk>, sent: Sender<Vec<u8>>) {
-    for (buf, len) in queue {
-        if let Err(e) = write_chunk(&sh.stream, &buf[..len]) {
+    for (mut buf, len) in queue {
+        buf[..PREFIX].copy_from_slice(&(len as u64).to_le_bytes());
+        if let Err(e) = (&sh.stream).write_all(&buf[..PREFIX + len]) {
             Shared::record(&sh.send_error, format!("connection closed while sending: {e}"));
             let _ = sh.stream.shutdown(Shutdown::Both);
             return;
@@ -130,27 +136,6 @@ fn send_loop(sh: &Shared, queue: Receiver<Chunk>, sent: Sender<Vec<u8>>) {
     }
     // Everything posted was written; tell the peer no more chunks follow.
     let _ = sh.stream.shutdown(Shutdown::Write);
-}
-
-/// Writes the length prefix and the payload, in one system call when the socket takes it all.
-fn write_chunk(mut stream: &TcpStream, data: &[u8]) -> io::Result<()> {
-    let prefix = (data.len() as u64).to_le_bytes();
-    let mut done = 0;
-    let total = prefix.len() + data.len();
-    while done < total {
-        let n = if done < prefix.len() {
-            stream.write_vectored(&[IoSlice::new(&prefix[done..]), IoSlice::new(data)])
-        } else {
-            stream.write(&data[done - prefix.len()..])
-        };
-        match n {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => done += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
 
 /// Reads chunks into free buffers until EOF, an error, or the receive half is dropped.
@@ -170,7 +155,7 @@ fn recv_loop(sh: &Shared, chunk: usize, depth: usize, free: Receiver<Vec<u8>>, a
             },
             Err(TryRecvError::Disconnected) => return,
         };
-        let mut prefix = [0u8; 8];
+        let mut prefix = [0u8; PREFIX];
         match read_full(&sh.stream, &mut prefix) {
             Ok(true) => {}
             Ok(false) => {
@@ -270,7 +255,7 @@ impl SendLink for TcpSend {
                     Err(TryRecvError::Disconnected) => return Err(self.failed(w)),
                     Err(TryRecvError::Empty) if self.allocated < self.depth => {
                         self.allocated += 1;
-                        break vec![0u8; self.chunk];
+                        break vec![0u8; PREFIX + self.chunk];
                     }
                     Err(TryRecvError::Empty) => {}
                 }
@@ -284,7 +269,7 @@ impl SendLink for TcpSend {
         }
         let (buf, reserved) = self.current.as_mut().expect("current buffer was just set");
         *reserved = len;
-        Ok(&mut buf[..len])
+        Ok(&mut buf[PREFIX..PREFIX + len])
     }
 
     fn post(&mut self, len: usize, w: &Waiter) -> Result<()> {

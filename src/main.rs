@@ -177,8 +177,8 @@ fn with_world(f: impl FnOnce(&World) -> Result<()>) -> Result<()> {
 }
 
 fn fail(e: &Error) -> ! {
-    eprintln!("meshtrain: error: {e}");
-    let _ = std::io::stderr().flush();
+    // One write, so that launchers that tag output by line keep the message whole.
+    let _ = std::io::stderr().write_all(format!("meshtrain: error: {e}\n").as_bytes());
     std::process::exit(e.exit_code());
 }
 

@@ -182,13 +182,56 @@ int_element!(i32, DType::I32);
 int_element!(i64, DType::I64);
 int_element!(u8, DType::U8);
 
+fn min_of<T: Element>(a: T, b: T) -> T {
+    if b < a {
+        b
+    } else {
+        a
+    }
+}
+
+fn max_of<T: Element>(a: T, b: T) -> T {
+    if b > a {
+        b
+    } else {
+        a
+    }
+}
+
+/// The scalar combine function of `op` (for references; kernels use [`with_op`]).
 fn combine<T: Element>(op: ReduceOp) -> fn(T, T) -> T {
     match op {
         ReduceOp::Sum | ReduceOp::Avg => T::add,
         ReduceOp::Prod => T::mul,
-        ReduceOp::Min => |a, b| if b < a { b } else { a },
-        ReduceOp::Max => |a, b| if b > a { b } else { a },
+        ReduceOp::Min => min_of,
+        ReduceOp::Max => max_of,
     }
+}
+
+/// Calls `k` with `op`'s combine function as a statically known function item, so that the
+/// element loop inside `k` is monomorphized per operator and vectorizes (a function pointer per
+/// element would not).
+macro_rules! with_op {
+    ($op:expr, $T:ty, |$f:ident| $body:expr) => {
+        match $op {
+            ReduceOp::Sum | ReduceOp::Avg => {
+                let $f = <$T as Element>::add;
+                $body
+            }
+            ReduceOp::Prod => {
+                let $f = <$T as Element>::mul;
+                $body
+            }
+            ReduceOp::Min => {
+                let $f = min_of::<$T>;
+                $body
+            }
+            ReduceOp::Max => {
+                let $f = max_of::<$T>;
+                $body
+            }
+        }
+    };
 }
 
 fn aligned<T>(b: &[u8]) -> bool {
@@ -196,8 +239,8 @@ fn aligned<T>(b: &[u8]) -> bool {
 }
 
 /// Applies `f(out[i], x[i])` into `out` element-wise; `out` and `x` hold `T`s as bytes.
-#[inline]
-fn zip_into<T: Element>(out: &mut [u8], x: &[u8], f: fn(T, T) -> T) {
+#[inline(always)]
+fn zip_into<T: Element, F: Fn(T, T) -> T>(out: &mut [u8], x: &[u8], f: F) {
     if aligned::<T>(out) && aligned::<T>(x) {
         let (o, x) = (bytemuck::cast_slice_mut::<u8, T>(out), bytemuck::cast_slice::<u8, T>(x));
         o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(*o, x));
@@ -212,8 +255,8 @@ fn zip_into<T: Element>(out: &mut [u8], x: &[u8], f: fn(T, T) -> T) {
 }
 
 /// Writes `f(a[i], b[i])` into `out`.
-#[inline]
-fn zip_out<T: Element>(out: &mut [u8], a: &[u8], b: &[u8], f: fn(T, T) -> T) {
+#[inline(always)]
+fn zip_out<T: Element, F: Fn(T, T) -> T>(out: &mut [u8], a: &[u8], b: &[u8], f: F) {
     if aligned::<T>(out) && aligned::<T>(a) && aligned::<T>(b) {
         let o = bytemuck::cast_slice_mut::<u8, T>(out);
         let (a, b) = (bytemuck::cast_slice::<u8, T>(a), bytemuck::cast_slice::<u8, T>(b));
@@ -254,8 +297,8 @@ impl Reducer {
             Reducer {
                 dtype: T::DTYPE,
                 op,
-                into: |o, x, op| zip_into::<T>(o, x, combine::<T>(op)),
-                out: |o, a, b, op| zip_out::<T>(o, a, b, combine::<T>(op)),
+                into: |o, x, op| with_op!(op, T, |f| zip_into::<T, _>(o, x, f)),
+                out: |o, a, b, op| with_op!(op, T, |f| zip_out::<T, _>(o, a, b, f)),
                 scale: scale::<T>,
             }
         }

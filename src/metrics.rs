@@ -150,6 +150,22 @@ impl MetricsWriter {
     }
 }
 
+/// One step's figures as shown to the user: `loss .. | lr .. | norm .. | .. tok/s | .. TFLOP/s`, then
+/// MFU and validation loss when known.
+fn summary(r: &StepRecord) -> String {
+    let mut text = format!(
+        "loss {:.4} | lr {:.3e} | norm {:.3} | {:.0} tok/s | {:.2} TFLOP/s",
+        r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.model_tflops
+    );
+    if let Some(mfu) = r.mfu {
+        text.push_str(&format!(" | mfu {:.1}%", 100.0 * mfu));
+    }
+    if let Some(v) = r.val_loss {
+        text.push_str(&format!(" | val {v:.4}"));
+    }
+    text
+}
+
 /// Rank 0's view of training progress: a live bar on a terminal, a log line every `log_every` steps
 /// otherwise; silent on other ranks.
 #[derive(Debug)]
@@ -192,16 +208,7 @@ impl Progress {
 
     /// Reports a completed step.
     pub fn update(&self, r: &StepRecord) {
-        let mut text = format!(
-            "loss {:.4} | lr {:.3e} | norm {:.3} | {:.0} tok/s | {:.2} TFLOP/s",
-            r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.model_tflops
-        );
-        if let Some(mfu) = r.mfu {
-            text.push_str(&format!(" | mfu {:.1}%", 100.0 * mfu));
-        }
-        if let Some(v) = r.val_loss {
-            text.push_str(&format!(" | val {v:.4}"));
-        }
+        let text = summary(r);
         match &self.mode {
             ProgressMode::Silent => {}
             ProgressMode::Bar(bar) => {
@@ -268,13 +275,9 @@ mod tests {
         assert_eq!(FlopCounter::new(&d12, 1024, None, 2).mfu(1e5), None);
     }
 
-    #[test]
-    fn jsonl_lines_hold_every_field_and_extras() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("sub/m.jsonl");
-        let mut w = MetricsWriter::create(&path).unwrap();
-        let mut r = StepRecord {
-            step: 1,
+    fn record(step: u64) -> StepRecord {
+        StepRecord {
+            step,
             loss: 5.5,
             lr: 1e-4,
             grad_norm: 2.0,
@@ -284,7 +287,31 @@ mod tests {
             elapsed_s: 0.25,
             val_loss: None,
             extra: BTreeMap::new(),
-        };
+        }
+    }
+
+    #[test]
+    fn summary_shows_mfu_and_val_loss_only_when_known() {
+        let mut r = record(3);
+        assert_eq!(
+            summary(&r),
+            "loss 5.5000 | lr 1.000e-4 | norm 2.000 | 1000 tok/s | 0.50 TFLOP/s"
+        );
+        r.mfu = Some(0.4567);
+        r.val_loss = Some(4.25);
+        assert!(
+            summary(&r).ends_with("TFLOP/s | mfu 45.7% | val 4.2500"),
+            "{}",
+            summary(&r)
+        );
+    }
+
+    #[test]
+    fn jsonl_lines_hold_every_field_and_extras() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub/m.jsonl");
+        let mut w = MetricsWriter::create(&path).unwrap();
+        let mut r = record(1);
         w.write(&r).unwrap();
         r.step = 2;
         r.val_loss = Some(4.0);

@@ -196,3 +196,26 @@ fn tokenize_rejects_invalid_utf8_with_offset() {
     );
     assert_eq!((file, offset), (bad, Some(3)));
 }
+
+#[test]
+fn tokenize_keeps_input_order_across_parallel_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let inputs: Vec<PathBuf> = (0..7)
+        .map(|i| {
+            let p = dir.path().join(format!("doc{i}.txt"));
+            std::fs::write(&p, format!("document number {i} says {}", "hi ".repeat(i))).unwrap();
+            p
+        })
+        .collect();
+    let report = tokenize_files(&inputs, &dir.path().join("o"), 0.0, 1000).unwrap();
+    assert!(report.val_shards.is_empty());
+    let tok = Gpt2Tokenizer::new().unwrap();
+    let mut expected = Vec::new();
+    for p in &inputs {
+        expected.push(EOT_TOKEN);
+        expected.extend(tok.encode(&std::fs::read_to_string(p).unwrap()));
+    }
+    let shard = Shard::open(&report.train_shards[0], GPT2_VOCAB_SIZE).unwrap();
+    let got: Vec<u32> = (0..shard.len()).map(|i| shard.token(i) as u32).collect();
+    assert_eq!(got, expected);
+}

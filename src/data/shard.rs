@@ -114,13 +114,13 @@ impl Shard {
         self.count == 0
     }
 
-    /// Token `i` (`i < len()`).
+    /// Token `i`; panics unless `i < len()`, like slice indexing.
     pub fn token(&self, i: usize) -> u16 {
         let at = HEADER_BYTES + 2 * i;
         u16::from_le_bytes([self.map[at], self.map[at + 1]])
     }
 
-    /// Copies tokens `start .. start + out.len()` into `out`.
+    /// Copies tokens `start .. start + out.len()` into `out`; panics if that range is past `len()`.
     pub fn read(&self, start: usize, out: &mut [u32]) {
         let bytes = &self.map[HEADER_BYTES + 2 * start..HEADER_BYTES + 2 * (start + out.len())];
         for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {

@@ -5,7 +5,8 @@
 //! end-of-text token [`EOT_TOKEN`]. The first `val_fraction` of the resulting token stream (rounded
 //! up) becomes the validation split, the rest the training split; each split is cut into shards of
 //! at most `shard_tokens` tokens named `<prefix>_val_000000.bin`, `<prefix>_train_000000.bin`, ...
-//! The whole token stream is held in memory (2 bytes per token) before writing.
+//! Files are encoded in parallel over the available cores (one file per task); the whole token
+//! stream is held in memory (2 bytes per token) before writing.
 
 use std::path::{Path, PathBuf};
 
@@ -84,14 +85,9 @@ pub fn tokenize_files(
     }
     let tokenizer = Gpt2Tokenizer::new()?;
     let mut stream: Vec<u16> = Vec::new();
-    for path in inputs {
-        let bytes =
-            std::fs::read(path).map_err(|e| Error::io(format!("read {}", path.display()), e))?;
-        let text = std::str::from_utf8(&bytes)
-            .map_err(|e| Error::file(path, Some(e.valid_up_to() as u64), "not valid UTF-8"))?;
+    for doc in encode_documents(&tokenizer, inputs)? {
         stream.push(EOT_TOKEN as u16);
-        // GPT-2 ids are below 50257 < 2^16, so the narrowing is exact.
-        stream.extend(tokenizer.encode(text).into_iter().map(|t| t as u16));
+        stream.extend(doc);
     }
     let val_len = (stream.len() as f64 * val_fraction).ceil() as usize;
     let (val, train) = stream.split_at(val_len.min(stream.len()));
@@ -123,6 +119,46 @@ pub fn tokenize_files(
         report.val_shards.len()
     );
     Ok(report)
+}
+
+/// Encodes each file as one document, files spread over the available cores; results in input order.
+fn encode_documents(tokenizer: &Gpt2Tokenizer, inputs: &[PathBuf]) -> Result<Vec<Vec<u16>>> {
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(inputs.len());
+    let encode = |path: &PathBuf| -> Result<Vec<u16>> {
+        let bytes =
+            std::fs::read(path).map_err(|e| Error::io(format!("read {}", path.display()), e))?;
+        let text = std::str::from_utf8(&bytes)
+            .map_err(|e| Error::file(path, Some(e.valid_up_to() as u64), "not valid UTF-8"))?;
+        // GPT-2 ids are below 50257 < 2^16, so the narrowing is exact.
+        Ok(tokenizer
+            .encode(text)
+            .into_iter()
+            .map(|t| t as u16)
+            .collect())
+    };
+    let mut docs: Vec<Option<Result<Vec<u16>>>> = (0..inputs.len()).map(|_| None).collect();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|w| {
+                scope.spawn(move || {
+                    (w..inputs.len())
+                        .step_by(workers)
+                        .map(|i| (i, encode(&inputs[i])))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for handle in handles {
+            for (i, doc) in handle.join().expect("a tokenizer worker panicked") {
+                docs[i] = Some(doc);
+            }
+        }
+    });
+    docs.into_iter()
+        .map(|d| d.expect("every input is assigned to one worker"))
+        .collect()
 }
 
 fn write_split(

@@ -1,1 +1,766 @@
-//! (module under construction)
+//! The job configuration: a TOML file, then `--set` overrides, then environment overrides, all
+//! checked before any work starts.
+//!
+//! Precedence, lowest to highest:
+//! 1. the built-in defaults (listed on each field below);
+//! 2. the TOML file;
+//! 3. `--set section.key=value` (top-level keys: `--set device=cuda`), in command-line order;
+//! 4. environment variables `MESHTRAIN_<SECTION>_<KEY>` (e.g. `MESHTRAIN_TRAIN_STEPS=10`,
+//!    `MESHTRAIN_TRAIN_MICRO_BATCH=8`; top-level keys: `MESHTRAIN_DEVICE`, `MESHTRAIN_INIT_FROM`).
+//!    Variables whose first word after `MESHTRAIN_` is neither a section nor a top-level key belong
+//!    to other parts of meshtrain and are ignored here; a known section with an unknown key is an
+//!    error. The environment wins so a batch script can adjust a job without editing its command.
+//!
+//! Override values are parsed as TOML scalars (`10`, `3e-4`, `true`, `"x"`); a value that is not
+//! valid TOML is taken as a bare string, so `--set data.source=data/ts_train_*.bin` works unquoted.
+//!
+//! The model is `model.size` (a name from [`GptConfig::named`]) or the five explicit keys
+//! `n_layer`, `n_head`, `n_embd`, `vocab_size`, `max_seq_len`; explicit keys given together with
+//! `size` override that size's values. There is no default model.
+//!
+//! Invariants of a [`JobConfig`] returned by `load`/`from_str`: no unknown key was given anywhere
+//! (each would have been rejected by its dotted name), every value passed [`JobConfig::validate`],
+//! and `train.seq_len` is resolved (absent means `model.max_seq_len`). Only the world size is
+//! checked later, by [`JobConfig::validate_world`], once it is known.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::model::GptConfig;
+
+/// Sections of the file; an environment variable `MESHTRAIN_<SECTION>_...` targets one of them.
+const SECTIONS: &[&str] = &[
+    "model",
+    "data",
+    "train",
+    "optim",
+    "parallel",
+    "checkpoint",
+    "metrics",
+];
+/// Keys outside any section.
+const TOP_LEVEL_KEYS: &[&str] = &["device", "init_from"];
+/// Prefix of environment overrides.
+const ENV_PREFIX: &str = "MESHTRAIN_";
+
+/// Where the job runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// The CPU reference implementation.
+    Cpu,
+    /// NVIDIA GPUs.
+    Cuda,
+    /// AMD GPUs.
+    Hip,
+}
+
+/// The complete, validated configuration of a training job.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct JobConfig {
+    /// `device`: `cpu` (default), `cuda` or `hip`.
+    pub device: DeviceKind,
+    /// `init_from`: a checkpoint to take the initial weights from (default: random init).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<PathBuf>,
+    /// `[model]`, resolved to a shape.
+    pub model: GptConfig,
+    /// `[data]`.
+    pub data: DataConfig,
+    /// `[train]`.
+    pub train: TrainConfig,
+    /// `[optim]`.
+    pub optim: OptimConfig,
+    /// `[parallel]`.
+    pub parallel: ParallelConfig,
+    /// `[checkpoint]`.
+    pub checkpoint: CheckpointConfig,
+    /// `[metrics]`.
+    pub metrics: MetricsConfig,
+}
+
+/// `[model]` as written: a named size and/or explicit shape keys.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct ModelSection {
+    size: Option<String>,
+    n_layer: Option<usize>,
+    n_head: Option<usize>,
+    n_embd: Option<usize>,
+    vocab_size: Option<usize>,
+    max_seq_len: Option<usize>,
+}
+
+/// `[data]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DataConfig {
+    /// `"synthetic"` (default: the built-in Markov-chain corpus) or a shard glob.
+    pub source: String,
+    /// Validation corpus, same forms as `source` (default: none, no evaluation data).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_source: Option<String>,
+    /// Shuffle the order of windows each epoch (default true).
+    pub shuffle: bool,
+    /// Seed of the shuffle and of the synthetic corpus (default 1337).
+    pub seed: u64,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            source: "synthetic".into(),
+            val_source: None,
+            shuffle: true,
+            seed: 1337,
+        }
+    }
+}
+
+/// `[train]`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TrainConfig {
+    /// Optimizer steps (default 1000).
+    pub steps: u64,
+    /// Sequences per rank per micro-step (default 4).
+    pub micro_batch: usize,
+    /// Tokens per sequence, at most `model.max_seq_len` (default `model.max_seq_len`).
+    pub seq_len: usize,
+    /// Micro-steps accumulated per optimizer step (default 1).
+    pub grad_accum: usize,
+    /// Seed of the weight initialization (default 42).
+    pub seed: u64,
+    /// Evaluate every this many steps; 0 = never (default 0).
+    pub eval_every: u64,
+    /// Validation batches per evaluation (default 10).
+    pub eval_batches: usize,
+    /// Log every this many steps (default 10).
+    pub log_every: u64,
+}
+
+/// `[train]` as written (`seq_len` may be absent).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+struct TrainSection {
+    steps: u64,
+    micro_batch: usize,
+    seq_len: Option<usize>,
+    grad_accum: usize,
+    seed: u64,
+    eval_every: u64,
+    eval_batches: usize,
+    log_every: u64,
+}
+
+impl Default for TrainSection {
+    fn default() -> Self {
+        TrainSection {
+            steps: 1000,
+            micro_batch: 4,
+            seq_len: None,
+            grad_accum: 1,
+            seed: 42,
+            eval_every: 0,
+            eval_batches: 10,
+            log_every: 10,
+        }
+    }
+}
+
+/// `[optim]`: AdamW with linear warmup then cosine decay to `min_lr`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct OptimConfig {
+    /// Peak learning rate (default 3e-4).
+    pub lr: f64,
+    /// Final learning rate, `0 <= min_lr <= lr` (default 0).
+    pub min_lr: f64,
+    /// Steps of linear warmup (default 0).
+    pub warmup_steps: u64,
+    /// Decoupled weight decay (default 0.1).
+    pub weight_decay: f64,
+    /// Adam beta1 (default 0.9).
+    pub beta1: f64,
+    /// Adam beta2 (default 0.95).
+    pub beta2: f64,
+    /// Adam epsilon (default 1e-8).
+    pub eps: f64,
+    /// Clip the global gradient norm to this; 0 = off (default 1.0).
+    pub grad_clip: f64,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        OptimConfig {
+            lr: 3e-4,
+            min_lr: 0.0,
+            warmup_steps: 0,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            grad_clip: 1.0,
+        }
+    }
+}
+
+/// Pipeline schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Schedule {
+    /// All forwards, then all backwards.
+    #[serde(rename = "gpipe")]
+    GPipe,
+    /// One forward, one backward in steady state.
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    /// 1F1B over `virtual_stages` model chunks per rank.
+    #[serde(rename = "interleaved")]
+    Interleaved,
+}
+
+/// One axis of the 3D process grid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Axis {
+    /// Tensor parallel.
+    Tp,
+    /// Pipeline parallel.
+    Pp,
+    /// Data parallel.
+    Dp,
+}
+
+/// Order of the grid axes in the world rank, innermost (fastest-varying) first, e.g. `tp-pp-dp`:
+/// tensor-parallel peers are adjacent ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct AxisOrder(pub [Axis; 3]);
+
+impl TryFrom<String> for AxisOrder {
+    type Error = String;
+
+    fn try_from(s: String) -> std::result::Result<Self, String> {
+        let axes: Vec<Axis> = s
+            .split('-')
+            .map(|a| match a {
+                "tp" => Ok(Axis::Tp),
+                "pp" => Ok(Axis::Pp),
+                "dp" => Ok(Axis::Dp),
+                other => Err(format!("`{other}` in `{s}` is not tp, pp or dp")),
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        match axes[..] {
+            [a, b, c] if a != b && b != c && a != c => Ok(AxisOrder([a, b, c])),
+            _ => Err(format!(
+                "`{s}` must name each of tp, pp, dp once, e.g. `tp-pp-dp`"
+            )),
+        }
+    }
+}
+
+impl From<AxisOrder> for String {
+    fn from(o: AxisOrder) -> String {
+        let name = |a: Axis| match a {
+            Axis::Tp => "tp",
+            Axis::Pp => "pp",
+            Axis::Dp => "dp",
+        };
+        o.0.map(name).join("-")
+    }
+}
+
+/// `[parallel]`: the 3D process grid and how each axis works.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ParallelConfig {
+    /// Tensor-parallel degree; divides `model.n_head` (default 1).
+    pub tp: usize,
+    /// Pipeline-parallel degree, at most `model.n_layer` (default 1).
+    pub pp: usize,
+    /// Data-parallel degree (default 1).
+    pub dp: usize,
+    /// ZeRO stage 0-3 over the data-parallel group (default 0).
+    pub zero: u8,
+    /// Shard layernorm/dropout activations along the sequence over the TP group; needs tp > 1
+    /// (default false).
+    pub sequence_parallel: bool,
+    /// Pipeline schedule: `gpipe`, `1f1b` (default) or `interleaved`.
+    pub schedule: Schedule,
+    /// Pipeline micro-batches per step (default 1).
+    pub microbatches: usize,
+    /// Model chunks per pipeline rank; above 1 only with `interleaved` (default 1).
+    pub virtual_stages: usize,
+    /// Gradient all-reduce bucket size in MiB (default 25).
+    pub bucket_mb: usize,
+    /// Grid axis order, innermost first (default `tp-pp-dp`).
+    pub order: AxisOrder,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        ParallelConfig {
+            tp: 1,
+            pp: 1,
+            dp: 1,
+            zero: 0,
+            sequence_parallel: false,
+            schedule: Schedule::OneFOneB,
+            microbatches: 1,
+            virtual_stages: 1,
+            bucket_mb: 25,
+            order: AxisOrder([Axis::Tp, Axis::Pp, Axis::Dp]),
+        }
+    }
+}
+
+/// `[checkpoint]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CheckpointConfig {
+    /// Directory of checkpoints (default `checkpoints`).
+    pub dir: PathBuf,
+    /// Save every this many steps; 0 = only at the end (default 0).
+    pub every: u64,
+    /// Checkpoints kept, oldest deleted first; 0 = keep all (default 3).
+    pub keep: usize,
+    /// `"latest"` (newest checkpoint in `dir`) or a checkpoint path to resume from (default: none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resume: Option<String>,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig {
+            dir: PathBuf::from("checkpoints"),
+            every: 0,
+            keep: 3,
+            resume: None,
+        }
+    }
+}
+
+/// `[metrics]`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct MetricsConfig {
+    /// Peak dense TFLOP/s of one device in the training precision, for MFU (default: unknown, no MFU).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_tflops: Option<f64>,
+}
+
+/// The whole file as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct FileConfig {
+    device: Option<DeviceKind>,
+    init_from: Option<PathBuf>,
+    model: ModelSection,
+    data: DataConfig,
+    train: TrainSection,
+    optim: OptimConfig,
+    parallel: ParallelConfig,
+    checkpoint: CheckpointConfig,
+    metrics: MetricsConfig,
+}
+
+impl JobConfig {
+    /// Reads the TOML file at `path`, applies `sets` (`section.key=value`) and `MESHTRAIN_*`
+    /// environment overrides, and validates the result.
+    pub fn load(path: &Path, sets: &[String]) -> Result<JobConfig> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::io(format!("read config {}", path.display()), e))?;
+        let env: Vec<(String, String)> = std::env::vars()
+            .filter(|(k, _)| k.starts_with(ENV_PREFIX))
+            .collect();
+        Self::from_sources(&text, path, sets, &env)
+    }
+
+    /// Parses `text` as the file and applies `sets`; the process environment is not consulted.
+    pub fn from_str(text: &str, sets: &[String]) -> Result<JobConfig> {
+        Self::from_sources(text, Path::new("<config>"), sets, &[])
+    }
+
+    /// Parses `text` (named `origin` in errors), applies `sets`, then the `MESHTRAIN_*` pairs of
+    /// `env` (other pairs are ignored), and validates.
+    pub fn from_sources(
+        text: &str,
+        origin: &Path,
+        sets: &[String],
+        env: &[(String, String)],
+    ) -> Result<JobConfig> {
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| {
+            Error::file(
+                origin,
+                e.span().map(|s| s.start as u64),
+                e.message().to_string(),
+            )
+        })?;
+        // Dotted key -> where an override came from, to say so in errors about that key.
+        let mut overridden: HashMap<String, String> = HashMap::new();
+        for set in sets {
+            let (key, value) = set.split_once('=').ok_or_else(|| {
+                Error::config(
+                    set.clone(),
+                    "a --set override must look like section.key=value",
+                )
+            })?;
+            let key = key.trim();
+            insert_dotted(&mut table, key, parse_scalar(value))?;
+            overridden.insert(key.to_string(), format!("--set {set}"));
+        }
+        for (var, value) in env {
+            if let Some(key) = env_key(var) {
+                insert_dotted(&mut table, &key, parse_scalar(value))?;
+                overridden.insert(key, format!("environment {var}"));
+            }
+        }
+        let from = |key: &str| {
+            overridden
+                .get(key)
+                .map(|o| format!(" (from {o})"))
+                .unwrap_or_default()
+        };
+
+        let mut unknown: Vec<String> = Vec::new();
+        let mut note_unknown = |path: serde_ignored::Path<'_>| unknown.push(path.to_string());
+        let de = serde_ignored::Deserializer::new(toml::Value::Table(table), &mut note_unknown);
+        let parsed: std::result::Result<FileConfig, _> = serde_path_to_error::deserialize(de);
+        if let Some(key) = unknown.first() {
+            return Err(Error::config(
+                key.clone(),
+                format!("unknown key{}", from(key)),
+            ));
+        }
+        let file = parsed.map_err(|e| {
+            let key = e.path().to_string();
+            Error::config(
+                key.clone(),
+                format!("{}{}", e.inner().message(), from(&key)),
+            )
+        })?;
+        let cfg = file.resolve()?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks every value; errors name the offending key. Called by the constructors.
+    pub fn validate(&self) -> Result<()> {
+        let m = &self.model;
+        m.validate()?;
+        if let Some(p) = &self.init_from {
+            if !p.exists() {
+                return Err(Error::config(
+                    "init_from",
+                    format!("{} does not exist", p.display()),
+                ));
+            }
+        }
+        validate_source("data.source", &self.data.source)?;
+        if let Some(v) = &self.data.val_source {
+            validate_source("data.val_source", v)?;
+        }
+
+        let t = &self.train;
+        at_least("train.steps", t.steps, 1)?;
+        at_least("train.micro_batch", t.micro_batch as u64, 1)?;
+        at_least("train.grad_accum", t.grad_accum as u64, 1)?;
+        at_least("train.log_every", t.log_every, 1)?;
+        if t.seq_len == 0 || t.seq_len > m.max_seq_len {
+            return Err(Error::config(
+                "train.seq_len",
+                format!(
+                    "{} is not in 1..={} (model.max_seq_len)",
+                    t.seq_len, m.max_seq_len
+                ),
+            ));
+        }
+        if t.eval_every > 0 {
+            at_least("train.eval_batches", t.eval_batches as u64, 1)?;
+        }
+
+        let o = &self.optim;
+        if !(o.lr.is_finite() && o.lr > 0.0) {
+            return Err(Error::config(
+                "optim.lr",
+                format!("{} is not a positive number", o.lr),
+            ));
+        }
+        if !(0.0..=o.lr).contains(&o.min_lr) {
+            return Err(Error::config(
+                "optim.min_lr",
+                format!("{} is not in [0, lr = {}]", o.min_lr, o.lr),
+            ));
+        }
+        non_negative("optim.weight_decay", o.weight_decay)?;
+        non_negative("optim.grad_clip", o.grad_clip)?;
+        for (key, beta) in [("optim.beta1", o.beta1), ("optim.beta2", o.beta2)] {
+            if !(0.0..1.0).contains(&beta) {
+                return Err(Error::config(key, format!("{beta} is not in [0, 1)")));
+            }
+        }
+        if !(o.eps.is_finite() && o.eps > 0.0) {
+            return Err(Error::config(
+                "optim.eps",
+                format!("{} is not a positive number", o.eps),
+            ));
+        }
+
+        self.validate_parallel()?;
+
+        if self.checkpoint.dir.as_os_str().is_empty() {
+            return Err(Error::config("checkpoint.dir", "must not be empty"));
+        }
+        if self.checkpoint.resume.as_deref().is_some_and(str::is_empty) {
+            return Err(Error::config(
+                "checkpoint.resume",
+                "must be `latest` or a checkpoint path",
+            ));
+        }
+        if let Some(p) = self.metrics.peak_tflops {
+            if !(p.is_finite() && p > 0.0) {
+                return Err(Error::config(
+                    "metrics.peak_tflops",
+                    format!("{p} is not a positive number"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_parallel(&self) -> Result<()> {
+        let (p, m) = (&self.parallel, &self.model);
+        at_least("parallel.tp", p.tp as u64, 1)?;
+        at_least("parallel.pp", p.pp as u64, 1)?;
+        at_least("parallel.dp", p.dp as u64, 1)?;
+        at_least("parallel.microbatches", p.microbatches as u64, 1)?;
+        at_least("parallel.virtual_stages", p.virtual_stages as u64, 1)?;
+        at_least("parallel.bucket_mb", p.bucket_mb as u64, 1)?;
+        if m.n_head % p.tp != 0 {
+            return Err(Error::config(
+                "parallel.tp",
+                format!("{} does not divide model.n_head {}", p.tp, m.n_head),
+            ));
+        }
+        if m.padded_vocab_size() % p.tp != 0 {
+            return Err(Error::config(
+                "parallel.tp",
+                format!(
+                    "{} does not divide the padded vocabulary {}",
+                    p.tp,
+                    m.padded_vocab_size()
+                ),
+            ));
+        }
+        if p.pp > m.n_layer {
+            return Err(Error::config(
+                "parallel.pp",
+                format!("{} exceeds model.n_layer {}", p.pp, m.n_layer),
+            ));
+        }
+        if p.zero > 3 {
+            return Err(Error::config(
+                "parallel.zero",
+                format!("{} is not a ZeRO stage 0-3", p.zero),
+            ));
+        }
+        if p.sequence_parallel {
+            if p.tp < 2 {
+                return Err(Error::config(
+                    "parallel.sequence_parallel",
+                    "needs parallel.tp > 1",
+                ));
+            }
+            if self.train.seq_len % p.tp != 0 {
+                return Err(Error::config(
+                    "train.seq_len",
+                    format!(
+                        "{} is not divisible by parallel.tp {} (sequence_parallel)",
+                        self.train.seq_len, p.tp
+                    ),
+                ));
+            }
+        }
+        if p.schedule == Schedule::Interleaved {
+            if m.n_layer % (p.pp * p.virtual_stages) != 0 {
+                return Err(Error::config(
+                    "parallel.virtual_stages",
+                    format!(
+                        "interleaved: model.n_layer {} is not divisible by pp {} x virtual_stages {}",
+                        m.n_layer, p.pp, p.virtual_stages
+                    ),
+                ));
+            }
+            if p.microbatches % p.pp != 0 {
+                return Err(Error::config(
+                    "parallel.microbatches",
+                    format!(
+                        "interleaved: {} is not a multiple of pp {}",
+                        p.microbatches, p.pp
+                    ),
+                ));
+            }
+        } else if p.virtual_stages != 1 {
+            return Err(Error::config(
+                "parallel.virtual_stages",
+                "above 1 only with schedule = \"interleaved\"",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks that the job was started with exactly `tp * pp * dp` ranks.
+    pub fn validate_world(&self, world_size: usize) -> Result<()> {
+        let p = &self.parallel;
+        if p.tp * p.pp * p.dp != world_size {
+            return Err(Error::config(
+                "parallel",
+                format!(
+                    "tp {} x pp {} x dp {} = {} ranks, but the job has {world_size}",
+                    p.tp,
+                    p.pp,
+                    p.dp,
+                    p.tp * p.pp * p.dp
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The effective configuration as TOML; loading it back gives an equal `JobConfig`.
+    pub fn to_toml(&self) -> String {
+        // Every field is a string, number, bool, path or table, all of which TOML represents.
+        toml::to_string(self).expect("a JobConfig is always representable as TOML")
+    }
+}
+
+impl fmt::Display for JobConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_toml())
+    }
+}
+
+impl FileConfig {
+    fn resolve(self) -> Result<JobConfig> {
+        let model = self.model.resolve()?;
+        let t = self.train;
+        Ok(JobConfig {
+            device: self.device.unwrap_or(DeviceKind::Cpu),
+            init_from: self.init_from,
+            model,
+            data: self.data,
+            train: TrainConfig {
+                steps: t.steps,
+                micro_batch: t.micro_batch,
+                seq_len: t.seq_len.unwrap_or(model.max_seq_len),
+                grad_accum: t.grad_accum,
+                seed: t.seed,
+                eval_every: t.eval_every,
+                eval_batches: t.eval_batches,
+                log_every: t.log_every,
+            },
+            optim: self.optim,
+            parallel: self.parallel,
+            checkpoint: self.checkpoint,
+            metrics: self.metrics,
+        })
+    }
+}
+
+impl ModelSection {
+    fn resolve(&self) -> Result<GptConfig> {
+        let base = self.size.as_deref().map(GptConfig::named).transpose()?;
+        let pick = |key: &str, explicit: Option<usize>, named: Option<usize>| {
+            explicit.or(named).ok_or_else(|| {
+                Error::config(
+                    format!("model.{key}"),
+                    "missing: give model.size or all of n_layer, n_head, n_embd, vocab_size, max_seq_len",
+                )
+            })
+        };
+        Ok(GptConfig {
+            n_layer: pick("n_layer", self.n_layer, base.map(|b| b.n_layer))?,
+            n_head: pick("n_head", self.n_head, base.map(|b| b.n_head))?,
+            n_embd: pick("n_embd", self.n_embd, base.map(|b| b.n_embd))?,
+            vocab_size: pick("vocab_size", self.vocab_size, base.map(|b| b.vocab_size))?,
+            max_seq_len: pick("max_seq_len", self.max_seq_len, base.map(|b| b.max_seq_len))?,
+        })
+    }
+}
+
+/// The dotted key a `MESHTRAIN_*` variable overrides, or `None` if it is not a config override.
+fn env_key(var: &str) -> Option<String> {
+    let rest = var.strip_prefix(ENV_PREFIX)?.to_ascii_lowercase();
+    if TOP_LEVEL_KEYS.contains(&rest.as_str()) {
+        return Some(rest);
+    }
+    let (section, key) = rest.split_once('_')?;
+    SECTIONS
+        .contains(&section)
+        .then(|| format!("{section}.{key}"))
+}
+
+/// `value` as a TOML scalar, or as a string if it does not parse as one.
+fn parse_scalar(value: &str) -> toml::Value {
+    let value = value.trim();
+    toml::from_str::<toml::Table>(&format!("v = {value}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(value.to_string()))
+}
+
+/// Sets `table[a][b]... = value` for the dotted key `a.b...`, creating sections as needed.
+fn insert_dotted(table: &mut toml::Table, key: &str, value: toml::Value) -> Result<()> {
+    let parts: Vec<&str> = key.split('.').collect();
+    if parts.iter().any(|p| p.is_empty()) {
+        return Err(Error::config(key, "not a valid dotted key"));
+    }
+    let (last, sections) = parts.split_last().expect("split always yields one part");
+    let mut cur = table;
+    for (i, part) in sections.iter().enumerate() {
+        let entry = cur
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        cur = entry.as_table_mut().ok_or_else(|| {
+            Error::config(
+                parts[..=i].join("."),
+                format!("is not a section, cannot set `{key}`"),
+            )
+        })?;
+    }
+    cur.insert(last.to_string(), value);
+    Ok(())
+}
+
+fn at_least(key: &str, value: u64, min: u64) -> Result<()> {
+    if value < min {
+        return Err(Error::config(
+            key,
+            format!("{value} is below the minimum {min}"),
+        ));
+    }
+    Ok(())
+}
+
+fn non_negative(key: &str, value: f64) -> Result<()> {
+    if !(value.is_finite() && value >= 0.0) {
+        return Err(Error::config(
+            key,
+            format!("{value} is not a non-negative number"),
+        ));
+    }
+    Ok(())
+}
+
+fn validate_source(key: &str, source: &str) -> Result<()> {
+    if source.is_empty() {
+        return Err(Error::config(key, "must be \"synthetic\" or a shard glob"));
+    }
+    if source != "synthetic" {
+        glob::Pattern::new(source)
+            .map_err(|e| Error::config(key, format!("bad glob `{source}`: {e}")))?;
+    }
+    Ok(())
+}

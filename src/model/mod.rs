@@ -1,1 +1,142 @@
-//! (module under construction)
+//! The GPT-2 model: configuration, named sizes, and the CPU reference implementation.
+//!
+//! A model is fully described by [`GptConfig`]; the vocabulary is padded to a multiple of 128
+//! (`padded_vocab_size`) so that embedding rows and logits GEMMs are well shaped. Padded rows exist
+//! in `wte` but never receive probability mass in the loss.
+//!
+//! Layout of the module (llm.c style): one file per layer with `_forward`/`_backward` functions
+//! over slices (`encoder`, `layernorm`, `linear`, `attention`, `gelu`, `residual`,
+//! `cross_entropy`), the flat-parameter table ([`layout`]), initialization ([`init`]), the
+//! activation buffers ([`activations`]) and [`gpt::Gpt`], which composes them. Everything is
+//! generic over [`float::Float`] (`f32` for training, `f64` for gradient checks).
+
+pub mod activations;
+pub mod attention;
+pub mod cross_entropy;
+pub mod encoder;
+pub mod float;
+pub mod gelu;
+pub mod gemm;
+pub mod gpt;
+pub mod init;
+pub mod layernorm;
+pub mod layout;
+pub mod linear;
+pub mod residual;
+
+pub use float::Float;
+pub use gpt::Gpt;
+pub use layout::{ParamEntry, ParamLayout, TpSplit};
+
+use crate::error::{Error, Result};
+
+/// Shape of a GPT-2 style model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct GptConfig {
+    /// Number of transformer blocks (L).
+    pub n_layer: usize,
+    /// Number of attention heads (NH).
+    pub n_head: usize,
+    /// Embedding width (C).
+    pub n_embd: usize,
+    /// Real vocabulary size (V).
+    pub vocab_size: usize,
+    /// Longest sequence the position embedding covers (maxT).
+    pub max_seq_len: usize,
+}
+
+/// Named sizes: `(name, n_layer, n_head, n_embd)`; all use the GPT-2 vocabulary and maxT 1024
+/// except `tiny` (tests and the demo) and the GPT-3-style shapes (maxT 2048).
+const NAMED: &[(&str, usize, usize, usize, usize, usize)] = &[
+    // name, L, NH, C, V, maxT
+    ("tiny", 2, 4, 64, 256, 64),
+    ("d12", 12, 12, 768, 50257, 1024),
+    ("d24", 24, 16, 1024, 50257, 1024),
+    ("d36", 36, 20, 1280, 50257, 1024),
+    ("d48", 48, 25, 1600, 50257, 1024),
+    ("22b", 48, 48, 6144, 50257, 2048),
+    ("175b", 96, 96, 12288, 50257, 2048),
+    ("1t", 128, 160, 25600, 50257, 2048),
+];
+
+impl GptConfig {
+    /// The named size `name` (`tiny`, `d12`, `d24`, `d36`, `d48`, `22b`, `175b`, `1t`).
+    pub fn named(name: &str) -> Result<Self> {
+        let lower = name.to_ascii_lowercase();
+        NAMED
+            .iter()
+            .find(|n| n.0 == lower)
+            .map(|&(_, n_layer, n_head, n_embd, vocab_size, max_seq_len)| GptConfig {
+                n_layer,
+                n_head,
+                n_embd,
+                vocab_size,
+                max_seq_len,
+            })
+            .ok_or_else(|| {
+                let names: Vec<&str> = NAMED.iter().map(|n| n.0).collect();
+                Error::config("model.size", format!("unknown size `{name}` (known: {})", names.join(", ")))
+            })
+    }
+
+    /// Names accepted by [`GptConfig::named`].
+    pub fn size_names() -> Vec<&'static str> {
+        NAMED.iter().map(|n| n.0).collect()
+    }
+
+    /// Vocabulary rounded up to a multiple of 128 (Vp).
+    pub fn padded_vocab_size(&self) -> usize {
+        self.vocab_size.div_ceil(128) * 128
+    }
+
+    /// Width of one attention head (C / NH).
+    pub fn head_dim(&self) -> usize {
+        self.n_embd / self.n_head
+    }
+
+    /// Checks that the shape is usable; errors name the offending key under `model.`.
+    pub fn validate(&self) -> Result<()> {
+        for (key, v) in [
+            ("model.n_layer", self.n_layer),
+            ("model.n_head", self.n_head),
+            ("model.n_embd", self.n_embd),
+            ("model.vocab_size", self.vocab_size),
+            ("model.max_seq_len", self.max_seq_len),
+        ] {
+            if v == 0 {
+                return Err(Error::config(key, "must be at least 1"));
+            }
+        }
+        if self.n_embd % self.n_head != 0 {
+            return Err(Error::config(
+                "model.n_head",
+                format!("n_embd {} is not divisible by n_head {}", self.n_embd, self.n_head),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn named_sizes_are_valid_and_padded() {
+        for name in GptConfig::size_names() {
+            let c = GptConfig::named(name).unwrap();
+            c.validate().unwrap();
+            assert_eq!(c.padded_vocab_size() % 128, 0);
+            assert!(c.padded_vocab_size() >= c.vocab_size);
+        }
+        assert_eq!(GptConfig::named("d12").unwrap().padded_vocab_size(), 50304);
+        assert!(GptConfig::named("d13").is_err());
+    }
+
+    #[test]
+    fn rejects_heads_not_dividing_width() {
+        let c = GptConfig { n_layer: 1, n_head: 5, n_embd: 64, vocab_size: 10, max_seq_len: 8 };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("model.n_head"), "{e}");
+    }
+}

@@ -80,7 +80,12 @@ pub struct GradActivations<F> {
 impl<F: Float> Activations<F> {
     /// Zeroed buffers for `config` at batch `b` and sequence length `t`.
     pub fn new(config: &GptConfig, b: usize, t: usize) -> Self {
-        let (l, c, nh, vp) = (config.n_layer, config.n_embd, config.n_head, config.padded_vocab_size());
+        let (l, c, nh, vp) = (
+            config.n_layer,
+            config.n_embd,
+            config.n_head,
+            config.padded_vocab_size(),
+        );
         let bt = b * t;
         let z = |n: usize| vec![F::zero(); n];
         Activations {
@@ -159,10 +164,18 @@ impl<F: Float> GradActivations<F> {
 
     /// Total number of elements held.
     pub fn num_elements(&self) -> usize {
-        [&self.dlogits, &self.dresidual, &self.dln, &self.datty, &self.dqkv, &self.dfch_gelu, &self.dfch]
-            .iter()
-            .map(|v| v.len())
-            .sum::<usize>()
+        [
+            &self.dlogits,
+            &self.dresidual,
+            &self.dln,
+            &self.datty,
+            &self.dqkv,
+            &self.dfch_gelu,
+            &self.dfch,
+        ]
+        .iter()
+        .map(|v| v.len())
+        .sum::<usize>()
             + self.datt_row.len()
     }
 }

@@ -82,10 +82,14 @@ pub fn attention_backward<F: Float>(
                 let a = &att[((bi * nh + h) * t + ti) * t..][..=ti]; // (ti+1)
                 let dy = &dout[(bi * t + ti) * c + h * hs..][..hs]; // (hs)
                 let datt = &mut scratch[..=ti]; // (ti+1)
-                // out = sum_t2 a[t2] v[t2]: datt[t2] = dy·v[t2], dv[t2] += a[t2] dy.
+                                                // out = sum_t2 a[t2] v[t2]: datt[t2] = dy·v[t2], dv[t2] += a[t2] dy.
                 for (t2, (da, &ai)) in datt.iter_mut().zip(a).enumerate() {
                     let voff = (bi * t + t2) * 3 * c + 2 * c + h * hs;
-                    *da = dy.iter().zip(&qkv[voff..][..hs]).map(|(&x, &y)| x * y).sum();
+                    *da = dy
+                        .iter()
+                        .zip(&qkv[voff..][..hs])
+                        .map(|(&x, &y)| x * y)
+                        .sum();
                     for (dv, &d) in dqkv[voff..][..hs].iter_mut().zip(dy) {
                         *dv += ai * d;
                     }
@@ -112,7 +116,12 @@ mod tests {
 
     #[test]
     fn causal_rows_sum_to_one_and_first_token_copies_v() {
-        let s = AttnShape { b: 1, t: 3, nh: 2, hs: 2 };
+        let s = AttnShape {
+            b: 1,
+            t: 3,
+            nh: 2,
+            hs: 2,
+        };
         let qkv: Vec<f64> = (0..3 * 12).map(|i| ((i * 7) % 11) as f64 * 0.1).collect(); // (B, T, 3C)
         let (mut out, mut att) = (vec![0.0; 3 * 4], vec![0.0; 2 * 9]);
         attention_forward(&mut out, &mut att, &qkv, s);

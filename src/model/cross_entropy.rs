@@ -61,6 +61,9 @@ mod tests {
         let mut d = [0.0; 6];
         cross_entropy_backward(&mut d, &logits, &lse, &[2], 1.0, v, vp);
         let want = [0.25, 0.25, -0.75, 0.25, 0.0, 0.0];
-        assert!(d.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-15), "{d:?}");
+        assert!(
+            d.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-15),
+            "{d:?}"
+        );
     }
 }

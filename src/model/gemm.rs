@@ -28,12 +28,22 @@ pub struct Mat<'a, F> {
 impl<'a, F> Mat<'a, F> {
     /// The stored `rows x cols` matrix as is.
     pub fn new(data: &'a [F], rows: usize, cols: usize) -> Self {
-        Mat { data, rows, cols, transposed: false }
+        Mat {
+            data,
+            rows,
+            cols,
+            transposed: false,
+        }
     }
 
     /// The transpose of the stored `rows x cols` matrix.
     pub fn t(data: &'a [F], rows: usize, cols: usize) -> Self {
-        Mat { data, rows, cols, transposed: true }
+        Mat {
+            data,
+            rows,
+            cols,
+            transposed: true,
+        }
     }
 
     /// (rows, cols) as seen by the product.
@@ -62,15 +72,39 @@ impl<'a, F> Mat<'a, F> {
 pub fn matmul<F: Float>(c: &mut [F], a: Mat<'_, F>, b: Mat<'_, F>, accumulate: bool) {
     let (m, k) = a.logical();
     let (kb, n) = b.logical();
-    assert_eq!(k, kb, "matmul: inner dimensions differ ({m}x{k} * {kb}x{n})");
-    assert!(a.data.len() >= a.rows * a.cols, "matmul: a shorter than {}x{}", a.rows, a.cols);
-    assert!(b.data.len() >= b.rows * b.cols, "matmul: b shorter than {}x{}", b.rows, b.cols);
+    assert_eq!(
+        k, kb,
+        "matmul: inner dimensions differ ({m}x{k} * {kb}x{n})"
+    );
+    assert!(
+        a.data.len() >= a.rows * a.cols,
+        "matmul: a shorter than {}x{}",
+        a.rows,
+        a.cols
+    );
+    assert!(
+        b.data.len() >= b.rows * b.cols,
+        "matmul: b shorter than {}x{}",
+        b.rows,
+        b.cols
+    );
     assert!(c.len() >= m * n, "matmul: c shorter than {m}x{n}");
     if m == 0 || n == 0 {
         return;
     }
     let beta = if accumulate { F::one() } else { F::zero() };
-    F::gemm_strided(m, k, n, F::one(), a.data, a.strides(), b.data, b.strides(), beta, c);
+    F::gemm_strided(
+        m,
+        k,
+        n,
+        F::one(),
+        a.data,
+        a.strides(),
+        b.data,
+        b.strides(),
+        beta,
+        c,
+    );
 }
 
 #[cfg(test)]

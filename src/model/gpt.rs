@@ -47,7 +47,10 @@ pub struct Gpt<F: Float> {
 
 /// Disjoint mutable views of two ranges of `buf`; `first` must end before `second` starts.
 fn pair_mut<F>(buf: &mut [F], first: Range<usize>, second: Range<usize>) -> (&mut [F], &mut [F]) {
-    assert!(first.end <= second.start, "pair_mut: {first:?} overlaps or follows {second:?}");
+    assert!(
+        first.end <= second.start,
+        "pair_mut: {first:?} overlaps or follows {second:?}"
+    );
     let (lo, hi) = buf.split_at_mut(second.start);
     (&mut lo[first], &mut hi[..second.end - second.start])
 }
@@ -62,7 +65,12 @@ impl<F: Float> Gpt<F> {
     }
 
     /// A model with the given flat parameters (layout order), e.g. loaded from a checkpoint.
-    pub fn from_params(config: GptConfig, batch: usize, seq_len: usize, params: Vec<F>) -> Result<Self> {
+    pub fn from_params(
+        config: GptConfig,
+        batch: usize,
+        seq_len: usize,
+        params: Vec<F>,
+    ) -> Result<Self> {
         config.validate()?;
         if batch == 0 {
             return Err(Error::config("train.micro_batch", "must be at least 1"));
@@ -70,7 +78,10 @@ impl<F: Float> Gpt<F> {
         if seq_len == 0 || seq_len > config.max_seq_len {
             return Err(Error::config(
                 "train.seq_len",
-                format!("{seq_len} is not in 1..={} (model.max_seq_len)", config.max_seq_len),
+                format!(
+                    "{seq_len} is not in 1..={} (model.max_seq_len)",
+                    config.max_seq_len
+                ),
             ));
         }
         let layout = ParamLayout::new(&config);
@@ -162,9 +173,16 @@ impl<F: Float> Gpt<F> {
     pub fn forward(&mut self, tokens: &[u32], targets: &[u32]) -> Result<F> {
         self.set_batch(tokens, targets)?;
         let (b, t, c) = (self.b, self.t, self.config.n_embd);
-        let (v, vp, nl) = (self.config.vocab_size, self.config.padded_vocab_size(), self.config.n_layer);
+        let (v, vp, nl) = (
+            self.config.vocab_size,
+            self.config.padded_vocab_size(),
+            self.config.n_layer,
+        );
         let bt = b * t;
-        let (wte, wpe) = (&self.params[self.layout.wte()], &self.params[self.layout.wpe()]);
+        let (wte, wpe) = (
+            &self.params[self.layout.wte()],
+            &self.params[self.layout.wpe()],
+        );
         encoder_forward(&mut self.acts.encoded, &self.tokens, wte, wpe, t, c);
         for l in 0..nl {
             self.block_forward(l);
@@ -173,8 +191,24 @@ impl<F: Float> Gpt<F> {
         let a = &mut self.acts;
         let (lnf_w, lnf_b) = self.layout.lnf();
         let last = slab(&a.residual3, nl - 1, bt * c); // (B, T, C)
-        layernorm_forward(&mut a.lnf, &mut a.lnf_mean, &mut a.lnf_rstd, last, &p[lnf_w], &p[lnf_b], c);
-        linear_forward(&mut a.logits, &a.lnf, &p[self.layout.wte()], None, bt, c, vp);
+        layernorm_forward(
+            &mut a.lnf,
+            &mut a.lnf_mean,
+            &mut a.lnf_rstd,
+            last,
+            &p[lnf_w],
+            &p[lnf_b],
+            c,
+        );
+        linear_forward(
+            &mut a.logits,
+            &a.lnf,
+            &p[self.layout.wte()],
+            None,
+            bt,
+            c,
+            vp,
+        );
         cross_entropy_forward(&mut a.losses, &mut a.lse, &a.logits, &self.targets, v, vp);
         self.forward_done = true;
         let mean = a.losses.iter().map(|l| l.as_f64()).sum::<f64>() / bt as f64;
@@ -207,7 +241,12 @@ impl<F: Float> Gpt<F> {
 
     /// Attention shape of this model.
     fn attn_shape(&self) -> AttnShape {
-        AttnShape { b: self.b, t: self.t, nh: self.config.n_head, hs: self.config.head_dim() }
+        AttnShape {
+            b: self.b,
+            t: self.t,
+            nh: self.config.n_head,
+            hs: self.config.head_dim(),
+        }
     }
 
     /// Block `l`: residual3[l] = r2 + mlp(ln2(r2)), r2 = x + attn(ln1(x)), x = block input.
@@ -219,52 +258,120 @@ impl<F: Float> Gpt<F> {
         let r = self.layout.block(l);
         let a = &mut self.acts;
         let (prev, rest) = a.residual3.split_at_mut(l * bt * c);
-        let x: &[F] = if l == 0 { &a.encoded } else { slab(prev, l - 1, bt * c) }; // (B, T, C)
+        let x: &[F] = if l == 0 {
+            &a.encoded
+        } else {
+            slab(prev, l - 1, bt * c)
+        }; // (B, T, C)
         let residual3 = &mut rest[..bt * c]; // (B, T, C)
         let ln1 = slab_mut(&mut a.ln1, l, bt * c); // (B, T, C)
-        let (ln1_mean, ln1_rstd) = (slab_mut(&mut a.ln1_mean, l, bt), slab_mut(&mut a.ln1_rstd, l, bt));
+        let (ln1_mean, ln1_rstd) = (
+            slab_mut(&mut a.ln1_mean, l, bt),
+            slab_mut(&mut a.ln1_rstd, l, bt),
+        );
         layernorm_forward(ln1, ln1_mean, ln1_rstd, x, &p[r.ln1_w], &p[r.ln1_b], c);
         let qkv = slab_mut(&mut a.qkv, l, bt * 3 * c); // (B, T, 3C)
         linear_forward(qkv, ln1, &p[r.qkv_w], Some(&p[r.qkv_b]), bt, c, 3 * c);
         let atty = slab_mut(&mut a.atty, l, bt * c); // (B, T, C)
         let att = slab_mut(&mut a.att, l, att_len); // (B, NH, T, T)
         attention_forward(atty, att, qkv, shape);
-        linear_forward(&mut a.branch, atty, &p[r.attn_proj_w], Some(&p[r.attn_proj_b]), bt, c, c);
+        linear_forward(
+            &mut a.branch,
+            atty,
+            &p[r.attn_proj_w],
+            Some(&p[r.attn_proj_b]),
+            bt,
+            c,
+            c,
+        );
         let residual2 = slab_mut(&mut a.residual2, l, bt * c); // (B, T, C)
         residual_forward(residual2, x, &a.branch);
         let ln2 = slab_mut(&mut a.ln2, l, bt * c); // (B, T, C)
-        let (ln2_mean, ln2_rstd) = (slab_mut(&mut a.ln2_mean, l, bt), slab_mut(&mut a.ln2_rstd, l, bt));
-        layernorm_forward(ln2, ln2_mean, ln2_rstd, residual2, &p[r.ln2_w], &p[r.ln2_b], c);
+        let (ln2_mean, ln2_rstd) = (
+            slab_mut(&mut a.ln2_mean, l, bt),
+            slab_mut(&mut a.ln2_rstd, l, bt),
+        );
+        layernorm_forward(
+            ln2,
+            ln2_mean,
+            ln2_rstd,
+            residual2,
+            &p[r.ln2_w],
+            &p[r.ln2_b],
+            c,
+        );
         let fch = slab_mut(&mut a.fch, l, bt * 4 * c); // (B, T, 4C)
         linear_forward(fch, ln2, &p[r.fc_w], Some(&p[r.fc_b]), bt, c, 4 * c);
         let fch_gelu = slab_mut(&mut a.fch_gelu, l, bt * 4 * c); // (B, T, 4C)
         gelu_forward(fch_gelu, fch);
-        linear_forward(&mut a.branch, fch_gelu, &p[r.mlp_proj_w], Some(&p[r.mlp_proj_b]), bt, 4 * c, c);
+        linear_forward(
+            &mut a.branch,
+            fch_gelu,
+            &p[r.mlp_proj_w],
+            Some(&p[r.mlp_proj_b]),
+            bt,
+            4 * c,
+            c,
+        );
         residual_forward(residual3, residual2, &a.branch);
     }
 
     /// Accumulates d(mean loss)/d(params) of the last forward into the gradients.
     pub fn backward(&mut self) -> Result<()> {
         if !self.forward_done {
-            return Err(Error::InvalidArgument("backward called without a forward since the last backward".into()));
+            return Err(Error::InvalidArgument(
+                "backward called without a forward since the last backward".into(),
+            ));
         }
         self.forward_done = false;
         let (b, t, c) = (self.b, self.t, self.config.n_embd);
-        let (v, vp, nl) = (self.config.vocab_size, self.config.padded_vocab_size(), self.config.n_layer);
+        let (v, vp, nl) = (
+            self.config.vocab_size,
+            self.config.padded_vocab_size(),
+            self.config.n_layer,
+        );
         let bt = b * t;
         let (p, g, a, d) = (&self.params, &mut self.grads, &self.acts, &mut self.dacts);
         let zero = |buf: &mut Vec<F>| buf.iter_mut().for_each(|x| *x = F::zero());
         zero(&mut d.dlogits);
         let dloss = F::from_f64(1.0 / bt as f64);
-        cross_entropy_backward(&mut d.dlogits, &a.logits, &a.lse, &self.targets, dloss, v, vp);
+        cross_entropy_backward(
+            &mut d.dlogits,
+            &a.logits,
+            &a.lse,
+            &self.targets,
+            dloss,
+            v,
+            vp,
+        );
         zero(&mut d.dln);
         let wte = self.layout.wte();
-        linear_backward(&mut d.dln, &mut g[wte.clone()], None, &d.dlogits, &a.lnf, &p[wte], bt, c, vp);
+        linear_backward(
+            &mut d.dln,
+            &mut g[wte.clone()],
+            None,
+            &d.dlogits,
+            &a.lnf,
+            &p[wte],
+            bt,
+            c,
+            vp,
+        );
         zero(&mut d.dresidual);
         let (lnf_w, lnf_b) = self.layout.lnf();
         let (dw, db) = pair_mut(g, lnf_w.clone(), lnf_b);
         let last = slab(&a.residual3, nl - 1, bt * c); // (B, T, C)
-        layernorm_backward(&mut d.dresidual, dw, db, &d.dln, last, &p[lnf_w], &a.lnf_mean, &a.lnf_rstd, c);
+        layernorm_backward(
+            &mut d.dresidual,
+            dw,
+            db,
+            &d.dln,
+            last,
+            &p[lnf_w],
+            &a.lnf_mean,
+            &a.lnf_rstd,
+            c,
+        );
         for l in (0..nl).rev() {
             self.block_backward(l);
         }
@@ -281,36 +388,100 @@ impl<F: Float> Gpt<F> {
         let r = self.layout.block(l);
         let (p, g, a, d) = (&self.params, &mut self.grads, &self.acts, &mut self.dacts);
         let zero = |buf: &mut Vec<F>| buf.iter_mut().for_each(|x| *x = F::zero());
-        let x: &[F] = if l == 0 { &a.encoded } else { slab(&a.residual3, l - 1, bt * c) }; // (B, T, C)
-        // MLP sub-block; its output gradient is the residual stream's (residual backward = identity).
+        let x: &[F] = if l == 0 {
+            &a.encoded
+        } else {
+            slab(&a.residual3, l - 1, bt * c)
+        }; // (B, T, C)
+           // MLP sub-block; its output gradient is the residual stream's (residual backward = identity).
         zero(&mut d.dfch_gelu);
         let (dw, db) = pair_mut(g, r.mlp_proj_w.clone(), r.mlp_proj_b);
         let fch_gelu = slab(&a.fch_gelu, l, bt * 4 * c); // (B, T, 4C)
-        linear_backward(&mut d.dfch_gelu, dw, Some(db), &d.dresidual, fch_gelu, &p[r.mlp_proj_w], bt, 4 * c, c);
+        linear_backward(
+            &mut d.dfch_gelu,
+            dw,
+            Some(db),
+            &d.dresidual,
+            fch_gelu,
+            &p[r.mlp_proj_w],
+            bt,
+            4 * c,
+            c,
+        );
         zero(&mut d.dfch);
         gelu_backward(&mut d.dfch, slab(&a.fch, l, bt * 4 * c), &d.dfch_gelu);
         zero(&mut d.dln);
         let (dw, db) = pair_mut(g, r.fc_w.clone(), r.fc_b);
         let ln2 = slab(&a.ln2, l, bt * c); // (B, T, C)
-        linear_backward(&mut d.dln, dw, Some(db), &d.dfch, ln2, &p[r.fc_w], bt, c, 4 * c);
+        linear_backward(
+            &mut d.dln,
+            dw,
+            Some(db),
+            &d.dfch,
+            ln2,
+            &p[r.fc_w],
+            bt,
+            c,
+            4 * c,
+        );
         let (dw, db) = pair_mut(g, r.ln2_w.clone(), r.ln2_b);
         let (mean, rstd) = (slab(&a.ln2_mean, l, bt), slab(&a.ln2_rstd, l, bt));
         let residual2 = slab(&a.residual2, l, bt * c); // (B, T, C)
-        layernorm_backward(&mut d.dresidual, dw, db, &d.dln, residual2, &p[r.ln2_w], mean, rstd, c);
+        layernorm_backward(
+            &mut d.dresidual,
+            dw,
+            db,
+            &d.dln,
+            residual2,
+            &p[r.ln2_w],
+            mean,
+            rstd,
+            c,
+        );
         // Attention sub-block.
         zero(&mut d.datty);
         let (dw, db) = pair_mut(g, r.attn_proj_w.clone(), r.attn_proj_b);
         let atty = slab(&a.atty, l, bt * c); // (B, T, C)
-        linear_backward(&mut d.datty, dw, Some(db), &d.dresidual, atty, &p[r.attn_proj_w], bt, c, c);
+        linear_backward(
+            &mut d.datty,
+            dw,
+            Some(db),
+            &d.dresidual,
+            atty,
+            &p[r.attn_proj_w],
+            bt,
+            c,
+            c,
+        );
         zero(&mut d.dqkv);
         let (qkv, att) = (slab(&a.qkv, l, bt * 3 * c), slab(&a.att, l, att_len));
         attention_backward(&mut d.dqkv, &mut d.datt_row, &d.datty, qkv, att, shape);
         zero(&mut d.dln);
         let (dw, db) = pair_mut(g, r.qkv_w.clone(), r.qkv_b);
         let ln1 = slab(&a.ln1, l, bt * c); // (B, T, C)
-        linear_backward(&mut d.dln, dw, Some(db), &d.dqkv, ln1, &p[r.qkv_w], bt, c, 3 * c);
+        linear_backward(
+            &mut d.dln,
+            dw,
+            Some(db),
+            &d.dqkv,
+            ln1,
+            &p[r.qkv_w],
+            bt,
+            c,
+            3 * c,
+        );
         let (dw, db) = pair_mut(g, r.ln1_w.clone(), r.ln1_b);
         let (mean, rstd) = (slab(&a.ln1_mean, l, bt), slab(&a.ln1_rstd, l, bt));
-        layernorm_backward(&mut d.dresidual, dw, db, &d.dln, x, &p[r.ln1_w], mean, rstd, c);
+        layernorm_backward(
+            &mut d.dresidual,
+            dw,
+            db,
+            &d.dln,
+            x,
+            &p[r.ln1_w],
+            mean,
+            rstd,
+            c,
+        );
     }
 }

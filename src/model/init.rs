@@ -32,7 +32,11 @@ pub fn init_params<F: Float>(config: &GptConfig, layout: &ParamLayout, seed: u64
         let dst = &mut params[e.range()];
         if e.shape.len() == 1 {
             // LayerNorm weights start at 1, every bias (and LayerNorm bias) at 0.
-            let value = if e.name.ends_with(".weight") { F::one() } else { F::zero() };
+            let value = if e.name.ends_with(".weight") {
+                F::one()
+            } else {
+                F::zero()
+            };
             dst.iter_mut().for_each(|x| *x = value);
             continue;
         }
@@ -42,7 +46,11 @@ pub fn init_params<F: Float>(config: &GptConfig, layout: &ParamLayout, seed: u64
             INIT_STD
         };
         // Only the real vocabulary rows of wte are drawn; padded rows stay 0.
-        let drawn = if e.name == "wte" { config.vocab_size * config.n_embd } else { e.len };
+        let drawn = if e.name == "wte" {
+            config.vocab_size * config.n_embd
+        } else {
+            e.len
+        };
         for x in &mut dst[..drawn] {
             *x = F::from_f64(std * standard_normal(&mut rng));
         }
@@ -56,7 +64,13 @@ mod tests {
 
     #[test]
     fn init_statistics_and_determinism() {
-        let config = GptConfig { n_layer: 2, n_head: 2, n_embd: 64, vocab_size: 100, max_seq_len: 16 };
+        let config = GptConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 64,
+            vocab_size: 100,
+            max_seq_len: 16,
+        };
         let layout = ParamLayout::new(&config);
         let p: Vec<f64> = init_params(&config, &layout, 7);
         assert_eq!(p, init_params::<f64>(&config, &layout, 7));
@@ -64,7 +78,10 @@ mod tests {
         let stats = |name: &str| {
             let x = &p[layout.get(name).unwrap().range()];
             let mean = x.iter().sum::<f64>() / x.len() as f64;
-            (mean, (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64).sqrt())
+            (
+                mean,
+                (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64).sqrt(),
+            )
         };
         // 12288 samples: the sample std is within 3% of the true std with overwhelming odds.
         let (_, s) = stats("h.0.mlp.fc.weight");

@@ -20,7 +20,12 @@ pub fn layernorm_forward<F: Float>(
 ) {
     let inv_c = F::from_f64(1.0 / c as f64);
     let eps = F::from_f64(LN_EPS);
-    for (((o, x), m), r) in out.chunks_exact_mut(c).zip(inp.chunks_exact(c)).zip(mean).zip(rstd) {
+    for (((o, x), m), r) in out
+        .chunks_exact_mut(c)
+        .zip(inp.chunks_exact(c))
+        .zip(mean)
+        .zip(rstd)
+    {
         let mu = x.iter().copied().sum::<F>() * inv_c;
         let var = x.iter().map(|&xi| (xi - mu) * (xi - mu)).sum::<F>() * inv_c;
         let s = F::one() / (var + eps).sqrt();
@@ -46,7 +51,10 @@ pub fn layernorm_backward<F: Float>(
     c: usize,
 ) {
     let inv_c = F::from_f64(1.0 / c as f64);
-    let rows = dinp.chunks_exact_mut(c).zip(dout.chunks_exact(c)).zip(inp.chunks_exact(c));
+    let rows = dinp
+        .chunks_exact_mut(c)
+        .zip(dout.chunks_exact(c))
+        .zip(inp.chunks_exact(c));
     for (((di, dy), x), (&mu, &s)) in rows.zip(mean.iter().zip(rstd)) {
         // dnorm = dy * weight; dx = s * (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat)).
         let mut dnorm_mean = F::zero();
@@ -58,7 +66,12 @@ pub fn layernorm_backward<F: Float>(
         }
         dnorm_mean *= inv_c;
         dnorm_xhat_mean *= inv_c;
-        let cols = di.iter_mut().zip(dy).zip(x).zip(weight).zip(dweight.iter_mut().zip(dbias.iter_mut()));
+        let cols = di
+            .iter_mut()
+            .zip(dy)
+            .zip(x)
+            .zip(weight)
+            .zip(dweight.iter_mut().zip(dbias.iter_mut()));
         for ((((dxi, &dyi), &xi), &w), (dw, db)) in cols {
             let xhat = (xi - mu) * s;
             *db += dyi;

@@ -135,24 +135,55 @@ impl ParamLayout {
         let mut push = |name: String, shape: Vec<usize>, layer, split| {
             let len = shape.iter().product();
             let decay = shape.len() == 2;
-            entries.push(ParamEntry { name, shape, offset, len, layer, decay, tp_split: split });
+            entries.push(ParamEntry {
+                name,
+                shape,
+                offset,
+                len,
+                layer,
+                decay,
+                tp_split: split,
+            });
             offset += len;
         };
-        push("wte".into(), vec![config.padded_vocab_size(), c], None, TpSplit::Vocab);
-        push("wpe".into(), vec![config.max_seq_len, c], None, TpSplit::Replicated);
+        push(
+            "wte".into(),
+            vec![config.padded_vocab_size(), c],
+            None,
+            TpSplit::Vocab,
+        );
+        push(
+            "wpe".into(),
+            vec![config.max_seq_len, c],
+            None,
+            TpSplit::Replicated,
+        );
         for l in 0..config.n_layer {
             for &(suffix, rows, cols, split) in BLOCK_TENSORS {
-                let shape = if cols == 0 { vec![rows * c] } else { vec![rows * c, cols * c] };
+                let shape = if cols == 0 {
+                    vec![rows * c]
+                } else {
+                    vec![rows * c, cols * c]
+                };
                 push(format!("h.{l}.{suffix}"), shape, Some(l), split);
             }
         }
         push("lnf.weight".into(), vec![c], None, TpSplit::Replicated);
         push("lnf.bias".into(), vec![c], None, TpSplit::Replicated);
         let blocks_start = entries[2].offset;
-        let block_len: usize = entries[2..2 + BLOCK_TENSORS.len()].iter().map(|e| e.len).sum();
+        let block_len: usize = entries[2..2 + BLOCK_TENSORS.len()]
+            .iter()
+            .map(|e| e.len)
+            .sum();
         let total = offset;
         debug_assert_eq!(blocks_start + config.n_layer * block_len + 2 * c, total);
-        ParamLayout { entries, n_layer: config.n_layer, blocks_start, block_len, total }
+        ParamLayout {
+            entries,
+            n_layer: config.n_layer,
+            blocks_start,
+            block_len,
+            total,
+        }
     }
 
     /// All entries in buffer order.
@@ -188,8 +219,13 @@ impl ParamLayout {
 
     /// Contiguous flat range covering blocks `layers` (e.g. one pipeline stage's blocks).
     pub fn layers_range(&self, layers: Range<usize>) -> Range<usize> {
-        assert!(layers.end <= self.n_layer, "layers {layers:?} beyond {} blocks", self.n_layer);
-        self.blocks_start + layers.start * self.block_len..self.blocks_start + layers.end * self.block_len
+        assert!(
+            layers.end <= self.n_layer,
+            "layers {layers:?} beyond {} blocks",
+            self.n_layer
+        );
+        self.blocks_start + layers.start * self.block_len
+            ..self.blocks_start + layers.end * self.block_len
     }
 
     /// Ranges of block `l`'s tensors.
@@ -231,7 +267,13 @@ mod tests {
     use super::*;
 
     fn cfg() -> GptConfig {
-        GptConfig { n_layer: 3, n_head: 2, n_embd: 8, vocab_size: 20, max_seq_len: 5 }
+        GptConfig {
+            n_layer: 3,
+            n_head: 2,
+            n_embd: 8,
+            vocab_size: 20,
+            max_seq_len: 5,
+        }
     }
 
     #[test]
@@ -247,11 +289,26 @@ mod tests {
         let c = 8;
         // 12C^2 weights + 13C biases/LN per block.
         assert_eq!(lay.layers_range(0..1).len(), 12 * c * c + 13 * c);
-        assert_eq!(lay.layers_range(1..3).start, lay.get("h.1.ln1.weight").unwrap().offset);
-        assert_eq!(lay.layers_range(1..3).end, lay.get("lnf.weight").unwrap().offset);
-        assert_eq!(lay.block(2).qkv_w, lay.get("h.2.attn.qkv.weight").unwrap().range());
-        assert_eq!(lay.get("h.0.mlp.proj.weight").unwrap().shape, vec![c, 4 * c]);
-        assert_eq!(lay.total_len(), 128 * c + 5 * c + 3 * (12 * c * c + 13 * c) + 2 * c);
+        assert_eq!(
+            lay.layers_range(1..3).start,
+            lay.get("h.1.ln1.weight").unwrap().offset
+        );
+        assert_eq!(
+            lay.layers_range(1..3).end,
+            lay.get("lnf.weight").unwrap().offset
+        );
+        assert_eq!(
+            lay.block(2).qkv_w,
+            lay.get("h.2.attn.qkv.weight").unwrap().range()
+        );
+        assert_eq!(
+            lay.get("h.0.mlp.proj.weight").unwrap().shape,
+            vec![c, 4 * c]
+        );
+        assert_eq!(
+            lay.total_len(),
+            128 * c + 5 * c + 3 * (12 * c * c + 13 * c) + 2 * c
+        );
     }
 
     #[test]

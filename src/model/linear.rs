@@ -18,7 +18,12 @@ pub fn linear_forward<F: Float>(
     c: usize,
     oc: usize,
 ) {
-    matmul(&mut out[..n * oc], Mat::new(inp, n, c), Mat::t(weight, oc, c), false);
+    matmul(
+        &mut out[..n * oc],
+        Mat::new(inp, n, c),
+        Mat::t(weight, oc, c),
+        false,
+    );
     if let Some(bias) = bias {
         for row in out[..n * oc].chunks_exact_mut(oc) {
             for (o, &b) in row.iter_mut().zip(bias) {
@@ -42,8 +47,18 @@ pub fn linear_backward<F: Float>(
     c: usize,
     oc: usize,
 ) {
-    matmul(&mut dinp[..n * c], Mat::new(dout, n, oc), Mat::new(weight, oc, c), true);
-    matmul(&mut dweight[..oc * c], Mat::t(dout, n, oc), Mat::new(inp, n, c), true);
+    matmul(
+        &mut dinp[..n * c],
+        Mat::new(dout, n, oc),
+        Mat::new(weight, oc, c),
+        true,
+    );
+    matmul(
+        &mut dweight[..oc * c],
+        Mat::t(dout, n, oc),
+        Mat::new(inp, n, c),
+        true,
+    );
     if let Some(dbias) = dbias {
         for row in dout[..n * oc].chunks_exact(oc) {
             for (db, &d) in dbias.iter_mut().zip(row) {

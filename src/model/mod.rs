@@ -66,16 +66,21 @@ impl GptConfig {
         NAMED
             .iter()
             .find(|n| n.0 == lower)
-            .map(|&(_, n_layer, n_head, n_embd, vocab_size, max_seq_len)| GptConfig {
-                n_layer,
-                n_head,
-                n_embd,
-                vocab_size,
-                max_seq_len,
-            })
+            .map(
+                |&(_, n_layer, n_head, n_embd, vocab_size, max_seq_len)| GptConfig {
+                    n_layer,
+                    n_head,
+                    n_embd,
+                    vocab_size,
+                    max_seq_len,
+                },
+            )
             .ok_or_else(|| {
                 let names: Vec<&str> = NAMED.iter().map(|n| n.0).collect();
-                Error::config("model.size", format!("unknown size `{name}` (known: {})", names.join(", ")))
+                Error::config(
+                    "model.size",
+                    format!("unknown size `{name}` (known: {})", names.join(", ")),
+                )
             })
     }
 
@@ -110,7 +115,10 @@ impl GptConfig {
         if self.n_embd % self.n_head != 0 {
             return Err(Error::config(
                 "model.n_head",
-                format!("n_embd {} is not divisible by n_head {}", self.n_embd, self.n_head),
+                format!(
+                    "n_embd {} is not divisible by n_head {}",
+                    self.n_embd, self.n_head
+                ),
             ));
         }
         Ok(())
@@ -135,7 +143,13 @@ mod tests {
 
     #[test]
     fn rejects_heads_not_dividing_width() {
-        let c = GptConfig { n_layer: 1, n_head: 5, n_embd: 64, vocab_size: 10, max_seq_len: 8 };
+        let c = GptConfig {
+            n_layer: 1,
+            n_head: 5,
+            n_embd: 64,
+            vocab_size: 10,
+            max_seq_len: 8,
+        };
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("model.n_head"), "{e}");
     }

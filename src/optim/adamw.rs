@@ -27,7 +27,12 @@ pub struct AdamWConfig {
 impl Default for AdamWConfig {
     /// GPT-2/3 training defaults: betas (0.9, 0.95), eps 1e-8, weight decay 0.1.
     fn default() -> Self {
-        AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        }
     }
 }
 
@@ -40,7 +45,9 @@ pub struct DecayMask {
 impl DecayMask {
     /// Decay on the layout's 2-D weights, none on biases and LayerNorm parameters.
     pub fn from_layout(layout: &ParamLayout) -> Self {
-        DecayMask { spans: layout.decay_spans() }
+        DecayMask {
+            spans: layout.decay_spans(),
+        }
     }
 
     /// Spans clipped to `range`, in order.
@@ -72,7 +79,12 @@ pub struct AdamWState<F> {
 impl<F: Float> AdamWState<F> {
     /// Zero moments for the flat range `offset..offset + len`.
     pub fn new(offset: usize, len: usize) -> Self {
-        AdamWState { m: vec![F::zero(); len], v: vec![F::zero(); len], step: 0, offset }
+        AdamWState {
+            m: vec![F::zero(); len],
+            v: vec![F::zero(); len],
+            step: 0,
+            offset,
+        }
     }
 
     /// The flat range this state covers.
@@ -101,9 +113,16 @@ impl AdamW {
 
     /// One update with learning rate `lr` of `params` from `grads`, both the slices of the flat
     /// buffers at `state.range()`.
-    pub fn step<F: Float>(&self, state: &mut AdamWState<F>, lr: f64, params: &mut [F], grads: &[F]) -> Result<()> {
+    pub fn step<F: Float>(
+        &self,
+        state: &mut AdamWState<F>,
+        lr: f64,
+        params: &mut [F],
+        grads: &[F],
+    ) -> Result<()> {
         let range = state.range();
-        if params.len() != range.len() || grads.len() != range.len() || range.end > self.mask.len() {
+        if params.len() != range.len() || grads.len() != range.len() || range.end > self.mask.len()
+        {
             return Err(Error::InvalidArgument(format!(
                 "adamw: state covers {range:?} of {} elements but got {} params and {} grads",
                 self.mask.len(),
@@ -142,7 +161,13 @@ mod tests {
     use crate::model::GptConfig;
 
     fn layout() -> ParamLayout {
-        ParamLayout::new(&GptConfig { n_layer: 2, n_head: 2, n_embd: 8, vocab_size: 20, max_seq_len: 5 })
+        ParamLayout::new(&GptConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            vocab_size: 20,
+            max_seq_len: 5,
+        })
     }
 
     /// The first step moves every element by lr·sign(g) (m̂ = g, v̂ = g²) plus decay lr·wd·p.
@@ -150,15 +175,28 @@ mod tests {
     fn first_step_is_sign_descent_plus_decay() {
         let lay = layout();
         let n = lay.total_len();
-        let opt = AdamW::new(AdamWConfig { eps: 0.0, ..Default::default() }, DecayMask::from_layout(&lay));
+        let opt = AdamW::new(
+            AdamWConfig {
+                eps: 0.0,
+                ..Default::default()
+            },
+            DecayMask::from_layout(&lay),
+        );
         let mut p = vec![1.0f64; n];
-        let g: Vec<f64> = (0..n).map(|i| if i % 2 == 0 { 0.5 } else { -2.0 }).collect();
+        let g: Vec<f64> = (0..n)
+            .map(|i| if i % 2 == 0 { 0.5 } else { -2.0 })
+            .collect();
         let mut st = AdamWState::new(0, n);
         opt.step(&mut st, 0.01, &mut p, &g).unwrap();
         for e in lay.entries() {
             for i in e.range() {
                 let want = 1.0 - 0.01 * g[i].signum() - if e.decay { 0.01 * 0.1 } else { 0.0 };
-                assert!((p[i] - want).abs() < 1e-15, "{} [{i}]: {} vs {want}", e.name, p[i]);
+                assert!(
+                    (p[i] - want).abs() < 1e-15,
+                    "{} [{i}]: {} vs {want}",
+                    e.name,
+                    p[i]
+                );
             }
         }
     }
@@ -169,8 +207,12 @@ mod tests {
         let lay = layout();
         let n = lay.total_len();
         let opt = AdamW::new(AdamWConfig::default(), DecayMask::from_layout(&lay));
-        let p0: Vec<f32> = (0..n).map(|i| ((i * 37) % 101) as f32 * 0.01 - 0.5).collect();
-        let g: Vec<f32> = (0..n).map(|i| ((i * 53) % 97) as f32 * 0.001 - 0.05).collect();
+        let p0: Vec<f32> = (0..n)
+            .map(|i| ((i * 37) % 101) as f32 * 0.01 - 0.5)
+            .collect();
+        let g: Vec<f32> = (0..n)
+            .map(|i| ((i * 53) % 97) as f32 * 0.001 - 0.05)
+            .collect();
         let mut full = p0.clone();
         let mut st = AdamWState::new(0, n);
         let mut sharded = p0;

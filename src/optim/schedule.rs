@@ -15,7 +15,10 @@ impl LrSchedule {
     /// Checks `0 <= min_lr <= max_lr` and `warmup_steps <= total_steps`.
     pub fn new(max_lr: f64, min_lr: f64, warmup_steps: u64, total_steps: u64) -> Result<Self> {
         if !(0.0..=max_lr).contains(&min_lr) || !max_lr.is_finite() {
-            return Err(Error::config("optim.min_lr", format!("need 0 <= min_lr ({min_lr}) <= lr ({max_lr})")));
+            return Err(Error::config(
+                "optim.min_lr",
+                format!("need 0 <= min_lr ({min_lr}) <= lr ({max_lr})"),
+            ));
         }
         if warmup_steps > total_steps {
             return Err(Error::config(
@@ -23,7 +26,12 @@ impl LrSchedule {
                 format!("{warmup_steps} exceeds the total of {total_steps} steps"),
             ));
         }
-        Ok(LrSchedule { max_lr, min_lr, warmup_steps, total_steps })
+        Ok(LrSchedule {
+            max_lr,
+            min_lr,
+            warmup_steps,
+            total_steps,
+        })
     }
 
     /// Learning rate of step `step`: `max_lr (step+1)/warmup` during warm-up, then
@@ -35,7 +43,8 @@ impl LrSchedule {
         if step >= self.total_steps {
             return self.min_lr;
         }
-        let progress = (step - self.warmup_steps) as f64 / (self.total_steps - self.warmup_steps) as f64;
+        let progress =
+            (step - self.warmup_steps) as f64 / (self.total_steps - self.warmup_steps) as f64;
         let coeff = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
         self.min_lr + coeff * (self.max_lr - self.min_lr)
     }

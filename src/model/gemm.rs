@@ -1,14 +1,29 @@
 //! Matrix multiply over row-major slices: the one place the model calls BLAS.
 //!
-//! Backend: `matrixmultiply` (pure Rust, `threading` feature, both cores). Chosen by measurement
-//! against system OpenBLAS (cblas_sgemm, 2 threads) on this 2-core AMD EPYC (AVX2/FMA) at the
-//! d12 step's shapes (B=4, T=64, so M=B*T=256); see the numbers in the comment below.
+//! Backend: system OpenBLAS through `cblas_{s,d}gemm` (see `blas.rs`), chosen by measurement
+//! against the `matrixmultiply` crate (0.3, `threading`, 2 threads) on this 2-core AMD EPYC
+//! (AVX2/FMA) at the d12 step's shapes (B=4, T=64: M = B*T = 256, C = 768, Vp = 50304), sgemm,
+//! best of 3 rounds of ~20 GFLOP each, both with 2 threads, on a machine shared with other
+//! builds (absolute numbers are low for that reason; the comparison was interleaved):
 //!
-//! GEMM_MEASUREMENTS
+//! | GEMM (M x N x K)              | matrixmultiply | OpenBLAS 0.3.21 |
+//! |-------------------------------|----------------|-----------------|
+//! | qkv fwd 256x2304x768          | 59.6 GFLOP/s   | 69.5 GFLOP/s    |
+//! | mlp fc fwd 256x3072x768       | 65.3           | 71.8            |
+//! | mlp proj fwd 256x768x3072     | 62.2           | 68.6            |
+//! | logits fwd 256x50304x768      | 53.5           | 70.9            |
+//! | logits dinp 256x768x50304     | 72.8           | 77.3            |
+//! | logits dW 50304x768x256 (Aᵀ)  | 71.5           | 76.3            |
+//! | fc dW 3072x768x256 (Aᵀ)       | 79.4           | 81.7            |
+//!
+//! OpenBLAS is faster on every shape (3-32%, most on the largest GEMM, the logits), and it
+//! scales past the 4 threads `matrixmultiply` caps at, which matters on many-core nodes. The
+//! price is a system library (`libopenblas-dev`) at build time.
 //!
 //! Invariant: every operand is a dense row-major matrix in its slice (leading dimension = its
 //! column count); a transposed operand is read through swapped strides, never copied.
 
+use super::blas::Operand;
 use super::float::Float;
 
 /// A dense row-major operand: `data` holds `rows * cols` elements; `transposed` means the GEMM
@@ -55,12 +70,12 @@ impl<'a, F> Mat<'a, F> {
         }
     }
 
-    /// (row stride, column stride) of the logical matrix in elements.
-    fn strides(&self) -> (usize, usize) {
-        if self.transposed {
-            (1, self.cols)
-        } else {
-            (self.cols, 1)
+    /// The operand as BLAS takes it.
+    fn operand(&self) -> Operand<'a, F> {
+        Operand {
+            data: self.data,
+            ld: self.cols,
+            trans: self.transposed,
         }
     }
 }
@@ -93,18 +108,7 @@ pub fn matmul<F: Float>(c: &mut [F], a: Mat<'_, F>, b: Mat<'_, F>, accumulate: b
         return;
     }
     let beta = if accumulate { F::one() } else { F::zero() };
-    F::gemm_strided(
-        m,
-        k,
-        n,
-        F::one(),
-        a.data,
-        a.strides(),
-        b.data,
-        b.strides(),
-        beta,
-        c,
-    );
+    F::GEMM(m, n, k, a.operand(), b.operand(), beta, &mut c[..m * n]);
 }
 
 #[cfg(test)]

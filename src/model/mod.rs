@@ -12,6 +12,7 @@
 
 pub mod activations;
 pub mod attention;
+pub mod blas;
 pub mod cross_entropy;
 pub mod encoder;
 pub mod float;

@@ -1,1 +1,3 @@
-//! (module under construction)
+//! Benchmarks behind `meshtrain bench`: the step benchmark (model + optimizer on CPU).
+
+pub mod step;

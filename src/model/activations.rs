@@ -10,7 +10,6 @@ use super::float::Float;
 use super::GptConfig;
 
 /// Forward activations; shapes in comments (L = n_layer, NH = n_head, Vp = padded vocab).
-#[derive(Debug)]
 pub struct Activations<F> {
     /// Token + position embeddings (B, T, C): the input of block 0.
     pub encoded: Vec<F>,
@@ -57,7 +56,6 @@ pub struct Activations<F> {
 }
 
 /// Backward scratch for the activations; each buffer is zeroed before it accumulates.
-#[derive(Debug)]
 pub struct GradActivations<F> {
     /// d logits (B, T, Vp).
     pub dlogits: Vec<F>,

@@ -79,10 +79,10 @@ pub fn attention_backward<F: Float>(
     for bi in 0..b {
         for h in 0..nh {
             for ti in 0..t {
+                // out = sum_t2 a[t2] v[t2]: datt[t2] = dy·v[t2], dv[t2] += a[t2] dy.
                 let a = &att[((bi * nh + h) * t + ti) * t..][..=ti]; // (ti+1)
                 let dy = &dout[(bi * t + ti) * c + h * hs..][..hs]; // (hs)
                 let datt = &mut scratch[..=ti]; // (ti+1)
-                                                // out = sum_t2 a[t2] v[t2]: datt[t2] = dy·v[t2], dv[t2] += a[t2] dy.
                 for (t2, (da, &ai)) in datt.iter_mut().zip(a).enumerate() {
                     let voff = (bi * t + t2) * 3 * c + 2 * c + h * hs;
                     *da = dy

@@ -23,7 +23,6 @@ use super::GptConfig;
 use crate::error::{Error, Result};
 
 /// A GPT-2 model with its optimizer-facing flat buffers, runnable at a fixed (B, T).
-#[derive(Debug)]
 pub struct Gpt<F: Float> {
     config: GptConfig,
     layout: ParamLayout,
@@ -43,6 +42,19 @@ pub struct Gpt<F: Float> {
     targets: Vec<u32>,
     /// Whether a forward ran since the last backward.
     forward_done: bool,
+}
+
+/// Shape and sizes only: the buffers are far too large to print.
+impl<F: Float> std::fmt::Debug for Gpt<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpt")
+            .field("config", &self.config)
+            .field("batch", &self.b)
+            .field("seq_len", &self.t)
+            .field("params", &self.params.len())
+            .field("activation_elements", &self.activation_elements())
+            .finish()
+    }
 }
 
 /// Disjoint mutable views of two ranges of `buf`; `first` must end before `second` starts.

@@ -57,13 +57,7 @@ fn model<F: Float>(fx: &Fixture) -> Gpt<F> {
 }
 
 /// Asserts |got - want| <= atol + rtol·|want| element-wise.
-fn assert_close(
-    what: &str,
-    got: impl IntoIterator<Item = f64>,
-    want: &[f64],
-    atol: f64,
-    rtol: f64,
-) {
+fn assert_close(what: &str, got: impl IntoIterator<Item = f64>, want: &[f64], atol: f64, rtol: f64) {
     let mut n = 0;
     for (i, (g, &w)) in got.into_iter().zip(want).enumerate() {
         assert!(

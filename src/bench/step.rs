@@ -22,9 +22,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::error::{Error, Result};
 use crate::model::gemm::{matmul, Mat};
 use crate::model::{Gpt, GptConfig};
-use crate::optim::{
-    clip_scale, scale_grads, sum_of_squares, AdamW, AdamWConfig, AdamWState, DecayMask,
-};
+use crate::optim::{clip_scale, scale_grads, sum_of_squares, AdamW, AdamWConfig, AdamWState, DecayMask};
 
 /// What to benchmark.
 #[derive(Debug, Clone)]
@@ -88,8 +86,12 @@ pub struct StepBenchReport {
     pub seq_len: usize,
     /// Timed steps.
     pub steps: usize,
-    /// Mean wall time of one step (forward, backward, clip, AdamW).
+    /// Fastest timed step (forward, backward, clip, AdamW): the rates below use it, like the
+    /// GEMM timings use their fastest round, so that load from other processes on a shared
+    /// machine does not skew the step/GEMM ratio.
     pub step_seconds: f64,
+    /// Mean wall time of the timed steps.
+    pub mean_step_seconds: f64,
     /// B·T / step_seconds.
     pub tokens_per_s: f64,
     /// 6·N + 12·L·C·T (see the module docs).
@@ -133,7 +135,7 @@ pub fn run_step_bench(args: &StepBenchArgs) -> Result<StepBenchReport> {
         .collect();
 
     let mut losses = Vec::new();
-    let mut timed = 0.0;
+    let mut step_times = Vec::new();
     for step in 0..args.warmup + args.steps {
         let start = Instant::now();
         model.zero_grad();
@@ -146,7 +148,7 @@ pub fn run_step_bench(args: &StepBenchArgs) -> Result<StepBenchReport> {
         let secs = start.elapsed().as_secs_f64();
         log::info!("bench step {step}: loss {loss:.4}, {secs:.3} s");
         if step >= args.warmup {
-            timed += secs;
+            step_times.push(secs);
             losses.push(loss);
         }
     }
@@ -154,7 +156,8 @@ pub fn run_step_bench(args: &StepBenchArgs) -> Result<StepBenchReport> {
     let elem = std::mem::size_of::<f32>() as u64;
     let accounted_bytes = elem * (4 * layout.total_len() + model.activation_elements()) as u64;
 
-    let step_seconds = timed / args.steps as f64;
+    let step_seconds = step_times.iter().copied().fold(f64::INFINITY, f64::min);
+    let mean_step_seconds = step_times.iter().sum::<f64>() / args.steps as f64;
     let tokens_per_s = (b * t) as f64 / step_seconds;
     let (l, c) = (config.n_layer, config.n_embd);
     let n_flop_params = layout.total_len() - layout.wpe().len();
@@ -178,6 +181,7 @@ pub fn run_step_bench(args: &StepBenchArgs) -> Result<StepBenchReport> {
         seq_len: t,
         steps: args.steps,
         step_seconds,
+        mean_step_seconds,
         tokens_per_s,
         flops_per_token,
         step_gflops,
@@ -214,24 +218,14 @@ fn time_step_gemms(config: &GptConfig, rows: usize) -> Vec<GemmTiming> {
                 "fwd" => {
                     let mut o = vec![0f32; rows * cout]; // (N, C_out)
                     let s = time_gemm(2 * rows * cout * cin, || {
-                        matmul(
-                            &mut o,
-                            Mat::new(&inp, rows, cin),
-                            Mat::t(&w, cout, cin),
-                            false,
-                        )
+                        matmul(&mut o, Mat::new(&inp, rows, cin), Mat::t(&w, cout, cin), false)
                     });
                     (rows, cout, cin, s)
                 }
                 "dinp" => {
                     let mut d = vec![0f32; rows * cin]; // (N, C_in)
                     let s = time_gemm(2 * rows * cout * cin, || {
-                        matmul(
-                            &mut d,
-                            Mat::new(&dout, rows, cout),
-                            Mat::new(&w, cout, cin),
-                            true,
-                        )
+                        matmul(&mut d, Mat::new(&dout, rows, cout), Mat::new(&w, cout, cin), true)
                     });
                     (rows, cin, cout, s)
                 }
@@ -263,15 +257,23 @@ fn time_step_gemms(config: &GptConfig, rows: usize) -> Vec<GemmTiming> {
     out
 }
 
-/// Seconds per call of `f`, after one warm-up call, over enough calls for ~2 GFLOP.
+/// Rounds of GEMM timing; the fastest counts (see `StepBenchReport::step_seconds`).
+const GEMM_ROUNDS: usize = 3;
+
+/// Seconds per call of `f`: after one warm-up call, the fastest of [`GEMM_ROUNDS`] rounds of
+/// enough calls for ~1 GFLOP each.
 fn time_gemm(flops: usize, mut f: impl FnMut()) -> f64 {
     f();
-    let reps = (2e9 / flops as f64).ceil().max(1.0) as usize;
-    let start = Instant::now();
-    for _ in 0..reps {
-        f();
-    }
-    start.elapsed().as_secs_f64() / reps as f64
+    let reps = (1e9 / flops as f64).ceil().max(1.0) as usize;
+    (0..GEMM_ROUNDS)
+        .map(|_| {
+            let start = Instant::now();
+            for _ in 0..reps {
+                f();
+            }
+            start.elapsed().as_secs_f64() / reps as f64
+        })
+        .fold(f64::INFINITY, f64::min)
 }
 
 /// Peak resident set size of this process (VmHWM in /proc/self/status), in bytes.
@@ -296,8 +298,12 @@ impl fmt::Display for StepBenchReport {
         )?;
         writeln!(
             f,
-            "  step {:.3} s, {:.0} tokens/s, {:.1} GFLOP/s ({:.3e} FLOP/token)",
-            self.step_seconds, self.tokens_per_s, self.step_gflops, self.flops_per_token
+            "  step {:.3} s (mean {:.3} s), {:.0} tokens/s, {:.1} GFLOP/s ({:.3e} FLOP/token)",
+            self.step_seconds,
+            self.mean_step_seconds,
+            self.tokens_per_s,
+            self.step_gflops,
+            self.flops_per_token
         )?;
         writeln!(
             f,

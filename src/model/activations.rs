@@ -6,6 +6,7 @@
 //! the backward visits one block at a time. The residual stream has one gradient buffer (see
 //! `residual.rs`).
 
+use super::attention::attention_scratch_len;
 use super::float::Float;
 use super::GptConfig;
 
@@ -71,7 +72,7 @@ pub struct GradActivations<F> {
     pub dfch_gelu: Vec<F>,
     /// d MLP hidden before GELU (B, T, 4C).
     pub dfch: Vec<F>,
-    /// One attention row of d probabilities (T).
+    /// Attention rows of d probabilities, one per thread (cores, T).
     pub datt_row: Vec<F>,
 }
 
@@ -156,7 +157,7 @@ impl<F: Float> GradActivations<F> {
             dqkv: z(bt * 3 * c),
             dfch_gelu: z(bt * 4 * c),
             dfch: z(bt * 4 * c),
-            datt_row: z(t),
+            datt_row: z(attention_scratch_len(t)),
         }
     }
 

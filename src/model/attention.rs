@@ -4,8 +4,10 @@
 //! each part. The number of heads is an argument, so a tensor-parallel rank holding a subset of
 //! heads calls the same function with its local count. The forward keeps the softmax
 //! probabilities `att` (B, NH, T, T) for the backward; entries above the diagonal are zero.
+//! Batch rows are independent, so they are split across cores (see `parallel.rs`).
 
 use super::float::Float;
+use super::parallel::{chunk_items, run_parts};
 
 /// Shape of one attention call.
 #[derive(Debug, Clone, Copy)]
@@ -28,6 +30,24 @@ impl AttnShape {
 
 /// out (B, T, NH*hs), att (B, NH, T, T) from qkv (B, T, 3*NH*hs).
 pub fn attention_forward<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], s: AttnShape) {
+    let (t, c) = (s.t, s.c());
+    let per = chunk_items(s.b, s.nh * t * t * s.hs);
+    let outs = out[..s.b * t * c].chunks_mut(per * t * c);
+    let atts = att[..s.b * s.nh * t * t].chunks_mut(per * s.nh * t * t);
+    run_parts(outs.zip(atts).zip(qkv.chunks(per * t * 3 * c)), |((o, a), x)| {
+        attention_forward_serial(
+            o,
+            a,
+            x,
+            AttnShape {
+                b: o.len() / (t * c),
+                ..s
+            },
+        )
+    });
+}
+
+fn attention_forward_serial<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], s: AttnShape) {
     let AttnShape { b, t, nh, hs } = s;
     let c = s.c();
     let scale = F::one() / F::from_f64(hs as f64).sqrt();
@@ -63,9 +83,48 @@ pub fn attention_forward<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], s: A
     }
 }
 
+/// Scratch elements [`attention_backward`] needs for sequence length `t`: one row of T per
+/// thread it may use.
+pub fn attention_scratch_len(t: usize) -> usize {
+    super::parallel::cores() * t
+}
+
 /// dqkv (B, T, 3*NH*hs) += ... from dout (B, T, NH*hs), qkv and att of the forward;
-/// `scratch` holds T elements.
+/// `scratch` holds [`attention_scratch_len`] elements.
 pub fn attention_backward<F: Float>(
+    dqkv: &mut [F],
+    scratch: &mut [F],
+    dout: &[F],
+    qkv: &[F],
+    att: &[F],
+    s: AttnShape,
+) {
+    let (t, c) = (s.t, s.c());
+    let per = chunk_items(s.b, s.nh * t * t * s.hs);
+    let dqkvs = dqkv[..s.b * t * 3 * c].chunks_mut(per * t * 3 * c);
+    let parts = dout
+        .chunks(per * t * c)
+        .zip(qkv.chunks(per * t * 3 * c))
+        .zip(att.chunks(per * s.nh * t * t));
+    run_parts(
+        dqkvs.zip(scratch.chunks_mut(t)).zip(parts),
+        |((d, row), ((dy, x), a))| {
+            attention_backward_serial(
+                d,
+                row,
+                dy,
+                x,
+                a,
+                AttnShape {
+                    b: d.len() / (t * 3 * c),
+                    ..s
+                },
+            )
+        },
+    );
+}
+
+fn attention_backward_serial<F: Float>(
     dqkv: &mut [F],
     scratch: &mut [F],
     dout: &[F],
@@ -85,11 +144,7 @@ pub fn attention_backward<F: Float>(
                 let datt = &mut scratch[..=ti]; // (ti+1)
                 for (t2, (da, &ai)) in datt.iter_mut().zip(a).enumerate() {
                     let voff = (bi * t + t2) * 3 * c + 2 * c + h * hs;
-                    *da = dy
-                        .iter()
-                        .zip(&qkv[voff..][..hs])
-                        .map(|(&x, &y)| x * y)
-                        .sum();
+                    *da = dy.iter().zip(&qkv[voff..][..hs]).map(|(&x, &y)| x * y).sum();
                     for (dv, &d) in dqkv[voff..][..hs].iter_mut().zip(dy) {
                         *dv += ai * d;
                     }

@@ -4,12 +4,29 @@
 //! softmax, so padded columns get no probability mass and a zero gradient. The forward keeps only
 //! the per-row log-sum-exp (N), not the probabilities: the backward recomputes
 //! `p = exp(logit - lse)`, which saves a (N, Vp) buffer. A vocab-parallel version would combine
-//! per-shard maxima and sums into the same `lse`.
+//! per-shard maxima and sums into the same `lse`. Rows are split across cores.
 
 use super::float::Float;
+use super::parallel::{chunk_items, run_parts};
 
 /// losses (N) and lse (N) from logits (N, Vp) and targets (N); softmax over columns `0..v`.
 pub fn cross_entropy_forward<F: Float>(
+    losses: &mut [F],
+    lse: &mut [F],
+    logits: &[F],
+    targets: &[u32],
+    v: usize,
+    vp: usize,
+) {
+    let per = chunk_items(losses.len(), vp);
+    let outs = losses.chunks_mut(per).zip(lse.chunks_mut(per));
+    let ins = logits.chunks(per * vp).zip(targets.chunks(per));
+    run_parts(outs.zip(ins), |((lo, ls), (z, tg))| {
+        cross_entropy_forward_serial(lo, ls, z, tg, v, vp)
+    });
+}
+
+fn cross_entropy_forward_serial<F: Float>(
     losses: &mut [F],
     lse: &mut [F],
     logits: &[F],
@@ -29,6 +46,25 @@ pub fn cross_entropy_forward<F: Float>(
 
 /// dlogits (N, Vp) += (softmax(logits) - onehot(targets)) * dloss; padded columns untouched.
 pub fn cross_entropy_backward<F: Float>(
+    dlogits: &mut [F],
+    logits: &[F],
+    lse: &[F],
+    targets: &[u32],
+    dloss: F,
+    v: usize,
+    vp: usize,
+) {
+    let per = chunk_items(lse.len(), vp);
+    let ins = logits
+        .chunks(per * vp)
+        .zip(lse.chunks(per))
+        .zip(targets.chunks(per));
+    run_parts(dlogits.chunks_mut(per * vp).zip(ins), |(d, ((z, l), tg))| {
+        cross_entropy_backward_serial(d, z, l, tg, dloss, v, vp)
+    });
+}
+
+fn cross_entropy_backward_serial<F: Float>(
     dlogits: &mut [F],
     logits: &[F],
     lse: &[F],
@@ -61,9 +97,6 @@ mod tests {
         let mut d = [0.0; 6];
         cross_entropy_backward(&mut d, &logits, &lse, &[2], 1.0, v, vp);
         let want = [0.25, 0.25, -0.75, 0.25, 0.0, 0.0];
-        assert!(
-            d.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-15),
-            "{d:?}"
-        );
+        assert!(d.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-15), "{d:?}");
     }
 }

@@ -7,14 +7,7 @@
 use super::float::Float;
 
 /// out (B, T, C) = wte[tokens] (Vp, C) + wpe[0..T] (maxT, C); tokens (B, T).
-pub fn encoder_forward<F: Float>(
-    out: &mut [F],
-    tokens: &[u32],
-    wte: &[F],
-    wpe: &[F],
-    t: usize,
-    c: usize,
-) {
+pub fn encoder_forward<F: Float>(out: &mut [F], tokens: &[u32], wte: &[F], wpe: &[F], t: usize, c: usize) {
     for (bt, (row, &tok)) in out.chunks_exact_mut(c).zip(tokens).enumerate() {
         let pos = bt % t;
         let w = &wte[tok as usize * c..][..c]; // (C)

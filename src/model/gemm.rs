@@ -87,10 +87,7 @@ impl<'a, F> Mat<'a, F> {
 pub fn matmul<F: Float>(c: &mut [F], a: Mat<'_, F>, b: Mat<'_, F>, accumulate: bool) {
     let (m, k) = a.logical();
     let (kb, n) = b.logical();
-    assert_eq!(
-        k, kb,
-        "matmul: inner dimensions differ ({m}x{k} * {kb}x{n})"
-    );
+    assert_eq!(k, kb, "matmul: inner dimensions differ ({m}x{k} * {kb}x{n})");
     assert!(
         a.data.len() >= a.rows * a.cols,
         "matmul: a shorter than {}x{}",

@@ -77,12 +77,7 @@ impl<F: Float> Gpt<F> {
     }
 
     /// A model with the given flat parameters (layout order), e.g. loaded from a checkpoint.
-    pub fn from_params(
-        config: GptConfig,
-        batch: usize,
-        seq_len: usize,
-        params: Vec<F>,
-    ) -> Result<Self> {
+    pub fn from_params(config: GptConfig, batch: usize, seq_len: usize, params: Vec<F>) -> Result<Self> {
         config.validate()?;
         if batch == 0 {
             return Err(Error::config("train.micro_batch", "must be at least 1"));
@@ -191,10 +186,7 @@ impl<F: Float> Gpt<F> {
             self.config.n_layer,
         );
         let bt = b * t;
-        let (wte, wpe) = (
-            &self.params[self.layout.wte()],
-            &self.params[self.layout.wpe()],
-        );
+        let (wte, wpe) = (&self.params[self.layout.wte()], &self.params[self.layout.wpe()]);
         encoder_forward(&mut self.acts.encoded, &self.tokens, wte, wpe, t, c);
         for l in 0..nl {
             self.block_forward(l);
@@ -212,15 +204,7 @@ impl<F: Float> Gpt<F> {
             &p[lnf_b],
             c,
         );
-        linear_forward(
-            &mut a.logits,
-            &a.lnf,
-            &p[self.layout.wte()],
-            None,
-            bt,
-            c,
-            vp,
-        );
+        linear_forward(&mut a.logits, &a.lnf, &p[self.layout.wte()], None, bt, c, vp);
         cross_entropy_forward(&mut a.losses, &mut a.lse, &a.logits, &self.targets, v, vp);
         self.forward_done = true;
         let mean = a.losses.iter().map(|l| l.as_f64()).sum::<f64>() / bt as f64;
@@ -277,10 +261,7 @@ impl<F: Float> Gpt<F> {
         }; // (B, T, C)
         let residual3 = &mut rest[..bt * c]; // (B, T, C)
         let ln1 = slab_mut(&mut a.ln1, l, bt * c); // (B, T, C)
-        let (ln1_mean, ln1_rstd) = (
-            slab_mut(&mut a.ln1_mean, l, bt),
-            slab_mut(&mut a.ln1_rstd, l, bt),
-        );
+        let (ln1_mean, ln1_rstd) = (slab_mut(&mut a.ln1_mean, l, bt), slab_mut(&mut a.ln1_rstd, l, bt));
         layernorm_forward(ln1, ln1_mean, ln1_rstd, x, &p[r.ln1_w], &p[r.ln1_b], c);
         let qkv = slab_mut(&mut a.qkv, l, bt * 3 * c); // (B, T, 3C)
         linear_forward(qkv, ln1, &p[r.qkv_w], Some(&p[r.qkv_b]), bt, c, 3 * c);
@@ -299,19 +280,8 @@ impl<F: Float> Gpt<F> {
         let residual2 = slab_mut(&mut a.residual2, l, bt * c); // (B, T, C)
         residual_forward(residual2, x, &a.branch);
         let ln2 = slab_mut(&mut a.ln2, l, bt * c); // (B, T, C)
-        let (ln2_mean, ln2_rstd) = (
-            slab_mut(&mut a.ln2_mean, l, bt),
-            slab_mut(&mut a.ln2_rstd, l, bt),
-        );
-        layernorm_forward(
-            ln2,
-            ln2_mean,
-            ln2_rstd,
-            residual2,
-            &p[r.ln2_w],
-            &p[r.ln2_b],
-            c,
-        );
+        let (ln2_mean, ln2_rstd) = (slab_mut(&mut a.ln2_mean, l, bt), slab_mut(&mut a.ln2_rstd, l, bt));
+        layernorm_forward(ln2, ln2_mean, ln2_rstd, residual2, &p[r.ln2_w], &p[r.ln2_b], c);
         let fch = slab_mut(&mut a.fch, l, bt * 4 * c); // (B, T, 4C)
         linear_forward(fch, ln2, &p[r.fc_w], Some(&p[r.fc_b]), bt, c, 4 * c);
         let fch_gelu = slab_mut(&mut a.fch_gelu, l, bt * 4 * c); // (B, T, 4C)
@@ -347,15 +317,7 @@ impl<F: Float> Gpt<F> {
         let zero = |buf: &mut Vec<F>| buf.iter_mut().for_each(|x| *x = F::zero());
         zero(&mut d.dlogits);
         let dloss = F::from_f64(1.0 / bt as f64);
-        cross_entropy_backward(
-            &mut d.dlogits,
-            &a.logits,
-            &a.lse,
-            &self.targets,
-            dloss,
-            v,
-            vp,
-        );
+        cross_entropy_backward(&mut d.dlogits, &a.logits, &a.lse, &self.targets, dloss, v, vp);
         zero(&mut d.dln);
         let wte = self.layout.wte();
         linear_backward(
@@ -425,17 +387,7 @@ impl<F: Float> Gpt<F> {
         zero(&mut d.dln);
         let (dw, db) = pair_mut(g, r.fc_w.clone(), r.fc_b);
         let ln2 = slab(&a.ln2, l, bt * c); // (B, T, C)
-        linear_backward(
-            &mut d.dln,
-            dw,
-            Some(db),
-            &d.dfch,
-            ln2,
-            &p[r.fc_w],
-            bt,
-            c,
-            4 * c,
-        );
+        linear_backward(&mut d.dln, dw, Some(db), &d.dfch, ln2, &p[r.fc_w], bt, c, 4 * c);
         let (dw, db) = pair_mut(g, r.ln2_w.clone(), r.ln2_b);
         let (mean, rstd) = (slab(&a.ln2_mean, l, bt), slab(&a.ln2_rstd, l, bt));
         let residual2 = slab(&a.residual2, l, bt * c); // (B, T, C)
@@ -471,29 +423,9 @@ impl<F: Float> Gpt<F> {
         zero(&mut d.dln);
         let (dw, db) = pair_mut(g, r.qkv_w.clone(), r.qkv_b);
         let ln1 = slab(&a.ln1, l, bt * c); // (B, T, C)
-        linear_backward(
-            &mut d.dln,
-            dw,
-            Some(db),
-            &d.dqkv,
-            ln1,
-            &p[r.qkv_w],
-            bt,
-            c,
-            3 * c,
-        );
+        linear_backward(&mut d.dln, dw, Some(db), &d.dqkv, ln1, &p[r.qkv_w], bt, c, 3 * c);
         let (dw, db) = pair_mut(g, r.ln1_w.clone(), r.ln1_b);
         let (mean, rstd) = (slab(&a.ln1_mean, l, bt), slab(&a.ln1_rstd, l, bt));
-        layernorm_backward(
-            &mut d.dresidual,
-            dw,
-            db,
-            &d.dln,
-            x,
-            &p[r.ln1_w],
-            mean,
-            rstd,
-            c,
-        );
+        layernorm_backward(&mut d.dresidual, dw, db, &d.dln, x, &p[r.ln1_w], mean, rstd, c);
     }
 }

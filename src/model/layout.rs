@@ -171,10 +171,7 @@ impl ParamLayout {
         push("lnf.weight".into(), vec![c], None, TpSplit::Replicated);
         push("lnf.bias".into(), vec![c], None, TpSplit::Replicated);
         let blocks_start = entries[2].offset;
-        let block_len: usize = entries[2..2 + BLOCK_TENSORS.len()]
-            .iter()
-            .map(|e| e.len)
-            .sum();
+        let block_len: usize = entries[2..2 + BLOCK_TENSORS.len()].iter().map(|e| e.len).sum();
         let total = offset;
         debug_assert_eq!(blocks_start + config.n_layer * block_len + 2 * c, total);
         ParamLayout {
@@ -224,8 +221,7 @@ impl ParamLayout {
             "layers {layers:?} beyond {} blocks",
             self.n_layer
         );
-        self.blocks_start + layers.start * self.block_len
-            ..self.blocks_start + layers.end * self.block_len
+        self.blocks_start + layers.start * self.block_len..self.blocks_start + layers.end * self.block_len
     }
 
     /// Ranges of block `l`'s tensors.
@@ -293,18 +289,12 @@ mod tests {
             lay.layers_range(1..3).start,
             lay.get("h.1.ln1.weight").unwrap().offset
         );
-        assert_eq!(
-            lay.layers_range(1..3).end,
-            lay.get("lnf.weight").unwrap().offset
-        );
+        assert_eq!(lay.layers_range(1..3).end, lay.get("lnf.weight").unwrap().offset);
         assert_eq!(
             lay.block(2).qkv_w,
             lay.get("h.2.attn.qkv.weight").unwrap().range()
         );
-        assert_eq!(
-            lay.get("h.0.mlp.proj.weight").unwrap().shape,
-            vec![c, 4 * c]
-        );
+        assert_eq!(lay.get("h.0.mlp.proj.weight").unwrap().shape, vec![c, 4 * c]);
         assert_eq!(
             lay.total_len(),
             128 * c + 5 * c + 3 * (12 * c * c + 13 * c) + 2 * c

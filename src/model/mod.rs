@@ -23,6 +23,7 @@ pub mod init;
 pub mod layernorm;
 pub mod layout;
 pub mod linear;
+pub mod parallel;
 pub mod residual;
 
 pub use float::Float;

@@ -9,6 +9,7 @@
 use std::ops::Range;
 
 use crate::error::{Error, Result};
+use crate::model::parallel::{chunk_items, run_parts};
 use crate::model::{Float, ParamLayout};
 
 /// AdamW hyper-parameters (the learning rate comes from the schedule at each step).
@@ -121,8 +122,7 @@ impl AdamW {
         grads: &[F],
     ) -> Result<()> {
         let range = state.range();
-        if params.len() != range.len() || grads.len() != range.len() || range.end > self.mask.len()
-        {
+        if params.len() != range.len() || grads.len() != range.len() || range.end > self.mask.len() {
             return Err(Error::InvalidArgument(format!(
                 "adamw: state covers {range:?} of {} elements but got {} params and {} grads",
                 self.mask.len(),
@@ -131,28 +131,66 @@ impl AdamW {
             )));
         }
         state.step += 1;
-        let c = &self.config;
         let t = state.step as i32;
-        let (b1, b2) = (F::from_f64(c.beta1), F::from_f64(c.beta2));
-        let (one_b1, one_b2) = (F::from_f64(1.0 - c.beta1), F::from_f64(1.0 - c.beta2));
-        let inv_bc1 = F::from_f64(1.0 / (1.0 - c.beta1.powi(t)));
-        let inv_bc2 = F::from_f64(1.0 / (1.0 - c.beta2.powi(t)));
-        let (lr_f, eps) = (F::from_f64(lr), F::from_f64(c.eps));
-        for (seg, decay) in self.mask.segments(range.clone()) {
-            let local = seg.start - range.start..seg.end - range.start;
-            let wd = F::from_f64(if decay { c.weight_decay } else { 0.0 });
-            let p = &mut params[local.clone()];
-            let (m, v) = (&mut state.m[local.clone()], &mut state.v[local.clone()]);
-            for (((pi, &g), mi), vi) in p.iter_mut().zip(&grads[local]).zip(m).zip(v) {
-                *mi = b1 * *mi + one_b1 * g;
-                *vi = b2 * *vi + one_b2 * g * g;
-                let m_hat = *mi * inv_bc1;
-                let v_hat = *vi * inv_bc2;
-                *pi -= lr_f * (m_hat / (v_hat.sqrt() + eps) + wd * *pi);
-            }
-        }
+        let c = &self.config;
+        let k = Coefficients {
+            b1: F::from_f64(c.beta1),
+            b2: F::from_f64(c.beta2),
+            one_b1: F::from_f64(1.0 - c.beta1),
+            one_b2: F::from_f64(1.0 - c.beta2),
+            inv_bc1: F::from_f64(1.0 / (1.0 - c.beta1.powi(t))),
+            inv_bc2: F::from_f64(1.0 / (1.0 - c.beta2.powi(t))),
+            lr: F::from_f64(lr),
+            eps: F::from_f64(c.eps),
+        };
+        // Element-wise, so the range is split across cores; see `model::parallel`.
+        let per = chunk_items(range.len(), 1);
+        let parts = params.chunks_mut(per).zip(grads.chunks(per));
+        let moments = state.m.chunks_mut(per).zip(state.v.chunks_mut(per));
+        run_parts(parts.zip(moments).enumerate(), |(i, ((p, g), (m, v)))| {
+            self.update(&k, range.start + i * per, p, g, m, v)
+        });
         Ok(())
     }
+
+    /// Updates the flat elements `start..start + p.len()`, segment by segment of the mask.
+    fn update<F: Float>(
+        &self,
+        k: &Coefficients<F>,
+        start: usize,
+        p: &mut [F],
+        g: &[F],
+        m: &mut [F],
+        v: &mut [F],
+    ) {
+        for (seg, decay) in self.mask.segments(start..start + p.len()) {
+            let local = seg.start - start..seg.end - start;
+            let wd = F::from_f64(if decay { self.config.weight_decay } else { 0.0 });
+            let (p, g) = (&mut p[local.clone()], &g[local.clone()]);
+            let (m, v) = (&mut m[local.clone()], &mut v[local]);
+            for (((pi, &gi), mi), vi) in p.iter_mut().zip(g).zip(m).zip(v) {
+                *mi = k.b1 * *mi + k.one_b1 * gi;
+                *vi = k.b2 * *vi + k.one_b2 * gi * gi;
+                let m_hat = *mi * k.inv_bc1;
+                let v_hat = *vi * k.inv_bc2;
+                *pi -= k.lr * (m_hat / (v_hat.sqrt() + k.eps) + wd * *pi);
+            }
+        }
+    }
+}
+
+/// Per-step constants of the update, in the working precision.
+struct Coefficients<F> {
+    b1: F,
+    b2: F,
+    one_b1: F,
+    one_b2: F,
+    /// 1 / (1 - beta1^t).
+    inv_bc1: F,
+    /// 1 / (1 - beta2^t).
+    inv_bc2: F,
+    lr: F,
+    eps: F,
 }
 
 #[cfg(test)]
@@ -183,9 +221,7 @@ mod tests {
             DecayMask::from_layout(&lay),
         );
         let mut p = vec![1.0f64; n];
-        let g: Vec<f64> = (0..n)
-            .map(|i| if i % 2 == 0 { 0.5 } else { -2.0 })
-            .collect();
+        let g: Vec<f64> = (0..n).map(|i| if i % 2 == 0 { 0.5 } else { -2.0 }).collect();
         let mut st = AdamWState::new(0, n);
         opt.step(&mut st, 0.01, &mut p, &g).unwrap();
         for e in lay.entries() {
@@ -207,12 +243,8 @@ mod tests {
         let lay = layout();
         let n = lay.total_len();
         let opt = AdamW::new(AdamWConfig::default(), DecayMask::from_layout(&lay));
-        let p0: Vec<f32> = (0..n)
-            .map(|i| ((i * 37) % 101) as f32 * 0.01 - 0.5)
-            .collect();
-        let g: Vec<f32> = (0..n)
-            .map(|i| ((i * 53) % 97) as f32 * 0.001 - 0.05)
-            .collect();
+        let p0: Vec<f32> = (0..n).map(|i| ((i * 37) % 101) as f32 * 0.01 - 0.5).collect();
+        let g: Vec<f32> = (0..n).map(|i| ((i * 53) % 97) as f32 * 0.001 - 0.05).collect();
         let mut full = p0.clone();
         let mut st = AdamWState::new(0, n);
         let mut sharded = p0;

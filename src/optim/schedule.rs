@@ -43,8 +43,7 @@ impl LrSchedule {
         if step >= self.total_steps {
             return self.min_lr;
         }
-        let progress =
-            (step - self.warmup_steps) as f64 / (self.total_steps - self.warmup_steps) as f64;
+        let progress = (step - self.warmup_steps) as f64 / (self.total_steps - self.warmup_steps) as f64;
         let coeff = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
         self.min_lr + coeff * (self.max_lr - self.min_lr)
     }

@@ -1,4 +1,6 @@
 //! `meshtrain bench`: measurements, never tests. [`collectives`] sweeps buffer sizes for each
-//! collective (optionally against the system MPI).
+//! collective (optionally against the system MPI); [`step`] times a training step of the model on
+//! CPU against the GEMM rate of its own matrix shapes.
 
 pub mod collectives;
+pub mod step;

@@ -1,8 +1,34 @@
-//! The GPT-2 model: configuration and named sizes.
+//! The GPT-2 model: configuration, named sizes, and the CPU reference implementation.
 //!
 //! A model is fully described by [`GptConfig`]; the vocabulary is padded to a multiple of 128
 //! (`padded_vocab_size`) so that embedding rows and logits GEMMs are well shaped. Padded rows exist
 //! in `wte` but never receive probability mass in the loss.
+//!
+//! Layout of the module (llm.c style): one file per layer with `_forward`/`_backward` functions
+//! over slices (`encoder`, `layernorm`, `linear`, `attention`, `gelu`, `residual`,
+//! `cross_entropy`), the flat-parameter table ([`layout`]), initialization ([`init`]), the
+//! activation buffers ([`activations`]) and [`gpt::Gpt`], which composes them. Everything is
+//! generic over [`float::Float`] (`f32` for training, `f64` for gradient checks).
+
+pub mod activations;
+pub mod attention;
+pub mod blas;
+pub mod cross_entropy;
+pub mod encoder;
+pub mod float;
+pub mod gelu;
+pub mod gemm;
+pub mod gpt;
+pub mod init;
+pub mod layernorm;
+pub mod layout;
+pub mod linear;
+pub mod parallel;
+pub mod residual;
+
+pub use float::Float;
+pub use gpt::Gpt;
+pub use layout::{ParamEntry, ParamLayout, TpSplit};
 
 use crate::error::{Error, Result};
 
@@ -42,16 +68,21 @@ impl GptConfig {
         NAMED
             .iter()
             .find(|n| n.0 == lower)
-            .map(|&(_, n_layer, n_head, n_embd, vocab_size, max_seq_len)| GptConfig {
-                n_layer,
-                n_head,
-                n_embd,
-                vocab_size,
-                max_seq_len,
-            })
+            .map(
+                |&(_, n_layer, n_head, n_embd, vocab_size, max_seq_len)| GptConfig {
+                    n_layer,
+                    n_head,
+                    n_embd,
+                    vocab_size,
+                    max_seq_len,
+                },
+            )
             .ok_or_else(|| {
                 let names: Vec<&str> = NAMED.iter().map(|n| n.0).collect();
-                Error::config("model.size", format!("unknown size `{name}` (known: {})", names.join(", ")))
+                Error::config(
+                    "model.size",
+                    format!("unknown size `{name}` (known: {})", names.join(", ")),
+                )
             })
     }
 
@@ -86,7 +117,10 @@ impl GptConfig {
         if self.n_embd % self.n_head != 0 {
             return Err(Error::config(
                 "model.n_head",
-                format!("n_embd {} is not divisible by n_head {}", self.n_embd, self.n_head),
+                format!(
+                    "n_embd {} is not divisible by n_head {}",
+                    self.n_embd, self.n_head
+                ),
             ));
         }
         Ok(())
@@ -111,7 +145,13 @@ mod tests {
 
     #[test]
     fn rejects_heads_not_dividing_width() {
-        let c = GptConfig { n_layer: 1, n_head: 5, n_embd: 64, vocab_size: 10, max_seq_len: 8 };
+        let c = GptConfig {
+            n_layer: 1,
+            n_head: 5,
+            n_embd: 64,
+            vocab_size: 10,
+            max_seq_len: 8,
+        };
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("model.n_head"), "{e}");
     }

@@ -1,1 +1,14 @@
-//! (module under construction)
+//! The optimizer: AdamW over flat buffers, the learning-rate schedule, gradient-norm clipping.
+//!
+//! Everything works on offset ranges of the flat parameter/gradient buffers described by
+//! [`crate::model::ParamLayout`], so a data-parallel rank updating only its ZeRO shard calls the
+//! same code with its sub-slices. Combining partial results across ranks (norms) is the caller's
+//! job; gradient accumulation is the training loop's (the model's backward adds into grads).
+
+pub mod adamw;
+pub mod clip;
+pub mod schedule;
+
+pub use adamw::{AdamW, AdamWConfig, AdamWState, DecayMask};
+pub use clip::{clip_scale, scale_grads, sum_of_squares};
+pub use schedule::LrSchedule;

@@ -1,0 +1,191 @@
+//! Causal multi-head self-attention core (between the qkv and output projections).
+//!
+//! `qkv` rows hold `[q | k | v]`, each `nh * hs` wide, head `h` at columns `h*hs..(h+1)*hs` of
+//! each part. The number of heads is an argument, so a tensor-parallel rank holding a subset of
+//! heads calls the same function with its local count. The forward keeps the softmax
+//! probabilities `att` (B, NH, T, T) for the backward; entries above the diagonal are zero.
+//! Batch rows are independent, so they are split across cores (see `parallel.rs`).
+
+use super::float::Float;
+use super::parallel::{chunk_items, run_parts};
+
+/// Shape of one attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    /// Batch size (B).
+    pub b: usize,
+    /// Sequence length (T).
+    pub t: usize,
+    /// Heads held by this caller (NH).
+    pub nh: usize,
+    /// Head width (hs); the scale is 1/sqrt(hs).
+    pub hs: usize,
+}
+
+impl AttnShape {
+    fn c(&self) -> usize {
+        self.nh * self.hs
+    }
+}
+
+/// out (B, T, NH*hs), att (B, NH, T, T) from qkv (B, T, 3*NH*hs).
+pub fn attention_forward<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], s: AttnShape) {
+    let (t, c) = (s.t, s.c());
+    let per = chunk_items(s.b, s.nh * t * t * s.hs);
+    let outs = out[..s.b * t * c].chunks_mut(per * t * c);
+    let atts = att[..s.b * s.nh * t * t].chunks_mut(per * s.nh * t * t);
+    run_parts(outs.zip(atts).zip(qkv.chunks(per * t * 3 * c)), |((o, a), x)| {
+        attention_forward_serial(
+            o,
+            a,
+            x,
+            AttnShape {
+                b: o.len() / (t * c),
+                ..s
+            },
+        )
+    });
+}
+
+fn attention_forward_serial<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], s: AttnShape) {
+    let AttnShape { b, t, nh, hs } = s;
+    let c = s.c();
+    let scale = F::one() / F::from_f64(hs as f64).sqrt();
+    for bi in 0..b {
+        for h in 0..nh {
+            for ti in 0..t {
+                let q = &qkv[(bi * t + ti) * 3 * c + h * hs..][..hs]; // (hs)
+                let row = &mut att[((bi * nh + h) * t + ti) * t..][..t]; // (T)
+                let mut max = F::neg_infinity();
+                for (t2, a) in row[..=ti].iter_mut().enumerate() {
+                    let k = &qkv[(bi * t + t2) * 3 * c + c + h * hs..][..hs]; // (hs)
+                    *a = q.iter().zip(k).map(|(&x, &y)| x * y).sum::<F>() * scale;
+                    max = max.max(*a);
+                }
+                let mut sum = F::zero();
+                for a in row[..=ti].iter_mut() {
+                    *a = (*a - max).exp();
+                    sum += *a;
+                }
+                let inv = F::one() / sum;
+                row[..=ti].iter_mut().for_each(|a| *a *= inv);
+                row[ti + 1..].iter_mut().for_each(|a| *a = F::zero());
+                let o = &mut out[(bi * t + ti) * c + h * hs..][..hs]; // (hs)
+                o.iter_mut().for_each(|x| *x = F::zero());
+                for (t2, &a) in row[..=ti].iter().enumerate() {
+                    let v = &qkv[(bi * t + t2) * 3 * c + 2 * c + h * hs..][..hs]; // (hs)
+                    for (x, &vi) in o.iter_mut().zip(v) {
+                        *x += a * vi;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Scratch elements [`attention_backward`] needs for sequence length `t`: one row of T per
+/// thread it may use.
+pub fn attention_scratch_len(t: usize) -> usize {
+    super::parallel::cores() * t
+}
+
+/// dqkv (B, T, 3*NH*hs) += ... from dout (B, T, NH*hs), qkv and att of the forward;
+/// `scratch` holds [`attention_scratch_len`] elements.
+pub fn attention_backward<F: Float>(
+    dqkv: &mut [F],
+    scratch: &mut [F],
+    dout: &[F],
+    qkv: &[F],
+    att: &[F],
+    s: AttnShape,
+) {
+    let (t, c) = (s.t, s.c());
+    let per = chunk_items(s.b, s.nh * t * t * s.hs);
+    let dqkvs = dqkv[..s.b * t * 3 * c].chunks_mut(per * t * 3 * c);
+    let parts = dout
+        .chunks(per * t * c)
+        .zip(qkv.chunks(per * t * 3 * c))
+        .zip(att.chunks(per * s.nh * t * t));
+    run_parts(
+        dqkvs.zip(scratch.chunks_mut(t)).zip(parts),
+        |((d, row), ((dy, x), a))| {
+            attention_backward_serial(
+                d,
+                row,
+                dy,
+                x,
+                a,
+                AttnShape {
+                    b: d.len() / (t * 3 * c),
+                    ..s
+                },
+            )
+        },
+    );
+}
+
+fn attention_backward_serial<F: Float>(
+    dqkv: &mut [F],
+    scratch: &mut [F],
+    dout: &[F],
+    qkv: &[F],
+    att: &[F],
+    s: AttnShape,
+) {
+    let AttnShape { b, t, nh, hs } = s;
+    let c = s.c();
+    let scale = F::one() / F::from_f64(hs as f64).sqrt();
+    for bi in 0..b {
+        for h in 0..nh {
+            for ti in 0..t {
+                // out = sum_t2 a[t2] v[t2]: datt[t2] = dy·v[t2], dv[t2] += a[t2] dy.
+                let a = &att[((bi * nh + h) * t + ti) * t..][..=ti]; // (ti+1)
+                let dy = &dout[(bi * t + ti) * c + h * hs..][..hs]; // (hs)
+                let datt = &mut scratch[..=ti]; // (ti+1)
+                for (t2, (da, &ai)) in datt.iter_mut().zip(a).enumerate() {
+                    let voff = (bi * t + t2) * 3 * c + 2 * c + h * hs;
+                    *da = dy.iter().zip(&qkv[voff..][..hs]).map(|(&x, &y)| x * y).sum();
+                    for (dv, &d) in dqkv[voff..][..hs].iter_mut().zip(dy) {
+                        *dv += ai * d;
+                    }
+                }
+                // Softmax backward: dpre = a * (datt - sum(a * datt)), then through q·k * scale.
+                let dot: F = datt.iter().zip(a).map(|(&x, &y)| x * y).sum();
+                let qoff = (bi * t + ti) * 3 * c + h * hs;
+                for (t2, (&da, &ai)) in datt.iter().zip(a).enumerate() {
+                    let dpre = ai * (da - dot) * scale;
+                    let koff = (bi * t + t2) * 3 * c + c + h * hs;
+                    for i in 0..hs {
+                        dqkv[qoff + i] += dpre * qkv[koff + i];
+                        dqkv[koff + i] += dpre * qkv[qoff + i];
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn causal_rows_sum_to_one_and_first_token_copies_v() {
+        let s = AttnShape {
+            b: 1,
+            t: 3,
+            nh: 2,
+            hs: 2,
+        };
+        let qkv: Vec<f64> = (0..3 * 12).map(|i| ((i * 7) % 11) as f64 * 0.1).collect(); // (B, T, 3C)
+        let (mut out, mut att) = (vec![0.0; 3 * 4], vec![0.0; 2 * 9]);
+        attention_forward(&mut out, &mut att, &qkv, s);
+        for (r, row) in att.chunks(3).enumerate() {
+            let ti = r % 3;
+            assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-15);
+            assert!(row[ti + 1..].iter().all(|&a| a == 0.0));
+        }
+        // Position 0 attends only to itself: out = v of token 0.
+        assert_eq!(&out[..4], &qkv[8..12]);
+    }
+}

@@ -1,0 +1,147 @@
+//! FFI to the system OpenBLAS `cblas_sgemm` / `cblas_dgemm` (row-major), behind a safe shape.
+//!
+//! The only `unsafe` of the model: the BLAS call itself. Callers ([`super::gemm::matmul`]) have
+//! checked that every operand slice holds its whole matrix, so BLAS never reads or writes out
+//! of bounds. Threads: OpenBLAS uses `OPENBLAS_NUM_THREADS` (default: all cores) for every
+//! GEMM; [`set_gemm_threads`] changes it at run time (e.g. one process per GPU sharing a node).
+
+use std::os::raw::c_int;
+
+const CBLAS_ROW_MAJOR: c_int = 101;
+const CBLAS_NO_TRANS: c_int = 111;
+const CBLAS_TRANS: c_int = 112;
+
+#[link(name = "openblas")]
+extern "C" {
+    fn cblas_sgemm(
+        order: c_int,
+        trans_a: c_int,
+        trans_b: c_int,
+        m: c_int,
+        n: c_int,
+        k: c_int,
+        alpha: f32,
+        a: *const f32,
+        lda: c_int,
+        b: *const f32,
+        ldb: c_int,
+        beta: f32,
+        c: *mut f32,
+        ldc: c_int,
+    );
+    fn cblas_dgemm(
+        order: c_int,
+        trans_a: c_int,
+        trans_b: c_int,
+        m: c_int,
+        n: c_int,
+        k: c_int,
+        alpha: f64,
+        a: *const f64,
+        lda: c_int,
+        b: *const f64,
+        ldb: c_int,
+        beta: f64,
+        c: *mut f64,
+        ldc: c_int,
+    );
+    fn openblas_set_num_threads(n: c_int);
+}
+
+/// One row-major GEMM operand as BLAS sees it: storage, leading dimension, transposed or not.
+#[derive(Clone, Copy)]
+pub struct Operand<'a, F> {
+    /// Row-major storage of the stored matrix.
+    pub data: &'a [F],
+    /// Leading dimension (stored column count).
+    pub ld: usize,
+    /// Whether the product uses the transpose.
+    pub trans: bool,
+}
+
+/// `c(m, n) = a · b + beta · c` for one precision; `c` is dense row-major (ld = n).
+pub type Gemm<F> =
+    fn(m: usize, n: usize, k: usize, a: Operand<'_, F>, b: Operand<'_, F>, beta: F, c: &mut [F]);
+
+fn flag(trans: bool) -> c_int {
+    if trans {
+        CBLAS_TRANS
+    } else {
+        CBLAS_NO_TRANS
+    }
+}
+
+/// Converts a dimension to BLAS's `int`; GEMM dimensions of a model beyond 2³¹ are a broken
+/// invariant (layer shapes are bounded by the config validation long before that).
+fn dim(x: usize) -> c_int {
+    c_int::try_from(x).expect("GEMM dimension exceeds the BLAS int range")
+}
+
+/// Single-precision GEMM (see [`Gemm`]).
+pub fn sgemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand<'_, f32>,
+    b: Operand<'_, f32>,
+    beta: f32,
+    c: &mut [f32],
+) {
+    // SAFETY: `gemm::matmul` checked that a, b and c hold their full matrices for these
+    // dimensions and leading dimensions; c is uniquely borrowed, so it aliases neither a nor b.
+    unsafe {
+        cblas_sgemm(
+            CBLAS_ROW_MAJOR,
+            flag(a.trans),
+            flag(b.trans),
+            dim(m),
+            dim(n),
+            dim(k),
+            1.0,
+            a.data.as_ptr(),
+            dim(a.ld),
+            b.data.as_ptr(),
+            dim(b.ld),
+            beta,
+            c.as_mut_ptr(),
+            dim(n),
+        )
+    }
+}
+
+/// Double-precision GEMM (see [`Gemm`]).
+pub fn dgemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand<'_, f64>,
+    b: Operand<'_, f64>,
+    beta: f64,
+    c: &mut [f64],
+) {
+    // SAFETY: as in `sgemm`.
+    unsafe {
+        cblas_dgemm(
+            CBLAS_ROW_MAJOR,
+            flag(a.trans),
+            flag(b.trans),
+            dim(m),
+            dim(n),
+            dim(k),
+            1.0,
+            a.data.as_ptr(),
+            dim(a.ld),
+            b.data.as_ptr(),
+            dim(b.ld),
+            beta,
+            c.as_mut_ptr(),
+            dim(n),
+        )
+    }
+}
+
+/// Sets the number of threads OpenBLAS uses for every following GEMM (at least 1).
+pub fn set_gemm_threads(n: usize) {
+    // SAFETY: a plain setter of OpenBLAS's global thread count; it takes no pointers.
+    unsafe { openblas_set_num_threads(dim(n.max(1))) }
+}

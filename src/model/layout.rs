@@ -1,0 +1,315 @@
+//! The parameter layout table: where each named tensor lives in the ONE flat parameter buffer.
+//!
+//! Order (gradients and AdamW state use the same layout):
+//!
+//! | name                    | shape     | decay | tensor-parallel split |
+//! |-------------------------|-----------|-------|-----------------------|
+//! | `wte`                   | (Vp, C)   | yes   | vocab (rows)          |
+//! | `wpe`                   | (maxT, C) | yes   | replicated            |
+//! | `h.{l}.ln1.weight`      | (C)       | no    | replicated            |
+//! | `h.{l}.ln1.bias`        | (C)       | no    | replicated            |
+//! | `h.{l}.attn.qkv.weight` | (3C, C)   | yes   | column (output rows)  |
+//! | `h.{l}.attn.qkv.bias`   | (3C)      | no    | column                |
+//! | `h.{l}.attn.proj.weight`| (C, C)    | yes   | row (input columns)   |
+//! | `h.{l}.attn.proj.bias`  | (C)       | no    | replicated            |
+//! | `h.{l}.ln2.weight`      | (C)       | no    | replicated            |
+//! | `h.{l}.ln2.bias`        | (C)       | no    | replicated            |
+//! | `h.{l}.mlp.fc.weight`   | (4C, C)   | yes   | column                |
+//! | `h.{l}.mlp.fc.bias`     | (4C)      | no    | column                |
+//! | `h.{l}.mlp.proj.weight` | (C, 4C)   | yes   | row                   |
+//! | `h.{l}.mlp.proj.bias`   | (C)       | no    | replicated            |
+//! | `lnf.weight`, `lnf.bias`| (C)       | no    | replicated            |
+//!
+//! Invariants: entries are contiguous and non-overlapping, in the order above, covering
+//! `0..total_len()`; every block has the same size, so blocks `a..b` occupy one contiguous range
+//! ([`ParamLayout::layers_range`]) — the unit of pipeline stages and ZeRO shards. Weight decay
+//! applies to 2-D tensors only.
+
+use std::ops::Range;
+
+use super::GptConfig;
+
+/// Which dimension tensor parallelism would split a tensor along.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum TpSplit {
+    /// Output features (weight rows, bias): column-parallel linear.
+    Column,
+    /// Input features (weight columns): row-parallel linear; its bias stays replicated.
+    Row,
+    /// Vocabulary rows of the tied embedding / output projection.
+    Vocab,
+    /// Every rank keeps a full copy.
+    Replicated,
+}
+
+/// One named tensor in the flat buffer.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ParamEntry {
+    /// Dotted name, e.g. `h.0.attn.qkv.weight`.
+    pub name: String,
+    /// Shape, row-major.
+    pub shape: Vec<usize>,
+    /// First element in the flat buffer.
+    pub offset: usize,
+    /// Number of elements (product of `shape`).
+    pub len: usize,
+    /// Block index, `None` for embeddings and the final LayerNorm.
+    pub layer: Option<usize>,
+    /// Whether AdamW applies weight decay (2-D weights).
+    pub decay: bool,
+    /// How tensor parallelism would split it.
+    pub tp_split: TpSplit,
+}
+
+impl ParamEntry {
+    /// Element range in the flat buffer.
+    pub fn range(&self) -> Range<usize> {
+        self.offset..self.offset + self.len
+    }
+}
+
+/// Flat-buffer ranges of one block's tensors (absolute offsets).
+#[derive(Debug, Clone)]
+pub struct BlockRanges {
+    /// ln1 weight (C).
+    pub ln1_w: Range<usize>,
+    /// ln1 bias (C).
+    pub ln1_b: Range<usize>,
+    /// qkv weight (3C, C).
+    pub qkv_w: Range<usize>,
+    /// qkv bias (3C).
+    pub qkv_b: Range<usize>,
+    /// attention output projection weight (C, C).
+    pub attn_proj_w: Range<usize>,
+    /// attention output projection bias (C).
+    pub attn_proj_b: Range<usize>,
+    /// ln2 weight (C).
+    pub ln2_w: Range<usize>,
+    /// ln2 bias (C).
+    pub ln2_b: Range<usize>,
+    /// MLP up projection weight (4C, C).
+    pub fc_w: Range<usize>,
+    /// MLP up projection bias (4C).
+    pub fc_b: Range<usize>,
+    /// MLP down projection weight (C, 4C).
+    pub mlp_proj_w: Range<usize>,
+    /// MLP down projection bias (C).
+    pub mlp_proj_b: Range<usize>,
+}
+
+/// Per-block tensor table, in buffer order; shapes are in units of C.
+const BLOCK_TENSORS: &[(&str, usize, usize, TpSplit)] = &[
+    // suffix, rows (in units of C), cols (in units of C; 0 = a 1-D tensor), split
+    ("ln1.weight", 1, 0, TpSplit::Replicated),
+    ("ln1.bias", 1, 0, TpSplit::Replicated),
+    ("attn.qkv.weight", 3, 1, TpSplit::Column),
+    ("attn.qkv.bias", 3, 0, TpSplit::Column),
+    ("attn.proj.weight", 1, 1, TpSplit::Row),
+    ("attn.proj.bias", 1, 0, TpSplit::Replicated),
+    ("ln2.weight", 1, 0, TpSplit::Replicated),
+    ("ln2.bias", 1, 0, TpSplit::Replicated),
+    ("mlp.fc.weight", 4, 1, TpSplit::Column),
+    ("mlp.fc.bias", 4, 0, TpSplit::Column),
+    ("mlp.proj.weight", 1, 4, TpSplit::Row),
+    ("mlp.proj.bias", 1, 0, TpSplit::Replicated),
+];
+
+/// The layout table of a [`GptConfig`].
+#[derive(Debug, Clone)]
+pub struct ParamLayout {
+    entries: Vec<ParamEntry>,
+    n_layer: usize,
+    /// Offset of block 0.
+    blocks_start: usize,
+    /// Elements per block.
+    block_len: usize,
+    total: usize,
+}
+
+impl ParamLayout {
+    /// Builds the table for `config` (assumed validated).
+    pub fn new(config: &GptConfig) -> Self {
+        let c = config.n_embd;
+        let mut entries = Vec::new();
+        let mut offset = 0;
+        let mut push = |name: String, shape: Vec<usize>, layer, split| {
+            let len = shape.iter().product();
+            let decay = shape.len() == 2;
+            entries.push(ParamEntry {
+                name,
+                shape,
+                offset,
+                len,
+                layer,
+                decay,
+                tp_split: split,
+            });
+            offset += len;
+        };
+        push(
+            "wte".into(),
+            vec![config.padded_vocab_size(), c],
+            None,
+            TpSplit::Vocab,
+        );
+        push(
+            "wpe".into(),
+            vec![config.max_seq_len, c],
+            None,
+            TpSplit::Replicated,
+        );
+        for l in 0..config.n_layer {
+            for &(suffix, rows, cols, split) in BLOCK_TENSORS {
+                let shape = if cols == 0 {
+                    vec![rows * c]
+                } else {
+                    vec![rows * c, cols * c]
+                };
+                push(format!("h.{l}.{suffix}"), shape, Some(l), split);
+            }
+        }
+        push("lnf.weight".into(), vec![c], None, TpSplit::Replicated);
+        push("lnf.bias".into(), vec![c], None, TpSplit::Replicated);
+        let blocks_start = entries[2].offset;
+        let block_len: usize = entries[2..2 + BLOCK_TENSORS.len()].iter().map(|e| e.len).sum();
+        let total = offset;
+        debug_assert_eq!(blocks_start + config.n_layer * block_len + 2 * c, total);
+        ParamLayout {
+            entries,
+            n_layer: config.n_layer,
+            blocks_start,
+            block_len,
+            total,
+        }
+    }
+
+    /// All entries in buffer order.
+    pub fn entries(&self) -> &[ParamEntry] {
+        &self.entries
+    }
+
+    /// Number of parameters (length of the flat buffer).
+    pub fn total_len(&self) -> usize {
+        self.total
+    }
+
+    /// The entry called `name`.
+    pub fn get(&self, name: &str) -> Option<&ParamEntry> {
+        self.entries.iter().find(|e| e.name == name)
+    }
+
+    /// Flat range of the first tensor, `wte` (Vp, C).
+    pub fn wte(&self) -> Range<usize> {
+        self.entries[0].range()
+    }
+
+    /// Flat range of `wpe` (maxT, C).
+    pub fn wpe(&self) -> Range<usize> {
+        self.entries[1].range()
+    }
+
+    /// Flat ranges of `lnf.weight` and `lnf.bias` (C each).
+    pub fn lnf(&self) -> (Range<usize>, Range<usize>) {
+        let n = self.entries.len();
+        (self.entries[n - 2].range(), self.entries[n - 1].range())
+    }
+
+    /// Contiguous flat range covering blocks `layers` (e.g. one pipeline stage's blocks).
+    pub fn layers_range(&self, layers: Range<usize>) -> Range<usize> {
+        assert!(
+            layers.end <= self.n_layer,
+            "layers {layers:?} beyond {} blocks",
+            self.n_layer
+        );
+        self.blocks_start + layers.start * self.block_len..self.blocks_start + layers.end * self.block_len
+    }
+
+    /// Ranges of block `l`'s tensors.
+    pub fn block(&self, l: usize) -> BlockRanges {
+        let first = 2 + l * BLOCK_TENSORS.len();
+        let r = |i: usize| self.entries[first + i].range();
+        BlockRanges {
+            ln1_w: r(0),
+            ln1_b: r(1),
+            qkv_w: r(2),
+            qkv_b: r(3),
+            attn_proj_w: r(4),
+            attn_proj_b: r(5),
+            ln2_w: r(6),
+            ln2_b: r(7),
+            fc_w: r(8),
+            fc_b: r(9),
+            mlp_proj_w: r(10),
+            mlp_proj_b: r(11),
+        }
+    }
+
+    /// Maximal runs of equal decay flag, covering `0..total_len()` in order: what AdamW needs
+    /// to apply decay element-wise over any offset range.
+    pub fn decay_spans(&self) -> Vec<(Range<usize>, bool)> {
+        let mut spans: Vec<(Range<usize>, bool)> = Vec::new();
+        for e in &self.entries {
+            match spans.last_mut() {
+                Some((r, d)) if *d == e.decay => r.end = e.offset + e.len,
+                _ => spans.push((e.range(), e.decay)),
+            }
+        }
+        spans
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> GptConfig {
+        GptConfig {
+            n_layer: 3,
+            n_head: 2,
+            n_embd: 8,
+            vocab_size: 20,
+            max_seq_len: 5,
+        }
+    }
+
+    #[test]
+    fn entries_tile_the_buffer_and_blocks_are_contiguous() {
+        let lay = ParamLayout::new(&cfg());
+        let mut next = 0;
+        for e in lay.entries() {
+            assert_eq!(e.offset, next, "{}", e.name);
+            assert_eq!(e.len, e.shape.iter().product::<usize>());
+            next += e.len;
+        }
+        assert_eq!(next, lay.total_len());
+        let c = 8;
+        // 12C^2 weights + 13C biases/LN per block.
+        assert_eq!(lay.layers_range(0..1).len(), 12 * c * c + 13 * c);
+        assert_eq!(
+            lay.layers_range(1..3).start,
+            lay.get("h.1.ln1.weight").unwrap().offset
+        );
+        assert_eq!(lay.layers_range(1..3).end, lay.get("lnf.weight").unwrap().offset);
+        assert_eq!(
+            lay.block(2).qkv_w,
+            lay.get("h.2.attn.qkv.weight").unwrap().range()
+        );
+        assert_eq!(lay.get("h.0.mlp.proj.weight").unwrap().shape, vec![c, 4 * c]);
+        assert_eq!(
+            lay.total_len(),
+            128 * c + 5 * c + 3 * (12 * c * c + 13 * c) + 2 * c
+        );
+    }
+
+    #[test]
+    fn decay_spans_cover_exactly_the_2d_weights() {
+        let lay = ParamLayout::new(&cfg());
+        let spans = lay.decay_spans();
+        assert_eq!(spans.first().unwrap().0.start, 0);
+        assert_eq!(spans.last().unwrap().0.end, lay.total_len());
+        for e in lay.entries() {
+            let (_, d) = spans.iter().find(|(r, _)| r.contains(&e.offset)).unwrap();
+            assert_eq!(*d, e.shape.len() == 2, "{}", e.name);
+        }
+    }
+}

@@ -5,10 +5,15 @@
 //! and exits without finalizing MPI (finalize waits for peers that are gone).
 
 use std::io::Write;
+use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
 use meshtrain::bench::collectives::{self, parse_size, CollBench, COLLECTIVES};
+use meshtrain::bench::step::{run_step_bench, StepBenchArgs};
+use meshtrain::config::JobConfig;
+use meshtrain::data::tokenize_files;
+use meshtrain::train::{self, TrainOptions};
 use meshtrain::bootstrap::{rank_hint, World};
 use meshtrain::comm::{selftest, DType, ReduceOp};
 use meshtrain::{Error, Result};
@@ -25,9 +30,41 @@ enum Command {
     /// Benchmark collectives (`all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`,
     /// `broadcast`, `reduce`, or `all`); run one process per rank under mpirun/srun.
     Bench(BenchArgs),
+    /// Train a GPT model: `meshtrain train JOB.toml [--set section.key=value ...] [--metrics FILE]`.
+    Train(TrainArgs),
+    /// Turn UTF-8 text files into llm.c token shards with GPT-2 BPE.
+    Tokenize(TokenizeArgs),
     /// Check every collective, element type and operator bit for bit on this job's ranks and
     /// transports (exit status 1 on any mismatch).
     Selftest(SelftestArgs),
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    /// The job file (TOML).
+    job: PathBuf,
+    /// Overrides, e.g. `--set train.steps=10` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Write one JSON line per step here (rank 0).
+    #[arg(long)]
+    metrics: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct TokenizeArgs {
+    /// Input text files (each one document).
+    #[arg(required = true)]
+    inputs: Vec<PathBuf>,
+    /// Output prefix: writes PREFIX_val_000000.bin, PREFIX_train_000000.bin, ...
+    #[arg(long, short)]
+    out: PathBuf,
+    /// Fraction of tokens that go to the validation split.
+    #[arg(long, default_value_t = 0.05)]
+    val_fraction: f64,
+    /// Tokens per shard file.
+    #[arg(long, default_value_t = 100_000_000)]
+    shard_tokens: usize,
 }
 
 #[derive(Args)]
@@ -43,8 +80,21 @@ struct SelftestArgs {
 
 #[derive(Args)]
 struct BenchArgs {
-    /// What to measure: a collective name or `all`.
+    /// What to measure: a collective name, `all` (every collective), or `step` (a training step of
+    /// the model on CPU against its own GEMM rate).
     what: String,
+    /// `step`: named model size.
+    #[arg(long, default_value = "d12")]
+    size: String,
+    /// `step`: micro-batch size.
+    #[arg(long, default_value_t = 4)]
+    batch: usize,
+    /// `step`: sequence length.
+    #[arg(long, default_value_t = 64)]
+    seq_len: usize,
+    /// `step`: timed steps.
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
     /// Smallest buffer (K/M/G suffixes).
     #[arg(long, default_value = "4K", value_parser = parse_size)]
     min: usize,
@@ -113,6 +163,23 @@ impl BenchArgs {
     }
 }
 
+fn bench_step(args: &BenchArgs) -> Result<()> {
+    let report = run_step_bench(&StepBenchArgs {
+        size: args.size.clone(),
+        batch: args.batch,
+        seq_len: args.seq_len,
+        warmup: args.warmup.min(2),
+        steps: args.steps,
+        seed: 0,
+    })?;
+    if args.csv {
+        println!("{}", serde_json::to_string(&report).map_err(|e| Error::Check(e.to_string()))?);
+    } else {
+        println!("{report}");
+    }
+    Ok(())
+}
+
 fn bench(world: &World, args: &BenchArgs) -> Result<()> {
     let b = args.to_bench()?;
     let comm = world.communicator()?;
@@ -165,6 +232,19 @@ fn selftest(world: &World, args: &SelftestArgs) -> Result<()> {
     Ok(())
 }
 
+fn tokenize(args: &TokenizeArgs) -> Result<()> {
+    let r = tokenize_files(&args.inputs, &args.out, args.val_fraction, args.shard_tokens)?;
+    println!(
+        "tokenize: {} documents, {} train tokens in {} shard(s), {} val tokens in {} shard(s)",
+        r.documents,
+        r.train_tokens,
+        r.train_shards.len(),
+        r.val_tokens,
+        r.val_shards.len()
+    );
+    Ok(())
+}
+
 /// Runs `f` inside an initialized world; on failure raises the job-wide abort and exits at once.
 fn with_world(f: impl FnOnce(&World) -> Result<()>) -> Result<()> {
     let world = World::init()?;
@@ -192,7 +272,18 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let result = match &cli.command {
+        Command::Bench(args) if args.what == "step" => bench_step(args),
         Command::Bench(args) => with_world(|w| bench(w, args)),
+        Command::Train(args) => {
+            let cfg = JobConfig::load(&args.job, &args.sets);
+            match cfg {
+                Ok(cfg) => with_world(|w| {
+                    train::train(w, &cfg, &TrainOptions { metrics: args.metrics.clone() }).map(|_| ())
+                }),
+                Err(e) => Err(e),
+            }
+        }
+        Command::Tokenize(args) => tokenize(args),
         Command::Selftest(args) => with_world(|w| selftest(w, args)),
     };
     if let Err(e) = result {

@@ -155,9 +155,10 @@ impl<F: Float> Gpt<F> {
         &mut self.grads
     }
 
-    /// Parameters (mutable) and gradients together, for the optimizer step.
-    pub fn params_and_grads(&mut self) -> (&mut [F], &[F]) {
-        (&mut self.params, &self.grads)
+    /// Parameters and gradients together, both mutable: the data-parallel step reduces gradients
+    /// in place before the optimizer updates the parameters.
+    pub fn params_and_grads(&mut self) -> (&mut [F], &mut [F]) {
+        (&mut self.params, &mut self.grads)
     }
 
     /// Logits of the last forward (B, T, Vp); padded columns are meaningless.

@@ -1,1 +1,209 @@
-//! (module under construction)
+//! `meshtrain train`: the training loop.
+//!
+//! One optimizer step = `grad_accum` micro-batches of (B, T) on every data-parallel rank, gradients
+//! averaged over micro-batches and ranks, clipped by the global norm, AdamW with the warm-up +
+//! cosine schedule. Every rank computes the same loss (averaged over the group) and rank 0 writes
+//! the metrics. Invariants: the same seed and config give bit-identical losses run to run; a
+//! data-parallel run sees exactly the windows a single rank sees with `grad_accum * dp`
+//! micro-batches, so both follow the same trajectory up to float summation order.
+
+mod grad_sync;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use crate::bootstrap::World;
+use crate::comm::{Communicator, ReduceOp};
+use crate::config::{DeviceKind, JobConfig};
+use crate::data::{open_source, Batch, Sampler, Split};
+use crate::error::{Error, Result};
+use crate::metrics::{FlopCounter, MetricsWriter, Progress, StepRecord};
+use crate::device::{bind_cpu_threads, cpu_peak_tflops};
+use crate::model::Gpt;
+use crate::optim::{AdamW, AdamWConfig, DecayMask, LrSchedule};
+
+pub use grad_sync::DataParallel;
+
+/// Options of one run that are not part of the job config.
+#[derive(Debug, Clone, Default)]
+pub struct TrainOptions {
+    /// Where rank 0 writes one JSON line per step.
+    pub metrics: Option<PathBuf>,
+}
+
+/// What a finished run reports (identical on every rank).
+#[derive(Debug, Clone)]
+pub struct TrainReport {
+    /// Training loss of each step.
+    pub losses: Vec<f64>,
+    /// (step, validation loss) pairs.
+    pub val_losses: Vec<(u64, f64)>,
+    /// Mean tokens per second over the steps after the first.
+    pub tokens_per_s: f64,
+    /// The final parameters.
+    pub params: Vec<f32>,
+}
+
+/// Rejects layouts this build cannot run yet, naming the key.
+fn check_supported(cfg: &JobConfig) -> Result<()> {
+    if cfg.device != DeviceKind::Cpu {
+        return Err(Error::config("device", "only `cpu` training is implemented so far (GPU backends are not built yet)"));
+    }
+    if cfg.parallel.tp > 1 {
+        return Err(Error::config("parallel.tp", "tensor parallelism is not implemented yet"));
+    }
+    if cfg.parallel.pp > 1 {
+        return Err(Error::config("parallel.pp", "pipeline parallelism is not implemented yet"));
+    }
+    if cfg.parallel.zero > 1 {
+        return Err(Error::config("parallel.zero", "only ZeRO stages 0 and 1 are implemented so far"));
+    }
+    if cfg.init_from.is_some() {
+        return Err(Error::config("init_from", "loading weights needs the checkpoint format, not implemented yet"));
+    }
+    Ok(())
+}
+
+/// Mean validation loss over `batches` micro-batches on every rank, averaged over the group.
+fn evaluate(model: &mut Gpt<f32>, sampler: &mut Sampler, batches: usize, dp: &Communicator) -> Result<f64> {
+    let mut batch = Batch::new(model.batch(), model.seq_len());
+    let mut sum = 0.0f64;
+    for _ in 0..batches {
+        sampler.next_batch(&mut batch)?;
+        sum += f64::from(model.forward(&batch.inputs, &batch.targets)?);
+    }
+    let mut mean = [sum / batches.max(1) as f64];
+    dp.all_reduce(&mut mean, ReduceOp::Avg)?;
+    Ok(mean[0])
+}
+
+/// Trains `cfg` on this world (every rank calls it).
+pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<TrainReport> {
+    cfg.validate_world(world.size)?;
+    check_supported(cfg)?;
+    let leader = world.rank == 0;
+    bind_cpu_threads(world.local_size);
+    if leader {
+        println!("# effective config\n{}", cfg.to_toml());
+    }
+    let dp = world.communicator()?;
+    let (b, t, accum) = (cfg.train.micro_batch, cfg.train.seq_len, cfg.train.grad_accum);
+    let mut model = Gpt::<f32>::new(cfg.model, b, t, cfg.train.seed)?;
+    let n = model.params().len();
+    let mut sync = DataParallel::new(&dp, n, cfg.parallel.zero);
+    if leader {
+        let state_mb = (2 * sync.state_len() * 4) as f64 / 1e6;
+        println!(
+            "# layout: dp={} tp=1 pp=1 zero={}; {} parameters; per rank: params {:.1} MB, grads {:.1} MB, AdamW state {:.1} MB, activations {:.1} MB",
+            dp.size(),
+            cfg.parallel.zero,
+            n,
+            (n * 4) as f64 / 1e6,
+            (n * 4) as f64 / 1e6,
+            state_mb,
+            (model.activation_elements() * 4) as f64 / 1e6
+        );
+    }
+    let opt = AdamW::new(
+        AdamWConfig {
+            beta1: cfg.optim.beta1,
+            beta2: cfg.optim.beta2,
+            eps: cfg.optim.eps,
+            weight_decay: cfg.optim.weight_decay,
+        },
+        DecayMask::from_layout(model.layout()),
+    );
+    let sched = LrSchedule::new(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.steps)?;
+    let vocab = cfg.model.vocab_size;
+    let train_src = open_source(&cfg.data.source, Split::Train, vocab, cfg.data.seed, "data.source")?;
+    let mut sampler = Sampler::new(train_src, t, b, dp.rank(), dp.size(), cfg.data.shuffle, cfg.data.seed)?;
+    let mut val_sampler = if cfg.train.eval_every > 0 {
+        let (src, key) = match &cfg.data.val_source {
+            Some(v) => (v.as_str(), "data.val_source"),
+            None => (cfg.data.source.as_str(), "data.source"),
+        };
+        let val = open_source(src, Split::Val, vocab, cfg.data.seed, key)?;
+        Some(Sampler::new(val, t, b, dp.rank(), dp.size(), false, cfg.data.seed)?)
+    } else {
+        None
+    };
+
+    let peak = match cfg.metrics.peak_tflops {
+        Some(p) => Some(p),
+        None => Some(cpu_peak_tflops(world.local_size)),
+    };
+    let flops = FlopCounter::new(&cfg.model, t, peak, world.size);
+    let mut writer = match (&opts.metrics, leader) {
+        (Some(p), true) => Some(MetricsWriter::create(p)?),
+        _ => None,
+    };
+    let progress = Progress::new(cfg.train.steps, cfg.train.log_every, leader);
+    let tokens_per_step = (dp.size() * accum * b * t) as f64;
+    let mut batch = Batch::new(b, t);
+    let mut report = TrainReport { losses: Vec::new(), val_losses: Vec::new(), tokens_per_s: 0.0, params: Vec::new() };
+    let (start, mut timed_s, mut timed_steps) = (Instant::now(), 0.0, 0u64);
+
+    for step in 1..=cfg.train.steps {
+        let t0 = Instant::now();
+        model.zero_grad();
+        let mut loss_sum = 0.0f64;
+        for _ in 0..accum {
+            sampler.next_batch(&mut batch)?;
+            loss_sum += f64::from(model.forward(&batch.inputs, &batch.targets)?);
+            model.backward()?;
+        }
+        let lr = sched.lr(step - 1);
+        let (params, grads) = model.params_and_grads();
+        if accum > 1 {
+            let inv = 1.0 / accum as f32;
+            grads.iter_mut().for_each(|g| *g *= inv);
+        }
+        let outcome = sync.step(&dp, &opt, lr, cfg.optim.grad_clip, params, grads)?;
+        let mut loss = [loss_sum / accum as f64];
+        dp.all_reduce(&mut loss, ReduceOp::Avg)?;
+        let step_s = t0.elapsed().as_secs_f64();
+        if step > 1 {
+            timed_s += step_s;
+            timed_steps += 1;
+        }
+        let val_loss = match &mut val_sampler {
+            Some(v) if step % cfg.train.eval_every == 0 || step == cfg.train.steps => {
+                let l = evaluate(&mut model, v, cfg.train.eval_batches, &dp)?;
+                report.val_losses.push((step, l));
+                Some(l)
+            }
+            _ => None,
+        };
+        let tokens_per_s = tokens_per_step / step_s;
+        let record = StepRecord {
+            step,
+            loss: loss[0],
+            lr,
+            grad_norm: outcome.grad_norm,
+            tokens_per_s,
+            model_tflops: flops.model_tflops(tokens_per_s),
+            mfu: flops.mfu(tokens_per_s),
+            elapsed_s: start.elapsed().as_secs_f64(),
+            val_loss,
+            extra: Default::default(),
+        };
+        if let Some(w) = &mut writer {
+            w.write(&record)?;
+        }
+        progress.update(&record);
+        report.losses.push(loss[0]);
+    }
+    progress.finish();
+    report.tokens_per_s = if timed_s > 0.0 { tokens_per_step * timed_steps as f64 / timed_s } else { 0.0 };
+    report.params = model.params().to_vec();
+    if leader {
+        println!(
+            "# done: {} steps, final loss {:.4}{}, {:.0} tokens/s",
+            cfg.train.steps,
+            report.losses.last().copied().unwrap_or(f64::NAN),
+            report.val_losses.last().map_or(String::new(), |(_, v)| format!(", val loss {v:.4}")),
+            report.tokens_per_s
+        );
+    }
+    Ok(report)
+}

@@ -5,7 +5,7 @@ SHELL := /bin/bash
 RANKS ?= 4
 MPIRUN ?= mpirun --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root,)
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
-APT_PACKAGES := build-essential pkg-config libclang-dev libopenmpi-dev openmpi-bin
+APT_PACKAGES := build-essential pkg-config libclang-dev libopenmpi-dev openmpi-bin libopenblas-dev libhdf5-dev hdf5-tools
 export HDF5_DIR ?= /usr/lib/x86_64-linux-gnu/hdf5/serial
 
 .PHONY: deps rust build release demo test bench
@@ -26,10 +26,10 @@ build: deps
 	PATH="$$HOME/.cargo/bin:$$PATH" cargo build --release
 
 demo: build
-	$(MPIRUN) -np $(RANKS) target/release/meshtrain train jobs/demo.toml
+	$(MPIRUN) --bind-to none -np $(RANKS) target/release/meshtrain train jobs/demo.toml --metrics out/demo.jsonl
 
 test: deps
 	PATH="$$HOME/.cargo/bin:$$PATH" cargo test --release -- --test-threads=1
 
 bench: build
-	$(MPIRUN) -np $(RANKS) target/release/meshtrain bench all --min 4K --max 64M --vs-mpi
+	$(MPIRUN) --bind-to none -np $(RANKS) target/release/meshtrain bench all --min 4K --max 64M --vs-mpi

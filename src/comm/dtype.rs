@@ -11,6 +11,7 @@
 //!   the wire format does).
 
 use bytemuck::Pod;
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 /// Element type of a collective buffer.
@@ -278,6 +279,51 @@ fn scale<T: Element>(buf: &mut [u8], n: usize) {
     }
 }
 
+/// Elements per block of the 16-bit float kernels.
+const HALF_BLOCK: usize = 512;
+
+/// 16-bit floats: widen a block of each operand to f32 with `half`'s vectorized conversions,
+/// combine in f32, round back. Bit-identical to the element-wise definition
+/// `round(f32(a) op f32(b))`, and far faster than converting one element at a time.
+fn half_out<H: Element>(out: &mut [u8], a: &[u8], b: &[u8], op: ReduceOp)
+where
+    [H]: HalfFloatSliceExt,
+{
+    if !(aligned::<H>(out) && aligned::<H>(a) && aligned::<H>(b)) {
+        return with_op!(op, H, |f| zip_out::<H, _>(out, a, b, f));
+    }
+    let o = bytemuck::cast_slice_mut::<u8, H>(out);
+    let (a, b) = (bytemuck::cast_slice::<u8, H>(a), bytemuck::cast_slice::<u8, H>(b));
+    let (mut fa, mut fb) = ([0f32; HALF_BLOCK], [0f32; HALF_BLOCK]);
+    for ((o, a), b) in o.chunks_mut(HALF_BLOCK).zip(a.chunks(HALF_BLOCK)).zip(b.chunks(HALF_BLOCK)) {
+        let n = o.len();
+        a.convert_to_f32_slice(&mut fa[..n]);
+        b.convert_to_f32_slice(&mut fb[..n]);
+        with_op!(op, f32, |f| fa[..n].iter_mut().zip(&fb[..n]).for_each(|(x, &y)| *x = f(*x, y)));
+        o.convert_from_f32_slice(&fa[..n]);
+    }
+}
+
+/// `acc = acc op x` for 16-bit floats (see [`half_out`]).
+fn half_into<H: Element>(acc: &mut [u8], x: &[u8], op: ReduceOp)
+where
+    [H]: HalfFloatSliceExt,
+{
+    if !(aligned::<H>(acc) && aligned::<H>(x)) {
+        return with_op!(op, H, |f| zip_into::<H, _>(acc, x, f));
+    }
+    let o = bytemuck::cast_slice_mut::<u8, H>(acc);
+    let x = bytemuck::cast_slice::<u8, H>(x);
+    let (mut fa, mut fb) = ([0f32; HALF_BLOCK], [0f32; HALF_BLOCK]);
+    for (o, x) in o.chunks_mut(HALF_BLOCK).zip(x.chunks(HALF_BLOCK)) {
+        let n = o.len();
+        o.convert_to_f32_slice(&mut fa[..n]);
+        x.convert_to_f32_slice(&mut fb[..n]);
+        with_op!(op, f32, |f| fa[..n].iter_mut().zip(&fb[..n]).for_each(|(x, &y)| *x = f(*x, y)));
+        o.convert_from_f32_slice(&fa[..n]);
+    }
+}
+
 /// Byte-level reduction kernels for one (dtype, op) pair, chosen once per operation.
 #[derive(Clone, Copy)]
 pub struct Reducer {
@@ -305,8 +351,8 @@ impl Reducer {
         match dtype {
             DType::F32 => make::<f32>(op),
             DType::F64 => make::<f64>(op),
-            DType::BF16 => make::<bf16>(op),
-            DType::F16 => make::<f16>(op),
+            DType::BF16 => Reducer { into: half_into::<bf16>, out: half_out::<bf16>, ..make::<bf16>(op) },
+            DType::F16 => Reducer { into: half_into::<f16>, out: half_out::<f16>, ..make::<f16>(op) },
             DType::I32 => make::<i32>(op),
             DType::I64 => make::<i64>(op),
             DType::U8 => make::<u8>(op),
@@ -391,6 +437,31 @@ mod tests {
             r.finalize(bytemuck::cast_slice_mut(&mut out), 2);
             assert_eq!(out, expect(op), "{op:?}");
         }
+    }
+
+    #[test]
+    fn half_kernels_match_the_elementwise_definition_bit_for_bit() {
+        // Values with fractional parts so that every sum and product must round.
+        let a: Vec<f32> = (0..1500).map(|i| (i as f32 * 0.37).sin() * 300.0).collect();
+        let b: Vec<f32> = (0..1500).map(|i| (i as f32 * 0.11).cos() * 7.3).collect();
+        fn check<H: Element + std::fmt::Debug>(a: &[f32], b: &[f32], conv: fn(f32) -> H) {
+            let (ha, hb): (Vec<H>, Vec<H>) = (a.iter().map(|&x| conv(x)).collect(), b.iter().map(|&x| conv(x)).collect());
+            for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
+                let r = Reducer::new(H::DTYPE, op);
+                let mut out = vec![conv(0.0); a.len()];
+                r.reduce_out(bytemuck::cast_slice_mut(&mut out), bytemuck::cast_slice(&ha), bytemuck::cast_slice(&hb));
+                let mut acc = ha.clone();
+                r.reduce_into(bytemuck::cast_slice_mut(&mut acc), bytemuck::cast_slice(&hb));
+                let f = combine::<H>(op);
+                for i in 0..a.len() {
+                    let want = f(ha[i], hb[i]);
+                    assert_eq!(bytemuck::bytes_of(&out[i]), bytemuck::bytes_of(&want), "{op:?} {i}");
+                    assert_eq!(bytemuck::bytes_of(&acc[i]), bytemuck::bytes_of(&want), "{op:?} {i}");
+                }
+            }
+        }
+        check::<bf16>(&a, &b, bf16::from_f32);
+        check::<f16>(&a, &b, f16::from_f32);
     }
 
     #[test]

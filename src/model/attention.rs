@@ -83,8 +83,8 @@ fn attention_forward_serial<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], s
     }
 }
 
-/// Scratch elements [`attention_backward`] needs for sequence length `t`: one row of T per
-/// thread it may use.
+/// Scratch elements [`attention_backward`] should get for sequence length `t`: one row of T
+/// per thread (with less, it uses fewer threads).
 pub fn attention_scratch_len(t: usize) -> usize {
     super::parallel::cores() * t
 }
@@ -100,7 +100,13 @@ pub fn attention_backward<F: Float>(
     s: AttnShape,
 ) {
     let (t, c) = (s.t, s.c());
-    let per = chunk_items(s.b, s.nh * t * t * s.hs);
+    assert!(
+        scratch.len() >= t,
+        "attention_backward: scratch of {} < T = {t}",
+        scratch.len()
+    );
+    // No more parts than scratch rows.
+    let per = chunk_items(s.b, s.nh * t * t * s.hs).max(s.b.div_ceil(scratch.len() / t));
     let dqkvs = dqkv[..s.b * t * 3 * c].chunks_mut(per * t * 3 * c);
     let parts = dout
         .chunks(per * t * c)
@@ -187,5 +193,39 @@ mod tests {
         }
         // Position 0 attends only to itself: out = v of token 0.
         assert_eq!(&out[..4], &qkv[8..12]);
+    }
+
+    /// Splitting the batch across threads computes every element exactly as one thread does.
+    #[test]
+    fn threaded_equals_serial_bitwise() {
+        let s = AttnShape {
+            b: 5,
+            t: 32,
+            nh: 4,
+            hs: 16,
+        }; // enough work to split
+        let c = 64;
+        let qkv: Vec<f32> = (0..5 * 32 * 3 * c)
+            .map(|i| ((i * 37) % 101) as f32 * 0.02 - 1.0)
+            .collect();
+        let dout: Vec<f32> = (0..5 * 32 * c)
+            .map(|i| ((i * 53) % 97) as f32 * 0.01 - 0.5)
+            .collect();
+        let (mut o1, mut a1) = (vec![0f32; 5 * 32 * c], vec![0f32; 5 * 4 * 32 * 32]);
+        let (mut o2, mut a2) = (o1.clone(), a1.clone());
+        attention_forward(&mut o1, &mut a1, &qkv, s);
+        attention_forward_serial(&mut o2, &mut a2, &qkv, s);
+        assert_eq!((&o1, &a1), (&o2, &a2));
+        let (mut d1, mut d2) = (vec![0f32; qkv.len()], vec![0f32; qkv.len()]);
+        attention_backward(
+            &mut d1,
+            &mut vec![0f32; attention_scratch_len(32)],
+            &dout,
+            &qkv,
+            &a1,
+            s,
+        );
+        attention_backward_serial(&mut d2, &mut [0f32; 32], &dout, &qkv, &a1, s);
+        assert_eq!(d1, d2);
     }
 }

@@ -4,6 +4,8 @@
 //! checked that every operand slice holds its whole matrix, so BLAS never reads or writes out
 //! of bounds. Threads: OpenBLAS uses `OPENBLAS_NUM_THREADS` (default: all cores) for every
 //! GEMM; [`set_gemm_threads`] changes it at run time (e.g. one process per GPU sharing a node).
+//! Results are bitwise reproducible for a fixed thread count, but a different thread count may
+//! block some GEMMs differently and change the last bits (observed on 1 vs 3 threads).
 
 use std::os::raw::c_int;
 

@@ -99,4 +99,22 @@ mod tests {
         let want = [0.25, 0.25, -0.75, 0.25, 0.0, 0.0];
         assert!(d.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-15), "{d:?}");
     }
+
+    /// Splitting rows across threads computes every element exactly as one thread does.
+    #[test]
+    fn threaded_equals_serial_bitwise() {
+        let (n, v, vp) = (67, 1000, 1024); // enough work to split, uneven rows per thread
+        let logits: Vec<f32> = (0..n * vp)
+            .map(|i| ((i * 37) % 101) as f32 * 0.05 - 2.0)
+            .collect();
+        let targets: Vec<u32> = (0..n as u32).map(|i| i * 13 % v as u32).collect();
+        let (mut l1, mut s1, mut l2, mut s2) = (vec![0f32; n], vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+        cross_entropy_forward(&mut l1, &mut s1, &logits, &targets, v, vp);
+        cross_entropy_forward_serial(&mut l2, &mut s2, &logits, &targets, v, vp);
+        assert_eq!((&l1, &s1), (&l2, &s2));
+        let (mut d1, mut d2) = (vec![0f32; n * vp], vec![0f32; n * vp]);
+        cross_entropy_backward(&mut d1, &logits, &s1, &targets, 0.5, v, vp);
+        cross_entropy_backward_serial(&mut d2, &logits, &s1, &targets, 0.5, v, vp);
+        assert_eq!(d1, d2);
+    }
 }

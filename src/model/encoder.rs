@@ -6,7 +6,7 @@
 
 use super::float::Float;
 
-/// out (B, T, C) = wte[tokens] (Vp, C) + wpe[0..T] (maxT, C); tokens (B, T).
+/// out (B, T, C) = wte (Vp, C) rows of `tokens` (B, T) + wpe (maxT, C) rows 0..T.
 pub fn encoder_forward<F: Float>(out: &mut [F], tokens: &[u32], wte: &[F], wpe: &[F], t: usize, c: usize) {
     for (bt, (row, &tok)) in out.chunks_exact_mut(c).zip(tokens).enumerate() {
         let pos = bt % t;

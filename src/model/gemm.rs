@@ -2,23 +2,24 @@
 //!
 //! Backend: system OpenBLAS through `cblas_{s,d}gemm` (see `blas.rs`), chosen by measurement
 //! against the `matrixmultiply` crate (0.3, `threading`, 2 threads) on this 2-core AMD EPYC
-//! (AVX2/FMA) at the d12 step's shapes (B=4, T=64: M = B*T = 256, C = 768, Vp = 50304), sgemm,
-//! best of 3 rounds of ~20 GFLOP each, both with 2 threads, on a machine shared with other
-//! builds (absolute numbers are low for that reason; the comparison was interleaved):
+//! (AVX2/FMA) at the d12 step's shapes (B=4, T=64: M = B*T = 256, C = 768, Vp = 50304): sgemm,
+//! both with 2 threads, best of 3 interleaved rounds of ~20 GFLOP each. The machine is shared
+//! with other builds, so two runs are shown: a loaded one (load average ~5) and a quieter one
+//! (~2.2):
 //!
-//! | GEMM (M x N x K)              | matrixmultiply | OpenBLAS 0.3.21 |
-//! |-------------------------------|----------------|-----------------|
-//! | qkv fwd 256x2304x768          | 59.6 GFLOP/s   | 69.5 GFLOP/s    |
-//! | mlp fc fwd 256x3072x768       | 65.3           | 71.8            |
-//! | mlp proj fwd 256x768x3072     | 62.2           | 68.6            |
-//! | logits fwd 256x50304x768      | 53.5           | 70.9            |
-//! | logits dinp 256x768x50304     | 72.8           | 77.3            |
-//! | logits dW 50304x768x256 (Aᵀ)  | 71.5           | 76.3            |
-//! | fc dW 3072x768x256 (Aᵀ)       | 79.4           | 81.7            |
+//! | GEMM (M x N x K)              | loaded: mm / OpenBLAS | quieter: mm / OpenBLAS |
+//! |-------------------------------|-----------------------|------------------------|
+//! | qkv fwd 256x2304x768          | 59.6 / 69.5 GFLOP/s   | 82.1 / 138.1 GFLOP/s   |
+//! | mlp fc fwd 256x3072x768       | 65.3 / 71.8           | 109.2 / 147.4          |
+//! | mlp proj fwd 256x768x3072     | 62.2 / 68.6           | 112.2 / 142.0          |
+//! | logits fwd 256x50304x768      | 53.5 / 70.9           | 82.3 / 138.4           |
+//! | logits dinp 256x768x50304     | 72.8 / 77.3           | 104.0 / 132.7          |
+//! | logits dW 50304x768x256 (Aᵀ)  | 71.5 / 76.3           | 137.3 / 149.4          |
+//! | fc dW 3072x768x256 (Aᵀ)       | 79.4 / 81.7           | 142.6 / 148.6          |
 //!
-//! OpenBLAS is faster on every shape (3-32%, most on the largest GEMM, the logits), and it
-//! scales past the 4 threads `matrixmultiply` caps at, which matters on many-core nodes. The
-//! price is a system library (`libopenblas-dev`) at build time.
+//! OpenBLAS is faster on every shape (up to 1.7x, most on the forward GEMMs and the largest,
+//! the logits), and it scales past the 4 threads `matrixmultiply` caps at, which matters on
+//! many-core nodes. The price is a system library (`libopenblas-dev`) at build time.
 //!
 //! Invariant: every operand is a dense row-major matrix in its slice (leading dimension = its
 //! column count); a transposed operand is read through swapped strides, never copied.

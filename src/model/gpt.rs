@@ -5,6 +5,11 @@
 //! (B, T) given at construction and never reallocated; `backward` ADDS into `grads` (gradient
 //! accumulation over micro-batches), `zero_grad` clears them; `backward` needs a `forward` since
 //! the previous `backward`.
+//!
+//! Seams for parallelism (not built yet): blocks run one at a time from the residual stream
+//! (`block_forward(l)` / `block_backward(l)`), so a pipeline stage runs its layer range with the
+//! parameters of [`ParamLayout::layers_range`]; attention takes its head count and linear its
+//! in/out widths, so a tensor-parallel rank calls them with its shard's sizes.
 
 use std::ops::Range;
 

@@ -3,18 +3,36 @@
 //! GEMMs are threaded by BLAS; the element-wise and row-wise layers (GELU, attention per batch
 //! row, cross-entropy per position, AdamW per element) split their outputs into one contiguous
 //! chunk per core with scoped threads. Each output element is computed by exactly the same
-//! arithmetic whatever the split, so results are bitwise independent of the thread count.
+//! arithmetic whatever the split, so these layers' results are bitwise independent of the
+//! thread count (OpenBLAS GEMMs are not: see `blas.rs`).
+//! [`set_cpu_threads`] is the one knob for both kinds of threading (e.g. 1 when several ranks
+//! share a node's cores: oversubscribed OpenBLAS threads spin and slow everything down).
 
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::blas::set_gemm_threads;
+
+/// Threads for the non-GEMM layers; 0 means "all available cores".
+static THREADS: AtomicUsize = AtomicUsize::new(0);
 
 /// Below this many elements of work a layer runs on the calling thread (a thread spawn costs
 /// ~20 µs, the work per element is a few ns).
 const MIN_PARALLEL_WORK: usize = 1 << 16;
 
-/// Cores available to this process (1 if unknown).
+/// Threads the CPU model uses: set by [`set_cpu_threads`], else the cores available to this
+/// process (1 if unknown).
 pub fn cores() -> usize {
-    static CORES: OnceLock<usize> = OnceLock::new();
-    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    match THREADS.load(Ordering::Relaxed) {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    }
+}
+
+/// Uses `n` (at least 1) threads for the GEMMs (OpenBLAS) and for the other layers from now on.
+pub fn set_cpu_threads(n: usize) {
+    let n = n.max(1);
+    THREADS.store(n, Ordering::Relaxed);
+    set_gemm_threads(n);
 }
 
 /// Items per chunk when `items` items, each `work_per_item` elements of work, are split over

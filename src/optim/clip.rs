@@ -11,7 +11,7 @@ const BLOCK: usize = 1024;
 /// Independent partial sums within a block: breaks the serial add chain so the loop vectorizes.
 const LANES: usize = 16;
 
-/// Σ g² over `grads`. Blocks of [`BLOCK`] elements are summed in `F` over [`LANES`] lanes
+/// Σ g² over `grads`. Blocks of `BLOCK` elements are summed in `F` over `LANES` lanes
 /// (64 terms per lane: relative error ~64 ulp, far below what clipping cares about), block sums
 /// in f64, so 10⁸+ f32 gradients lose nothing to the total's magnitude.
 pub fn sum_of_squares<F: Float>(grads: &[F]) -> f64 {

@@ -6,18 +6,19 @@
 
 use std::time::Instant;
 
-use crate::model::blas::set_gemm_threads;
 use crate::model::gemm::{matmul, Mat};
-use crate::model::parallel::cores;
+use crate::model::parallel::set_cpu_threads;
 
 /// Cores this rank may use when `ranks_on_node` ranks share the node (at least 1).
 pub fn cores_per_rank(ranks_on_node: usize) -> usize {
-    (cores() / ranks_on_node.max(1)).max(1)
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / ranks_on_node.max(1)).max(1)
 }
 
-/// Splits the node's cores among its ranks for the BLAS threads of this process.
+/// Splits the node's cores among its ranks for this process's BLAS and layer threads
+/// (oversubscribed OpenBLAS threads spin and slow every rank down).
 pub fn bind_cpu_threads(ranks_on_node: usize) {
-    set_gemm_threads(cores_per_rank(ranks_on_node));
+    set_cpu_threads(cores_per_rank(ranks_on_node));
 }
 
 /// Measured sgemm TFLOP/s of this process (a square GEMM of 768, best of a few runs, ~0.1 s),

@@ -25,6 +25,7 @@ pub mod layout;
 pub mod linear;
 pub mod parallel;
 pub mod residual;
+pub mod sample;
 
 pub use float::Float;
 pub use gpt::Gpt;

@@ -293,8 +293,8 @@ pub struct ParallelConfig {
     pub microbatches: usize,
     /// Model chunks per pipeline rank; above 1 only with `interleaved` (default 1).
     pub virtual_stages: usize,
-    /// Gradient all-reduce bucket size in MiB (default 25).
-    pub bucket_mb: usize,
+    /// Gradient bucket size in MiB, fractions allowed (default 25).
+    pub bucket_mb: f64,
     /// Grid axis order, innermost first (default `tp-pp-dp`).
     pub order: AxisOrder,
 }
@@ -310,7 +310,7 @@ impl Default for ParallelConfig {
             schedule: Schedule::OneFOneB,
             microbatches: 1,
             virtual_stages: 1,
-            bucket_mb: 25,
+            bucket_mb: 25.0,
             order: AxisOrder([Axis::Tp, Axis::Pp, Axis::Dp]),
         }
     }
@@ -537,7 +537,9 @@ impl JobConfig {
         at_least("parallel.dp", p.dp as u64, 1)?;
         at_least("parallel.microbatches", p.microbatches as u64, 1)?;
         at_least("parallel.virtual_stages", p.virtual_stages as u64, 1)?;
-        at_least("parallel.bucket_mb", p.bucket_mb as u64, 1)?;
+        if !(p.bucket_mb.is_finite() && p.bucket_mb > 0.0) {
+            return Err(Error::config("parallel.bucket_mb", format!("{} must be a positive number of MiB", p.bucket_mb)));
+        }
         if m.n_head % p.tp != 0 {
             return Err(Error::config(
                 "parallel.tp",

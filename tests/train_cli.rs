@@ -105,8 +105,10 @@ fn data_parallel_follows_the_single_rank_trajectory() {
     let reference = dir.path().join("ref.jsonl");
     train(1, &single, &reference, &["train.grad_accum=4"]);
     let want = losses(&reference);
+    // 0.05 MiB buckets: the tiny model's gradients travel in 10 overlapped buckets.
     for (np, accum, zero) in [(2, 2, 0), (4, 1, 1), (2, 2, 1)] {
-        let path = job(dir.path(), &format!("dp{np}.toml"), &format!("[parallel]\ndp = {np}\nzero = {zero}"));
+        let parallel = format!("[parallel]\ndp = {np}\nzero = {zero}\nbucket_mb = 0.05");
+        let path = job(dir.path(), &format!("dp{np}.toml"), &parallel);
         let out = dir.path().join(format!("dp{np}_{zero}.jsonl"));
         train(np, &path, &out, &[&format!("train.grad_accum={accum}")]);
         assert_close(&losses(&out), &want, 1e-5, &format!("dp{np} accum{accum} zero{zero}"));

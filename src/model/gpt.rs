@@ -306,6 +306,15 @@ impl<F: Float> Gpt<F> {
 
     /// Accumulates d(mean loss)/d(params) of the last forward into the gradients.
     pub fn backward(&mut self) -> Result<()> {
+        self.backward_with(&mut |_, _| {})
+    }
+
+    /// [`Gpt::backward`], calling `on_final(range, grads)` as soon as `grads[range]` will not change
+    /// any more in this backward: the final LayerNorm first, then each block in reverse order, then
+    /// the embeddings (the tied `wte` also receives the head's gradient, so it is final only at the
+    /// end). The ranges are disjoint and cover the whole buffer; data-parallel training starts
+    /// reducing them while the rest of the backward runs.
+    pub fn backward_with(&mut self, on_final: &mut dyn FnMut(Range<usize>, &[F])) -> Result<()> {
         if !self.forward_done {
             return Err(Error::InvalidArgument(
                 "backward called without a forward since the last backward".into(),
@@ -352,11 +361,15 @@ impl<F: Float> Gpt<F> {
             &a.lnf_rstd,
             c,
         );
+        let blocks = self.layout.layers_range(0..nl);
+        on_final(blocks.end..self.grads.len(), &self.grads);
         for l in (0..nl).rev() {
             self.block_backward(l);
+            on_final(self.layout.layers_range(l..l + 1), &self.grads);
         }
         let (dwte, dwpe) = pair_mut(&mut self.grads, self.layout.wte(), self.layout.wpe());
         encoder_backward(dwte, dwpe, &self.dacts.dresidual, &self.tokens, t, c);
+        on_final(0..blocks.start, &self.grads);
         Ok(())
     }
 

@@ -1,15 +1,17 @@
-//! Data-parallel gradient synchronisation and the optimizer step, replicated (ZeRO-0) or with the
-//! optimizer state sharded (ZeRO-1).
+//! Data-parallel gradient synchronisation and the optimizer step: replicated optimizer state
+//! (ZeRO-0) or state sharded across the data-parallel group (ZeRO-1), both with bucketed
+//! reduction overlapped with the backward pass ([`super::buckets`]).
 //!
 //! Invariants: after [`DataParallel::step`] every data-parallel rank holds bit-identical
-//! parameters; the gradient that the optimizer sees is the mean over ranks (and the caller has
-//! already averaged over micro-batches); the global gradient norm is computed from the same
-//! averaged gradient on every rank, so clipping agrees everywhere. A ZeRO shard is the offset range
-//! `block_range(n_params, dp, dp_rank)` of the flat buffers.
+//! parameters; the optimizer sees the mean gradient over ranks and micro-batches; the global
+//! gradient norm is the same on every rank, so clipping agrees everywhere. With ZeRO-1 a rank's
+//! shard is block `dp_rank` of every bucket (an offset range per bucket): its AdamW state covers
+//! exactly those ranges, and the updated parameters are all-gathered bucket by bucket.
 
 use std::ops::Range;
 
-use crate::comm::{block_range, Communicator, ReduceOp};
+use super::buckets::{OverlapReducer, ReduceTiming};
+use crate::comm::{Communicator, ReduceOp};
 use crate::error::Result;
 use crate::optim::{clip_scale, scale_grads, sum_of_squares, AdamW, AdamWState};
 
@@ -17,37 +19,62 @@ use crate::optim::{clip_scale, scale_grads, sum_of_squares, AdamW, AdamWState};
 pub struct DataParallel {
     /// ZeRO stage (0: replicated state; 1: state sharded).
     pub zero: u8,
-    /// The flat range this rank updates.
-    shard: Range<usize>,
-    state: AdamWState<f32>,
+    reducer: OverlapReducer,
+    /// One AdamW state per bucket, covering that bucket's owned range.
+    states: Vec<AdamWState<f32>>,
 }
 
 /// What one optimizer step reports.
 pub struct StepOutcome {
     /// Global L2 norm of the averaged gradient, before clipping.
     pub grad_norm: f64,
+    /// Gradient communication time and how much of it was not hidden behind backward.
+    pub timing: ReduceTiming,
 }
 
 impl DataParallel {
-    /// Layout for `n` parameters on `dp`'s ranks at ZeRO `zero` (0 or 1).
-    pub fn new(dp: &Communicator, n: usize, zero: u8) -> Self {
-        let shard = if zero == 0 { 0..n } else { block_range(n, dp.size(), dp.rank()) };
-        let state = AdamWState::new(shard.start, shard.len());
-        DataParallel { zero, shard, state }
+    /// Layout for `n` parameters on `dp`'s ranks at ZeRO `zero` (0 or 1) with buckets of
+    /// `bucket_elems` gradients. Collective over `dp` (it makes the communication thread's own
+    /// communicator).
+    pub fn new(dp: &Communicator, n: usize, zero: u8, bucket_elems: usize) -> Result<Self> {
+        let thread_comm = dp.split(Some(0), dp.rank() as i64)?.expect("every rank joins color 0");
+        let reducer = OverlapReducer::new(thread_comm, n, bucket_elems, zero > 0);
+        let states = (0..reducer.buckets().len())
+            .map(|b| {
+                let r = reducer.shard(b);
+                AdamWState::new(r.start, r.len())
+            })
+            .collect();
+        Ok(DataParallel { zero, reducer, states })
     }
 
     /// Elements of optimizer state this rank holds (m and v each).
     pub fn state_len(&self) -> usize {
-        self.shard.len()
+        self.states.iter().map(|s| s.m.len()).sum()
     }
 
-    /// Optimizer steps taken.
-    pub fn steps_taken(&self) -> u64 {
-        self.state.step
+    /// Number of gradient buckets.
+    pub fn buckets(&self) -> usize {
+        self.states.len()
     }
 
-    /// Averages `grads` over the group, clips by the global norm (`max_norm` 0 = off), applies AdamW
-    /// at learning rate `lr`, and leaves identical `params` on every rank.
+    /// The flat ranges this rank updates.
+    pub fn owned(&self) -> Vec<Range<usize>> {
+        self.states.iter().map(|s| s.range()).collect()
+    }
+
+    /// Starts a step of `micro_batches` micro-batches.
+    pub fn begin(&mut self, micro_batches: usize) {
+        self.reducer.begin(micro_batches);
+    }
+
+    /// Hook for the last micro-batch's backward: `grads[range]` is final.
+    pub fn on_final(&mut self, range: Range<usize>, grads: &[f32]) {
+        self.reducer.on_final(range, grads);
+    }
+
+    /// Finishes the reduction, clips by the global norm (`max_norm` 0 = off), applies AdamW at
+    /// learning rate `lr`, and leaves identical `params` on every rank.
     pub fn step(
         &mut self,
         dp: &Communicator,
@@ -57,25 +84,23 @@ impl DataParallel {
         params: &mut [f32],
         grads: &mut [f32],
     ) -> Result<StepOutcome> {
-        let shard = self.shard.clone();
-        if self.zero == 0 {
-            dp.all_reduce(grads, ReduceOp::Avg)?;
-        } else {
-            dp.reduce_scatter(grads, ReduceOp::Avg)?;
-        }
-        let mut sq = [sum_of_squares(&grads[shard.clone()])];
+        let timing = self.reducer.finish(grads)?;
+        let mut sq = [self.states.iter().map(|s| sum_of_squares(&grads[s.range()])).sum::<f64>()];
         if self.zero > 0 {
             dp.all_reduce(&mut sq, ReduceOp::Sum)?;
         }
         let grad_norm = sq[0].sqrt();
         let scale = clip_scale(grad_norm, max_norm);
-        if scale != 1.0 {
-            scale_grads(&mut grads[shard.clone()], scale);
+        for s in &mut self.states {
+            let r = s.range();
+            scale_grads(&mut grads[r.clone()], scale);
+            opt.step(s, lr, &mut params[r.clone()], &grads[r])?;
         }
-        opt.step(&mut self.state, lr, &mut params[shard.clone()], &grads[shard])?;
         if self.zero > 0 {
-            dp.all_gather(params)?;
+            for b in self.reducer.buckets().to_vec() {
+                dp.all_gather(&mut params[b])?;
+            }
         }
-        Ok(StepOutcome { grad_norm })
+        Ok(StepOutcome { grad_norm, timing })
     }
 }

@@ -7,6 +7,7 @@
 //! data-parallel run sees exactly the windows a single rank sees with `grad_accum * dp`
 //! micro-batches, so both follow the same trajectory up to float summation order.
 
+mod buckets;
 mod grad_sync;
 
 use std::path::PathBuf;
@@ -90,14 +91,16 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     let (b, t, accum) = (cfg.train.micro_batch, cfg.train.seq_len, cfg.train.grad_accum);
     let mut model = Gpt::<f32>::new(cfg.model, b, t, cfg.train.seed)?;
     let n = model.params().len();
-    let mut sync = DataParallel::new(&dp, n, cfg.parallel.zero);
+    let bucket_elems = ((cfg.parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1);
+    let mut sync = DataParallel::new(&dp, n, cfg.parallel.zero, bucket_elems)?;
     if leader {
         let state_mb = (2 * sync.state_len() * 4) as f64 / 1e6;
         println!(
-            "# layout: dp={} tp=1 pp=1 zero={}; {} parameters; per rank: params {:.1} MB, grads {:.1} MB, AdamW state {:.1} MB, activations {:.1} MB",
+            "# layout: dp={} tp=1 pp=1 zero={}; {} parameters in {} gradient bucket(s); per rank: params {:.1} MB, grads {:.1} MB, AdamW state {:.1} MB, activations {:.1} MB",
             dp.size(),
             cfg.parallel.zero,
             n,
+            sync.buckets(),
             (n * 4) as f64 / 1e6,
             (n * 4) as f64 / 1e6,
             state_mb,
@@ -146,18 +149,20 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     for step in 1..=cfg.train.steps {
         let t0 = Instant::now();
         model.zero_grad();
+        sync.begin(accum);
         let mut loss_sum = 0.0f64;
-        for _ in 0..accum {
+        for micro in 0..accum {
             sampler.next_batch(&mut batch)?;
             loss_sum += f64::from(model.forward(&batch.inputs, &batch.targets)?);
-            model.backward()?;
+            // Only the last micro-batch's backward communicates, overlapped bucket by bucket.
+            if micro + 1 == accum {
+                model.backward_with(&mut |r, g| sync.on_final(r, g))?;
+            } else {
+                model.backward()?;
+            }
         }
         let lr = sched.lr(step - 1);
         let (params, grads) = model.params_and_grads();
-        if accum > 1 {
-            let inv = 1.0 / accum as f32;
-            grads.iter_mut().for_each(|g| *g *= inv);
-        }
         let outcome = sync.step(&dp, &opt, lr, cfg.optim.grad_clip, params, grads)?;
         let mut loss = [loss_sum / accum as f64];
         dp.all_reduce(&mut loss, ReduceOp::Avg)?;
@@ -185,7 +190,13 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             mfu: flops.mfu(tokens_per_s),
             elapsed_s: start.elapsed().as_secs_f64(),
             val_loss,
-            extra: Default::default(),
+            extra: [
+                ("comm_s".to_string(), serde_json::json!(outcome.timing.comm.as_secs_f64())),
+                ("comm_exposed_s".to_string(), serde_json::json!(outcome.timing.exposed.as_secs_f64())),
+                ("step_s".to_string(), serde_json::json!(step_s)),
+            ]
+            .into_iter()
+            .collect(),
         };
         if let Some(w) = &mut writer {
             w.write(&record)?;

@@ -11,6 +11,7 @@
 
 pub mod bench;
 pub mod bootstrap;
+pub mod checkpoint;
 pub mod comm;
 pub mod config;
 pub mod data;

@@ -1,0 +1,566 @@
+//! Checkpoint tests on in-process ranks: round trips, resharding, atomicity under injected
+//! failures and a full disk, corruption detection, inspect/export, and the external readers
+//! (h5dump, h5py) when installed.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use crate::checkpoint::save::{fault, Stage};
+use crate::checkpoint::*;
+use crate::comm::testing::run_ranks;
+use crate::comm::{block_range, CommConfig};
+use crate::error::{Error, Result};
+use crate::model::{GptConfig, ParamLayout};
+use crate::optim::AdamWConfig;
+
+fn meta(step: u64) -> CkptMeta {
+    let mut m = CkptMeta::new(
+        step,
+        1000 * step,
+        GptConfig::named("tiny").unwrap(),
+        OptimizerMeta {
+            adamw: AdamWConfig::default(),
+            steps_taken: step,
+        },
+    );
+    m.parallel = serde_json::json!({"dp": 3, "zero": 1});
+    m
+}
+
+/// Value of element (i, j) of the test matrix `model/w`.
+fn w(i: usize, j: usize) -> f32 {
+    (i * 100 + j) as f32
+}
+
+const ROWS: usize = 6;
+const COLS: usize = 4;
+
+/// (offset, shape, values) of a box a test rank owns.
+type OwnedBox = (Vec<usize>, Vec<usize>, Vec<f32>);
+
+/// Rank `r` of 3 owns rows block `r` of `model/w` (6, 4), cut into two column halves, and block `r`
+/// of the vector `model/b` (7).
+fn owned(r: usize) -> (Vec<OwnedBox>, (usize, Vec<f32>)) {
+    let rows = block_range(ROWS, 3, r);
+    let boxes = (0..2)
+        .map(|h| {
+            let cols = block_range(COLS, 2, h);
+            let data = rows
+                .clone()
+                .flat_map(|i| cols.clone().map(move |j| w(i, j)))
+                .collect();
+            (vec![rows.start, cols.start], vec![rows.len(), cols.len()], data)
+        })
+        .collect();
+    let b = block_range(7, 3, r);
+    (boxes, (b.start, b.clone().map(|i| i as f32 * 0.5).collect()))
+}
+
+/// Saves step `step` of the 3-way test checkpoint under `root` from 3 in-process ranks.
+fn save_3x2(root: &Path, step: u64) -> Vec<Result<PathBuf>> {
+    let root = root.to_path_buf();
+    run_ranks(3, CommConfig::default(), move |comm| {
+        let (boxes, (b_off, b)) = owned(comm.rank());
+        let mut slices: Vec<ShardSlice> = boxes
+            .iter()
+            .map(|(offset, shape, data)| ShardSlice {
+                name: "model/w".into(),
+                global_shape: vec![ROWS, COLS],
+                offset: offset.clone(),
+                shape: shape.clone(),
+                data,
+            })
+            .collect();
+        slices.push(ShardSlice {
+            name: "model/b".into(),
+            global_shape: vec![7],
+            offset: vec![b_off],
+            shape: vec![b.len()],
+            data: &b,
+        });
+        save(&comm, &root, step, &slices, &meta(step), 2)
+    })
+}
+
+fn ok_all(results: Vec<Result<PathBuf>>) -> PathBuf {
+    let paths: Vec<PathBuf> = results.into_iter().map(|r| r.expect("save succeeds")).collect();
+    assert!(
+        paths.iter().all(|p| p == &paths[0]),
+        "every rank returns the same path"
+    );
+    paths[0].clone()
+}
+
+/// Every rank failed with the same message; returns it.
+fn same_err(results: Vec<Result<PathBuf>>) -> String {
+    let msgs: Vec<String> = results
+        .into_iter()
+        .map(|r| r.expect_err("save fails").to_string())
+        .collect();
+    assert!(msgs.iter().all(|m| m == &msgs[0]), "ranks disagree: {msgs:#?}");
+    msgs[0].clone()
+}
+
+#[test]
+fn round_trip_and_hyperslab_across_shards() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = ok_all(save_3x2(tmp.path(), 10));
+    assert_eq!(ckpt, tmp.path().join("step_00000010"));
+    assert_eq!(
+        std::fs::read_to_string(tmp.path().join("latest")).unwrap(),
+        "step_00000010\n"
+    );
+    let index = open(tmp.path()).unwrap();
+    assert_eq!(index.meta(), &meta(10));
+    assert_eq!(index.tensor("model/w").unwrap().shards.len(), 6);
+    let mut all = vec![0f32; ROWS * COLS];
+    index
+        .load_slice("model/w", &[0, 0], &[ROWS, COLS], &mut all)
+        .unwrap();
+    let expect: Vec<f32> = (0..ROWS).flat_map(|i| (0..COLS).map(move |j| w(i, j))).collect();
+    assert_eq!(all, expect);
+    // Rows 1..5 cross all three row blocks, columns 1..3 cross both column halves.
+    let mut part = vec![0f32; 4 * 2];
+    load_slice(&ckpt, "model/w", &[1, 1], &[4, 2], &mut part).unwrap();
+    let expect: Vec<f32> = (1..5).flat_map(|i| (1..3).map(move |j| w(i, j))).collect();
+    assert_eq!(part, expect);
+    let mut b = vec![0f32; 3];
+    index.load_slice("model/b", &[2], &[3], &mut b).unwrap();
+    assert_eq!(b, vec![1.0, 1.5, 2.0]);
+    let err = index
+        .load_slice("model/w", &[5, 0], &[2, 4], &mut [0f32; 8])
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+}
+
+#[test]
+fn h5dump_and_h5py_read_the_global_tensor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = ok_all(save_3x2(tmp.path(), 1));
+    // Run from another directory: the virtual datasets must find their sources relative to the index.
+    match Command::new("h5dump")
+        .args(["-d", "/model/w"])
+        .arg(ckpt.join(INDEX_FILE))
+        .current_dir("/")
+        .output()
+    {
+        Err(e) => println!("SKIP h5dump check: h5dump not runnable ({e}); install hdf5-tools"),
+        Ok(out) => {
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "h5dump failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(
+                text.contains("DATASPACE  SIMPLE { ( 6, 4 ) / ( 6, 4 ) }"),
+                "{text}"
+            );
+            assert!(text.contains("(5,0): 500, 501, 502, 503"), "{text}");
+        }
+    }
+    let python = std::env::var("MESHTRAIN_H5PY_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_h5py = Command::new(&python)
+        .args(["-c", "import h5py"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_h5py {
+        println!("SKIP h5py check: `{python} -c 'import h5py'` fails (set MESHTRAIN_H5PY_PYTHON or install python3-h5py)");
+        return;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/checkpoint_h5py.py");
+    let out = Command::new(&python)
+        .arg(script)
+        .arg(&ckpt)
+        .arg("model/w=i[0]*100+i[1]")
+        .arg("model/b=i[0]*0.5")
+        .current_dir("/")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+}
+
+#[test]
+fn zero_shards_reload_at_another_data_parallel_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let layout = Arc::new(ParamLayout::new(&GptConfig::named("tiny").unwrap()));
+    let n = layout.total_len();
+    let params: Arc<Vec<f32>> = Arc::new((0..n).map(|i| (i % 977) as f32 - 400.0).collect());
+    let (root, lay, p) = (tmp.path().to_path_buf(), layout.clone(), params.clone());
+    let results = run_ranks(3, CommConfig::default(), move |comm| {
+        let mine = block_range(n, 3, comm.rank());
+        let m: Vec<f32> = p[mine.clone()].iter().map(|x| x * 2.0).collect();
+        let mut slices = flat_range_slices("model", lay.entries(), &p, 0, mine.clone())?;
+        slices.extend(flat_range_slices(
+            "optim/m",
+            lay.entries(),
+            &m,
+            mine.start,
+            mine.clone(),
+        )?);
+        save(&comm, &root, 5, &slices, &meta(5), 0)
+    });
+    ok_all(results);
+    let index = open(tmp.path()).unwrap();
+    let expected: Vec<(String, Vec<usize>)> = ["model", "optim/m"]
+        .iter()
+        .flat_map(|p| {
+            layout
+                .entries()
+                .iter()
+                .map(move |e| (format!("{p}/{}", e.name), e.shape.clone()))
+        })
+        .collect();
+    index.expect_tensors(&expected).unwrap();
+    for r in 0..2 {
+        let range = block_range(n, 2, r);
+        let mut out = vec![0f32; range.len()];
+        load_flat_range(&index, "model", layout.entries(), range.clone(), &mut out).unwrap();
+        assert_eq!(out, params[range.clone()]);
+        load_flat_range(&index, "optim/m", layout.entries(), range.clone(), &mut out).unwrap();
+        assert!(out.iter().zip(&params[range]).all(|(a, b)| *a == b * 2.0));
+    }
+}
+
+#[test]
+fn failing_rank_is_named_and_previous_checkpoint_stays_latest() {
+    let tmp = tempfile::tempdir().unwrap();
+    ok_all(save_3x2(tmp.path(), 1));
+    let root = tmp.path().to_path_buf();
+    let results = run_ranks(3, CommConfig::default(), move |comm| {
+        if comm.rank() == 1 {
+            fault::set(|s| match s {
+                Stage::ShardWritten => Err(Error::file("rank_00001.h5", None, "injected write failure")),
+                _ => Ok(()),
+            });
+        }
+        let (boxes, _) = owned(comm.rank());
+        let (offset, shape, data) = &boxes[0];
+        let s = ShardSlice {
+            name: "model/w".into(),
+            global_shape: vec![ROWS, COLS],
+            offset: offset.clone(),
+            shape: shape.clone(),
+            data,
+        };
+        save(&comm, &root, 2, &[s], &meta(2), 2)
+    });
+    let msg = same_err(results);
+    assert!(
+        msg.contains("rank 1 failed") && msg.contains("rank_00001.h5") && msg.contains("injected"),
+        "{msg}"
+    );
+    let names: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(
+        !names.iter().any(|n| n.starts_with("step_00000002")),
+        "no trace of the failed save: {names:?}"
+    );
+    let index = open(tmp.path()).unwrap();
+    assert_eq!(index.meta().step, 1);
+    index.verify().unwrap();
+}
+
+#[test]
+fn bad_slices_fail_on_every_rank() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().to_path_buf();
+    // Rank 1 passes 3 values for a 4-element slice.
+    let results = run_ranks(2, CommConfig::default(), move |comm| {
+        let data = vec![1f32; 4 - comm.rank()];
+        let s = ShardSlice {
+            name: "model/x".into(),
+            global_shape: vec![8],
+            offset: vec![4 * comm.rank()],
+            shape: vec![4],
+            data: &data,
+        };
+        save(&comm, &root, 1, &[s], &meta(1), 1)
+    });
+    let msg = same_err(results);
+    assert!(
+        msg.contains("rank 1 failed") && msg.contains("3 elements for shape [4]"),
+        "{msg}"
+    );
+    // Both ranks write the same half: the shards overlap and leave a gap.
+    let root = tmp.path().to_path_buf();
+    let results = run_ranks(2, CommConfig::default(), move |comm| {
+        let data = vec![comm.rank() as f32; 4];
+        let s = ShardSlice {
+            name: "model/x".into(),
+            global_shape: vec![8],
+            offset: vec![0],
+            shape: vec![4],
+            data: &data,
+        };
+        save(&comm, &root, 1, &[s], &meta(1), 1)
+    });
+    let msg = same_err(results);
+    assert!(msg.contains("model/x") && msg.contains("overlap"), "{msg}");
+    assert!(open(tmp.path()).is_err(), "nothing was saved");
+}
+
+/// Runs a 1-rank save of the 3x2 data with `hook` installed; a panic in the hook plays a crash.
+fn crash_at(root: &Path, step: u64, at: Stage) {
+    let root = root.to_path_buf();
+    run_ranks(1, CommConfig::default(), move |comm| {
+        fault::set(move |s| {
+            assert!(s != at, "simulated crash at {s:?}");
+            Ok(())
+        });
+        let data: Vec<f32> = (0..ROWS).flat_map(|i| (0..COLS).map(move |j| w(i, j))).collect();
+        let s = ShardSlice {
+            name: "model/w".into(),
+            global_shape: vec![ROWS, COLS],
+            offset: vec![0, 0],
+            shape: vec![ROWS, COLS],
+            data: &data,
+        };
+        let crashed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            save(&comm, &root, step, &[s], &meta(step), 3)
+        }));
+        assert!(crashed.is_err(), "the hook panicked");
+    });
+}
+
+#[test]
+fn crashes_leave_the_previous_checkpoint_loadable() {
+    let tmp = tempfile::tempdir().unwrap();
+    ok_all(save_3x2(tmp.path(), 1));
+    crash_at(tmp.path(), 2, Stage::BeforeIndex);
+    let tmps: Vec<PathBuf> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().contains("step_00000002.tmp-"))
+        .collect();
+    assert_eq!(tmps.len(), 1, "the crashed writer's directory is left behind");
+    assert!(tmps[0].join("rank_00000.h5").is_file());
+    let err = open(&tmps[0]).unwrap_err().to_string();
+    assert!(err.contains("not a complete checkpoint"), "{err}");
+    assert_eq!(open(tmp.path()).unwrap().meta().step, 1);
+
+    // Crash after the rename, before `latest`: both checkpoints are complete, latest names step 1.
+    crash_at(tmp.path(), 3, Stage::BeforeLatest);
+    assert_eq!(open(tmp.path()).unwrap().meta().step, 1);
+    open(&tmp.path().join("step_00000003")).unwrap().verify().unwrap();
+
+    // The next save removes the stale temporary and keeps the newest two.
+    ok_all(save_3x2(tmp.path(), 4));
+    let mut names: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, vec!["latest", "step_00000003", "step_00000004"]);
+}
+
+/// A 1 MiB tmpfs mounted for the test, unmounted on drop.
+struct SmallFs(PathBuf);
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn disk_full_names_the_rank_and_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mount = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1M", "tmpfs"])
+        .arg(tmp.path())
+        .output();
+    match mount {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => {
+            return println!(
+                "SKIP disk-full test: mount tmpfs failed: {}",
+                String::from_utf8_lossy(&o.stderr)
+            )
+        }
+        Err(e) => return println!("SKIP disk-full test: cannot run mount: {e}"),
+    }
+    let _fs = SmallFs(tmp.path().to_path_buf());
+    ok_all(save_3x2(tmp.path(), 1));
+    let root = tmp.path().to_path_buf();
+    // 2 ranks x 400 KiB + 1 rank x 400 KiB > 1 MiB.
+    let results = run_ranks(3, CommConfig::default(), move |comm| {
+        let data = vec![comm.rank() as f32; 100 << 10];
+        let s = ShardSlice {
+            name: "model/big".into(),
+            global_shape: vec![3, 100 << 10],
+            offset: vec![comm.rank(), 0],
+            shape: vec![1, 100 << 10],
+            data: &data,
+        };
+        save(&comm, &root, 2, &[s], &meta(2), 2)
+    });
+    let msg = same_err(results);
+    println!("disk full: {msg}");
+    assert!(msg.contains("failed") && msg.contains("rank_0000"), "{msg}");
+    let index = open(tmp.path()).unwrap();
+    assert_eq!(index.meta().step, 1);
+    index.verify().unwrap();
+    let leftovers = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().contains("tmp"))
+        .count();
+    assert_eq!(leftovers, 0, "rank 0 removed the failed save's directory");
+}
+
+/// Offset in the file of the first data byte of `dataset` in rank file `file`.
+fn data_offset(ckpt: &Path, file: &str, dataset: &str) -> u64 {
+    let f = hdf5_metno::File::open(ckpt.join(file)).unwrap();
+    f.dataset(dataset).unwrap().offset().expect("contiguous dataset")
+}
+
+#[test]
+fn corruption_is_reported_with_file_and_dataset() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = ok_all(save_3x2(tmp.path(), 1));
+    let index = open(&ckpt).unwrap();
+    let tiny = GptConfig::named("tiny").unwrap();
+    index.check_model(&tiny).unwrap();
+    let other = GptConfig { n_layer: 3, ..tiny };
+    let err = index.check_model(&other).unwrap_err().to_string();
+    assert!(
+        err.contains("checkpoint.h5") && err.contains("n_layer: 2"),
+        "{err}"
+    );
+
+    let want = |extra: Option<(&str, Vec<usize>)>, w_shape: Vec<usize>| {
+        let mut v = vec![("model/w".to_string(), w_shape), ("model/b".to_string(), vec![7])];
+        v.extend(extra.map(|(n, s)| (n.to_string(), s)));
+        v
+    };
+    index.expect_tensors(&want(None, vec![6, 4])).unwrap();
+    let err = index
+        .expect_tensors(&want(Some(("model/missing", vec![2])), vec![6, 4]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("checkpoint.h5") && err.contains("missing tensor `model/missing`"),
+        "{err}"
+    );
+    let err = index
+        .expect_tensors(&want(None, vec![4, 6]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("`model/w`: shape [6, 4], expected [4, 6]"), "{err}");
+    let err = index
+        .expect_tensors(&[("model/w".to_string(), vec![6, 4])])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("unexpected tensor `model/b`"), "{err}");
+
+    // A flipped bit in the data of one shard: caught by its hash, naming file and dataset.
+    let shard = index.tensor("model/w").unwrap().shards[3].clone();
+    let path = ckpt.join(&shard.file);
+    let at = data_offset(&ckpt, &shard.file, &shard.dataset) as usize + 5;
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[at] ^= 0x10;
+    std::fs::write(&path, &bytes).unwrap();
+    let mut out = vec![0f32; ROWS * COLS];
+    let err = index
+        .load_slice("model/w", &[0, 0], &[ROWS, COLS], &mut out)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&shard.file) && err.contains(&shard.dataset) && err.contains("sha256"),
+        "{err}"
+    );
+    let err = inspect(&ckpt, true, None).unwrap_err().to_string();
+    assert!(err.contains(&shard.dataset), "{err}");
+    bytes[at] ^= 0x10;
+
+    // Garbage over the superblock, size unchanged: HDF5 refuses it, we name the file.
+    let mut garbled = bytes.clone();
+    garbled[..64].fill(0xAB);
+    std::fs::write(&path, &garbled).unwrap();
+    let err = index
+        .load_slice("model/w", &[0, 0], &[ROWS, COLS], &mut out)
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::File { .. }) && err.to_string().contains(&shard.file),
+        "{err}"
+    );
+
+    // Truncated: caught by open from the recorded size.
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    let err = open(&ckpt).unwrap_err().to_string();
+    assert!(err.contains(&shard.file) && err.contains("truncated"), "{err}");
+
+    // Missing file.
+    std::fs::remove_file(&path).unwrap();
+    let err = open(&ckpt).unwrap_err().to_string();
+    assert!(err.contains(&shard.file), "{err}");
+}
+
+#[test]
+fn inspect_and_export_report_the_tensors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = ok_all(save_3x2(tmp.path(), 7));
+    let report = inspect(tmp.path(), true, Some("model/b")).unwrap();
+    let norm_b = (0..7).map(|i| (i as f64 * 0.5).powi(2)).sum::<f64>().sqrt();
+    let norm_w = (0..ROWS)
+        .flat_map(|i| (0..COLS).map(move |j| f64::from(w(i, j)).powi(2)))
+        .sum::<f64>()
+        .sqrt();
+    assert_eq!(report.tensors.len(), 2);
+    assert_eq!(report.tensors[0].name, "model/b");
+    // Sums of squares of small integers and halves are exact in f64.
+    assert_eq!(report.tensors[0].l2_norm, norm_b);
+    assert_eq!(report.tensors[1].l2_norm, norm_w);
+    assert_eq!(report.tensors[1].shards, 6);
+    let d = report.detail.as_ref().unwrap();
+    assert_eq!((d.min, d.max, d.mean), (0.0, 3.0, 1.5));
+    let text = report.to_string();
+    assert!(
+        text.contains("step 7") && text.contains("model/w") && text.contains("rank_00002.h5"),
+        "{text}"
+    );
+    assert_eq!(
+        report.to_json()["tensors"][1]["global_shape"],
+        serde_json::json!([6, 4])
+    );
+
+    let out = tmp.path().join("export.h5");
+    assert_eq!(export(&ckpt, &out).unwrap(), 2);
+    let (m, tensors) = read_exported(&out).unwrap();
+    assert_eq!(m, meta(7));
+    assert_eq!(tensors[1].0, "model/w");
+    assert_eq!(tensors[1].1, vec![ROWS, COLS]);
+    assert_eq!(
+        tensors[1].2,
+        (0..ROWS)
+            .flat_map(|i| (0..COLS).map(move |j| w(i, j)))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(tensors[0].2, (0..7).map(|i| i as f32 * 0.5).collect::<Vec<_>>());
+}
+
+#[test]
+fn bench_runs_and_accounts_reshard_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let n = 1024 * 40 + 3;
+    let reports = run_ranks(2, CommConfig::default(), move |comm| {
+        bench_checkpoint(&comm, &dir, n)
+    });
+    for r in reports {
+        let r = r.unwrap();
+        assert_eq!(r.ranks, 2);
+        assert!(r.save_gbps > 0.0 && r.load_gbps > 0.0 && r.seq_write_gbps > 0.0);
+        // 40 rows, one tensor: the other rank's 20 rows, half the columns.
+        assert_eq!(r.reshard_needed_bytes, 4 * 20 * 512);
+    }
+}

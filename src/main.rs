@@ -12,7 +12,10 @@ use clap::{Args, Parser, Subcommand};
 use meshtrain::bench::collectives::{self, parse_size, CollBench, COLLECTIVES};
 use meshtrain::bench::step::{run_step_bench, StepBenchArgs};
 use meshtrain::config::JobConfig;
-use meshtrain::data::tokenize_files;
+use meshtrain::checkpoint;
+use meshtrain::data::{tokenize_files, Gpt2Tokenizer, GPT2_VOCAB_SIZE};
+use meshtrain::model::sample::{self, SampleOptions};
+use meshtrain::model::{Gpt, GptConfig, ParamLayout};
 use meshtrain::train::{self, TrainOptions};
 use meshtrain::bootstrap::{rank_hint, World};
 use meshtrain::comm::{selftest, DType, ReduceOp};
@@ -32,6 +35,12 @@ enum Command {
     Bench(BenchArgs),
     /// Train a GPT model: `meshtrain train JOB.toml [--set section.key=value ...] [--metrics FILE]`.
     Train(TrainArgs),
+    /// Summarize a checkpoint (`--verify` recomputes every hash, `--tensor NAME` shows one tensor).
+    Inspect(InspectArgs),
+    /// Write a checkpoint as one self-contained HDF5 file with plain datasets (usable as `init_from`).
+    Export(ExportArgs),
+    /// Sample text from a model exported with `meshtrain export` (or a checkpoint directory).
+    Generate(GenerateArgs),
     /// Turn UTF-8 text files into llm.c token shards with GPT-2 BPE.
     Tokenize(TokenizeArgs),
     /// Check every collective, element type and operator bit for bit on this job's ranks and
@@ -49,6 +58,53 @@ struct TrainArgs {
     /// Write one JSON line per step here (rank 0).
     #[arg(long)]
     metrics: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct InspectArgs {
+    /// A checkpoint directory (or its checkpoint.h5).
+    path: PathBuf,
+    /// Recompute and compare every shard hash.
+    #[arg(long)]
+    verify: bool,
+    /// Print statistics and a few values of one tensor.
+    #[arg(long)]
+    tensor: Option<String>,
+    /// JSON output for scripts.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct ExportArgs {
+    /// The checkpoint directory.
+    ckpt: PathBuf,
+    /// The HDF5 file to write.
+    out: PathBuf,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// An exported model file (`meshtrain export`) or a checkpoint directory.
+    model: PathBuf,
+    /// Prompt text (GPT-2 BPE; for models with a smaller vocabulary use --tokens).
+    #[arg(long, default_value = "")]
+    prompt: String,
+    /// Prompt as comma-separated token ids.
+    #[arg(long, value_delimiter = ',')]
+    tokens: Vec<u32>,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// Softmax temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Sample among the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    /// RNG seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
 #[derive(Args)]
@@ -232,6 +288,58 @@ fn selftest(world: &World, args: &SelftestArgs) -> Result<()> {
     Ok(())
 }
 
+fn inspect(args: &InspectArgs) -> Result<()> {
+    let report = checkpoint::inspect(&args.path, args.verify, args.tensor.as_deref())?;
+    if args.json {
+        println!("{}", report.to_json());
+    } else {
+        println!("{report}");
+    }
+    Ok(())
+}
+
+fn generate(args: &GenerateArgs) -> Result<()> {
+    let (config, params) = load_model(&args.model)?;
+    let mut model = Gpt::<f32>::from_params(config, 1, config.max_seq_len, params)?;
+    let tokenizer = (config.vocab_size == GPT2_VOCAB_SIZE).then(Gpt2Tokenizer::new).transpose()?;
+    let prompt: Vec<u32> = match (&tokenizer, args.tokens.is_empty()) {
+        (_, false) => args.tokens.clone(),
+        (Some(t), true) if !args.prompt.is_empty() => t.encode(&args.prompt),
+        _ => vec![0],
+    };
+    let opts = SampleOptions { max_new_tokens: args.max_new_tokens, temperature: args.temperature, top_k: args.top_k, seed: args.seed };
+    let out = sample::generate(&mut model, &prompt, &opts)?;
+    match &tokenizer {
+        Some(t) => println!("{}{}", args.prompt, t.decode(&out)?),
+        None => println!("{}", out.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",")),
+    }
+    Ok(())
+}
+
+/// A model's config and flat parameters from an exported file or a checkpoint directory.
+fn load_model(path: &std::path::Path) -> Result<(GptConfig, Vec<f32>)> {
+    if path.is_dir() {
+        let index = checkpoint::open(path)?;
+        let config = index.meta().model;
+        let layout = ParamLayout::new(&config);
+        let mut params = vec![0f32; layout.total_len()];
+        checkpoint::load_flat_range(&index, "model", layout.entries(), 0..layout.total_len(), &mut params)?;
+        return Ok((config, params));
+    }
+    let (meta, tensors) = checkpoint::read_exported(path)?;
+    let layout = ParamLayout::new(&meta.model);
+    let mut params = vec![0f32; layout.total_len()];
+    for e in layout.entries() {
+        let name = format!("model/{}", e.name);
+        let t = tensors.iter().find(|t| t.0 == name).ok_or_else(|| Error::file(path, None, format!("missing `{name}`")))?;
+        if t.1 != e.shape {
+            return Err(Error::file(path, None, format!("`{name}` has shape {:?}, expected {:?}", t.1, e.shape)));
+        }
+        params[e.range()].copy_from_slice(&t.2);
+    }
+    Ok((meta.model, params))
+}
+
 fn tokenize(args: &TokenizeArgs) -> Result<()> {
     let r = tokenize_files(&args.inputs, &args.out, args.val_fraction, args.shard_tokens)?;
     println!(
@@ -284,6 +392,11 @@ fn main() {
             }
         }
         Command::Tokenize(args) => tokenize(args),
+        Command::Inspect(args) => inspect(args),
+        Command::Export(args) => checkpoint::export(&args.ckpt, &args.out).map(|n| {
+            println!("export: {n} tensors -> {}", args.out.display());
+        }),
+        Command::Generate(args) => generate(args),
         Command::Selftest(args) => with_world(|w| selftest(w, args)),
     };
     if let Err(e) = result {

@@ -58,6 +58,16 @@ impl DataParallel {
         self.states.len()
     }
 
+    /// AdamW states, one per bucket (covering this rank's part of it).
+    pub fn states(&self) -> &[AdamWState<f32>] {
+        &self.states
+    }
+
+    /// Mutable AdamW states (for restoring a checkpoint).
+    pub fn states_mut(&mut self) -> &mut [AdamWState<f32>] {
+        &mut self.states
+    }
+
     /// The flat ranges this rank updates.
     pub fn owned(&self) -> Vec<Range<usize>> {
         self.states.iter().map(|s| s.range()).collect()

@@ -8,6 +8,7 @@
 //! micro-batches, so both follow the same trajectory up to float summation order.
 
 mod buckets;
+mod checkpointing;
 mod grad_sync;
 
 use std::path::PathBuf;
@@ -59,9 +60,6 @@ fn check_supported(cfg: &JobConfig) -> Result<()> {
     if cfg.parallel.zero > 1 {
         return Err(Error::config("parallel.zero", "only ZeRO stages 0 and 1 are implemented so far"));
     }
-    if cfg.init_from.is_some() {
-        return Err(Error::config("init_from", "loading weights needs the checkpoint format, not implemented yet"));
-    }
     Ok(())
 }
 
@@ -107,15 +105,16 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             (model.activation_elements() * 4) as f64 / 1e6
         );
     }
-    let opt = AdamW::new(
-        AdamWConfig {
-            beta1: cfg.optim.beta1,
-            beta2: cfg.optim.beta2,
-            eps: cfg.optim.eps,
-            weight_decay: cfg.optim.weight_decay,
-        },
-        DecayMask::from_layout(model.layout()),
-    );
+    let adamw = AdamWConfig {
+        beta1: cfg.optim.beta1,
+        beta2: cfg.optim.beta2,
+        eps: cfg.optim.eps,
+        weight_decay: cfg.optim.weight_decay,
+    };
+    let opt = AdamW::new(adamw, DecayMask::from_layout(model.layout()));
+    if let Some(path) = &cfg.init_from {
+        checkpointing::init_from(path, cfg, &mut model)?;
+    }
     let sched = LrSchedule::new(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.steps)?;
     let vocab = cfg.model.vocab_size;
     let train_src = open_source(&cfg.data.source, Split::Train, vocab, cfg.data.seed, "data.source")?;
@@ -130,6 +129,18 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     } else {
         None
     };
+    // Every evaluation reads the same validation windows, so resumed runs report the same values.
+    let val_start = val_sampler.as_ref().map(|v| v.state());
+    let (mut first_step, mut tokens_seen) = (1, 0u64);
+    if let Some(resume) = &cfg.checkpoint.resume {
+        let path = checkpointing::resolve(cfg, resume)?;
+        let r = checkpointing::restore(&path, cfg, &mut model, &mut sync)?;
+        sampler.restore(r.sampler)?;
+        (first_step, tokens_seen) = (r.step + 1, r.tokens_seen);
+        if leader {
+            println!("# resumed from {} at step {}", path.display(), r.step);
+        }
+    }
 
     let peak = match cfg.metrics.peak_tflops {
         Some(p) => Some(p),
@@ -146,7 +157,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     let mut report = TrainReport { losses: Vec::new(), val_losses: Vec::new(), tokens_per_s: 0.0, params: Vec::new() };
     let (start, mut timed_s, mut timed_steps) = (Instant::now(), 0.0, 0u64);
 
-    for step in 1..=cfg.train.steps {
+    for step in first_step..=cfg.train.steps {
         let t0 = Instant::now();
         model.zero_grad();
         sync.begin(accum);
@@ -173,6 +184,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         }
         let val_loss = match &mut val_sampler {
             Some(v) if step % cfg.train.eval_every == 0 || step == cfg.train.steps => {
+                v.restore(val_start.expect("a validation sampler has a start"))?;
                 let l = evaluate(&mut model, v, cfg.train.eval_batches, &dp)?;
                 report.val_losses.push((step, l));
                 Some(l)
@@ -203,6 +215,11 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         }
         progress.update(&record);
         report.losses.push(loss[0]);
+        tokens_seen += tokens_per_step as u64;
+        if cfg.checkpoint.every > 0 && (step % cfg.checkpoint.every == 0 || step == cfg.train.steps) {
+            let dir = checkpointing::save(&dp, cfg, adamw, &model, &sync, step, tokens_seen, sampler.state())?;
+            progress.println(&format!("# checkpoint {}", dir.display()));
+        }
     }
     progress.finish();
     report.tokens_per_s = if timed_s > 0.0 { tokens_per_step * timed_steps as f64 / timed_s } else { 0.0 };

@@ -136,7 +136,7 @@ impl CheckpointIndex {
                 let fits = files
                     .iter()
                     .find(|f| f.name == s.file)
-                    .is_some_and(|f| 4 * s.len() as u64 <= f.bytes);
+                    .is_some_and(|f| (s.len() as u64).saturating_mul(4) <= f.bytes);
                 if !fits {
                     return Err(Error::file(
                         &ipath,

@@ -4,8 +4,9 @@
 //!
 //! The checkpoint is synthetic: `n_params` parameters in (rows, 1024) tensors, saved as model, m
 //! and v, each rank owning its `block_range` of the flat buffers (the ZeRO layout). The resharding
-//! load reads, on every rank, the right half of the columns of every tensor's rows that the next
-//! rank wrote (a tensor-parallel row split), so every read crosses shard boundaries. Bytes read are
+//! load reads, on rank r, row block r+1 (of `size` blocks) of every 2-D model tensor, right half
+//! of the columns only (as a row-parallel tensor split would), so no read is a whole shard and
+//! every row is read in part. Bytes read are
 //! the process's `rchar` from `/proc/self/io`: run one rank per process. Targets: save at least
 //! half the sequential bandwidth; resharding reads at most 1.1x the needed bytes.
 
@@ -270,7 +271,7 @@ pub fn bench_checkpoint(comm: &Communicator, dir: &Path, n_params: usize) -> Res
     }
     let load_bw = bytes as f64 / t.elapsed().as_secs_f64();
 
-    // Resharding: the right column half of the rows the next rank owns, for every 2-D tensor.
+    // Resharding: row block `next` of every 2-D model tensor, right column half.
     let next = (rank + 1) % k;
     for r in 0..k {
         drop_cache(&ckpt.join(rank_file_name(r)))?;

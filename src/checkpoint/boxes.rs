@@ -166,6 +166,17 @@ pub fn intersect(
     Some((off, shape))
 }
 
+/// Where box (`at`, `shape`) starts in the row-major buffer of box (`off`, `outer`) that contains
+/// it, if its elements are contiguous there (leading extents 1, then one partial dimension, then
+/// whole trailing dimensions).
+pub fn contiguous_start(at: &[usize], shape: &[usize], off: &[usize], outer: &[usize]) -> Option<usize> {
+    let k = shape.iter().position(|&n| n != 1).unwrap_or(shape.len());
+    if (k + 1..shape.len()).any(|d| shape[d] != outer[d]) {
+        return None;
+    }
+    Some((0..at.len()).fold(0, |acc, d| acc * outer[d] + at[d] - off[d]))
+}
+
 /// A row-major buffer holding box (offset, shape) of a tensor.
 pub type BoxBuf<'a, T> = (T, &'a [usize], &'a [usize]);
 
@@ -223,6 +234,15 @@ mod tests {
                 assert_eq!(next, b);
             }
         }
+    }
+
+    #[test]
+    fn contiguity_of_boxes() {
+        // Inside rows 0..4, cols 0..6: a whole-width band is contiguous, a column band is not.
+        assert_eq!(contiguous_start(&[1, 0], &[2, 6], &[0, 0], &[4, 6]), Some(6));
+        assert_eq!(contiguous_start(&[2, 3], &[1, 2], &[0, 0], &[4, 6]), Some(15));
+        assert_eq!(contiguous_start(&[1, 3], &[2, 3], &[0, 0], &[4, 6]), None);
+        assert_eq!(contiguous_start(&[5, 1], &[1, 1], &[4, 1], &[2, 2]), Some(2));
     }
 
     #[test]

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use crate::checkpoint::boxes::{copy_box, intersect};
+use crate::checkpoint::boxes::{contiguous_start, copy_box, intersect};
 use crate::checkpoint::h5;
 use crate::checkpoint::meta::{
     check_tiling, inside, volume, CkptMeta, FileRecord, ShardRecord, TensorRecord,
@@ -136,7 +136,7 @@ impl CheckpointIndex {
                 let fits = files
                     .iter()
                     .find(|f| f.name == s.file)
-                    .is_some_and(|f| 4 * s.len() as u64 <= f.bytes);
+                    .is_some_and(|f| (s.len() as u64).saturating_mul(4) <= f.bytes);
                 if !fits {
                     return Err(Error::file(
                         &ipath,
@@ -251,7 +251,8 @@ impl CheckpointIndex {
     }
 
     /// Reads hyperslab (`offset`, `shape`) of tensor `name` into `out` (row-major, exactly its
-    /// size), touching only the shards that intersect it and only their intersecting parts.
+    /// size), touching only the shards that intersect it and only their intersecting parts. A
+    /// shard read whole is hash-checked. On error the contents of `out` are unspecified.
     pub fn load_slice(&self, name: &str, offset: &[usize], shape: &[usize], out: &mut [f32]) -> Result<()> {
         let t = self.tensor(name)?;
         if !inside(offset, shape, &t.global_shape) || volume(shape) != Some(out.len()) {
@@ -269,10 +270,21 @@ impl CheckpointIndex {
             let file = h5::open(&path)?;
             let ds = h5::open_dataset(&file, &path, &s.dataset, &s.shape)?;
             if part == s.shape {
-                let mut buf = vec![0f32; s.len()]; // bounded by `out`, whose size the caller owns
-                h5::read_all(&ds, &path, &s.dataset, &mut buf)?;
-                check_hash(s, &buf, &path)?;
-                copy_box((&buf, &s.offset, &s.shape), (out, offset, shape), &at, &part);
+                // A whole shard: read it straight into `out` when it lies contiguously there.
+                let direct = contiguous_start(&at, &part, offset, shape);
+                let mut staged = Vec::new();
+                let buf = match direct {
+                    Some(start) => &mut out[start..start + s.len()],
+                    None => {
+                        staged = vec![0f32; s.len()]; // bounded by `out`, whose size the caller owns
+                        &mut staged[..]
+                    }
+                };
+                h5::read_all(&ds, &path, &s.dataset, buf)?;
+                check_hash(s, buf, &path)?;
+                if direct.is_none() {
+                    copy_box((&staged, &s.offset, &s.shape), (out, offset, shape), &at, &part);
+                }
             } else {
                 let local: Vec<usize> = at.iter().zip(&s.offset).map(|(a, o)| a - o).collect();
                 let buf = h5::read_box(&ds, &path, &s.dataset, &local, &part)?;

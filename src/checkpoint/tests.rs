@@ -166,7 +166,8 @@ fn h5dump_and_h5py_read_the_global_tensor() {
         .output()
         .is_ok_and(|o| o.status.success());
     if !has_h5py {
-        println!("SKIP h5py check: `{python} -c 'import h5py'` fails (set MESHTRAIN_H5PY_PYTHON or install python3-h5py)");
+        let fix = "set MESHTRAIN_H5PY_PYTHON or install python3-h5py";
+        println!("SKIP h5py check: `{python} -c 'import h5py'` fails ({fix})");
         return;
     }
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/checkpoint_h5py.py");

@@ -20,6 +20,7 @@ pub mod error;
 pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod parallel;
 pub mod train;
 pub mod transport;
 

@@ -1,0 +1,152 @@
+//! Checkpoints of real training runs (rank processes under mpirun): a run resumed from a
+//! checkpoint in the same layout continues bit for bit; resumed in another data-parallel layout it
+//! follows the uninterrupted run within 1e-5; the result exports, inspects and generates.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use meshtrain::checkpoint::read_exported;
+
+fn job(dir: &Path, name: &str, extra: &str) -> PathBuf {
+    let path = dir.join(name);
+    let text = format!(
+        r#"device = "cpu"
+[model]
+size = "tiny"
+[data]
+source = "synthetic"
+shuffle = true
+seed = 5
+[train]
+steps = 20
+micro_batch = 4
+seq_len = 32
+seed = 11
+eval_every = 0
+[optim]
+lr = 2e-3
+warmup_steps = 4
+grad_clip = 1.0
+[checkpoint]
+dir = "{}"
+every = 10
+keep = 5
+{extra}
+"#,
+        dir.join(name.replace(".toml", "_ckpt")).display()
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn train(np: usize, job: &Path, metrics: &Path, sets: &[String]) {
+    let mut cmd = common::mpirun(np);
+    cmd.arg("train").arg(job).arg("--metrics").arg(metrics);
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    let out = common::run(cmd, Duration::from_secs(300));
+    assert!(out.success(), "train on {np} ranks failed: {:?}\n{}\n{}", out.status, out.stdout, out.stderr);
+}
+
+fn losses(metrics: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+        })
+        .collect()
+}
+
+fn export(ckpt: &Path, out: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let st = Command::new(common::meshtrain()).arg("export").arg(ckpt).arg(out).output().unwrap();
+    assert!(st.status.success(), "export failed: {}", String::from_utf8_lossy(&st.stderr));
+    read_exported(out).unwrap().1
+}
+
+#[test]
+fn resume_same_layout_is_bitwise_and_other_layout_within_1e5() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // Uninterrupted: dp=2, ZeRO-1, 20 steps, checkpoints at 10 and 20.
+    let full = job(d, "full.toml", "[parallel]\ndp = 2\nzero = 1\nbucket_mb = 0.05");
+    train(2, &full, &d.join("full.jsonl"), &[]);
+    let want = losses(&d.join("full.jsonl"));
+    let ckpt10 = d.join("full_ckpt/step_00000010");
+    assert!(ckpt10.join("checkpoint.h5").exists());
+    let final_full = export(&d.join("full_ckpt/step_00000020"), &d.join("full.h5"));
+
+    // Same layout, resumed from step 10 into its own directory.
+    let same = job(d, "same.toml", "[parallel]\ndp = 2\nzero = 1\nbucket_mb = 0.05");
+    train(2, &same, &d.join("same.jsonl"), &[format!("checkpoint.resume={:?}", ckpt10.display().to_string())]);
+    let got = losses(&d.join("same.jsonl"));
+    assert_eq!(got.len(), 10);
+    for (g, w) in got.iter().zip(&want[10..]) {
+        assert_eq!(g.0, w.0);
+        assert_eq!(g.1.to_bits(), w.1.to_bits(), "step {}: {} vs {}", g.0, g.1, w.1);
+    }
+    let final_same = export(&d.join("same_ckpt/step_00000020"), &d.join("same.h5"));
+    for (a, b) in final_same.iter().zip(&final_full) {
+        assert_eq!(a.0, b.0);
+        assert!(a.2.iter().zip(&b.2).all(|(x, y)| x.to_bits() == y.to_bits()), "{} differs", a.0);
+    }
+
+    // Other layout: 4 ranks, ZeRO-0, half the micro-batch (same global batch), from step 10.
+    let other = job(d, "other.toml", "[parallel]\ndp = 4\nzero = 0\nbucket_mb = 0.02");
+    train(4, &other, &d.join("other.jsonl"), &["train.micro_batch=2".into(), format!("checkpoint.resume={:?}", ckpt10.display().to_string())]);
+    let got = losses(&d.join("other.jsonl"));
+    for (g, w) in got.iter().zip(&want[10..]) {
+        assert!((g.1 - w.1).abs() <= 1e-5 * w.1.abs(), "step {}: {} vs {}", g.0, g.1, w.1);
+    }
+    let final_other = export(&d.join("other_ckpt/step_00000020"), &d.join("other.h5"));
+    for (a, b) in final_other.iter().zip(&final_full) {
+        let scale = b.2.iter().map(|x| x.abs()).fold(0f32, f32::max).max(1e-3);
+        let worst = a.2.iter().zip(&b.2).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-5 * scale * 10.0, "{}: max diff {worst} (scale {scale})", a.0);
+    }
+
+    // The exported model inspects and generates.
+    let out = Command::new(common::meshtrain()).args(["inspect", "--verify", "--json"]).arg(&ckpt10).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(report.to_string().contains("model/h.0.attn.qkv.weight"));
+    let out = Command::new(common::meshtrain())
+        .args(["generate", "--tokens", "1,2,3", "--max-new-tokens", "8", "--temperature", "0"])
+        .arg(d.join("full.h5"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let toks: Vec<u32> = String::from_utf8_lossy(&out.stdout).trim().split(',').map(|t| t.parse().unwrap()).collect();
+    assert_eq!(toks.len(), 8);
+    assert!(toks.iter().all(|&t| t < 256));
+}
+
+#[test]
+fn corrupt_checkpoint_is_rejected_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let base = job(d, "base.toml", "");
+    train(1, &base, &d.join("base.jsonl"), &["train.steps=10".into()]);
+    let ckpt = d.join("base_ckpt/step_00000010");
+    // Flip a byte in the middle of the shard file's data.
+    let shard = ckpt.join("rank_00000.h5");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let at = bytes.len() - 4096;
+    bytes[at] ^= 0x55;
+    std::fs::write(&shard, bytes).unwrap();
+    let out = Command::new(common::meshtrain())
+        .arg("train")
+        .arg(&base)
+        .args(["--set", &format!("checkpoint.resume={:?}", ckpt.display().to_string())])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("rank_00000.h5"), "error should name the shard file: {err}");
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("step 1/"), "training started on a corrupt checkpoint");
+}

@@ -136,8 +136,8 @@ struct SelftestArgs {
 
 #[derive(Args)]
 struct BenchArgs {
-    /// What to measure: a collective name, `all` (every collective), or `step` (a training step of
-    /// the model on CPU against its own GEMM rate).
+    /// What to measure: a collective name, `all` (every collective), `step` (a training step of
+    /// the model on CPU against its own GEMM rate) or `checkpoint` (save/load bandwidth).
     what: String,
     /// `step`: named model size.
     #[arg(long, default_value = "d12")]
@@ -151,6 +151,13 @@ struct BenchArgs {
     /// `step`: timed steps.
     #[arg(long, default_value_t = 3)]
     steps: usize,
+    /// `checkpoint`: directory on the filesystem to measure (shared by all ranks).
+    #[arg(long, default_value = "out/bench-checkpoint")]
+    dir: PathBuf,
+    /// `checkpoint`: parameters of the model whose weights and AdamW state are saved
+    /// (default: d12's).
+    #[arg(long, default_value_t = 124_475_904)]
+    params: usize,
     /// Smallest buffer (K/M/G suffixes).
     #[arg(long, default_value = "4K", value_parser = parse_size)]
     min: usize,
@@ -381,6 +388,13 @@ fn main() {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Bench(args) if args.what == "step" => bench_step(args),
+        Command::Bench(args) if args.what == "checkpoint" => with_world(|w| {
+            let report = checkpoint::bench_checkpoint(&w.communicator()?, &args.dir, args.params)?;
+            if w.rank == 0 {
+                println!("{report}");
+            }
+            Ok(())
+        }),
         Command::Bench(args) => with_world(|w| bench(w, args)),
         Command::Train(args) => {
             let cfg = JobConfig::load(&args.job, &args.sets);

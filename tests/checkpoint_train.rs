@@ -6,7 +6,6 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
 
 use meshtrain::checkpoint::read_exported;
 
@@ -42,26 +41,7 @@ keep = 5
     path
 }
 
-fn train(np: usize, job: &Path, metrics: &Path, sets: &[String]) {
-    let mut cmd = common::mpirun(np);
-    cmd.arg("train").arg(job).arg("--metrics").arg(metrics);
-    for s in sets {
-        cmd.args(["--set", s]);
-    }
-    let out = common::run(cmd, Duration::from_secs(300));
-    assert!(out.success(), "train on {np} ranks failed: {:?}\n{}\n{}", out.status, out.stdout, out.stderr);
-}
 
-fn losses(metrics: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(metrics)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
-        })
-        .collect()
-}
 
 fn export(ckpt: &Path, out: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let st = Command::new(common::meshtrain()).arg("export").arg(ckpt).arg(out).output().unwrap();
@@ -75,16 +55,16 @@ fn resume_same_layout_is_bitwise_and_other_layout_within_1e5() {
     let d = dir.path();
     // Uninterrupted: dp=2, ZeRO-1, 20 steps, checkpoints at 10 and 20.
     let full = job(d, "full.toml", "[parallel]\ndp = 2\nzero = 1\nbucket_mb = 0.05");
-    train(2, &full, &d.join("full.jsonl"), &[]);
-    let want = losses(&d.join("full.jsonl"));
+    common::train(2, &full, &d.join("full.jsonl"), &[]);
+    let want = common::losses(&d.join("full.jsonl"));
     let ckpt10 = d.join("full_ckpt/step_00000010");
     assert!(ckpt10.join("checkpoint.h5").exists());
     let final_full = export(&d.join("full_ckpt/step_00000020"), &d.join("full.h5"));
 
     // Same layout, resumed from step 10 into its own directory.
     let same = job(d, "same.toml", "[parallel]\ndp = 2\nzero = 1\nbucket_mb = 0.05");
-    train(2, &same, &d.join("same.jsonl"), &[format!("checkpoint.resume={:?}", ckpt10.display().to_string())]);
-    let got = losses(&d.join("same.jsonl"));
+    common::train(2, &same, &d.join("same.jsonl"), &[format!("checkpoint.resume={:?}", ckpt10.display().to_string())]);
+    let got = common::losses(&d.join("same.jsonl"));
     assert_eq!(got.len(), 10);
     for (g, w) in got.iter().zip(&want[10..]) {
         assert_eq!(g.0, w.0);
@@ -98,8 +78,8 @@ fn resume_same_layout_is_bitwise_and_other_layout_within_1e5() {
 
     // Other layout: 4 ranks, ZeRO-0, half the micro-batch (same global batch), from step 10.
     let other = job(d, "other.toml", "[parallel]\ndp = 4\nzero = 0\nbucket_mb = 0.02");
-    train(4, &other, &d.join("other.jsonl"), &["train.micro_batch=2".into(), format!("checkpoint.resume={:?}", ckpt10.display().to_string())]);
-    let got = losses(&d.join("other.jsonl"));
+    common::train(4, &other, &d.join("other.jsonl"), &["train.micro_batch=2".into(), format!("checkpoint.resume={:?}", ckpt10.display().to_string())]);
+    let got = common::losses(&d.join("other.jsonl"));
     for (g, w) in got.iter().zip(&want[10..]) {
         assert!((g.1 - w.1).abs() <= 1e-5 * w.1.abs(), "step {}: {} vs {}", g.0, g.1, w.1);
     }
@@ -131,7 +111,7 @@ fn corrupt_checkpoint_is_rejected_before_training() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let base = job(d, "base.toml", "");
-    train(1, &base, &d.join("base.jsonl"), &["train.steps=10".into()]);
+    common::train(1, &base, &d.join("base.jsonl"), &["train.steps=10".into()]);
     let ckpt = d.join("base_ckpt/step_00000010");
     // Flip a byte in the middle of the shard file's data.
     let shard = ckpt.join("rank_00000.h5");

@@ -5,7 +5,6 @@ mod common;
 
 use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
 
 /// A tiny-model job on synthetic data with the given extra TOML lines.
 fn job(dir: &Path, name: &str, extra: &str) -> std::path::PathBuf {
@@ -36,23 +35,10 @@ grad_clip = 1.0
     path
 }
 
-fn losses(metrics: &Path) -> Vec<f64> {
-    std::fs::read_to_string(metrics)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
-        .collect()
-}
 
-fn train(np: usize, job: &Path, metrics: &Path, sets: &[&str]) -> common::Finished {
-    let mut cmd = common::mpirun(np);
-    cmd.arg("train").arg(job).arg("--metrics").arg(metrics);
-    for s in sets {
-        cmd.args(["--set", s]);
-    }
-    let out = common::run(cmd, Duration::from_secs(300));
-    assert!(out.success(), "train on {np} ranks failed: {:?}\n{}\n{}", out.status, out.stdout, out.stderr);
-    out
+
+fn losses(metrics: &Path) -> Vec<f64> {
+    common::losses(metrics).into_iter().map(|(_, l)| l).collect()
 }
 
 fn assert_close(a: &[f64], b: &[f64], rel: f64, what: &str) {
@@ -89,8 +75,8 @@ fn same_seed_gives_bitwise_identical_losses() {
     let dir = tempfile::tempdir().unwrap();
     let path = job(dir.path(), "det.toml", "[parallel]\ndp = 2");
     let (a, b) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
-    train(2, &path, &a, &[]);
-    train(2, &path, &b, &[]);
+    common::train(2, &path, &a, &[]);
+    common::train(2, &path, &b, &[]);
     let (la, lb) = (losses(&a), losses(&b));
     assert_eq!(la.len(), 20);
     assert!(la.iter().zip(&lb).all(|(x, y)| x.to_bits() == y.to_bits()), "{la:?}\n{lb:?}");
@@ -103,14 +89,14 @@ fn data_parallel_follows_the_single_rank_trajectory() {
     // Single rank: grad_accum = 4 micro-batches see the same windows as 4 ranks x 1 or 2 ranks x 2.
     let single = job(dir.path(), "single.toml", "");
     let reference = dir.path().join("ref.jsonl");
-    train(1, &single, &reference, &["train.grad_accum=4"]);
+    common::train(1, &single, &reference, &["train.grad_accum=4".into()]);
     let want = losses(&reference);
     // 0.05 MiB buckets: the tiny model's gradients travel in 10 overlapped buckets.
     for (np, accum, zero) in [(2, 2, 0), (4, 1, 1), (2, 2, 1)] {
         let parallel = format!("[parallel]\ndp = {np}\nzero = {zero}\nbucket_mb = 0.05");
         let path = job(dir.path(), &format!("dp{np}.toml"), &parallel);
         let out = dir.path().join(format!("dp{np}_{zero}.jsonl"));
-        train(np, &path, &out, &[&format!("train.grad_accum={accum}")]);
+        common::train(np, &path, &out, &[format!("train.grad_accum={accum}")]);
         assert_close(&losses(&out), &want, 1e-5, &format!("dp{np} accum{accum} zero{zero}"));
     }
 }

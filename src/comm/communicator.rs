@@ -300,10 +300,7 @@ impl Communicator {
         let direct = self.use_direct(out.len());
         self.run("all_reduce", out.len(), direct, |st, w| {
             if self.size() == 1 {
-                if let Some(i) = input {
-                    out.copy_from_slice(i);
-                }
-                return Ok(());
+                return Ok(copy_separate(input, out));
             }
             if direct {
                 let State { links, scratch, .. } = st;
@@ -339,10 +336,7 @@ impl Communicator {
         let direct = self.use_direct(n * dtype.size());
         self.run("reduce_scatter", n * dtype.size(), direct, |st, w| {
             if self.size() == 1 {
-                if let Some(i) = input {
-                    out.copy_from_slice(i);
-                }
-                return Ok(());
+                return Ok(copy_separate(input, out));
             }
             if direct {
                 let State { links, scratch, .. } = st;
@@ -374,10 +368,7 @@ impl Communicator {
         let direct = self.use_direct(out.len());
         self.run("all_gather", out.len(), direct, |st, w| {
             if self.size() == 1 {
-                if let Some(i) = input {
-                    out.copy_from_slice(i);
-                }
-                return Ok(());
+                return Ok(copy_separate(input, out));
             }
             if direct {
                 direct::all_gather(&mut LinkTable(&mut st.links), &self.direct_shape(dtype), input, out, w)
@@ -436,10 +427,7 @@ impl Communicator {
         let direct = self.use_direct(n * dtype.size());
         self.run("reduce", n * dtype.size(), direct, |st, w| {
             if self.size() == 1 {
-                if let Some(i) = input {
-                    out.copy_from_slice(i);
-                }
-                return Ok(());
+                return Ok(copy_separate(input, out));
             }
             if direct {
                 let State { links, scratch, .. } = st;
@@ -555,6 +543,13 @@ impl Communicator {
             return Err(Error::InvalidArgument(format!("{op}: peer {peer} is this rank")));
         }
         Ok(())
+    }
+}
+
+/// A one-rank collective: the result is the input (already in place when there is no separate one).
+fn copy_separate(input: Option<&[u8]>, out: &mut [u8]) {
+    if let Some(i) = input {
+        out.copy_from_slice(i);
     }
 }
 

@@ -115,3 +115,27 @@ pub fn shm_files(prefix: &str) -> Vec<String> {
         .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(prefix)).collect())
         .unwrap_or_default()
 }
+
+/// Runs `meshtrain train JOB --metrics METRICS [--set ...]` on `np` ranks and asserts success.
+pub fn train(np: usize, job: &std::path::Path, metrics: &std::path::Path, sets: &[String]) -> Finished {
+    let mut cmd = mpirun(np);
+    cmd.arg("train").arg(job).arg("--metrics").arg(metrics);
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    let out = run(cmd, Duration::from_secs(300));
+    assert!(out.success(), "train on {np} ranks failed: {:?}\n{}\n{}", out.status, out.stdout, out.stderr);
+    out
+}
+
+/// (step, loss) of every line of a metrics file.
+pub fn losses(metrics: &std::path::Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+        })
+        .collect()
+}

@@ -1,6 +1,7 @@
 //! Parallelism over the 3D process grid: the grid itself, data, tensor and pipeline parallelism.
 //!
-//! [`schedule`] holds the pipeline schedules as pure functions of (schedule, rank, stages,
+//! [`grid`] maps ranks to (tp, pp, dp) coordinates and builds the axis communicators; [`schedule`] holds the pipeline schedules as pure functions of (schedule, rank, stages,
 //! micro-batches); the modules that execute them own the communicators and buffers.
 
+pub mod grid;
 pub mod schedule;

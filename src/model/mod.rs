@@ -25,10 +25,19 @@ pub mod layout;
 pub mod linear;
 pub mod parallel;
 pub mod residual;
+pub mod stage;
+#[cfg(test)]
+mod stage_tests;
+pub mod tp_comm;
+pub mod tp_layout;
+pub mod vocab_parallel;
 
 pub use float::Float;
 pub use gpt::Gpt;
 pub use layout::{ParamEntry, ParamLayout, TpSplit};
+pub use stage::{Stage, StageInput, StageOutput};
+pub use tp_comm::{NoTp, TpComm};
+pub use tp_layout::{ShardEntry, ShardLayout, StageSpec};
 
 use crate::error::{Error, Result};
 

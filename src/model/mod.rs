@@ -26,6 +26,8 @@ pub mod linear;
 pub mod parallel;
 pub mod residual;
 pub mod stage;
+mod stage_buffers;
+mod stage_compute;
 #[cfg(test)]
 mod stage_tests;
 pub mod tp_comm;

@@ -46,7 +46,8 @@ fn batch(i: u64) -> (Vec<u32>, Vec<u32>) {
 fn full_params() -> Vec<f32> {
     let mut p = Gpt::<f32>::new(cfg(), B, T, 7).unwrap().params().to_vec();
     let mut rng = ChaCha8Rng::seed_from_u64(8);
-    p.iter_mut().for_each(|x| *x += 0.1 * (rng.gen::<f32>() - 0.5));
+    p.iter_mut()
+        .for_each(|x| *x += 0.1 * (rng.gen::<f32>() - 0.5));
     p
 }
 
@@ -72,7 +73,8 @@ fn run_stages(tp: &dyn TpComm, sp: bool, specs: &[StageSpec]) -> (Vec<f32>, Vec<
     let mut stages: Vec<Stage> = specs
         .iter()
         .map(|spec| {
-            let mut s = Stage::new(cfg(), tp.tp_rank(), tp.tp_size(), spec.clone(), sp, B, T, 1).unwrap();
+            let mut s =
+                Stage::new(cfg(), tp.tp_rank(), tp.tp_size(), spec.clone(), sp, B, T, 1).unwrap();
             s.load_from_full(&full).unwrap();
             s
         })
@@ -127,14 +129,24 @@ fn check_against_reference(results: &[(Vec<f32>, Vec<Vec<f32>>)]) {
         }
     }
     for e in layout.entries() {
-        let scale = ref_grads[e.range()].iter().fold(0f32, |m, g| m.max(g.abs()));
-        assert!(scale > 0.0, "{}: zero reference gradient tests nothing", e.name);
+        let scale = ref_grads[e.range()]
+            .iter()
+            .fold(0f32, |m, g| m.max(g.abs()));
+        assert!(
+            scale > 0.0,
+            "{}: zero reference gradient tests nothing",
+            e.name
+        );
         for i in e.range() {
             // Per rank: the sum over its stages holding the element (wte on first and last).
             let per_rank: Vec<Option<f32>> = results
                 .iter()
                 .map(|(_, stages)| {
-                    let held: Vec<f32> = stages.iter().map(|g| g[i]).filter(|g| !g.is_nan()).collect();
+                    let held: Vec<f32> = stages
+                        .iter()
+                        .map(|g| g[i])
+                        .filter(|g| !g.is_nan())
+                        .collect();
                     (!held.is_empty()).then(|| held.iter().sum())
                 })
                 .collect();
@@ -199,12 +211,18 @@ fn one_rank_stage_is_bitwise_gpt() {
     let (x, y) = batch(0);
     let want = m.forward(&x, &y).unwrap();
     m.backward().unwrap();
-    let got = match st.forward(0, StageInput::Tokens(&x), Some(&y), &NoTp).unwrap() {
+    let got = match st
+        .forward(0, StageInput::Tokens(&x), Some(&y), &NoTp)
+        .unwrap()
+    {
         StageOutput::Loss(l) => l,
         StageOutput::Hidden(_) => panic!("a last stage returns the loss"),
     };
     assert_eq!(got, want);
-    assert!(st.backward(0, None, &NoTp, &mut |_, _| {}).unwrap().is_none());
+    assert!(st
+        .backward(0, None, &NoTp, &mut |_, _| {})
+        .unwrap()
+        .is_none());
     assert_eq!(st.grads(), m.grads());
 }
 
@@ -261,7 +279,10 @@ fn micro_batches_in_flight_keep_their_activations() {
     };
     let fwd = |st: &mut [Stage], slot: usize, i: u64| -> f32 {
         let (x, y) = batch(i);
-        let h = match st[0].forward(slot, StageInput::Tokens(&x), None, &NoTp).unwrap() {
+        let h = match st[0]
+            .forward(slot, StageInput::Tokens(&x), None, &NoTp)
+            .unwrap()
+        {
             StageOutput::Hidden(h) => h.to_vec(),
             StageOutput::Loss(_) => panic!("first stage returns its hidden state"),
         };
@@ -298,7 +319,9 @@ fn micro_batches_in_flight_keep_their_activations() {
         assert_eq!(a.grads(), b.grads());
     }
     let g = vec![0.0; inflight[0].hidden_len()];
-    assert!(inflight[0].backward(0, Some(&g), &NoTp, &mut |_, _| {}).is_err()); // slot consumed
+    assert!(inflight[0]
+        .backward(0, Some(&g), &NoTp, &mut |_, _| {})
+        .is_err()); // slot consumed
 }
 
 /// Each reported range is disjoint from the others, all of them cover the buffer, and the
@@ -358,12 +381,19 @@ fn gradient_ranges_are_reported_once_after_their_last_write() {
 fn rejects_misuse() {
     let mut st = Stage::new(cfg(), 0, 1, two_stages()[1].clone(), false, B, T, 1).unwrap();
     let (x, y) = batch(0);
-    assert!(st.forward(0, StageInput::Tokens(&x), Some(&y), &NoTp).is_err()); // not first
+    assert!(st
+        .forward(0, StageInput::Tokens(&x), Some(&y), &NoTp)
+        .is_err()); // not first
     assert!(st
         .forward(0, StageInput::Hidden(&[0.0; 3]), Some(&y), &NoTp)
         .is_err()); // size
     assert!(st
-        .forward(1, StageInput::Hidden(&vec![0.0; B * T * 32]), Some(&y), &NoTp)
+        .forward(
+            1,
+            StageInput::Hidden(&vec![0.0; B * T * 32]),
+            Some(&y),
+            &NoTp
+        )
         .is_err()); // slot
     assert!(st.backward(0, None, &NoTp, &mut |_, _| {}).is_err()); // no forward
     assert!(Stage::new(cfg(), 0, 3, StageSpec::whole(&cfg()), false, B, T, 1).is_err()); // 4 heads

@@ -131,7 +131,12 @@ fn stacked_matrices(name: &str) -> usize {
 
 impl ShardLayout {
     /// The layout of TP rank `tp_rank` of `tp_size` for the stage `spec` of `config`.
-    pub fn new(config: &GptConfig, tp_rank: usize, tp_size: usize, spec: &StageSpec) -> Result<Self> {
+    pub fn new(
+        config: &GptConfig,
+        tp_rank: usize,
+        tp_size: usize,
+        spec: &StageSpec,
+    ) -> Result<Self> {
         config.validate()?;
         check_tp(config, tp_rank, tp_size)?;
         if spec.layers.start > spec.layers.end || spec.layers.end > config.n_layer {
@@ -154,8 +159,13 @@ impl ShardLayout {
             if e.layer.is_some() && first_block_entry.is_none() {
                 first_block_entry = Some(entries.len());
             }
-            let (view_shape, box_offset, box_shape, local_shape) =
-                shard_box(&e.shape, e.tp_split, stacked_matrices(&e.name), tp_rank, tp_size);
+            let (view_shape, box_offset, box_shape, local_shape) = shard_box(
+                &e.shape,
+                e.tp_split,
+                stacked_matrices(&e.name),
+                tp_rank,
+                tp_size,
+            );
             let len = local_shape.iter().product();
             entries.push(ShardEntry {
                 name: e.name.clone(),
@@ -211,7 +221,10 @@ impl ShardLayout {
 
     /// Local ranges of `lnf.weight` and `lnf.bias` (C each), if this stage holds them.
     pub fn lnf(&self) -> Option<(Range<usize>, Range<usize>)> {
-        Some((self.get("lnf.weight")?.range(), self.get("lnf.bias")?.range()))
+        Some((
+            self.get("lnf.weight")?.range(),
+            self.get("lnf.bias")?.range(),
+        ))
     }
 
     /// Local ranges of block `l`'s shards (`l` global, within the stage's layers).
@@ -418,7 +431,11 @@ mod tests {
         for e in global.entries() {
             // wte lives on the first and the last stage; replicated tensors on both TP ranks.
             let stages_holding = if e.name == "wte" { 2 } else { 1 };
-            let ranks = if e.tp_split == TpSplit::Replicated { tp } else { 1 };
+            let ranks = if e.tp_split == TpSplit::Replicated {
+                tp
+            } else {
+                1
+            };
             for g in e.range() {
                 assert_eq!(count[g], stages_holding * ranks, "{} element {g}", e.name);
             }
@@ -433,7 +450,9 @@ mod tests {
         let lay = ShardLayout::new(&c, 1, 2, &StageSpec::whole(&c)).unwrap();
         let e = lay.get("h.0.attn.qkv.weight").unwrap();
         assert_eq!(e.local_shape, vec![12, 8]);
-        let full: Vec<f32> = (0..ParamLayout::new(&c).total_len()).map(|i| i as f32).collect();
+        let full: Vec<f32> = (0..ParamLayout::new(&c).total_len())
+            .map(|i| i as f32)
+            .collect();
         let mut local = vec![0f32; lay.total_len()];
         lay.gather_from_full(&full, &mut local).unwrap();
         let rows: Vec<usize> = local[e.range()]

@@ -22,7 +22,13 @@ pub fn real_columns(start: usize, vl: usize, v: usize) -> usize {
 }
 
 /// out (N, C) = wte_shard (Vl, C) row `token - start` for tokens (N) in the shard, else zeros.
-pub fn embedding_shard_forward<F: Float>(out: &mut [F], tokens: &[u32], wte: &[F], start: usize, c: usize) {
+pub fn embedding_shard_forward<F: Float>(
+    out: &mut [F],
+    tokens: &[u32],
+    wte: &[F],
+    start: usize,
+    c: usize,
+) {
     let vl = wte.len() / c;
     for (row, &tok) in out.chunks_exact_mut(c).zip(tokens) {
         match (tok as usize).checked_sub(start).filter(|&i| i < vl) {
@@ -61,7 +67,13 @@ pub fn position_forward<F: Float>(out: &mut [F], wpe: &[F], first_row: usize, t:
 }
 
 /// dwpe (maxT, C) += dout (R, C) rows at their positions (as in [`position_forward`]).
-pub fn position_backward<F: Float>(dwpe: &mut [F], dout: &[F], first_row: usize, t: usize, c: usize) {
+pub fn position_backward<F: Float>(
+    dwpe: &mut [F],
+    dout: &[F],
+    first_row: usize,
+    t: usize,
+    c: usize,
+) {
     for (i, drow) in dout.chunks_exact(c).enumerate() {
         let pos = (first_row + i) % t;
         for (g, &d) in dwpe[pos * c..][..c].iter_mut().zip(drow) {
@@ -127,17 +139,20 @@ pub fn cross_entropy_shard_backward<F: Float>(
         .chunks(per * vl)
         .zip(lse.chunks(per))
         .zip(targets.chunks(per));
-    run_parts(dlogits.chunks_mut(per * vl).zip(ins), |(d, ((z, l), tg))| {
-        let rows = d.chunks_exact_mut(vl).zip(z.chunks_exact(vl));
-        for ((drow, row), (&l, &target)) in rows.zip(l.iter().zip(tg)) {
-            for (d, &z) in drow[..real].iter_mut().zip(&row[..real]) {
-                *d += (z - l).exp() * dloss;
+    run_parts(
+        dlogits.chunks_mut(per * vl).zip(ins),
+        |(d, ((z, l), tg))| {
+            let rows = d.chunks_exact_mut(vl).zip(z.chunks_exact(vl));
+            for ((drow, row), (&l, &target)) in rows.zip(l.iter().zip(tg)) {
+                for (d, &z) in drow[..real].iter_mut().zip(&row[..real]) {
+                    *d += (z - l).exp() * dloss;
+                }
+                if let Some(i) = (target as usize).checked_sub(start).filter(|&i| i < real) {
+                    drow[i] -= dloss;
+                }
             }
-            if let Some(i) = (target as usize).checked_sub(start).filter(|&i| i < real) {
-                drow[i] -= dloss;
-            }
-        }
-    });
+        },
+    );
 }
 
 #[cfg(test)]
@@ -150,7 +165,9 @@ mod tests {
     #[test]
     fn two_shards_combine_to_the_full_cross_entropy() {
         let (n, v, vp) = (2, 6, 8);
-        let logits: Vec<f64> = (0..n * vp).map(|i| ((i * 7) % 5) as f64 * 0.3 - 0.4).collect();
+        let logits: Vec<f64> = (0..n * vp)
+            .map(|i| ((i * 7) % 5) as f64 * 0.3 - 0.4)
+            .collect();
         let targets = [5u32, 1];
         let (mut loss, mut lse) = (vec![0.0; n], vec![0.0; n]);
         cross_entropy_forward(&mut loss, &mut lse, &logits, &targets, v, vp);
@@ -166,7 +183,9 @@ mod tests {
         for s in 0..2 {
             let mut ms = vec![0.0; n];
             shard_max(&mut ms, &shard(s), real_columns(s * 4, 4, v));
-            m.iter_mut().zip(&ms).for_each(|(a, &b)| *a = f64::max(*a, b));
+            m.iter_mut()
+                .zip(&ms)
+                .for_each(|(a, &b)| *a = f64::max(*a, b));
         }
         for s in 0..2 {
             let (mut ss, mut zs) = (vec![0.0; n], vec![0.0; n]);
@@ -215,7 +234,13 @@ mod tests {
         let mut sum = vec![0f32; 3 * c];
         for s in 0..2 {
             let mut out = vec![9f32; 3 * c];
-            embedding_shard_forward(&mut out, &tokens, &wte[s * 2 * c..(s + 1) * 2 * c], s * 2, c);
+            embedding_shard_forward(
+                &mut out,
+                &tokens,
+                &wte[s * 2 * c..(s + 1) * 2 * c],
+                s * 2,
+                c,
+            );
             sum.iter_mut().zip(&out).for_each(|(a, b)| *a += b);
         }
         assert_eq!(sum, [7.0, 8.0, 1.0, 2.0, 5.0, 6.0]);

@@ -224,6 +224,11 @@ impl ParamLayout {
         self.blocks_start + layers.start * self.block_len..self.blocks_start + layers.end * self.block_len
     }
 
+    /// Number of tensors in every block.
+    pub fn block_tensor_count(&self) -> usize {
+        BLOCK_TENSORS.len()
+    }
+
     /// Ranges of block `l`'s tensors.
     pub fn block(&self, l: usize) -> BlockRanges {
         let first = 2 + l * BLOCK_TENSORS.len();

@@ -26,10 +26,21 @@ pub mod linear;
 pub mod parallel;
 pub mod residual;
 pub mod sample;
+pub mod stage;
+mod stage_buffers;
+mod stage_compute;
+#[cfg(test)]
+mod stage_tests;
+pub mod tp_comm;
+pub mod tp_layout;
+pub mod vocab_parallel;
 
 pub use float::Float;
 pub use gpt::Gpt;
 pub use layout::{ParamEntry, ParamLayout, TpSplit};
+pub use stage::{Stage, StageInput, StageOutput};
+pub use tp_comm::{NoTp, TpComm};
+pub use tp_layout::{ShardEntry, ShardLayout, StageSpec};
 
 use crate::error::{Error, Result};
 

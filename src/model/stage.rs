@@ -1,0 +1,436 @@
+//! The executor of one (tensor-parallel rank, pipeline stage) shard of a GPT-2, on CPU in f32.
+//!
+//! A [`Stage`] runs the blocks `spec.layers` (plus the embedding when `first`, the final
+//! LayerNorm, tied head and loss when `last`) with the parameter shard of [`ShardLayout`], and
+//! talks to the other ranks of its TP group only through [`TpComm`]. Megatron-style TP:
+//! - qkv and mlp.fc are column-parallel (rank `r` holds heads `r*NH/tp ..` and hidden units
+//!   `r*4C/tp ..`; no communication), attn.proj and mlp.proj are row-parallel: each rank's
+//!   partial (B*T, C) product is summed over TP, and the bias is added ONCE, after the sum;
+//! - the embedding is vocab-parallel (each rank looks up the tokens in its `wte` rows, zeros
+//!   elsewhere, and the partial rows are summed over TP); the tied head computes only the
+//!   rank's (B*T, Vp/tp) logits and the cross-entropy combines per-shard max and sum-exp over
+//!   TP (`vocab_parallel.rs`), never gathering full logits. `wte` gets the head's gradient and
+//!   then, on the first stage, the embedding's; it is reported final last.
+//!
+//! Replicated tensors (LayerNorms, row-parallel biases, `wpe`): without sequence parallelism
+//! every TP rank computes them from bitwise identical inputs (all activations entering them are
+//! results of all-reduces, identical on every member, see `tp_comm.rs`), so their gradients are
+//! already identical and need no communication. With sequence parallelism (`sp`), the residual
+//! stream between the TP regions is split along the B*T rows (rank `r` holds rows
+//! `r*B*T/tp ..`): LayerNorms, residual adds, biases and dropout-free element-wise work run on the
+//! local rows, an all-gather of the LayerNorm output precedes each column-parallel linear, and the
+//! row-parallel sums become reduce-scatters. Each rank then sees only its rows, so the gradients
+//! of the replicated tensors are partial sums: they are computed per micro-batch into scratch,
+//! all-reduced over TP, and only then added to the accumulated gradients (reducing the
+//! accumulated buffer in place would multiply earlier micro-batches by tp).
+//!
+//! Invariants: `backward` ADDS into the gradients; a `backward(slot)` needs a `forward(slot)`
+//! since the slot's previous backward; each slot keeps its own activations, so a pipeline may
+//! run several micro-batches' forwards before their backwards, in any order; every TP rank calls
+//! the same methods in the same order (SPMD). Hidden states exchanged with neighbouring stages are
+//! this rank's rows: (B*T/tp, C) with `sp`, else the full (B*T, C) (same on every TP rank).
+
+use std::ops::Range;
+
+use super::stage_buffers::{Dims, Scratch, SlotActs};
+use super::stage_compute::{
+    block_backward, block_forward, embedding_backward, head_backward, head_forward, reduce_rows,
+};
+use super::tp_comm::TpComm;
+use super::tp_layout::{ShardLayout, StageSpec};
+use super::vocab_parallel::{embedding_shard_forward, position_forward, real_columns};
+use super::GptConfig;
+use crate::error::{Error, Result};
+
+/// What a stage's forward consumes.
+#[derive(Debug, Clone, Copy)]
+pub enum StageInput<'a> {
+    /// Token ids (B, T), for the first stage (all rows, also with sequence parallelism).
+    Tokens(&'a [u32]),
+    /// The previous stage's output: (B*T/tp, C) rows with sequence parallelism, else (B*T, C).
+    Hidden(&'a [f32]),
+}
+
+/// What a stage's forward produces.
+#[derive(Debug, Clone, Copy)]
+pub enum StageOutput<'a> {
+    /// Hidden state for the next stage, shaped like [`StageInput::Hidden`].
+    Hidden(&'a [f32]),
+    /// Mean cross-entropy over the micro-batch (last stage; the same on every TP rank).
+    Loss(f32),
+}
+
+/// The shard executor; see the module documentation.
+pub struct Stage {
+    config: GptConfig,
+    spec: StageSpec,
+    layout: ShardLayout,
+    tp_rank: usize,
+    tp_size: usize,
+    d: Dims,
+    /// This shard's parameters and gradients ([`ShardLayout`] order).
+    params: Vec<f32>,
+    grads: Vec<f32>,
+    slots: Vec<SlotActs>,
+    s: Scratch,
+}
+
+/// Shape and sizes only: the buffers are far too large to print.
+impl std::fmt::Debug for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stage")
+            .field("config", &self.config)
+            .field("spec", &self.spec)
+            .field("tp", &(self.tp_rank, self.tp_size))
+            .field("sequence_parallel", &self.d.sp)
+            .field("params", &self.params.len())
+            .field("slots", &self.slots.len())
+            .finish()
+    }
+}
+
+impl Stage {
+    /// A stage with zero parameters (fill them with [`Stage::load_from_full`] or
+    /// [`Stage::params_mut`]) for micro-batches of `micro_batch` x `seq_len` tokens, with
+    /// activations for `slots` micro-batches in flight.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        config: GptConfig,
+        tp_rank: usize,
+        tp_size: usize,
+        spec: StageSpec,
+        sequence_parallel: bool,
+        micro_batch: usize,
+        seq_len: usize,
+        slots: usize,
+    ) -> Result<Stage> {
+        let layout = ShardLayout::new(&config, tp_rank, tp_size, &spec)?;
+        if micro_batch == 0 || slots == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "stage needs micro_batch >= 1 and slots >= 1 (got {micro_batch}, {slots})"
+            )));
+        }
+        if seq_len == 0 || seq_len > config.max_seq_len {
+            return Err(Error::config(
+                "train.seq_len",
+                format!(
+                    "{seq_len} is not in 1..={} (model.max_seq_len)",
+                    config.max_seq_len
+                ),
+            ));
+        }
+        let bt = micro_batch * seq_len;
+        if sequence_parallel && bt % tp_size != 0 {
+            return Err(Error::config(
+                "parallel.sequence_parallel",
+                format!("B*T = {bt} tokens are not divisible by tp {tp_size}"),
+            ));
+        }
+        let rows = if sequence_parallel { bt / tp_size } else { bt };
+        let (c, vl) = (config.n_embd, config.padded_vocab_size() / tp_size);
+        let d = Dims {
+            b: micro_batch,
+            t: seq_len,
+            bt,
+            rows,
+            row0: if sequence_parallel { tp_rank * rows } else { 0 },
+            c,
+            cl: c / tp_size,
+            hl: 4 * c / tp_size,
+            nhl: config.n_head / tp_size,
+            hs: config.head_dim(),
+            v: config.vocab_size,
+            vl,
+            vstart: tp_rank * vl,
+            vreal: real_columns(tp_rank * vl, vl, config.vocab_size),
+            nl: spec.layers.len(),
+            sp: sequence_parallel,
+        };
+        let n = layout.total_len();
+        Ok(Stage {
+            slots: (0..slots)
+                .map(|_| SlotActs::new(&d, spec.first, spec.last))
+                .collect(),
+            s: Scratch::new(&d),
+            config,
+            spec,
+            layout,
+            tp_rank,
+            tp_size,
+            d,
+            params: vec![0.0; n],
+            grads: vec![0.0; n],
+        })
+    }
+
+    /// The model shape.
+    pub fn config(&self) -> &GptConfig {
+        &self.config
+    }
+
+    /// Which part of the model this stage runs.
+    pub fn spec(&self) -> &StageSpec {
+        &self.spec
+    }
+
+    /// This shard's layout table.
+    pub fn layout(&self) -> &ShardLayout {
+        &self.layout
+    }
+
+    /// Whether activations between blocks are split along the rows over TP.
+    pub fn sequence_parallel(&self) -> bool {
+        self.d.sp
+    }
+
+    /// Elements of a [`StageInput::Hidden`] / [`StageOutput::Hidden`] / backward gradient.
+    pub fn hidden_len(&self) -> usize {
+        self.d.rows * self.d.c
+    }
+
+    /// Elements held by all slots' activations and the shared scratch (memory accounting).
+    pub fn activation_elements(&self) -> usize {
+        let s = &self.s;
+        let scratch = [
+            &s.ln,
+            &s.branch,
+            &s.partial,
+            &s.full,
+            &s.dres,
+            &s.dln,
+            &s.datty,
+            &s.dqkv,
+            &s.dfch_gelu,
+            &s.dfch,
+            &s.datt_row,
+            &s.dlogits,
+            &s.ce,
+            &s.repl,
+        ];
+        self.slots.iter().map(SlotActs::num_elements).sum::<usize>()
+            + scratch.iter().map(|b| b.len()).sum::<usize>()
+    }
+
+    /// Flat parameters of this shard.
+    pub fn params(&self) -> &[f32] {
+        &self.params
+    }
+
+    /// Flat parameters, mutable (loading, optimizer).
+    pub fn params_mut(&mut self) -> &mut [f32] {
+        &mut self.params
+    }
+
+    /// Flat gradients of this shard (accumulated by `backward`).
+    pub fn grads(&self) -> &[f32] {
+        &self.grads
+    }
+
+    /// Flat gradients, mutable (data-parallel reduction, clipping).
+    pub fn grads_mut(&mut self) -> &mut [f32] {
+        &mut self.grads
+    }
+
+    /// Parameters and gradients together, both mutable.
+    pub fn params_and_grads(&mut self) -> (&mut [f32], &mut [f32]) {
+        (&mut self.params, &mut self.grads)
+    }
+
+    /// Sets all gradients to zero.
+    pub fn zero_grad(&mut self) {
+        self.grads.iter_mut().for_each(|g| *g = 0.0);
+    }
+
+    /// Copies this shard's parameters out of a single-rank flat buffer (see [`super::Gpt`]).
+    pub fn load_from_full(&mut self, full: &[f32]) -> Result<()> {
+        self.layout.gather_from_full(full, &mut self.params)
+    }
+
+    /// Writes this shard's parameters into a single-rank flat buffer (other elements untouched).
+    pub fn store_into_full(&self, full: &mut [f32]) -> Result<()> {
+        self.layout.scatter_into_full(&self.params, full)
+    }
+
+    fn check_call(&self, op: &str, slot: usize, tp: &dyn TpComm) -> Result<()> {
+        if tp.tp_rank() != self.tp_rank || tp.tp_size() != self.tp_size {
+            return Err(Error::InvalidArgument(format!(
+                "{op}: stage built for TP rank {} of {}, called with a group where it is {} of {}",
+                self.tp_rank,
+                self.tp_size,
+                tp.tp_rank(),
+                tp.tp_size()
+            )));
+        }
+        if slot >= self.slots.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{op}: slot {slot} but the stage has {} slots",
+                self.slots.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs the stage on one micro-batch, keeping its activations in `slot`. The first stage takes
+    /// [`StageInput::Tokens`], the others [`StageInput::Hidden`]; the last stage needs `targets`
+    /// (B, T) and returns the loss, the others return their hidden output.
+    pub fn forward(
+        &mut self,
+        slot: usize,
+        input: StageInput<'_>,
+        targets: Option<&[u32]>,
+        tp: &dyn TpComm,
+    ) -> Result<StageOutput<'_>> {
+        self.check_call("forward", slot, tp)?;
+        let d = self.d;
+        let Stage {
+            params,
+            layout,
+            slots,
+            s,
+            spec,
+            ..
+        } = self;
+        let a = &mut slots[slot];
+        a.forward_done = false;
+        match (spec.first, input) {
+            (true, StageInput::Tokens(tokens)) => {
+                check_ids("tokens", tokens, &d)?;
+                a.tokens.copy_from_slice(tokens);
+                let wte = &params[layout.wte().expect("a first stage holds wte")];
+                embedding_shard_forward(&mut s.partial, tokens, wte, d.vstart, d.c);
+                reduce_rows(&d, tp, &mut s.partial, &mut a.input)?;
+                let wpe = &params[layout.wpe().expect("a first stage holds wpe")];
+                position_forward(&mut a.input, wpe, d.row0, d.t, d.c);
+            }
+            (false, StageInput::Hidden(h)) => {
+                check_len("forward: hidden input", h.len(), d.rows * d.c)?;
+                a.input.copy_from_slice(h);
+            }
+            (first, _) => {
+                return Err(Error::InvalidArgument(format!(
+                    "forward: a {} stage takes {}",
+                    if first { "first" } else { "non-first" },
+                    if first { "Tokens" } else { "Hidden" }
+                )))
+            }
+        }
+        match (spec.last, targets) {
+            (true, Some(tg)) => {
+                check_ids("targets", tg, &d)?;
+                a.targets.copy_from_slice(tg);
+            }
+            (false, None) => {}
+            (last, _) => {
+                return Err(Error::InvalidArgument(format!(
+                    "forward: targets must be given exactly to the last stage (this one is {}last)",
+                    if last { "" } else { "not " }
+                )))
+            }
+        }
+        for li in 0..d.nl {
+            block_forward(
+                &d,
+                tp,
+                params,
+                &layout.block(spec.layers.start + li),
+                a,
+                s,
+                li,
+            )?;
+        }
+        a.forward_done = true;
+        if spec.last {
+            Ok(StageOutput::Loss(head_forward(
+                &d, tp, params, layout, a, s,
+            )?))
+        } else {
+            Ok(StageOutput::Hidden(a.hidden_out(&d)))
+        }
+    }
+
+    /// Accumulates this micro-batch's gradients (of the mean loss over its B*T positions) into
+    /// the shard's gradients and frees `slot`. `grad_output` is d(hidden output) for non-last
+    /// stages (None on the last). Calls `on_grads_final(range, &mut grads[range])` as soon as a
+    /// range of the flat gradients will not be written again by this backward (the callee may
+    /// read them, e.g. into a data-parallel bucket, or reduce them in place): the final LayerNorm,
+    /// then each block in reverse order, then `wte` and `wpe` at the very end (`wte` gets the
+    /// head's and then the embedding's contribution). The ranges are disjoint and cover the
+    /// buffer. Returns d(hidden input) for the previous stage (None on the first).
+    pub fn backward(
+        &mut self,
+        slot: usize,
+        grad_output: Option<&[f32]>,
+        tp: &dyn TpComm,
+        on_grads_final: &mut dyn FnMut(Range<usize>, &mut [f32]),
+    ) -> Result<Option<&[f32]>> {
+        self.check_call("backward", slot, tp)?;
+        let d = self.d;
+        let Stage {
+            params,
+            grads,
+            layout,
+            slots,
+            s,
+            spec,
+            ..
+        } = self;
+        let a = &mut slots[slot];
+        if !a.forward_done {
+            return Err(Error::InvalidArgument(format!(
+                "backward: slot {slot} has no forward since its last backward"
+            )));
+        }
+        match (spec.last, grad_output) {
+            (true, None) => {
+                head_backward(&d, tp, params, grads, layout, a, s)?;
+                let (w, b) = layout.lnf().expect("a last stage holds lnf");
+                on_grads_final(w.start..b.end, &mut grads[w.start..b.end]);
+            }
+            (false, Some(g)) => {
+                check_len("backward: grad_output", g.len(), d.rows * d.c)?;
+                s.dres.copy_from_slice(g);
+            }
+            (last, _) => {
+                return Err(Error::InvalidArgument(format!(
+                    "backward: grad_output must be given exactly to non-last stages (this one is {}last)",
+                    if last { "" } else { "not " }
+                )))
+            }
+        }
+        for li in (0..d.nl).rev() {
+            let l = spec.layers.start + li;
+            block_backward(&d, tp, params, grads, &layout.block(l), a, s, li)?;
+            let span = layout.block_span(l);
+            on_grads_final(span.clone(), &mut grads[span]);
+        }
+        if spec.first {
+            embedding_backward(&d, tp, grads, layout, a, s)?;
+        }
+        a.forward_done = false;
+        for range in [layout.wte(), layout.wpe()].into_iter().flatten() {
+            on_grads_final(range.clone(), &mut grads[range]);
+        }
+        Ok(if spec.first { None } else { Some(&s.dres) })
+    }
+}
+
+fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
+    if got != want {
+        return Err(Error::InvalidArgument(format!(
+            "{what} has {got} elements, expected {want}"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a (B, T) id buffer against the real vocabulary.
+fn check_ids(what: &str, ids: &[u32], d: &Dims) -> Result<()> {
+    check_len(&format!("forward: {what}"), ids.len(), d.bt)?;
+    if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= d.v) {
+        return Err(Error::InvalidArgument(format!(
+            "forward: {what}[{i}] = {id} is outside the vocabulary (size {})",
+            d.v
+        )));
+    }
+    Ok(())
+}

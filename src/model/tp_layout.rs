@@ -1,0 +1,478 @@
+//! The flat parameter buffer of one (tensor-parallel rank, pipeline stage) shard of a GPT-2.
+//!
+//! A stage holds the tensors of its blocks, plus `wte` when it embeds (first stage) or owns the
+//! tied head (last stage), `wpe` when first, and the final LayerNorm when last; in the global
+//! [`ParamLayout`] order. Each tensor is cut by its [`TpSplit`] over `tp` ranks (rank `r`):
+//!
+//! | split      | global shape | shard held by rank `r`                                      |
+//! |------------|--------------|-------------------------------------------------------------|
+//! | Vocab      | (Vp, C)      | rows `r*Vp/tp ..`                                            |
+//! | Column     | (O, I) / (O) | rows `r*O/tp ..`; the fused qkv (3C, C) is three stacked    |
+//! |            |              | (C, C) matrices and each rank keeps rows `r*C/tp ..` of each |
+//! | Row        | (O, I)       | columns `r*I/tp ..`                                         |
+//! | Replicated | any          | everything                                                  |
+//!
+//! Every shard is one box of a *view* of the global tensor (the fused qkv is viewed as
+//! (3, C, C), its bias as (3, C); other Column tensors as (1, O, ...)), described by
+//! `view_shape`, `box_offset` (the per-dimension start) and `box_shape`; the local tensor holds
+//! the box's elements row-major. That is all a checkpoint resharder needs.
+//!
+//! Invariants: entries tile `0..total_len()` contiguously in global order; a block's tensors are
+//! contiguous ([`ShardLayout::block_span`]); `n_head` and `Vp` are divisible by `tp`, so every
+//! rank's shard has the same shape.
+
+use std::ops::Range;
+
+use super::layout::{BlockRanges, ParamLayout, TpSplit};
+use super::GptConfig;
+use crate::error::{Error, Result};
+
+/// Which part of the model a pipeline stage (or virtual-pipeline chunk) runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StageSpec {
+    /// Transformer blocks of this stage (global indices).
+    pub layers: Range<usize>,
+    /// Whether the stage embeds the tokens (holds `wpe` and the embedding use of `wte`).
+    pub first: bool,
+    /// Whether the stage ends the model: final LayerNorm, tied head (`wte`) and the loss.
+    pub last: bool,
+}
+
+impl StageSpec {
+    /// The whole model in one stage.
+    pub fn whole(config: &GptConfig) -> Self {
+        StageSpec {
+            layers: 0..config.n_layer,
+            first: true,
+            last: true,
+        }
+    }
+}
+
+/// One tensor's shard in the stage's flat buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardEntry {
+    /// Global name, as in [`ParamLayout`] (e.g. `h.3.attn.qkv.weight`).
+    pub name: String,
+    /// Block index, `None` for embeddings and the final LayerNorm.
+    pub layer: Option<usize>,
+    /// How the tensor is split over TP.
+    pub split: TpSplit,
+    /// Shape of the whole tensor.
+    pub global_shape: Vec<usize>,
+    /// Offset of the whole tensor in the single-rank flat buffer.
+    pub global_offset: usize,
+    /// The global tensor viewed so that the shard is one box (same elements, row-major).
+    pub view_shape: Vec<usize>,
+    /// Start of the box along each view dimension.
+    pub box_offset: Vec<usize>,
+    /// Extent of the box along each view dimension.
+    pub box_shape: Vec<usize>,
+    /// Shape the compute kernels see, e.g. (3C/tp, C) for the fused qkv weight.
+    pub local_shape: Vec<usize>,
+    /// First element in the stage's flat buffer.
+    pub offset: usize,
+    /// Number of elements.
+    pub len: usize,
+    /// Whether AdamW applies weight decay (2-D weights).
+    pub decay: bool,
+    /// Whether every TP rank holds the whole tensor (and, after backward, the same gradient).
+    pub replicated_over_tp: bool,
+}
+
+impl ShardEntry {
+    /// Element range in the stage's flat buffer.
+    pub fn range(&self) -> Range<usize> {
+        self.offset..self.offset + self.len
+    }
+
+    /// Calls `f(global_index, local_index, run_length)` for each contiguous run of the box.
+    fn for_each_run(&self, mut f: impl FnMut(usize, usize, usize)) {
+        let d = self.view_shape.len();
+        let run = self.box_shape[d - 1];
+        let mut strides = vec![1; d];
+        for i in (0..d - 1).rev() {
+            strides[i] = strides[i + 1] * self.view_shape[i + 1];
+        }
+        let runs: usize = self.box_shape[..d - 1].iter().product();
+        for k in 0..runs {
+            let (mut rest, mut global) = (k, self.global_offset + self.box_offset[d - 1]);
+            for i in (0..d - 1).rev() {
+                global += (self.box_offset[i] + rest % self.box_shape[i]) * strides[i];
+                rest /= self.box_shape[i];
+            }
+            f(global, self.offset + k * run, run);
+        }
+    }
+}
+
+/// The layout table of one shard.
+#[derive(Debug, Clone)]
+pub struct ShardLayout {
+    entries: Vec<ShardEntry>,
+    layers: Range<usize>,
+    /// Index into `entries` of the first tensor of block `layers.start`.
+    first_block_entry: usize,
+    /// Tensors per block.
+    per_block: usize,
+    total: usize,
+    global_total: usize,
+}
+
+/// Rows of the global tensor stacked along dimension 0 that each split separately: the fused
+/// qkv projection is three (C, C) matrices (and three biases), everything else is one.
+fn stacked_matrices(name: &str) -> usize {
+    if name.ends_with(".attn.qkv.weight") || name.ends_with(".attn.qkv.bias") {
+        3
+    } else {
+        1
+    }
+}
+
+impl ShardLayout {
+    /// The layout of TP rank `tp_rank` of `tp_size` for the stage `spec` of `config`.
+    pub fn new(
+        config: &GptConfig,
+        tp_rank: usize,
+        tp_size: usize,
+        spec: &StageSpec,
+    ) -> Result<Self> {
+        config.validate()?;
+        check_tp(config, tp_rank, tp_size)?;
+        if spec.layers.start > spec.layers.end || spec.layers.end > config.n_layer {
+            return Err(Error::InvalidArgument(format!(
+                "stage layers {:?} are not within the model's {} blocks",
+                spec.layers, config.n_layer
+            )));
+        }
+        let global = ParamLayout::new(config);
+        let keep = |name: &str, layer: Option<usize>| match layer {
+            Some(l) => spec.layers.contains(&l),
+            None if name == "wte" => spec.first || spec.last,
+            None if name == "wpe" => spec.first,
+            None => spec.last,
+        };
+        let mut entries = Vec::new();
+        let mut offset = 0;
+        let mut first_block_entry = None;
+        for e in global.entries().iter().filter(|e| keep(&e.name, e.layer)) {
+            if e.layer.is_some() && first_block_entry.is_none() {
+                first_block_entry = Some(entries.len());
+            }
+            let (view_shape, box_offset, box_shape, local_shape) = shard_box(
+                &e.shape,
+                e.tp_split,
+                stacked_matrices(&e.name),
+                tp_rank,
+                tp_size,
+            );
+            let len = local_shape.iter().product();
+            entries.push(ShardEntry {
+                name: e.name.clone(),
+                layer: e.layer,
+                split: e.tp_split,
+                global_shape: e.shape.clone(),
+                global_offset: e.offset,
+                view_shape,
+                box_offset,
+                box_shape,
+                local_shape,
+                offset,
+                len,
+                decay: e.decay,
+                replicated_over_tp: e.tp_split == TpSplit::Replicated || tp_size == 1,
+            });
+            offset += len;
+        }
+        Ok(ShardLayout {
+            first_block_entry: first_block_entry.unwrap_or(entries.len()),
+            entries,
+            layers: spec.layers.clone(),
+            per_block: global.block_tensor_count(),
+            total: offset,
+            global_total: global.total_len(),
+        })
+    }
+
+    /// All entries in buffer order.
+    pub fn entries(&self) -> &[ShardEntry] {
+        &self.entries
+    }
+
+    /// Length of the stage's flat buffer.
+    pub fn total_len(&self) -> usize {
+        self.total
+    }
+
+    /// The entry called `name` (global name).
+    pub fn get(&self, name: &str) -> Option<&ShardEntry> {
+        self.entries.iter().find(|e| e.name == name)
+    }
+
+    /// Local range of the `wte` shard (Vp/tp, C), if this stage holds it.
+    pub fn wte(&self) -> Option<Range<usize>> {
+        self.get("wte").map(ShardEntry::range)
+    }
+
+    /// Local range of `wpe` (maxT, C), if this stage holds it.
+    pub fn wpe(&self) -> Option<Range<usize>> {
+        self.get("wpe").map(ShardEntry::range)
+    }
+
+    /// Local ranges of `lnf.weight` and `lnf.bias` (C each), if this stage holds them.
+    pub fn lnf(&self) -> Option<(Range<usize>, Range<usize>)> {
+        Some((
+            self.get("lnf.weight")?.range(),
+            self.get("lnf.bias")?.range(),
+        ))
+    }
+
+    /// Local ranges of block `l`'s shards (`l` global, within the stage's layers).
+    pub fn block(&self, l: usize) -> BlockRanges {
+        let e = &self.block_entries(l);
+        let r = |i: usize| e[i].range();
+        BlockRanges {
+            ln1_w: r(0),
+            ln1_b: r(1),
+            qkv_w: r(2),
+            qkv_b: r(3),
+            attn_proj_w: r(4),
+            attn_proj_b: r(5),
+            ln2_w: r(6),
+            ln2_b: r(7),
+            fc_w: r(8),
+            fc_b: r(9),
+            mlp_proj_w: r(10),
+            mlp_proj_b: r(11),
+        }
+    }
+
+    /// The contiguous local range of all of block `l`'s shards.
+    pub fn block_span(&self, l: usize) -> Range<usize> {
+        let e = self.block_entries(l);
+        e[0].offset..e[e.len() - 1].range().end
+    }
+
+    fn block_entries(&self, l: usize) -> &[ShardEntry] {
+        assert!(
+            self.layers.contains(&l),
+            "block {l} is not in this stage's {:?}",
+            self.layers
+        );
+        let first = self.first_block_entry + (l - self.layers.start) * self.per_block;
+        &self.entries[first..first + self.per_block]
+    }
+
+    /// Maximal runs of equal decay flag covering `0..total_len()` (for AdamW).
+    pub fn decay_spans(&self) -> Vec<(Range<usize>, bool)> {
+        let mut spans: Vec<(Range<usize>, bool)> = Vec::new();
+        for e in &self.entries {
+            match spans.last_mut() {
+                Some((r, d)) if *d == e.decay => r.end = e.range().end,
+                _ => spans.push((e.range(), e.decay)),
+            }
+        }
+        spans
+    }
+
+    /// Copies this shard's elements out of a single-rank flat buffer `full` into `local`.
+    pub fn gather_from_full(&self, full: &[f32], local: &mut [f32]) -> Result<()> {
+        self.check_lens("gather_from_full", full.len(), local.len())?;
+        for e in &self.entries {
+            e.for_each_run(|g, l, n| local[l..l + n].copy_from_slice(&full[g..g + n]));
+        }
+        Ok(())
+    }
+
+    /// Writes `local` over this shard's elements of a single-rank flat buffer `full` (others
+    /// untouched).
+    pub fn scatter_into_full(&self, local: &[f32], full: &mut [f32]) -> Result<()> {
+        self.check_lens("scatter_into_full", full.len(), local.len())?;
+        for e in &self.entries {
+            e.for_each_run(|g, l, n| full[g..g + n].copy_from_slice(&local[l..l + n]));
+        }
+        Ok(())
+    }
+
+    fn check_lens(&self, op: &str, full: usize, local: usize) -> Result<()> {
+        if full != self.global_total || local != self.total {
+            return Err(Error::InvalidArgument(format!(
+                "{op}: buffers of {full} (full) and {local} (shard) elements, layout needs {} and {}",
+                self.global_total, self.total
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Checks that `tp_size` ranks can split `config` evenly and `tp_rank` is one of them.
+pub fn check_tp(config: &GptConfig, tp_rank: usize, tp_size: usize) -> Result<()> {
+    if tp_size == 0 || tp_rank >= tp_size {
+        return Err(Error::InvalidArgument(format!(
+            "tensor-parallel rank {tp_rank} of {tp_size} ranks"
+        )));
+    }
+    if config.n_head % tp_size != 0 {
+        return Err(Error::config(
+            "parallel.tp",
+            format!("n_head {} is not divisible by tp {tp_size}", config.n_head),
+        ));
+    }
+    if config.padded_vocab_size() % tp_size != 0 {
+        return Err(Error::config(
+            "parallel.tp",
+            format!(
+                "padded vocabulary {} is not divisible by tp {tp_size}",
+                config.padded_vocab_size()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// (view_shape, box_offset, box_shape, local_shape) of rank `r`'s shard of a tensor.
+fn shard_box(
+    shape: &[usize],
+    split: TpSplit,
+    stacked: usize,
+    r: usize,
+    tp: usize,
+) -> (Vec<usize>, Vec<usize>, Vec<usize>, Vec<usize>) {
+    match split {
+        TpSplit::Replicated => (
+            shape.to_vec(),
+            vec![0; shape.len()],
+            shape.to_vec(),
+            shape.to_vec(),
+        ),
+        TpSplit::Vocab => {
+            let rows = shape[0] / tp;
+            let (view, off) = (shape.to_vec(), vec![r * rows, 0]);
+            (view, off, vec![rows, shape[1]], vec![rows, shape[1]])
+        }
+        TpSplit::Column => {
+            let per = shape[0] / stacked; // rows of one stacked matrix
+            let mut view = vec![stacked, per];
+            view.extend_from_slice(&shape[1..]);
+            let mut off = vec![0, r * per / tp];
+            off.extend(std::iter::repeat(0).take(shape.len() - 1));
+            let mut boxed = vec![stacked, per / tp];
+            boxed.extend_from_slice(&shape[1..]);
+            let mut local = vec![shape[0] / tp];
+            local.extend_from_slice(&shape[1..]);
+            (view, off, boxed, local)
+        }
+        TpSplit::Row => {
+            let cols = shape[1] / tp;
+            let local = vec![shape[0], cols];
+            (shape.to_vec(), vec![0, r * cols], local.clone(), local)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> GptConfig {
+        GptConfig {
+            n_layer: 3,
+            n_head: 4,
+            n_embd: 8,
+            vocab_size: 200,
+            max_seq_len: 5,
+        }
+    }
+
+    /// The shards of all TP ranks of all stages cover the full buffer: every element of a split
+    /// tensor exactly once per stage holding it, replicated ones on every rank.
+    #[test]
+    fn shards_tile_the_full_buffer() {
+        let c = cfg();
+        let full_len = ParamLayout::new(&c).total_len();
+        let stages = [
+            StageSpec {
+                layers: 0..1,
+                first: true,
+                last: false,
+            },
+            StageSpec {
+                layers: 1..3,
+                first: false,
+                last: true,
+            },
+        ];
+        let tp = 2;
+        let mut count = vec![0usize; full_len];
+        for spec in &stages {
+            for r in 0..tp {
+                let lay = ShardLayout::new(&c, r, tp, spec).unwrap();
+                let mut next = 0;
+                for e in lay.entries() {
+                    assert_eq!(e.offset, next, "{}", e.name);
+                    next += e.len;
+                }
+                assert_eq!(next, lay.total_len());
+                // Mark each global element this shard holds, via the index each slot maps to.
+                let local: Vec<f32> = (0..lay.total_len()).map(|i| i as f32).collect();
+                let mut full = vec![-1f32; full_len];
+                lay.scatter_into_full(&local, &mut full).unwrap();
+                for (g, &v) in full.iter().enumerate() {
+                    if v >= 0.0 {
+                        count[g] += 1;
+                    }
+                }
+                let mut back = vec![0f32; lay.total_len()];
+                lay.gather_from_full(&full, &mut back).unwrap();
+                assert_eq!(back, local);
+            }
+        }
+        let global = ParamLayout::new(&c);
+        for e in global.entries() {
+            // wte lives on the first and the last stage; replicated tensors on both TP ranks.
+            let stages_holding = if e.name == "wte" { 2 } else { 1 };
+            let ranks = if e.tp_split == TpSplit::Replicated {
+                tp
+            } else {
+                1
+            };
+            for g in e.range() {
+                assert_eq!(count[g], stages_holding * ranks, "{} element {g}", e.name);
+            }
+        }
+    }
+
+    /// Rank 1 of 2 holds rows 4..8, 12..16 and 20..24 of the fused (24, 8) qkv weight: the second
+    /// half of each of q, k and v, i.e. heads 2 and 3.
+    #[test]
+    fn fused_qkv_shard_keeps_q_k_and_v_of_its_heads() {
+        let c = cfg();
+        let lay = ShardLayout::new(&c, 1, 2, &StageSpec::whole(&c)).unwrap();
+        let e = lay.get("h.0.attn.qkv.weight").unwrap();
+        assert_eq!(e.local_shape, vec![12, 8]);
+        let full: Vec<f32> = (0..ParamLayout::new(&c).total_len())
+            .map(|i| i as f32)
+            .collect();
+        let mut local = vec![0f32; lay.total_len()];
+        lay.gather_from_full(&full, &mut local).unwrap();
+        let rows: Vec<usize> = local[e.range()]
+            .chunks(8)
+            .map(|row| (row[0] as usize - e.global_offset) / 8)
+            .collect();
+        assert_eq!(rows, [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]);
+        let p = lay.get("h.0.mlp.proj.weight").unwrap(); // (8, 32) row-parallel: columns 16..32
+        let first_row: Vec<usize> = local[p.range()][..16]
+            .iter()
+            .map(|&v| v as usize - p.global_offset)
+            .collect();
+        assert_eq!(first_row, (16..32).collect::<Vec<_>>());
+        assert!(!p.replicated_over_tp && lay.get("h.0.mlp.proj.bias").unwrap().replicated_over_tp);
+    }
+
+    #[test]
+    fn rejects_indivisible_tp() {
+        let c = cfg();
+        assert!(ShardLayout::new(&c, 0, 3, &StageSpec::whole(&c)).is_err()); // 4 heads
+        assert!(ShardLayout::new(&c, 2, 2, &StageSpec::whole(&c)).is_err());
+    }
+}

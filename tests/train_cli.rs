@@ -100,3 +100,24 @@ fn data_parallel_follows_the_single_rank_trajectory() {
         assert_close(&losses(&out), &want, 1e-5, &format!("dp{np} accum{accum} zero{zero}"));
     }
 }
+
+#[test]
+fn tensor_parallel_layouts_follow_the_single_rank_trajectory() {
+    let dir = tempfile::tempdir().unwrap();
+    let single = job(dir.path(), "single.toml", "");
+    let mut reference = std::collections::HashMap::new();
+    for accum in [1, 2] {
+        let out = dir.path().join(format!("ref{accum}.jsonl"));
+        common::train(1, &single, &out, &[format!("train.grad_accum={accum}")]);
+        reference.insert(accum, losses(&out));
+    }
+    // (tp, dp, zero, sequence parallel): world = tp * dp; the reference accumulates dp micro-batches.
+    for (tp, dp, zero, sp) in [(2, 1, 0, false), (4, 1, 0, false), (2, 1, 0, true), (2, 2, 1, false)] {
+        let name = format!("tp{tp}dp{dp}z{zero}sp{sp}");
+        let parallel = format!("[parallel]\ntp = {tp}\ndp = {dp}\nzero = {zero}\nsequence_parallel = {sp}\nbucket_mb = 0.02");
+        let path = job(dir.path(), &format!("{name}.toml"), &parallel);
+        let out = dir.path().join(format!("{name}.jsonl"));
+        common::train(tp * dp, &path, &out, &[]);
+        assert_close(&losses(&out), &reference[&dp], 1e-5, &name);
+    }
+}

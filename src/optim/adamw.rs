@@ -51,6 +51,12 @@ impl DecayMask {
         }
     }
 
+    /// Decay given by sorted, disjoint `(range, decay)` spans covering the buffer (e.g. a
+    /// tensor-parallel shard's layout).
+    pub fn from_spans(spans: Vec<(Range<usize>, bool)>) -> Self {
+        DecayMask { spans }
+    }
+
     /// Spans clipped to `range`, in order.
     fn segments(&self, range: Range<usize>) -> impl Iterator<Item = (Range<usize>, bool)> + '_ {
         self.spans.iter().filter_map(move |(r, d)| {

@@ -2,10 +2,11 @@
 //!
 //! The flat gradient buffer is cut into buckets of about `bucket_mb` MB, from the end of the buffer
 //! backwards (the order in which backward finishes gradients). The model reports each range of
-//! gradients as soon as it is final; when every element of a bucket has been reported, a copy of
-//! the bucket (scaled by `1/grad_accum`) goes to a communication thread, which reduces it on its
-//! own communicator while the backward goes on. [`OverlapReducer::finish`] waits for the last
-//! buckets and writes the results back.
+//! gradients, with its values, as soon as it is final; the values are copied (scaled by
+//! `1/grad_accum`) into the bucket's staging buffer, and when every element of a bucket has arrived
+//! the buffer goes to a communication thread, which reduces it on its own communicator while the
+//! backward goes on. [`OverlapReducer::finish`] waits for the last buckets and writes the results
+//! back.
 //!
 //! Invariants: buckets are disjoint, contiguous and cover the buffer; every bucket is reduced
 //! exactly once per step, in the same order on every rank (readiness order is deterministic);
@@ -50,6 +51,8 @@ pub struct OverlapReducer {
     buckets: Vec<Range<usize>>,
     /// Elements of each bucket reported final in this step.
     ready: Vec<usize>,
+    /// Staging buffer of each bucket (absent while the thread holds it).
+    staging: Vec<Option<Vec<f32>>>,
     launched: Vec<bool>,
     sharded: bool,
     dp_rank: usize,
@@ -99,9 +102,11 @@ impl OverlapReducer {
             })
             .expect("spawning the gradient communication thread");
         let k = buckets.len();
+        let staging = buckets.iter().map(|b| Some(vec![0f32; b.len()])).collect();
         OverlapReducer {
             buckets,
             ready: vec![0; k],
+            staging,
             launched: vec![false; k],
             sharded,
             dp_rank,
@@ -137,25 +142,30 @@ impl OverlapReducer {
         self.busy = Duration::ZERO;
     }
 
-    /// Records that `grads[range]` is final and launches every bucket that became complete.
-    pub fn on_final(&mut self, range: Range<usize>, grads: &[f32]) {
+    /// Records that the gradients `range` are final with values `data` (`range.len()` of them)
+    /// and launches every bucket that became complete.
+    pub fn on_final(&mut self, range: Range<usize>, data: &[f32]) {
+        debug_assert_eq!(range.len(), data.len());
         for b in 0..self.buckets.len() {
-            let r = &self.buckets[b];
+            let r = self.buckets[b].clone();
             let (lo, hi) = (r.start.max(range.start), r.end.min(range.end));
-            if lo < hi {
-                self.ready[b] += hi - lo;
+            if lo >= hi {
+                continue;
             }
-        }
-        for b in 0..self.buckets.len() {
-            if !self.launched[b] && self.ready[b] == self.buckets[b].len() {
-                self.launch(b, grads);
+            let stage = self.staging[b].as_mut().expect("a bucket is staged once per step");
+            for (d, s) in stage[lo - r.start..hi - r.start].iter_mut().zip(&data[lo - range.start..hi - range.start]) {
+                *d = s * self.scale;
+            }
+            self.ready[b] += hi - lo;
+            if self.ready[b] == r.len() {
+                self.launch(b);
             }
         }
     }
 
-    fn launch(&mut self, b: usize, grads: &[f32]) {
+    fn launch(&mut self, b: usize) {
         self.launched[b] = true;
-        let data: Vec<f32> = grads[self.buckets[b].clone()].iter().map(|g| g * self.scale).collect();
+        let data = self.staging[b].take().expect("a bucket is launched once per step");
         if let Some(tx) = &self.jobs {
             // A closed channel means the thread stopped on an error, which `finish` reports.
             let _ = tx.send(Job { bucket: b, data });
@@ -168,7 +178,10 @@ impl OverlapReducer {
         let t0 = Instant::now();
         for b in 0..self.buckets.len() {
             if !self.launched[b] {
-                self.launch(b, grads);
+                let r = self.buckets[b].clone();
+                let missing: Vec<f32> = grads[r.clone()].to_vec();
+                self.ready[b] = 0;
+                self.on_final(r, &missing);
             }
         }
         for _ in 0..self.buckets.len() {
@@ -180,6 +193,7 @@ impl OverlapReducer {
             let dst = self.shard(done.bucket);
             let src = if self.sharded { dst.start - self.buckets[done.bucket].start..dst.end - self.buckets[done.bucket].start } else { 0..dst.len() };
             grads[dst].copy_from_slice(&done.data[src]);
+            self.staging[done.bucket] = Some(done.data);
         }
         Ok(ReduceTiming { comm: self.busy, exposed: t0.elapsed() })
     }
@@ -235,9 +249,9 @@ mod tests {
                 let mut g = grads.clone();
                 red.begin(2);
                 // Reported out of bucket order and in pieces, as a backward would.
-                red.on_final(600..n, &g);
-                red.on_final(0..300, &g);
-                red.on_final(300..600, &g);
+                red.on_final(600..n, &g[600..n]);
+                red.on_final(0..300, &g[..300]);
+                red.on_final(300..600, &g[300..600]);
                 red.finish(&mut g).unwrap();
                 let owned: Vec<Range<usize>> = (0..red.buckets().len()).map(|b| red.shard(b)).collect();
                 (g, owned)

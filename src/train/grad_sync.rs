@@ -78,16 +78,22 @@ impl DataParallel {
         self.reducer.begin(micro_batches);
     }
 
-    /// Hook for the last micro-batch's backward: `grads[range]` is final.
-    pub fn on_final(&mut self, range: Range<usize>, grads: &[f32]) {
-        self.reducer.on_final(range, grads);
+    /// Hook for the last micro-batch's backward: the gradients `range` are final, with values
+    /// `data`.
+    pub fn on_final(&mut self, range: Range<usize>, data: &[f32]) {
+        self.reducer.on_final(range, data);
     }
 
     /// Finishes the reduction, clips by the global norm (`max_norm` 0 = off), applies AdamW at
-    /// learning rate `lr`, and leaves identical `params` on every rank.
+    /// learning rate `lr`, and leaves identical `params` on every data-parallel rank. `counted`
+    /// says which elements this rank counts in the norm; partial norms are summed over `tp` (the
+    /// tensor-parallel group, if any) and, with ZeRO, over `dp`.
+    #[allow(clippy::too_many_arguments)]
     pub fn step(
         &mut self,
         dp: &Communicator,
+        tp: Option<&Communicator>,
+        counted: &[(Range<usize>, bool)],
         opt: &AdamW,
         lr: f64,
         max_norm: f64,
@@ -95,9 +101,22 @@ impl DataParallel {
         grads: &mut [f32],
     ) -> Result<StepOutcome> {
         let timing = self.reducer.finish(grads)?;
-        let mut sq = [self.states.iter().map(|s| sum_of_squares(&grads[s.range()])).sum::<f64>()];
+        let mut partial = 0.0f64;
+        for s in &self.states {
+            let owned = s.range();
+            for (span, _) in counted.iter().filter(|(_, c)| *c) {
+                let (lo, hi) = (owned.start.max(span.start), owned.end.min(span.end));
+                if lo < hi {
+                    partial += sum_of_squares(&grads[lo..hi]);
+                }
+            }
+        }
+        let mut sq = [partial];
         if self.zero > 0 {
             dp.all_reduce(&mut sq, ReduceOp::Sum)?;
+        }
+        if let Some(tp) = tp {
+            tp.all_reduce(&mut sq, ReduceOp::Sum)?;
         }
         let grad_norm = sq[0].sqrt();
         let scale = clip_scale(grad_norm, max_norm);

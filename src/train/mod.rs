@@ -10,6 +10,7 @@
 mod buckets;
 mod checkpointing;
 mod grad_sync;
+mod replica;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -21,10 +22,11 @@ use crate::data::{open_source, Batch, Sampler, Split};
 use crate::error::{Error, Result};
 use crate::metrics::{FlopCounter, MetricsWriter, Progress, StepRecord};
 use crate::device::{bind_cpu_threads, cpu_peak_tflops};
-use crate::model::Gpt;
+use crate::parallel::grid::{Grid, GridShape};
 use crate::optim::{AdamW, AdamWConfig, DecayMask, LrSchedule};
 
 pub use grad_sync::DataParallel;
+pub use replica::Replica;
 
 /// Options of one run that are not part of the job config.
 #[derive(Debug, Clone, Default)]
@@ -51,8 +53,9 @@ fn check_supported(cfg: &JobConfig) -> Result<()> {
     if cfg.device != DeviceKind::Cpu {
         return Err(Error::config("device", "only `cpu` training is implemented so far (GPU backends are not built yet)"));
     }
-    if cfg.parallel.tp > 1 {
-        return Err(Error::config("parallel.tp", "tensor parallelism is not implemented yet"));
+    let ckpt = cfg.checkpoint.every > 0 || cfg.checkpoint.resume.is_some() || cfg.init_from.is_some();
+    if cfg.parallel.tp > 1 && ckpt {
+        return Err(Error::config("parallel.tp", "checkpoints of tensor-parallel runs are not implemented yet"));
     }
     if cfg.parallel.pp > 1 {
         return Err(Error::config("parallel.pp", "pipeline parallelism is not implemented yet"));
@@ -64,12 +67,11 @@ fn check_supported(cfg: &JobConfig) -> Result<()> {
 }
 
 /// Mean validation loss over `batches` micro-batches on every rank, averaged over the group.
-fn evaluate(model: &mut Gpt<f32>, sampler: &mut Sampler, batches: usize, dp: &Communicator) -> Result<f64> {
-    let mut batch = Batch::new(model.batch(), model.seq_len());
+fn evaluate(model: &mut Replica, batch: &mut Batch, sampler: &mut Sampler, batches: usize, dp: &Communicator) -> Result<f64> {
     let mut sum = 0.0f64;
     for _ in 0..batches {
-        sampler.next_batch(&mut batch)?;
-        sum += f64::from(model.forward(&batch.inputs, &batch.targets)?);
+        sampler.next_batch(batch)?;
+        sum += model.forward(batch)?;
     }
     let mut mean = [sum / batches.max(1) as f64];
     dp.all_reduce(&mut mean, ReduceOp::Avg)?;
@@ -85,17 +87,26 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     if leader {
         println!("# effective config\n{}", cfg.to_toml());
     }
-    let dp = world.communicator()?;
+    let world_comm = world.communicator()?;
+    let shape = GridShape::from_config(&cfg.parallel);
+    let grid = Grid::new(&world_comm, shape)?;
+    if leader {
+        println!("# {}", shape.describe());
+    }
+    let Grid { tp, dp, .. } = grid;
+    let tp_group = (tp.size() > 1).then(|| tp.split(Some(0), tp.rank() as i64)).transpose()?.flatten();
     let (b, t, accum) = (cfg.train.micro_batch, cfg.train.seq_len, cfg.train.grad_accum);
-    let mut model = Gpt::<f32>::new(cfg.model, b, t, cfg.train.seed)?;
+    let mut model = Replica::new(cfg.model, b, t, cfg.train.seed, tp, cfg.parallel.sequence_parallel)?;
     let n = model.params().len();
+    let norm_spans = model.norm_spans();
     let bucket_elems = ((cfg.parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1);
     let mut sync = DataParallel::new(&dp, n, cfg.parallel.zero, bucket_elems)?;
     if leader {
         let state_mb = (2 * sync.state_len() * 4) as f64 / 1e6;
         println!(
-            "# layout: dp={} tp=1 pp=1 zero={}; {} parameters in {} gradient bucket(s); per rank: params {:.1} MB, grads {:.1} MB, AdamW state {:.1} MB, activations {:.1} MB",
+            "# layout: dp={} tp={} pp=1 zero={}; {} parameters on this rank in {} gradient bucket(s); per rank: params {:.1} MB, grads {:.1} MB, AdamW state {:.1} MB, activations {:.1} MB",
             dp.size(),
+            cfg.parallel.tp,
             cfg.parallel.zero,
             n,
             sync.buckets(),
@@ -111,9 +122,9 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         eps: cfg.optim.eps,
         weight_decay: cfg.optim.weight_decay,
     };
-    let opt = AdamW::new(adamw, DecayMask::from_layout(model.layout()));
-    if let Some(path) = &cfg.init_from {
-        checkpointing::init_from(path, cfg, &mut model)?;
+    let opt = AdamW::new(adamw, DecayMask::from_spans(model.decay_spans()));
+    if let (Some(path), Some(m)) = (&cfg.init_from, model.whole_mut()) {
+        checkpointing::init_from(path, cfg, m)?;
     }
     let sched = LrSchedule::new(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.steps)?;
     let vocab = cfg.model.vocab_size;
@@ -134,7 +145,8 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     let (mut first_step, mut tokens_seen) = (1, 0u64);
     if let Some(resume) = &cfg.checkpoint.resume {
         let path = checkpointing::resolve(cfg, resume)?;
-        let r = checkpointing::restore(&path, cfg, &mut model, &mut sync)?;
+        let m = model.whole_mut().expect("checked: checkpoints need tp = 1");
+        let r = checkpointing::restore(&path, cfg, m, &mut sync)?;
         sampler.restore(r.sampler)?;
         (first_step, tokens_seen) = (r.step + 1, r.tokens_seen);
         if leader {
@@ -164,17 +176,18 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         let mut loss_sum = 0.0f64;
         for micro in 0..accum {
             sampler.next_batch(&mut batch)?;
-            loss_sum += f64::from(model.forward(&batch.inputs, &batch.targets)?);
+            loss_sum += model.forward(&batch)?;
             // Only the last micro-batch's backward communicates, overlapped bucket by bucket.
             if micro + 1 == accum {
-                model.backward_with(&mut |r, g| sync.on_final(r, g))?;
+                model.backward(&mut |r, g| sync.on_final(r, g))?;
             } else {
-                model.backward()?;
+                model.backward(&mut |_, _| {})?;
             }
         }
         let lr = sched.lr(step - 1);
         let (params, grads) = model.params_and_grads();
-        let outcome = sync.step(&dp, &opt, lr, cfg.optim.grad_clip, params, grads)?;
+        let outcome =
+            sync.step(&dp, tp_group.as_ref(), &norm_spans, &opt, lr, cfg.optim.grad_clip, params, grads)?;
         let mut loss = [loss_sum / accum as f64];
         dp.all_reduce(&mut loss, ReduceOp::Avg)?;
         let step_s = t0.elapsed().as_secs_f64();
@@ -185,7 +198,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         let val_loss = match &mut val_sampler {
             Some(v) if step % cfg.train.eval_every == 0 || step == cfg.train.steps => {
                 v.restore(val_start.expect("a validation sampler has a start"))?;
-                let l = evaluate(&mut model, v, cfg.train.eval_batches, &dp)?;
+                let l = evaluate(&mut model, &mut batch, v, cfg.train.eval_batches, &dp)?;
                 report.val_losses.push((step, l));
                 Some(l)
             }
@@ -217,7 +230,8 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         report.losses.push(loss[0]);
         tokens_seen += tokens_per_step as u64;
         if cfg.checkpoint.every > 0 && (step % cfg.checkpoint.every == 0 || step == cfg.train.steps) {
-            let dir = checkpointing::save(&dp, cfg, adamw, &model, &sync, step, tokens_seen, sampler.state())?;
+            let m = model.whole().expect("checked: checkpoints need tp = 1");
+            let dir = checkpointing::save(&dp, cfg, adamw, m, &sync, step, tokens_seen, sampler.state())?;
             progress.println(&format!("# checkpoint {}", dir.display()));
         }
     }

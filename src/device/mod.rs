@@ -134,7 +134,10 @@ impl Device {
         let src: &[u8] = bytemuck::cast_slice(host);
         buffer::check_len("copy_to_device", dst.len(), src.len())?;
         match (self, dst) {
-            (Device::Cpu, DeviceBuffer::Host(d)) => Ok(d[..src.len()].copy_from_slice(src)),
+            (Device::Cpu, DeviceBuffer::Host(d)) => {
+                d[..src.len()].copy_from_slice(src);
+                Ok(())
+            }
             (Device::Cuda(dev), DeviceBuffer::Cuda(d)) => dev.copy_to_device(d, src),
             (Device::Hip(dev), DeviceBuffer::Hip(d)) => dev.copy_to_device(d, src),
             (_, d) => Err(buffer::wrong_device("copy_to_device", self, d)),
@@ -146,7 +149,10 @@ impl Device {
         let dst: &mut [u8] = bytemuck::cast_slice_mut(host);
         buffer::check_len("copy_to_host", src.len(), dst.len())?;
         match (self, src) {
-            (Device::Cpu, DeviceBuffer::Host(s)) => Ok(dst.copy_from_slice(&s[..dst.len()])),
+            (Device::Cpu, DeviceBuffer::Host(s)) => {
+                dst.copy_from_slice(&s[..dst.len()]);
+                Ok(())
+            }
             (Device::Cuda(dev), DeviceBuffer::Cuda(s)) => dev.copy_to_host(s, dst),
             (Device::Hip(dev), DeviceBuffer::Hip(s)) => dev.copy_to_host(s, dst),
             (_, s) => Err(buffer::wrong_device("copy_to_host", self, s)),
@@ -158,7 +164,8 @@ impl Device {
         buffer::check_len("copy_on_device", dst.len(), src.len())?;
         match (self, dst, src) {
             (Device::Cpu, DeviceBuffer::Host(d), DeviceBuffer::Host(s)) => {
-                Ok(d[..s.len()].copy_from_slice(s))
+                d[..s.len()].copy_from_slice(s);
+                Ok(())
             }
             (Device::Cuda(dev), DeviceBuffer::Cuda(d), DeviceBuffer::Cuda(s)) => dev.copy_on_device(d, s),
             (Device::Hip(dev), DeviceBuffer::Hip(d), DeviceBuffer::Hip(s)) => dev.copy_on_device(d, s),

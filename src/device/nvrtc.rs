@@ -28,8 +28,8 @@ pub fn compile_cuda_kernels(arch: &str) -> Result<Ptx> {
         )));
     }
     let opts = CompileOptions {
-        // The launcher never passes a subnormal-sensitive value; keep IEEE division and sqrt so
-        // that results track the CPU reference.
+        // IEEE-rounded division and square root (NVRTC's defaults, pinned here) so that results
+        // track the CPU reference.
         prec_div: Some(true),
         prec_sqrt: Some(true),
         options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],

@@ -1,8 +1,225 @@
-//! Compute devices. The CPU is always available and is the numerical reference; CUDA and HIP arms
-//! are not built yet (`--device cuda|hip` is rejected by the config check with a clear message).
+//! Compute devices: the CPU (always available, the numerical reference) and CUDA / HIP GPUs.
+//!
+//! [`Device`] is one enum whose arms never change with cargo features: a binary built without
+//! the `hip` feature still has `Device::Hip`, and opening it returns [`Error::NotCompiled`].
+//! Invariants:
+//! - opening a GPU never panics: a missing driver library (libcuda.so, NVRTC) or a machine
+//!   without a GPU is an [`Error::Device`] saying which;
+//! - a process binds the GPU of its node-local rank, `local_rank % visible_count`, where the
+//!   visible list (CUDA_VISIBLE_DEVICES, ROCR_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES) has
+//!   already been applied by the vendor runtime;
+//! - every kernel is written once in `kernels/*.cu` (see `kernels/compat.h`) and compiled at
+//!   open time: by NVRTC for the device's compute capability, by hipcc for AMD;
+//! - [`DeviceBuffer`]s are untyped bytes, freed on drop; kernel launches check sizes in
+//!   [`ops`] before any pointer reaches a kernel.
 //!
 //! The CPU arm's peak FLOP rate is measured, not guessed: MFU on CPU is reported against the sgemm
 //! rate this process reaches with its share of the node's cores.
+
+mod buffer;
+mod cuda;
+mod hip;
+pub mod hipcc;
+pub mod kernels;
+pub mod nvrtc;
+pub mod ops;
+pub mod reduce_bench;
+
+pub use buffer::DeviceBuffer;
+pub use cuda::{cuda_driver_available, CudaBuffer, CudaDevice};
+pub use hip::{HipBuffer, HipDevice};
+pub use nvrtc::compile_cuda_kernels;
+
+use bytemuck::Pod;
+
+use crate::config::DeviceKind;
+use crate::error::{Error, Result};
+
+/// Where kernels run and buffers live.
+pub enum Device {
+    /// The host; GPU kernels cannot be launched on it.
+    Cpu,
+    /// An NVIDIA GPU through the CUDA driver API.
+    Cuda(CudaDevice),
+    /// An AMD GPU through HIP (a binary built without the `hip` feature can never hold one).
+    Hip(HipDevice),
+}
+
+/// Grid and block shape of a kernel launch (x, y, z), plus dynamic shared memory in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchDims {
+    /// Blocks per grid.
+    pub grid: (u32, u32, u32),
+    /// Threads per block; x must be a multiple of the warp/wavefront width (64 covers both).
+    pub block: (u32, u32, u32),
+    /// Dynamic shared memory per block in bytes.
+    pub shared_bytes: u32,
+}
+
+impl LaunchDims {
+    /// A 1-D launch of `blocks` blocks of `threads` threads, no dynamic shared memory.
+    pub fn linear(blocks: u32, threads: u32) -> Self {
+        LaunchDims {
+            grid: (blocks, 1, 1),
+            block: (threads, 1, 1),
+            shared_bytes: 0,
+        }
+    }
+}
+
+/// One kernel argument, in the order of the kernel's C signature.
+#[derive(Clone, Copy)]
+pub enum KernelArg<'a> {
+    /// Device pointer to the start of a buffer.
+    Buf(&'a DeviceBuffer),
+    /// Device pointer `offset` bytes into a buffer (the caller checked the range).
+    BufAt(&'a DeviceBuffer, usize),
+    /// C `int`.
+    I32(i32),
+    /// C `long long`.
+    I64(i64),
+    /// C `unsigned long long`.
+    U64(u64),
+    /// C `float`.
+    F32(f32),
+}
+
+/// A kernel argument with buffers resolved to raw device addresses.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum RawArg {
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    U64(u64),
+    F32(f32),
+}
+
+impl Device {
+    /// Opens the device of `kind` for node-local rank `local_rank`; never panics.
+    pub fn open(kind: DeviceKind, local_rank: usize) -> Result<Device> {
+        match kind {
+            DeviceKind::Cpu => Ok(Device::Cpu),
+            DeviceKind::Cuda => Ok(Device::Cuda(CudaDevice::open(local_rank)?)),
+            DeviceKind::Hip => Ok(Device::Hip(HipDevice::open(local_rank)?)),
+        }
+    }
+
+    /// The kind this device was opened as.
+    pub fn kind(&self) -> DeviceKind {
+        match self {
+            Device::Cpu => DeviceKind::Cpu,
+            Device::Cuda(_) => DeviceKind::Cuda,
+            Device::Hip(_) => DeviceKind::Hip,
+        }
+    }
+
+    /// An uninitialized buffer of `bytes` bytes on this device.
+    pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
+        match self {
+            Device::Cpu => Ok(DeviceBuffer::Host(vec![0u8; bytes])),
+            Device::Cuda(d) => Ok(DeviceBuffer::Cuda(d.alloc(bytes)?)),
+            Device::Hip(d) => Ok(DeviceBuffer::Hip(d.alloc(bytes)?)),
+        }
+    }
+
+    /// A new buffer holding a copy of `host`.
+    pub fn upload<T: Pod>(&self, host: &[T]) -> Result<DeviceBuffer> {
+        let mut buf = self.alloc(std::mem::size_of_val(host))?;
+        self.copy_to_device(&mut buf, host)?;
+        Ok(buf)
+    }
+
+    /// Copies `host` into the start of `dst` (which must be at least as large).
+    pub fn copy_to_device<T: Pod>(&self, dst: &mut DeviceBuffer, host: &[T]) -> Result<()> {
+        let src: &[u8] = bytemuck::cast_slice(host);
+        buffer::check_len("copy_to_device", dst.len(), src.len())?;
+        match (self, dst) {
+            (Device::Cpu, DeviceBuffer::Host(d)) => {
+                d[..src.len()].copy_from_slice(src);
+                Ok(())
+            }
+            (Device::Cuda(dev), DeviceBuffer::Cuda(d)) => dev.copy_to_device(d, src),
+            (Device::Hip(dev), DeviceBuffer::Hip(d)) => dev.copy_to_device(d, src),
+            (_, d) => Err(buffer::wrong_device("copy_to_device", self, d)),
+        }
+    }
+
+    /// Copies the first `size_of_val(host)` bytes of `src` into `host`; returns when done.
+    pub fn copy_to_host<T: Pod>(&self, src: &DeviceBuffer, host: &mut [T]) -> Result<()> {
+        let dst: &mut [u8] = bytemuck::cast_slice_mut(host);
+        buffer::check_len("copy_to_host", src.len(), dst.len())?;
+        match (self, src) {
+            (Device::Cpu, DeviceBuffer::Host(s)) => {
+                dst.copy_from_slice(&s[..dst.len()]);
+                Ok(())
+            }
+            (Device::Cuda(dev), DeviceBuffer::Cuda(s)) => dev.copy_to_host(s, dst),
+            (Device::Hip(dev), DeviceBuffer::Hip(s)) => dev.copy_to_host(s, dst),
+            (_, s) => Err(buffer::wrong_device("copy_to_host", self, s)),
+        }
+    }
+
+    /// Copies all of `src` into the start of `dst`, on the device (queued, like a launch).
+    pub fn copy_on_device(&self, dst: &mut DeviceBuffer, src: &DeviceBuffer) -> Result<()> {
+        buffer::check_len("copy_on_device", dst.len(), src.len())?;
+        match (self, dst, src) {
+            (Device::Cpu, DeviceBuffer::Host(d), DeviceBuffer::Host(s)) => {
+                d[..s.len()].copy_from_slice(s);
+                Ok(())
+            }
+            (Device::Cuda(dev), DeviceBuffer::Cuda(d), DeviceBuffer::Cuda(s)) => dev.copy_on_device(d, s),
+            (Device::Hip(dev), DeviceBuffer::Hip(d), DeviceBuffer::Hip(s)) => dev.copy_on_device(d, s),
+            (_, d, _) => Err(buffer::wrong_device("copy_on_device", self, d)),
+        }
+    }
+
+    /// Queues kernel `name` (an entry point of [`kernels::entry_points`]) with `args`.
+    pub fn launch(&self, name: &str, dims: LaunchDims, args: &[KernelArg]) -> Result<()> {
+        let raw = args
+            .iter()
+            .map(|a| self.resolve(a, name))
+            .collect::<Result<Vec<RawArg>>>()?;
+        match self {
+            Device::Cpu => Err(Error::InvalidArgument(format!(
+                "kernel {name}: GPU kernels cannot run on the CPU device (use the model's CPU layers)"
+            ))),
+            Device::Cuda(d) => d.launch(name, dims, &raw),
+            Device::Hip(d) => d.launch(name, dims, &raw),
+        }
+    }
+
+    fn resolve(&self, arg: &KernelArg, kernel: &str) -> Result<RawArg> {
+        Ok(match *arg {
+            KernelArg::Buf(b) => RawArg::Ptr(b.device_address(self, kernel, 0)?),
+            KernelArg::BufAt(b, off) => RawArg::Ptr(b.device_address(self, kernel, off)?),
+            KernelArg::I32(v) => RawArg::I32(v),
+            KernelArg::I64(v) => RawArg::I64(v),
+            KernelArg::U64(v) => RawArg::U64(v),
+            KernelArg::F32(v) => RawArg::F32(v),
+        })
+    }
+
+    /// Waits until all queued work on this device has finished and reports its errors.
+    pub fn synchronize(&self) -> Result<()> {
+        match self {
+            Device::Cpu => Ok(()),
+            Device::Cuda(d) => d.synchronize(),
+            Device::Hip(d) => d.synchronize(),
+        }
+    }
+}
+
+/// The device ordinal for `local_rank` among `count` visible GPUs; `visible_var` names the
+/// variable that selected them (for the error message).
+pub(crate) fn pick_ordinal(local_rank: usize, count: usize, visible_var: &str) -> Result<usize> {
+    if count == 0 {
+        let shown = std::env::var(visible_var).unwrap_or_else(|_| "<unset>".into());
+        return Err(Error::Device(format!(
+            "local rank {local_rank}: the driver sees no GPU ({visible_var}={shown})"
+        )));
+    }
+    Ok(local_rank % count)
+}
 
 use std::time::Instant;
 

@@ -1,0 +1,17 @@
+// cast.cu: f32 <-> bf16 conversions (mixed precision: bf16 copies of f32 master weights, f32
+// copies of bf16 gradients). Rounding is to nearest even, bit-identical to half::bf16::from_f32.
+#include "compat.h"
+
+// out (N) bf16 = inp (N) f32.
+extern "C" __global__ void cast_f32_to_bf16(mt_bf16 *out, const float *inp, mt_u64 n) {
+    const mt_u64 stride = (mt_u64)gridDim.x * blockDim.x;
+    for (mt_u64 i = (mt_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        out[i] = mt_f32_to_bf16(inp[i]);
+}
+
+// out (N) f32 = inp (N) bf16 (exact).
+extern "C" __global__ void cast_bf16_to_f32(float *out, const mt_bf16 *inp, mt_u64 n) {
+    const mt_u64 stride = (mt_u64)gridDim.x * blockDim.x;
+    for (mt_u64 i = (mt_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        out[i] = mt_bf16_to_f32(inp[i]);
+}

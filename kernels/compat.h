@@ -1,0 +1,144 @@
+// compat.h: the subset of CUDA and HIP every meshtrain kernel is written in.
+//
+// Each kernel file is compiled unchanged by NVRTC (CUDA, sm_90) and by hipcc (HIP, gfx90a). This
+// header is the only place where the two differ. Invariants the kernels rely on:
+// - the warp (NVIDIA, 32 lanes) / wavefront (AMD CDNA, 64 lanes) width is MT_WARP_SIZE, a
+//   compile-time constant; no kernel writes 32 or 64 or a lane mask literally;
+// - shuffles go through mt_shfl_down / mt_shfl_xor, which involve every lane of the warp, so
+//   every lane of a warp must call them (kernels keep whole warps converged around reductions);
+// - block sizes are multiples of MT_WARP_SIZE and at most MT_MAX_BLOCK threads;
+// - no CUDA or HIP library header is needed: bf16 and f16 are carried as raw 16-bit patterns
+//   and converted here with round-to-nearest-even, bit-identical to the `half` crate.
+#pragma once
+
+#if defined(__HIPCC__)
+#include <hip/hip_runtime.h>
+#define MT_WARP_SIZE __AMDGCN_WAVEFRONT_SIZE
+#else
+#define MT_WARP_SIZE 32
+// Every lane of a 32-wide warp takes part in a shuffle.
+#define MT_FULL_LANE_MASK 0xffffffffu
+#endif
+
+// Largest block any kernel is launched with (the launcher in src/device/ops.rs uses 256).
+#define MT_MAX_BLOCK 1024
+#define MT_MAX_WARPS (MT_MAX_BLOCK / MT_WARP_SIZE)
+
+typedef unsigned long long mt_u64;
+typedef long long mt_i64;
+typedef unsigned short mt_bf16; // bfloat16 bit pattern
+typedef unsigned short mt_f16;  // IEEE binary16 bit pattern
+
+template <typename T> __device__ __forceinline__ T mt_shfl_down(T v, int delta) {
+#if defined(__HIPCC__)
+    return __shfl_down(v, delta);
+#else
+    return __shfl_down_sync(MT_FULL_LANE_MASK, v, delta);
+#endif
+}
+
+template <typename T> __device__ __forceinline__ T mt_shfl_xor(T v, int mask) {
+#if defined(__HIPCC__)
+    return __shfl_xor(v, mask);
+#else
+    return __shfl_xor_sync(MT_FULL_LANE_MASK, v, mask);
+#endif
+}
+
+__device__ __forceinline__ float mt_inf() { return __int_as_float(0x7f800000); }
+
+// Sum over the warp; every lane gets the result.
+__device__ __forceinline__ float mt_warp_sum(float v) {
+    for (int off = MT_WARP_SIZE / 2; off > 0; off /= 2) v += mt_shfl_xor(v, off);
+    return v;
+}
+
+__device__ __forceinline__ float mt_warp_max(float v) {
+    for (int off = MT_WARP_SIZE / 2; off > 0; off /= 2) v = fmaxf(v, mt_shfl_xor(v, off));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of MT_WARP_SIZE); every thread gets the result.
+// `scratch` holds MT_MAX_WARPS floats of shared memory; the call ends with a barrier, so the
+// same scratch can be reused by the next block reduction.
+__device__ __forceinline__ float mt_block_sum(float v, float *scratch) {
+    const int lane = threadIdx.x % MT_WARP_SIZE, warp = threadIdx.x / MT_WARP_SIZE;
+    const int warps = blockDim.x / MT_WARP_SIZE;
+    v = mt_warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : 0.0f;
+    v = mt_warp_sum(v);
+    __syncthreads();
+    return v;
+}
+
+__device__ __forceinline__ float mt_block_max(float v, float *scratch) {
+    const int lane = threadIdx.x % MT_WARP_SIZE, warp = threadIdx.x / MT_WARP_SIZE;
+    const int warps = blockDim.x / MT_WARP_SIZE;
+    v = mt_warp_max(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : -mt_inf();
+    v = mt_warp_max(v);
+    __syncthreads();
+    return v;
+}
+
+// ---- bfloat16 ---------------------------------------------------------------------------------
+
+__device__ __forceinline__ float mt_bf16_to_f32(mt_bf16 h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+
+// Round to nearest, ties to even; NaN stays NaN (quiet bit set), like half::bf16::from_f32.
+__device__ __forceinline__ mt_bf16 mt_f32_to_bf16(float f) {
+    unsigned int x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (mt_bf16)((x >> 16) | 0x0040u);
+    unsigned int round_bit = 0x00008000u;
+    if ((x & round_bit) != 0 && (x & (3u * round_bit - 1u)) != 0) return (mt_bf16)((x >> 16) + 1u);
+    return (mt_bf16)(x >> 16);
+}
+
+// ---- IEEE half ----------------------------------------------------------------------------------
+
+__device__ __forceinline__ float mt_f16_to_f32(mt_f16 h) {
+    unsigned int sign = ((unsigned int)h & 0x8000u) << 16;
+    unsigned int exp = ((unsigned int)h >> 10) & 0x1fu;
+    unsigned int man = (unsigned int)h & 0x3ffu;
+    if (exp == 0x1fu) { // inf, or NaN made quiet like half::f16::to_f32
+        return __uint_as_float(sign | 0x7f800000u | (man ? 0x400000u | (man << 13) : 0u));
+    }
+    if (exp == 0) {
+        if (man == 0) return __uint_as_float(sign);
+        // Subnormal: man * 2^-24, exact in f32.
+        float v = (float)man * __uint_as_float(0x33800000u);
+        return sign ? -v : v;
+    }
+    return __uint_as_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+// Round to nearest, ties to even, overflow to inf, like half::f16::from_f32.
+__device__ __forceinline__ mt_f16 mt_f32_to_f16(float f) {
+    unsigned int x = __float_as_uint(f);
+    unsigned int sign = (x >> 16) & 0x8000u;
+    unsigned int exp = (x >> 23) & 0xffu;
+    unsigned int man = x & 0x7fffffu;
+    if (exp == 0xffu) return (mt_f16)(sign | 0x7c00u | (man ? (0x200u | (man >> 13)) : 0u));
+    int e = (int)exp - 127 + 15;
+    if (e >= 0x1f) return (mt_f16)(sign | 0x7c00u);
+    if (e <= 0) {
+        if (e < -10) return (mt_f16)sign; // rounds to zero
+        man |= 0x800000u;                 // implicit bit
+        int shift = 14 - e;               // 24-bit mantissa down to the subnormal grid
+        unsigned int half_man = man >> shift;
+        unsigned int round_bit = 1u << (shift - 1);
+        if ((man & round_bit) != 0 && (man & (3u * round_bit - 1u)) != 0) half_man += 1u;
+        return (mt_f16)(sign | half_man);
+    }
+    unsigned int h = sign | ((unsigned int)e << 10) | (man >> 13);
+    unsigned int round_bit = 0x1000u;
+    // A carry out of the mantissa bumps the exponent, up to inf: the right result.
+    if ((man & round_bit) != 0 && (man & (3u * round_bit - 1u)) != 0) h += 1u;
+    return (mt_f16)h;
+}

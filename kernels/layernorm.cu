@@ -1,0 +1,74 @@
+// layernorm.cu: LayerNorm forward/backward over rows of C channels, eps = 1e-5, f32
+// (src/model/layernorm.rs is the reference; same two-pass mean/variance, same saved mean/rstd).
+//
+// Forward and the input gradient run one block per row; the parameter gradients run one thread
+// per channel looping over rows in order, so there are no atomics and every result is
+// deterministic run to run.
+#include "compat.h"
+
+#define MT_LN_EPS 1e-5f
+
+// out (N, C) = (inp - mean) * rstd * weight + bias; mean, rstd (N). Grid: N blocks.
+extern "C" __global__ void layernorm_forward_f32(float *out, float *mean, float *rstd,
+                                                 const float *inp, const float *weight,
+                                                 const float *bias, int c) {
+    __shared__ float scratch[MT_MAX_WARPS];
+    const mt_u64 row = blockIdx.x;
+    const float *x = inp + row * c;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < c; i += blockDim.x) s += x[i];
+    const float mu = mt_block_sum(s, scratch) / (float)c;
+    float v = 0.0f;
+    for (int i = threadIdx.x; i < c; i += blockDim.x) v += (x[i] - mu) * (x[i] - mu);
+    const float var = mt_block_sum(v, scratch) / (float)c;
+    const float r = 1.0f / sqrtf(var + MT_LN_EPS);
+    float *o = out + row * c;
+    for (int i = threadIdx.x; i < c; i += blockDim.x) o[i] = (x[i] - mu) * r * weight[i] + bias[i];
+    if (threadIdx.x == 0) {
+        mean[row] = mu;
+        rstd[row] = r;
+    }
+}
+
+// dinp (N, C) += rstd * (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat)), dnorm = dout * weight.
+// Grid: N blocks.
+extern "C" __global__ void layernorm_backward_dinp_f32(float *dinp, const float *dout,
+                                                      const float *inp, const float *weight,
+                                                      const float *mean, const float *rstd, int c) {
+    __shared__ float scratch[MT_MAX_WARPS];
+    const mt_u64 row = blockIdx.x;
+    const float mu = mean[row], r = rstd[row];
+    const float *x = inp + row * c, *dy = dout + row * c;
+    float dn = 0.0f, dnx = 0.0f;
+    for (int i = threadIdx.x; i < c; i += blockDim.x) {
+        const float dnorm = dy[i] * weight[i];
+        dn += dnorm;
+        dnx += dnorm * (x[i] - mu) * r;
+    }
+    const float dnorm_mean = mt_block_sum(dn, scratch) / (float)c;
+    const float dnorm_xhat_mean = mt_block_sum(dnx, scratch) / (float)c;
+    float *dx = dinp + row * c;
+    for (int i = threadIdx.x; i < c; i += blockDim.x) {
+        const float xhat = (x[i] - mu) * r;
+        dx[i] += r * (dy[i] * weight[i] - dnorm_mean - xhat * dnorm_xhat_mean);
+    }
+}
+
+// dweight (C) += sum_rows xhat * dout, dbias (C) += sum_rows dout. Grid: ceil(C / block) blocks,
+// one thread per channel; consecutive threads read consecutive channels of a row (coalesced).
+extern "C" __global__ void layernorm_backward_dparams_f32(float *dweight, float *dbias,
+                                                         const float *dout, const float *inp,
+                                                         const float *mean, const float *rstd,
+                                                         int n, int c) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= c) return;
+    float dw = 0.0f, db = 0.0f;
+    for (int row = 0; row < n; row++) {
+        const mt_u64 at = (mt_u64)row * c + i;
+        const float dyi = dout[at];
+        db += dyi;
+        dw += (inp[at] - mean[row]) * rstd[row] * dyi;
+    }
+    dweight[i] += dw;
+    dbias[i] += db;
+}

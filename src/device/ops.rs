@@ -1,0 +1,445 @@
+//! Typed launchers for every kernel in `kernels/*.cu`: they check each buffer against the
+//! elements the kernel will touch (so no launch can read or write out of bounds), pick the grid,
+//! and pass arguments in the kernel's C order. Shapes and semantics are those of the CPU
+//! reference functions named in each doc comment; all model kernels are f32.
+
+use std::ops::Range;
+
+use super::kernels::{avg_div_kernel, reduce_kernel};
+use super::{Device, DeviceBuffer, KernelArg as A, LaunchDims};
+use crate::comm::{DType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::model::attention::AttnShape;
+use crate::optim::adamw::AdamWConfig;
+
+/// Threads per block of every launch: a multiple of both warp (32) and wavefront (64) widths.
+const THREADS: u32 = 256;
+/// Grid cap for grid-stride kernels (plenty to fill any current GPU).
+const MAX_BLOCKS: u64 = 1 << 16;
+
+fn f32s(n: usize) -> usize {
+    n * 4
+}
+
+/// Errors unless `buf` holds at least `bytes` bytes.
+fn need(kernel: &str, what: &str, buf: &DeviceBuffer, bytes: usize) -> Result<()> {
+    if buf.len() < bytes {
+        return Err(Error::InvalidArgument(format!(
+            "{kernel}: `{what}` holds {} bytes but the shape needs {bytes}",
+            buf.len()
+        )));
+    }
+    Ok(())
+}
+
+fn as_i32(kernel: &str, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::InvalidArgument(format!("{kernel}: `{what}` = {v} exceeds i32")))
+}
+
+fn as_u32(kernel: &str, what: &str, v: usize) -> Result<u32> {
+    u32::try_from(v).map_err(|_| Error::InvalidArgument(format!("{kernel}: `{what}` = {v} exceeds u32")))
+}
+
+/// Grid for a grid-stride loop over `items` work items, one per thread.
+fn stride_grid(items: usize) -> LaunchDims {
+    let blocks = (items as u64).div_ceil(THREADS as u64).clamp(1, MAX_BLOCKS);
+    LaunchDims::linear(blocks as u32, THREADS)
+}
+
+/// `out = a (op) b` over `n` elements of `dtype` (`Avg` sums; finish it with [`avg_divide`]);
+/// `out` may be `a`'s buffer only through [`reduce_into`]. Reference: `Reducer::reduce_out`.
+pub fn reduce(
+    dev: &Device,
+    dtype: DType,
+    op: ReduceOp,
+    out: &mut DeviceBuffer,
+    a: &DeviceBuffer,
+    b: &DeviceBuffer,
+    n: usize,
+) -> Result<()> {
+    let k = reduce_kernel(dtype, op);
+    let bytes = n * dtype.size();
+    for (what, buf) in [("out", &*out), ("a", a), ("b", b)] {
+        need(&k, what, buf, bytes)?;
+    }
+    let dims = stride_grid(n.div_ceil(16 / dtype.size()));
+    dev.launch(&k, dims, &[A::Buf(out), A::Buf(a), A::Buf(b), A::U64(n as u64)])
+}
+
+/// `acc = acc (op) x` over `n` elements. Reference: `Reducer::reduce_into`.
+pub fn reduce_into(
+    dev: &Device,
+    dtype: DType,
+    op: ReduceOp,
+    acc: &mut DeviceBuffer,
+    x: &DeviceBuffer,
+    n: usize,
+) -> Result<()> {
+    let k = reduce_kernel(dtype, op);
+    let bytes = n * dtype.size();
+    need(&k, "acc", acc, bytes)?;
+    need(&k, "x", x, bytes)?;
+    let dims = stride_grid(n.div_ceil(16 / dtype.size()));
+    dev.launch(&k, dims, &[A::Buf(acc), A::Buf(acc), A::Buf(x), A::U64(n as u64)])
+}
+
+/// Divides `n` summed elements by `ranks` (the end of `Avg`). Reference: `Reducer::finalize`.
+pub fn avg_divide(dev: &Device, dtype: DType, buf: &mut DeviceBuffer, n: usize, ranks: usize) -> Result<()> {
+    let k = avg_div_kernel(dtype);
+    need(&k, "buf", buf, n * dtype.size())?;
+    if ranks == 0 || (dtype == DType::U8 && ranks > u8::MAX as usize) {
+        return Err(Error::InvalidArgument(format!(
+            "{k}: cannot divide by {ranks} ranks"
+        )));
+    }
+    dev.launch(
+        &k,
+        stride_grid(n),
+        &[A::Buf(buf), A::U64(n as u64), A::I64(ranks as i64)],
+    )
+}
+
+/// LayerNorm forward over `n` rows of `c`. Buffers: out (N, C), mean, rstd (N), inp (N, C),
+/// weight, bias (C). Reference: `model::layernorm::layernorm_forward`.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_forward(
+    dev: &Device,
+    out: &mut DeviceBuffer,
+    mean: &mut DeviceBuffer,
+    rstd: &mut DeviceBuffer,
+    inp: &DeviceBuffer,
+    weight: &DeviceBuffer,
+    bias: &DeviceBuffer,
+    n: usize,
+    c: usize,
+) -> Result<()> {
+    let k = "layernorm_forward_f32";
+    need(k, "out", out, f32s(n * c))?;
+    need(k, "inp", inp, f32s(n * c))?;
+    need(k, "mean", mean, f32s(n))?;
+    need(k, "rstd", rstd, f32s(n))?;
+    need(k, "weight", weight, f32s(c))?;
+    need(k, "bias", bias, f32s(c))?;
+    let dims = LaunchDims::linear(as_u32(k, "rows", n)?, THREADS);
+    let args = [
+        A::Buf(out),
+        A::Buf(mean),
+        A::Buf(rstd),
+        A::Buf(inp),
+        A::Buf(weight),
+        A::Buf(bias),
+        A::I32(as_i32(k, "c", c)?),
+    ];
+    dev.launch(k, dims, &args)
+}
+
+/// LayerNorm backward, accumulating: dinp (N, C) +=, dweight, dbias (C) +=. Reference:
+/// `model::layernorm::layernorm_backward`.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward(
+    dev: &Device,
+    dinp: &mut DeviceBuffer,
+    dweight: &mut DeviceBuffer,
+    dbias: &mut DeviceBuffer,
+    dout: &DeviceBuffer,
+    inp: &DeviceBuffer,
+    weight: &DeviceBuffer,
+    mean: &DeviceBuffer,
+    rstd: &DeviceBuffer,
+    n: usize,
+    c: usize,
+) -> Result<()> {
+    let k = "layernorm_backward_dinp_f32";
+    for (what, buf) in [("dinp", &*dinp), ("dout", dout), ("inp", inp)] {
+        need(k, what, buf, f32s(n * c))?;
+    }
+    for (what, buf) in [("dweight", &*dweight), ("dbias", &*dbias), ("weight", weight)] {
+        need(k, what, buf, f32s(c))?;
+    }
+    need(k, "mean", mean, f32s(n))?;
+    need(k, "rstd", rstd, f32s(n))?;
+    let ci = as_i32(k, "c", c)?;
+    let rows = LaunchDims::linear(as_u32(k, "rows", n)?, THREADS);
+    let args = [
+        A::Buf(dinp),
+        A::Buf(dout),
+        A::Buf(inp),
+        A::Buf(weight),
+        A::Buf(mean),
+        A::Buf(rstd),
+        A::I32(ci),
+    ];
+    dev.launch(k, rows, &args)?;
+    let k = "layernorm_backward_dparams_f32";
+    let cols = LaunchDims::linear(as_u32(k, "c", c.div_ceil(THREADS as usize))?, THREADS);
+    let args = [
+        A::Buf(dweight),
+        A::Buf(dbias),
+        A::Buf(dout),
+        A::Buf(inp),
+        A::Buf(mean),
+        A::Buf(rstd),
+        A::I32(as_i32(k, "n", n)?),
+        A::I32(ci),
+    ];
+    dev.launch(k, cols, &args)
+}
+
+/// out (N) = gelu(inp (N)). Reference: `model::gelu::gelu_forward`.
+pub fn gelu_forward(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer, n: usize) -> Result<()> {
+    let k = "gelu_forward_f32";
+    need(k, "out", out, f32s(n))?;
+    need(k, "inp", inp, f32s(n))?;
+    dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)])
+}
+
+/// dinp (N) += gelu'(inp) * dout. Reference: `model::gelu::gelu_backward`.
+pub fn gelu_backward(
+    dev: &Device,
+    dinp: &mut DeviceBuffer,
+    inp: &DeviceBuffer,
+    dout: &DeviceBuffer,
+    n: usize,
+) -> Result<()> {
+    let k = "gelu_backward_f32";
+    for (what, buf) in [("dinp", &*dinp), ("inp", inp), ("dout", dout)] {
+        need(k, what, buf, f32s(n))?;
+    }
+    dev.launch(
+        k,
+        stride_grid(n),
+        &[A::Buf(dinp), A::Buf(inp), A::Buf(dout), A::U64(n as u64)],
+    )
+}
+
+fn attn_dims(k: &str, s: AttnShape) -> Result<(LaunchDims, [A<'static>; 3])> {
+    let rows = as_u32(k, "B*NH*T", s.b * s.nh * s.t)?;
+    let args = [
+        A::I32(as_i32(k, "t", s.t)?),
+        A::I32(as_i32(k, "nh", s.nh)?),
+        A::I32(as_i32(k, "hs", s.hs)?),
+    ];
+    Ok((LaunchDims::linear(rows, THREADS), args))
+}
+
+/// out (B, T, C), att (B, NH, T, T) from qkv (B, T, 3C). Reference:
+/// `model::attention::attention_forward`.
+pub fn attention_forward(
+    dev: &Device,
+    out: &mut DeviceBuffer,
+    att: &mut DeviceBuffer,
+    qkv: &DeviceBuffer,
+    s: AttnShape,
+) -> Result<()> {
+    let k = "attention_forward_f32";
+    let (btc, c) = (s.b * s.t, s.nh * s.hs);
+    need(k, "out", out, f32s(btc * c))?;
+    need(k, "att", att, f32s(s.b * s.nh * s.t * s.t))?;
+    need(k, "qkv", qkv, f32s(btc * 3 * c))?;
+    let (dims, [t, nh, hs]) = attn_dims(k, s)?;
+    dev.launch(k, dims, &[A::Buf(out), A::Buf(att), A::Buf(qkv), t, nh, hs])
+}
+
+/// dqkv (B, T, 3C) += the attention gradient from dout (B, T, C) and the forward's qkv and
+/// att; `dpre` is (B, NH, T, T) scratch, fully overwritten. Reference:
+/// `model::attention::attention_backward`.
+pub fn attention_backward(
+    dev: &Device,
+    dqkv: &mut DeviceBuffer,
+    dpre: &mut DeviceBuffer,
+    dout: &DeviceBuffer,
+    qkv: &DeviceBuffer,
+    att: &DeviceBuffer,
+    s: AttnShape,
+) -> Result<()> {
+    let k = "attention_backward_dpre_f32";
+    let (btc, c, tt) = (s.b * s.t, s.nh * s.hs, s.b * s.nh * s.t * s.t);
+    need(k, "dqkv", dqkv, f32s(btc * 3 * c))?;
+    need(k, "qkv", qkv, f32s(btc * 3 * c))?;
+    need(k, "dout", dout, f32s(btc * c))?;
+    need(k, "dpre", dpre, f32s(tt))?;
+    need(k, "att", att, f32s(tt))?;
+    let (dims, [t, nh, hs]) = attn_dims(k, s)?;
+    dev.launch(
+        k,
+        dims,
+        &[A::Buf(dpre), A::Buf(dout), A::Buf(qkv), A::Buf(att), t, nh, hs],
+    )?;
+    let args = [
+        A::Buf(dqkv),
+        A::Buf(dpre),
+        A::Buf(dout),
+        A::Buf(qkv),
+        A::Buf(att),
+        t,
+        nh,
+        hs,
+    ];
+    dev.launch("attention_backward_dqkv_f32", dims, &args)
+}
+
+/// losses (N), lse (N) from logits (N, Vp) and u32 targets (N) over columns 0..v. Reference:
+/// `model::cross_entropy::cross_entropy_forward`.
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_forward(
+    dev: &Device,
+    losses: &mut DeviceBuffer,
+    lse: &mut DeviceBuffer,
+    logits: &DeviceBuffer,
+    targets: &DeviceBuffer,
+    n: usize,
+    v: usize,
+    vp: usize,
+) -> Result<()> {
+    let k = "cross_entropy_forward_f32";
+    check_vocab(k, v, vp)?;
+    need(k, "losses", losses, f32s(n))?;
+    need(k, "lse", lse, f32s(n))?;
+    need(k, "targets", targets, 4 * n)?;
+    need(k, "logits", logits, f32s(n * vp))?;
+    let dims = LaunchDims::linear(as_u32(k, "rows", n)?, THREADS);
+    let args = [
+        A::Buf(losses),
+        A::Buf(lse),
+        A::Buf(logits),
+        A::Buf(targets),
+        A::I32(as_i32(k, "v", v)?),
+        A::I32(as_i32(k, "vp", vp)?),
+    ];
+    dev.launch(k, dims, &args)
+}
+
+/// dlogits (N, Vp) += (softmax - onehot) * dloss over columns 0..v; padded columns untouched.
+/// Targets must be < v (the kernel trusts them, as the CPU reference does). Reference:
+/// `model::cross_entropy::cross_entropy_backward`.
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_backward(
+    dev: &Device,
+    dlogits: &mut DeviceBuffer,
+    logits: &DeviceBuffer,
+    lse: &DeviceBuffer,
+    targets: &DeviceBuffer,
+    dloss: f32,
+    n: usize,
+    v: usize,
+    vp: usize,
+) -> Result<()> {
+    let k = "cross_entropy_backward_f32";
+    check_vocab(k, v, vp)?;
+    need(k, "dlogits", dlogits, f32s(n * vp))?;
+    need(k, "logits", logits, f32s(n * vp))?;
+    need(k, "lse", lse, f32s(n))?;
+    need(k, "targets", targets, 4 * n)?;
+    let args = [
+        A::Buf(dlogits),
+        A::Buf(logits),
+        A::Buf(lse),
+        A::Buf(targets),
+        A::F32(dloss),
+        A::U64(n as u64),
+        A::I32(as_i32(k, "v", v)?),
+        A::I32(as_i32(k, "vp", vp)?),
+    ];
+    dev.launch(k, stride_grid(n * v), &args)
+}
+
+fn check_vocab(k: &str, v: usize, vp: usize) -> Result<()> {
+    if v == 0 || v > vp {
+        return Err(Error::InvalidArgument(format!(
+            "{k}: vocabulary {v} must be in 1..={vp} (padded)"
+        )));
+    }
+    Ok(())
+}
+
+/// Buffers of one AdamW update: the flat parameter, gradient and moment buffers (f32).
+pub struct AdamWBuffers<'a> {
+    /// Parameters, updated in place.
+    pub params: &'a mut DeviceBuffer,
+    /// Gradients.
+    pub grads: &'a DeviceBuffer,
+    /// First moments, updated in place.
+    pub m: &'a mut DeviceBuffer,
+    /// Second moments, updated in place.
+    pub v: &'a mut DeviceBuffer,
+}
+
+/// AdamW step number `step` (1-based) with learning rate `lr` over the elements `span` of the
+/// four flat buffers, with weight decay `cfg.weight_decay` if `decay`, else none. The caller
+/// launches once per decay-mask segment. Per-step coefficients are computed in f64 and rounded
+/// to f32 exactly as the CPU optimizer does. Reference: `optim::adamw::AdamW::step`.
+pub fn adamw_update(
+    dev: &Device,
+    bufs: AdamWBuffers,
+    span: Range<usize>,
+    cfg: &AdamWConfig,
+    step: u64,
+    lr: f64,
+    decay: bool,
+) -> Result<()> {
+    let k = "adamw_f32";
+    if step == 0 {
+        return Err(Error::InvalidArgument(format!("{k}: steps count from 1")));
+    }
+    let end = f32s(span.end);
+    need(k, "params", bufs.params, end)?;
+    need(k, "grads", bufs.grads, end)?;
+    need(k, "m", bufs.m, end)?;
+    need(k, "v", bufs.v, end)?;
+    let t = step as i32;
+    let f = |x: f64| A::F32(x as f32);
+    let off = f32s(span.start);
+    let n = span.len();
+    let args = [
+        A::BufAt(bufs.params, off),
+        A::BufAt(bufs.grads, off),
+        A::BufAt(bufs.m, off),
+        A::BufAt(bufs.v, off),
+        A::U64(n as u64),
+        f(cfg.beta1),
+        f(cfg.beta2),
+        f(1.0 - cfg.beta1),
+        f(1.0 - cfg.beta2),
+        f(1.0 / (1.0 - cfg.beta1.powi(t))),
+        f(1.0 / (1.0 - cfg.beta2.powi(t))),
+        f(lr),
+        f(cfg.eps),
+        f(if decay { cfg.weight_decay } else { 0.0 }),
+    ];
+    dev.launch(k, stride_grid(n), &args)
+}
+
+/// out (N) bf16 = inp (N) f32, rounding to nearest even.
+pub fn cast_f32_to_bf16(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer, n: usize) -> Result<()> {
+    let k = "cast_f32_to_bf16";
+    need(k, "out", out, 2 * n)?;
+    need(k, "inp", inp, f32s(n))?;
+    dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)])
+}
+
+/// out (N) f32 = inp (N) bf16.
+pub fn cast_bf16_to_f32(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer, n: usize) -> Result<()> {
+    let k = "cast_bf16_to_f32";
+    need(k, "out", out, f32s(n))?;
+    need(k, "inp", inp, 2 * n)?;
+    dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)])
+}
+
+/// out (N) = skip (N) + branch (N). Reference: `model::residual::residual_forward`.
+pub fn residual_forward(
+    dev: &Device,
+    out: &mut DeviceBuffer,
+    skip: &DeviceBuffer,
+    branch: &DeviceBuffer,
+    n: usize,
+) -> Result<()> {
+    let k = "residual_forward_f32";
+    for (what, buf) in [("out", &*out), ("skip", skip), ("branch", branch)] {
+        need(k, what, buf, f32s(n))?;
+    }
+    dev.launch(
+        k,
+        stride_grid(n),
+        &[A::Buf(out), A::Buf(skip), A::Buf(branch), A::U64(n as u64)],
+    )
+}

@@ -1,0 +1,415 @@
+//! Every GPU kernel against the CPU reference, on a real GPU (ignored elsewhere). Run on a
+//! machine with an NVIDIA GPU, driver and NVRTC with:
+//!
+//! `cargo test --release --test gpu_kernels -- --ignored gpu_ --test-threads=1 --nocapture`
+//!
+//! Inputs are fresh random draws each run (the seed is printed so a failure can be replayed
+//! with `MESHTRAIN_GPU_SEED`), never zeros; outputs are poisoned with NaN bytes before each
+//! launch so that an unwritten element fails. Float kernels are compared with the CPU layers
+//! run in f64 on the same (f32) inputs by relative L2 error, `|got - ref| / |ref|`: f32
+//! arithmetic with sums of at most a few thousand terms lands below 1e-5 (unit roundoff 6e-8
+//! times sqrt(terms) growth, plus a few ulps from exp/log/sqrt), so 1e-5 is the bound. The
+//! collective reductions, casts and residual add are single IEEE operations per element and must
+//! match the CPU bit for bit.
+
+use half::{bf16, f16};
+use meshtrain::comm::dtype::Reducer;
+use meshtrain::comm::{DType, ReduceOp};
+use meshtrain::config::DeviceKind;
+use meshtrain::device::ops::{self, AdamWBuffers};
+use meshtrain::device::reduce_bench::reduce_bandwidth;
+use meshtrain::device::{Device, DeviceBuffer};
+use meshtrain::model::attention::{attention_backward, attention_forward, attention_scratch_len, AttnShape};
+use meshtrain::model::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
+use meshtrain::model::gelu::{gelu_backward, gelu_forward};
+use meshtrain::model::layernorm::{layernorm_backward, layernorm_forward};
+use meshtrain::model::{GptConfig, ParamLayout};
+use meshtrain::optim::adamw::{AdamW, AdamWConfig, AdamWState, DecayMask};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const TOL: f64 = 1e-5;
+
+fn gpu() -> Device {
+    Device::open(DeviceKind::Cuda, 0).expect("a CUDA GPU with driver and NVRTC")
+}
+
+fn rng(test: &str) -> ChaCha8Rng {
+    let seed = std::env::var("MESHTRAIN_GPU_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| rand::thread_rng().gen::<u64>());
+    eprintln!("{test}: seed {seed}");
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+/// Uniform in [-scale, scale), never exactly zero in practice.
+fn rand_f32(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| r.gen_range(-scale..scale)).collect()
+}
+
+fn widen(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| v as f64).collect()
+}
+
+/// A buffer of `bytes` bytes, every byte 0xFF (NaN for every float type).
+fn poisoned(dev: &Device, bytes: usize) -> DeviceBuffer {
+    dev.upload(&vec![0xFFu8; bytes]).unwrap()
+}
+
+fn down_f32(dev: &Device, buf: &DeviceBuffer, n: usize) -> Vec<f32> {
+    dev.synchronize().unwrap();
+    let mut v = vec![0f32; n];
+    dev.copy_to_host(buf, &mut v).unwrap();
+    v
+}
+
+/// Asserts every element is finite and the relative L2 error is within [`TOL`].
+fn assert_close(what: &str, got: &[f32], want: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
+        panic!("{what}: element {i} is {} (unwritten or overflow)", got[i]);
+    }
+    let num: f64 = got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).powi(2)).sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    let rel = (num / den).sqrt();
+    eprintln!("{what}: relative L2 error {rel:.2e}");
+    assert!(rel < TOL, "{what}: relative error {rel:e} >= {TOL:e}");
+}
+
+/// Random elements of `dtype` as bytes: floats in [-100, 100) (no NaN, whose payloads the
+/// two sides need not agree on), integers over their whole range (wrapping is tested).
+fn random_elements(r: &mut ChaCha8Rng, dtype: DType, n: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(n * dtype.size());
+    for _ in 0..n {
+        let x: f32 = r.gen_range(-100.0..100.0);
+        match dtype {
+            DType::F32 => out.extend_from_slice(&x.to_le_bytes()),
+            DType::F64 => out.extend_from_slice(&(r.gen_range(-100.0..100.0f64)).to_le_bytes()),
+            DType::BF16 => out.extend_from_slice(&bf16::from_f32(x).to_le_bytes()),
+            DType::F16 => out.extend_from_slice(&f16::from_f32(x).to_le_bytes()),
+            DType::I32 => out.extend_from_slice(&r.gen::<i32>().to_le_bytes()),
+            DType::I64 => out.extend_from_slice(&r.gen::<i64>().to_le_bytes()),
+            DType::U8 => out.push(r.gen::<u8>()),
+        }
+    }
+    out
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_reductions_match_cpu_bitwise() {
+    let dev = gpu();
+    let mut r = rng("gpu_reductions_match_cpu_bitwise");
+    // Odd length: the vector path and the scalar tail both run.
+    let n = (1 << 20) + 13;
+    let ranks = 3;
+    for dtype in DType::ALL {
+        let (a, b) = (
+            random_elements(&mut r, dtype, n),
+            random_elements(&mut r, dtype, n),
+        );
+        let (da, db) = (dev.upload(&a).unwrap(), dev.upload(&b).unwrap());
+        for op in ReduceOp::ALL {
+            let red = Reducer::new(dtype, op);
+            let mut want = vec![0u8; a.len()];
+            red.reduce_out(&mut want, &a, &b);
+            red.finalize(&mut want, ranks);
+            let mut out = poisoned(&dev, a.len());
+            ops::reduce(&dev, dtype, op, &mut out, &da, &db, n).unwrap();
+            if op == ReduceOp::Avg {
+                ops::avg_divide(&dev, dtype, &mut out, n, ranks).unwrap();
+            }
+            let mut got = vec![0u8; a.len()];
+            dev.synchronize().unwrap();
+            dev.copy_to_host(&out, &mut got).unwrap();
+            let first_bad = got.iter().zip(&want).position(|(g, w)| g != w);
+            assert!(
+                first_bad.is_none(),
+                "{dtype:?} {op:?}: byte {} differs",
+                first_bad.unwrap()
+            );
+            // The in-place form over a copy of `a`.
+            let mut acc = dev.upload(&a).unwrap();
+            ops::reduce_into(&dev, dtype, op, &mut acc, &db, n).unwrap();
+            if op == ReduceOp::Avg {
+                ops::avg_divide(&dev, dtype, &mut acc, n, ranks).unwrap();
+            }
+            dev.synchronize().unwrap();
+            dev.copy_to_host(&acc, &mut got).unwrap();
+            assert!(got == want, "{dtype:?} {op:?}: reduce_into differs");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_layernorm_matches_cpu() {
+    let dev = gpu();
+    let mut r = rng("gpu_layernorm_matches_cpu");
+    let (n, c) = (333, 768);
+    let inp = rand_f32(&mut r, n * c, 2.0); // (N, C)
+    let w = rand_f32(&mut r, c, 1.0); // (C)
+    let bias = rand_f32(&mut r, c, 1.0); // (C)
+    let dout = rand_f32(&mut r, n * c, 1.0); // (N, C)
+    let dinp0 = rand_f32(&mut r, n * c, 1.0); // accumulated into: (N, C)
+    let dw0 = rand_f32(&mut r, c, 1.0);
+    let db0 = rand_f32(&mut r, c, 1.0);
+    let (mut out, mut mean, mut rstd) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+    layernorm_forward(
+        &mut out,
+        &mut mean,
+        &mut rstd,
+        &widen(&inp),
+        &widen(&w),
+        &widen(&bias),
+        c,
+    );
+    let (mut dinp, mut dw, mut db) = (widen(&dinp0), widen(&dw0), widen(&db0));
+    layernorm_backward(
+        &mut dinp,
+        &mut dw,
+        &mut db,
+        &widen(&dout),
+        &widen(&inp),
+        &widen(&w),
+        &mean,
+        &rstd,
+        c,
+    );
+
+    let (g_inp, g_w, g_b) = (
+        dev.upload(&inp).unwrap(),
+        dev.upload(&w).unwrap(),
+        dev.upload(&bias).unwrap(),
+    );
+    let mut g_out = poisoned(&dev, 4 * n * c);
+    let (mut g_mean, mut g_rstd) = (poisoned(&dev, 4 * n), poisoned(&dev, 4 * n));
+    ops::layernorm_forward(
+        &dev,
+        &mut g_out,
+        &mut g_mean,
+        &mut g_rstd,
+        &g_inp,
+        &g_w,
+        &g_b,
+        n,
+        c,
+    )
+    .unwrap();
+    assert_close("layernorm out", &down_f32(&dev, &g_out, n * c), &out);
+    assert_close("layernorm mean", &down_f32(&dev, &g_mean, n), &mean);
+    assert_close("layernorm rstd", &down_f32(&dev, &g_rstd, n), &rstd);
+
+    let g_dout = dev.upload(&dout).unwrap();
+    let (mut g_dinp, mut g_dw, mut g_db) = (
+        dev.upload(&dinp0).unwrap(),
+        dev.upload(&dw0).unwrap(),
+        dev.upload(&db0).unwrap(),
+    );
+    ops::layernorm_backward(
+        &dev,
+        &mut g_dinp,
+        &mut g_dw,
+        &mut g_db,
+        &g_dout,
+        &g_inp,
+        &g_w,
+        &g_mean,
+        &g_rstd,
+        n,
+        c,
+    )
+    .unwrap();
+    assert_close("layernorm dinp", &down_f32(&dev, &g_dinp, n * c), &dinp);
+    assert_close("layernorm dweight", &down_f32(&dev, &g_dw, c), &dw);
+    assert_close("layernorm dbias", &down_f32(&dev, &g_db, c), &db);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gelu_and_residual_match_cpu() {
+    let dev = gpu();
+    let mut r = rng("gpu_gelu_and_residual_match_cpu");
+    let n = 1_000_001;
+    let inp = rand_f32(&mut r, n, 6.0);
+    let dout = rand_f32(&mut r, n, 1.0);
+    let dinp0 = rand_f32(&mut r, n, 1.0);
+    let mut out = vec![0.0; n];
+    gelu_forward(&mut out, &widen(&inp));
+    let mut dinp = widen(&dinp0);
+    gelu_backward(&mut dinp, &widen(&inp), &widen(&dout));
+    let g_inp = dev.upload(&inp).unwrap();
+    let mut g_out = poisoned(&dev, 4 * n);
+    ops::gelu_forward(&dev, &mut g_out, &g_inp, n).unwrap();
+    assert_close("gelu forward", &down_f32(&dev, &g_out, n), &out);
+    let mut g_dinp = dev.upload(&dinp0).unwrap();
+    ops::gelu_backward(&dev, &mut g_dinp, &g_inp, &dev.upload(&dout).unwrap(), n).unwrap();
+    assert_close("gelu backward", &down_f32(&dev, &g_dinp, n), &dinp);
+
+    // Residual: one f32 add per element, bit-exact.
+    let mut g_sum = poisoned(&dev, 4 * n);
+    let g_dout = dev.upload(&dout).unwrap();
+    ops::residual_forward(&dev, &mut g_sum, &g_inp, &g_dout, n).unwrap();
+    let want: Vec<f32> = inp.iter().zip(&dout).map(|(a, b)| a + b).collect();
+    assert!(down_f32(&dev, &g_sum, n) == want, "residual add differs");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_attention_matches_cpu() {
+    let dev = gpu();
+    let mut r = rng("gpu_attention_matches_cpu");
+    let s = AttnShape {
+        b: 2,
+        t: 67,
+        nh: 3,
+        hs: 64,
+    };
+    let (c, tt) = (s.nh * s.hs, s.b * s.nh * s.t * s.t);
+    let qkv = rand_f32(&mut r, s.b * s.t * 3 * c, 1.0); // (B, T, 3C)
+    let dout = rand_f32(&mut r, s.b * s.t * c, 1.0); // (B, T, C)
+    let dqkv0 = rand_f32(&mut r, s.b * s.t * 3 * c, 1.0); // accumulated into
+    let (mut out, mut att) = (vec![0.0; s.b * s.t * c], vec![0.0; tt]);
+    attention_forward(&mut out, &mut att, &widen(&qkv), s);
+    let mut dqkv = widen(&dqkv0);
+    let mut scratch = vec![0.0; attention_scratch_len(s.t)];
+    attention_backward(&mut dqkv, &mut scratch, &widen(&dout), &widen(&qkv), &att, s);
+
+    let g_qkv = dev.upload(&qkv).unwrap();
+    let (mut g_out, mut g_att) = (poisoned(&dev, 4 * out.len()), poisoned(&dev, 4 * tt));
+    ops::attention_forward(&dev, &mut g_out, &mut g_att, &g_qkv, s).unwrap();
+    assert_close("attention out", &down_f32(&dev, &g_out, out.len()), &out);
+    let got_att = down_f32(&dev, &g_att, tt);
+    assert_close("attention probabilities", &got_att, &att);
+    assert!(
+        att.iter().zip(&got_att).all(|(&w, &g)| w != 0.0 || g == 0.0),
+        "causal mask not zero"
+    );
+
+    let mut g_dqkv = dev.upload(&dqkv0).unwrap();
+    let mut g_dpre = poisoned(&dev, 4 * tt);
+    let g_dout = dev.upload(&dout).unwrap();
+    ops::attention_backward(&dev, &mut g_dqkv, &mut g_dpre, &g_dout, &g_qkv, &g_att, s).unwrap();
+    assert_close("attention dqkv", &down_f32(&dev, &g_dqkv, dqkv.len()), &dqkv);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cross_entropy_matches_cpu_and_skips_padding() {
+    let dev = gpu();
+    let mut r = rng("gpu_cross_entropy_matches_cpu_and_skips_padding");
+    let (n, v, vp) = (97, 1000, 1024);
+    let mut logits = rand_f32(&mut r, n * vp, 8.0); // (N, Vp)
+    for row in logits.chunks_mut(vp) {
+        row[v..].iter_mut().for_each(|z| *z = 1e4); // must not enter the softmax
+    }
+    let targets: Vec<u32> = (0..n).map(|_| r.gen_range(0..v as u32)).collect();
+    let dl0 = rand_f32(&mut r, n * vp, 1.0);
+    let dloss = 1.0 / n as f32;
+    let (mut losses, mut lse) = (vec![0.0; n], vec![0.0; n]);
+    cross_entropy_forward(&mut losses, &mut lse, &widen(&logits), &targets, v, vp);
+    let mut dl = widen(&dl0);
+    cross_entropy_backward(&mut dl, &widen(&logits), &lse, &targets, dloss as f64, v, vp);
+
+    let (g_z, g_t) = (dev.upload(&logits).unwrap(), dev.upload(&targets).unwrap());
+    let (mut g_loss, mut g_lse) = (poisoned(&dev, 4 * n), poisoned(&dev, 4 * n));
+    ops::cross_entropy_forward(&dev, &mut g_loss, &mut g_lse, &g_z, &g_t, n, v, vp).unwrap();
+    assert_close("cross-entropy losses", &down_f32(&dev, &g_loss, n), &losses);
+    assert_close("cross-entropy lse", &down_f32(&dev, &g_lse, n), &lse);
+    let mut g_dl = dev.upload(&dl0).unwrap();
+    ops::cross_entropy_backward(&dev, &mut g_dl, &g_z, &g_lse, &g_t, dloss, n, v, vp).unwrap();
+    let got = down_f32(&dev, &g_dl, n * vp);
+    assert_close("cross-entropy dlogits", &got, &dl);
+    for (row, (g, w)) in got.chunks(vp).zip(dl0.chunks(vp)).enumerate() {
+        assert!(g[v..] == w[v..], "row {row}: padded columns were written");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_adamw_matches_cpu() {
+    let dev = gpu();
+    let mut r = rng("gpu_adamw_matches_cpu");
+    let layout = ParamLayout::new(&GptConfig {
+        n_layer: 2,
+        n_head: 4,
+        n_embd: 64,
+        vocab_size: 300,
+        max_seq_len: 32,
+    });
+    let total = layout.total_len();
+    let cfg = AdamWConfig::default();
+    let opt = AdamW::new(cfg, DecayMask::from_layout(&layout));
+    let mut p = rand_f32(&mut r, total, 1.0);
+    let mut state = AdamWState::<f32>::new(0, total);
+    let (mut g_p, mut g_m, mut g_v) = (
+        dev.upload(&p).unwrap(),
+        dev.upload(&vec![0f32; total]).unwrap(),
+        dev.upload(&vec![0f32; total]).unwrap(),
+    );
+    let lr = 3e-3;
+    for step in 1..=3u64 {
+        let g = rand_f32(&mut r, total, 0.1);
+        opt.step(&mut state, lr, &mut p, &g).unwrap();
+        let g_g = dev.upload(&g).unwrap();
+        for e in layout.entries() {
+            let bufs = AdamWBuffers {
+                params: &mut g_p,
+                grads: &g_g,
+                m: &mut g_m,
+                v: &mut g_v,
+            };
+            ops::adamw_update(&dev, bufs, e.offset..e.offset + e.len, &cfg, step, lr, e.decay).unwrap();
+        }
+    }
+    // Same f32 coefficients and operation order as the CPU; FMA contraction may move each
+    // step's result by a few ulps of the update terms (|update| <= ~lr * 1.1), far below 1e-6.
+    let got = down_f32(&dev, &g_p, total);
+    let worst = got
+        .iter()
+        .zip(&p)
+        .map(|(g, w)| (g - w).abs())
+        .fold(0f32, f32::max);
+    eprintln!("adamw: max |gpu - cpu| {worst:e}");
+    assert!(worst < 1e-6, "adamw differs from the CPU by {worst:e}");
+    assert_close("adamw m", &down_f32(&dev, &g_m, total), &widen(&state.m));
+    assert_close("adamw v", &down_f32(&dev, &g_v, total), &widen(&state.v));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_casts_match_half_crate_bitwise() {
+    let dev = gpu();
+    let mut r = rng("gpu_casts_match_half_crate_bitwise");
+    let n = 1 << 20;
+    let mut x: Vec<f32> = (0..n).map(|_| f32::from_bits(r.gen::<u32>())).collect();
+    x[..4].copy_from_slice(&[f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -0.0]);
+    let mut g_b = poisoned(&dev, 2 * n);
+    ops::cast_f32_to_bf16(&dev, &mut g_b, &dev.upload(&x).unwrap(), n).unwrap();
+    let mut got = vec![0u16; n];
+    dev.synchronize().unwrap();
+    dev.copy_to_host(&g_b, &mut got).unwrap();
+    let want: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+    assert!(got == want, "f32 -> bf16 differs from half::bf16::from_f32");
+    let mut g_f = poisoned(&dev, 4 * n);
+    ops::cast_bf16_to_f32(&dev, &mut g_f, &g_b, n).unwrap();
+    let back: Vec<u32> = down_f32(&dev, &g_f, n).iter().map(|v| v.to_bits()).collect();
+    let want: Vec<u32> = want
+        .iter()
+        .map(|&h| bf16::from_bits(h).to_f32().to_bits())
+        .collect();
+    assert!(back == want, "bf16 -> f32 differs");
+}
+
+/// Not a pass/fail test: prints the combine kernels' bandwidth next to a device-to-device copy.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_reduce_bandwidth_report() {
+    let dev = gpu();
+    let rows = reduce_bandwidth(&dev, 256 << 20).unwrap();
+    println!("{:<20} {:>10} {:>10}", "kernel (256 MiB)", "us", "GB/s");
+    for row in rows {
+        println!("{:<20} {:>10.1} {:>10.1}", row.what, row.seconds * 1e6, row.gbs);
+    }
+}

@@ -51,7 +51,7 @@ pub struct CommConfig {
 
 impl Default for CommConfig {
     fn default() -> Self {
-        CommConfig { timeout: Duration::from_secs(300), algo: Algo::Auto, small_bytes: 64 << 10, chunk_bytes: 256 << 10 }
+        CommConfig { timeout: Duration::from_secs(300), algo: Algo::Auto, small_bytes: 64 << 10, chunk_bytes: 1 << 20 }
     }
 }
 

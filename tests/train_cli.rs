@@ -121,3 +121,18 @@ fn tensor_parallel_layouts_follow_the_single_rank_trajectory() {
         assert_close(&losses(&out), &reference[&dp], 1e-5, &name);
     }
 }
+
+#[test]
+fn shipped_jobs_parse_and_validate() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("jobs");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).unwrap().flatten() {
+        let path = e.path();
+        if path.extension().is_some_and(|x| x == "toml") {
+            let cfg = meshtrain::config::JobConfig::load(&path, &[]);
+            assert!(cfg.is_ok(), "{}: {:?}", path.display(), cfg.err());
+            n += 1;
+        }
+    }
+    assert!(n >= 2, "expected the demo and d12 jobs in {}", dir.display());
+}

@@ -136,3 +136,32 @@ fn shipped_jobs_parse_and_validate() {
     }
     assert!(n >= 2, "expected the demo and d12 jobs in {}", dir.display());
 }
+
+#[test]
+fn pipeline_layouts_follow_the_single_rank_trajectory() {
+    let dir = tempfile::tempdir().unwrap();
+    // Four layers (model.n_layer=4 on top of the tiny size) so that four stages each hold one.
+    let single = job(dir.path(), "single.toml", "");
+    let reference = dir.path().join("ref.jsonl");
+    common::train(1, &single, &reference, &["train.grad_accum=4".into(), "model.n_layer=4".into()]);
+    let want = losses(&reference);
+    // (tp, pp, dp, zero, schedule, microbatches, grad_accum): tp*pp*dp ranks, dp*m*accum = 4.
+    let layouts = [
+        (1, 2, 1, 0, "gpipe", 4, 1),
+        (1, 2, 1, 0, "1f1b", 2, 2),
+        (1, 4, 1, 0, "1f1b", 4, 1),
+        (2, 2, 1, 0, "1f1b", 4, 1),
+        (1, 2, 2, 1, "1f1b", 2, 1),
+        (2, 2, 2, 1, "1f1b", 2, 1),
+    ];
+    for (tp, pp, dp, zero, schedule, m, accum) in layouts {
+        let name = format!("tp{tp}pp{pp}dp{dp}z{zero}{schedule}m{m}");
+        let parallel = format!(
+            "[parallel]\ntp = {tp}\npp = {pp}\ndp = {dp}\nzero = {zero}\nschedule = \"{schedule}\"\nmicrobatches = {m}"
+        );
+        let path = job(dir.path(), &format!("{name}.toml"), &parallel);
+        let out = dir.path().join(format!("{name}.jsonl"));
+        common::train(tp * pp * dp, &path, &out, &[format!("train.grad_accum={accum}"), "model.n_layer=4".into()]);
+        assert_close(&losses(&out), &want, 1e-5, &name);
+    }
+}

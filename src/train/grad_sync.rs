@@ -86,13 +86,13 @@ impl DataParallel {
 
     /// Finishes the reduction, clips by the global norm (`max_norm` 0 = off), applies AdamW at
     /// learning rate `lr`, and leaves identical `params` on every data-parallel rank. `counted`
-    /// says which elements this rank counts in the norm; partial norms are summed over `tp` (the
-    /// tensor-parallel group, if any) and, with ZeRO, over `dp`.
+    /// says which elements this rank counts in the norm; partial norms are summed over `groups`
+    /// (the tensor- and pipeline-parallel groups) and, with ZeRO, over `dp`.
     #[allow(clippy::too_many_arguments)]
     pub fn step(
         &mut self,
         dp: &Communicator,
-        tp: Option<&Communicator>,
+        groups: &[&Communicator],
         counted: &[(Range<usize>, bool)],
         opt: &AdamW,
         lr: f64,
@@ -115,8 +115,8 @@ impl DataParallel {
         if self.zero > 0 {
             dp.all_reduce(&mut sq, ReduceOp::Sum)?;
         }
-        if let Some(tp) = tp {
-            tp.all_reduce(&mut sq, ReduceOp::Sum)?;
+        for g in groups {
+            g.all_reduce(&mut sq, ReduceOp::Sum)?;
         }
         let grad_norm = sq[0].sqrt();
         let scale = clip_scale(grad_norm, max_norm);

@@ -10,6 +10,7 @@
 mod buckets;
 mod checkpointing;
 mod grad_sync;
+mod pipeline;
 mod replica;
 
 use std::path::PathBuf;
@@ -23,10 +24,11 @@ use crate::error::{Error, Result};
 use crate::metrics::{FlopCounter, MetricsWriter, Progress, StepRecord};
 use crate::device::{bind_cpu_threads, cpu_peak_tflops};
 use crate::parallel::grid::{Grid, GridShape};
+use crate::parallel::schedule::Schedule;
 use crate::optim::{AdamW, AdamWConfig, DecayMask, LrSchedule};
 
 pub use grad_sync::DataParallel;
-pub use replica::Replica;
+pub use replica::{Replica, ReplicaLayout};
 
 /// Options of one run that are not part of the job config.
 #[derive(Debug, Clone, Default)]
@@ -57,8 +59,8 @@ fn check_supported(cfg: &JobConfig) -> Result<()> {
     if cfg.parallel.tp > 1 && ckpt {
         return Err(Error::config("parallel.tp", "checkpoints of tensor-parallel runs are not implemented yet"));
     }
-    if cfg.parallel.pp > 1 {
-        return Err(Error::config("parallel.pp", "pipeline parallelism is not implemented yet"));
+    if cfg.parallel.pp > 1 && ckpt {
+        return Err(Error::config("parallel.pp", "checkpoints of pipeline-parallel runs are not implemented yet"));
     }
     if cfg.parallel.zero > 1 {
         return Err(Error::config("parallel.zero", "only ZeRO stages 0 and 1 are implemented so far"));
@@ -71,7 +73,7 @@ fn evaluate(model: &mut Replica, batch: &mut Batch, sampler: &mut Sampler, batch
     let mut sum = 0.0f64;
     for _ in 0..batches {
         sampler.next_batch(batch)?;
-        sum += model.forward(batch)?;
+        sum += model.eval(batch)?;
     }
     let mut mean = [sum / batches.max(1) as f64];
     dp.all_reduce(&mut mean, ReduceOp::Avg)?;
@@ -93,10 +95,26 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     if leader {
         println!("# {}", shape.describe());
     }
-    let Grid { tp, dp, .. } = grid;
-    let tp_group = (tp.size() > 1).then(|| tp.split(Some(0), tp.rank() as i64)).transpose()?.flatten();
-    let (b, t, accum) = (cfg.train.micro_batch, cfg.train.seq_len, cfg.train.grad_accum);
-    let mut model = Replica::new(cfg.model, b, t, cfg.train.seed, tp, cfg.parallel.sequence_parallel)?;
+    let Grid { tp, pp, dp, .. } = grid;
+    // Partial gradient norms are summed over the TP and PP groups, on communicators of their own.
+    let mut norm_groups = Vec::new();
+    for g in [&tp, &pp] {
+        if g.size() > 1 {
+            norm_groups.push(g.split(Some(0), g.rank() as i64)?.expect("joined"));
+        }
+    }
+    let norm_groups: Vec<&Communicator> = norm_groups.iter().collect();
+    let (b, t) = (cfg.train.micro_batch, cfg.train.seq_len);
+    // Micro-batches per optimizer step on each data-parallel rank.
+    let accum = cfg.train.grad_accum * cfg.parallel.microbatches;
+    let layout = ReplicaLayout {
+        tp,
+        pp,
+        sequence_parallel: cfg.parallel.sequence_parallel,
+        schedule: Schedule::from_config(&cfg.parallel),
+        microbatches: cfg.parallel.microbatches,
+    };
+    let mut model = Replica::new(cfg.model, b, t, cfg.train.seed, layout)?;
     let n = model.params().len();
     let norm_spans = model.norm_spans();
     let bucket_elems = ((cfg.parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1);
@@ -104,9 +122,10 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     if leader {
         let state_mb = (2 * sync.state_len() * 4) as f64 / 1e6;
         println!(
-            "# layout: dp={} tp={} pp=1 zero={}; {} parameters on this rank in {} gradient bucket(s); per rank: params {:.1} MB, grads {:.1} MB, AdamW state {:.1} MB, activations {:.1} MB",
+            "# layout: dp={} tp={} pp={} zero={}; {} parameters on this rank in {} gradient bucket(s); per rank: params {:.1} MB, grads {:.1} MB, AdamW state {:.1} MB, activations {:.1} MB",
             dp.size(),
             cfg.parallel.tp,
+            cfg.parallel.pp,
             cfg.parallel.zero,
             n,
             sync.buckets(),
@@ -166,6 +185,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     let progress = Progress::new(cfg.train.steps, cfg.train.log_every, leader);
     let tokens_per_step = (dp.size() * accum * b * t) as f64;
     let mut batch = Batch::new(b, t);
+    let mut batches: Vec<Batch> = (0..accum).map(|_| Batch::new(b, t)).collect();
     let mut report = TrainReport { losses: Vec::new(), val_losses: Vec::new(), tokens_per_s: 0.0, params: Vec::new() };
     let (start, mut timed_s, mut timed_steps) = (Instant::now(), 0.0, 0u64);
 
@@ -173,22 +193,16 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         let t0 = Instant::now();
         model.zero_grad();
         sync.begin(accum);
-        let mut loss_sum = 0.0f64;
-        for micro in 0..accum {
-            sampler.next_batch(&mut batch)?;
-            loss_sum += model.forward(&batch)?;
-            // Only the last micro-batch's backward communicates, overlapped bucket by bucket.
-            if micro + 1 == accum {
-                model.backward(&mut |r, g| sync.on_final(r, g))?;
-            } else {
-                model.backward(&mut |_, _| {})?;
-            }
+        for batch in batches.iter_mut() {
+            sampler.next_batch(batch)?;
         }
+        // Only the last backward communicates, overlapped bucket by bucket.
+        let loss_mean = model.run(&batches, &mut |r, g| sync.on_final(r, g))?;
         let lr = sched.lr(step - 1);
         let (params, grads) = model.params_and_grads();
         let outcome =
-            sync.step(&dp, tp_group.as_ref(), &norm_spans, &opt, lr, cfg.optim.grad_clip, params, grads)?;
-        let mut loss = [loss_sum / accum as f64];
+            sync.step(&dp, &norm_groups, &norm_spans, &opt, lr, cfg.optim.grad_clip, params, grads)?;
+        let mut loss = [loss_mean];
         dp.all_reduce(&mut loss, ReduceOp::Avg)?;
         let step_s = t0.elapsed().as_secs_f64();
         if step > 1 {

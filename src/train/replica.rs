@@ -1,5 +1,6 @@
-//! The model one rank trains: the whole GPT (tensor parallelism 1) or this rank's
-//! tensor-parallel shard of it ([`crate::model::Stage`] over the TP communicator). The training
+//! The model one rank trains: the whole GPT (tensor parallelism 1), this rank's tensor-parallel
+//! shard of it ([`crate::model::Stage`] over the TP communicator), or one pipeline stage of it
+//! ([`super::pipeline::Pipeline`]). The training
 //! loop, the data-parallel reducer and the optimizer only see a flat parameter buffer, its
 //! gradients, and two span lists: which elements get weight decay, and which elements this rank
 //! counts in the global gradient norm (a tensor replicated over the TP group is counted by TP
@@ -7,10 +8,12 @@
 
 use std::ops::Range;
 
+use super::pipeline::Pipeline;
 use crate::comm::Communicator;
 use crate::data::Batch;
 use crate::error::Result;
 use crate::model::{Gpt, GptConfig, Stage, StageInput, StageOutput, StageSpec};
+use crate::parallel::schedule::Schedule;
 
 /// A trainable model replica.
 pub enum Replica {
@@ -23,19 +26,79 @@ pub enum Replica {
         /// The tensor-parallel communicator.
         tp: Communicator,
     },
+    /// One stage of a pipeline (itself possibly tensor parallel).
+    Pipeline(Box<Pipeline>),
+}
+
+/// How a replica is laid out over the grid.
+pub struct ReplicaLayout {
+    /// Tensor-parallel communicator.
+    pub tp: Communicator,
+    /// Pipeline communicator.
+    pub pp: Communicator,
+    /// Sequence parallelism on.
+    pub sequence_parallel: bool,
+    /// Pipeline schedule.
+    pub schedule: Schedule,
+    /// Micro-batches per pipeline round.
+    pub microbatches: usize,
 }
 
 impl Replica {
     /// A replica of `cfg` for (B, T) micro-batches initialized from `seed`; tensor parallel when
     /// `tp` has more than one member.
-    pub fn new(cfg: GptConfig, b: usize, t: usize, seed: u64, tp: Communicator, sequence_parallel: bool) -> Result<Self> {
+    pub fn new(cfg: GptConfig, b: usize, t: usize, seed: u64, l: ReplicaLayout) -> Result<Self> {
         let full = Gpt::<f32>::new(cfg, b, t, seed)?;
-        if tp.size() == 1 {
+        if l.pp.size() > 1 {
+            let p = Pipeline::new(cfg, full.params(), b, t, l.tp, l.pp, l.sequence_parallel, l.schedule, l.microbatches)?;
+            return Ok(Replica::Pipeline(Box::new(p)));
+        }
+        if l.tp.size() == 1 {
             return Ok(Replica::Whole(full));
         }
-        let mut stage = Stage::new(cfg, tp.rank(), tp.size(), StageSpec::whole(&cfg), sequence_parallel, b, t, 1)?;
+        let mut stage = Stage::new(cfg, l.tp.rank(), l.tp.size(), StageSpec::whole(&cfg), l.sequence_parallel, b, t, 1)?;
         stage.load_from_full(full.params())?;
-        Ok(Replica::TensorParallel { stage: Box::new(stage), tp })
+        Ok(Replica::TensorParallel { stage: Box::new(stage), tp: l.tp })
+    }
+
+    /// Micro-batches one call of [`Replica::run`] consumes per accumulation round.
+    pub fn round(&self) -> usize {
+        match self {
+            Replica::Pipeline(p) => p.microbatches(),
+            _ => 1,
+        }
+    }
+
+    /// Forward and backward of every batch, adding into the gradients; `on_final(range, values)`
+    /// reports gradients as they become final in the last backward. Returns the mean loss.
+    pub fn run(&mut self, batches: &[Batch], on_final: &mut dyn FnMut(Range<usize>, &[f32])) -> Result<f64> {
+        let mut sum = 0.0;
+        if let Replica::Pipeline(p) = self {
+            for round in batches.chunks(p.microbatches()) {
+                sum += p.run(round)?;
+            }
+            p.sync_tied_grads()?;
+            let g = p.stage().grads();
+            on_final(0..g.len(), g);
+            return Ok(sum / batches.len() as f64);
+        }
+        for (i, b) in batches.iter().enumerate() {
+            sum += self.forward(b)?;
+            if i + 1 == batches.len() {
+                self.backward(on_final)?;
+            } else {
+                self.backward(&mut |_, _| {})?;
+            }
+        }
+        Ok(sum / batches.len() as f64)
+    }
+
+    /// Loss of one batch, forward only (on every rank).
+    pub fn eval(&mut self, batch: &Batch) -> Result<f64> {
+        match self {
+            Replica::Pipeline(p) => p.eval(batch),
+            _ => self.forward(batch),
+        }
     }
 
     /// Parameters (flat, this rank's part).
@@ -43,6 +106,7 @@ impl Replica {
         match self {
             Replica::Whole(m) => m.params(),
             Replica::TensorParallel { stage, .. } => stage.params(),
+            Replica::Pipeline(p) => p.stage().params(),
         }
     }
 
@@ -51,6 +115,7 @@ impl Replica {
         match self {
             Replica::Whole(m) => m.params_and_grads(),
             Replica::TensorParallel { stage, .. } => stage.params_and_grads(),
+            Replica::Pipeline(p) => p.stage_mut().params_and_grads(),
         }
     }
 
@@ -59,11 +124,12 @@ impl Replica {
         match self {
             Replica::Whole(m) => m.zero_grad(),
             Replica::TensorParallel { stage, .. } => stage.zero_grad(),
+            Replica::Pipeline(p) => p.stage_mut().zero_grad(),
         }
     }
 
     /// Mean loss of one micro-batch (identical on every TP rank), keeping activations for backward.
-    pub fn forward(&mut self, batch: &Batch) -> Result<f64> {
+    fn forward(&mut self, batch: &Batch) -> Result<f64> {
         match self {
             Replica::Whole(m) => Ok(f64::from(m.forward(&batch.inputs, &batch.targets)?)),
             Replica::TensorParallel { stage, tp } => {
@@ -72,18 +138,20 @@ impl Replica {
                     StageOutput::Hidden(_) => unreachable!("a whole-model stage ends with the loss"),
                 }
             }
+            Replica::Pipeline(_) => unreachable!("pipelines run through `run`"),
         }
     }
 
     /// Backward of the last forward, adding into the gradients; `on_final(range, values)` is called
     /// for each range as soon as it is final.
-    pub fn backward(&mut self, on_final: &mut dyn FnMut(Range<usize>, &[f32])) -> Result<()> {
+    fn backward(&mut self, on_final: &mut dyn FnMut(Range<usize>, &[f32])) -> Result<()> {
         match self {
             Replica::Whole(m) => m.backward_with(&mut |r, g| on_final(r.clone(), &g[r])),
             Replica::TensorParallel { stage, tp } => {
                 stage.backward(0, None, tp, &mut |r, g| on_final(r, g))?;
                 Ok(())
             }
+            Replica::Pipeline(_) => unreachable!("pipelines run through `run`"),
         }
     }
 
@@ -92,6 +160,7 @@ impl Replica {
         match self {
             Replica::Whole(m) => m.layout().decay_spans(),
             Replica::TensorParallel { stage, .. } => stage.layout().decay_spans(),
+            Replica::Pipeline(p) => p.stage().layout().decay_spans(),
         }
     }
 
@@ -105,6 +174,7 @@ impl Replica {
                 .iter()
                 .map(|e| (e.offset..e.offset + e.len, !e.replicated_over_tp || tp.rank() == 0))
                 .collect(),
+            Replica::Pipeline(p) => p.norm_spans(),
         }
     }
 
@@ -113,6 +183,7 @@ impl Replica {
         match self {
             Replica::Whole(m) => m.activation_elements(),
             Replica::TensorParallel { stage, .. } => stage.activation_elements(),
+            Replica::Pipeline(p) => p.stage().activation_elements(),
         }
     }
 
@@ -120,7 +191,7 @@ impl Replica {
     pub fn whole(&self) -> Option<&Gpt<f32>> {
         match self {
             Replica::Whole(m) => Some(m),
-            Replica::TensorParallel { .. } => None,
+            _ => None,
         }
     }
 
@@ -128,7 +199,7 @@ impl Replica {
     pub fn whole_mut(&mut self) -> Option<&mut Gpt<f32>> {
         match self {
             Replica::Whole(m) => Some(m),
-            Replica::TensorParallel { .. } => None,
+            _ => None,
         }
     }
 }

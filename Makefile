@@ -1,8 +1,8 @@
 # Two entry points for a fresh Debian/Ubuntu machine; each installs what is missing first.
-#   make demo   - a small multi-rank training run on CPU
+#   make demo   - a small 3D-parallel training run on 8 CPU ranks (TP2 x PP2 x DP2)
 #   make test   - the whole test suite (what CI runs)
 SHELL := /bin/bash
-RANKS ?= 4
+RANKS ?= 8
 MPIRUN ?= mpirun --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root,)
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 APT_PACKAGES := build-essential pkg-config libclang-dev libopenmpi-dev openmpi-bin libopenblas-dev libhdf5-dev hdf5-tools python3-h5py
@@ -32,4 +32,4 @@ test: deps
 	PATH="$$HOME/.cargo/bin:$$PATH" cargo test --release -- --test-threads=1
 
 bench: build
-	$(MPIRUN) --bind-to none -np $(RANKS) target/release/meshtrain bench all --min 4K --max 64M --vs-mpi
+	$(MPIRUN) --bind-to none -np 4 target/release/meshtrain bench all --min 4K --max 64M --factor 4 --vs-mpi

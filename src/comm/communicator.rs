@@ -300,7 +300,8 @@ impl Communicator {
         let direct = self.use_direct(out.len());
         self.run("all_reduce", out.len(), direct, |st, w| {
             if self.size() == 1 {
-                return Ok(copy_separate(input, out));
+                copy_separate(input, out);
+                return Ok(());
             }
             if direct {
                 let State { links, scratch, .. } = st;
@@ -336,7 +337,8 @@ impl Communicator {
         let direct = self.use_direct(n * dtype.size());
         self.run("reduce_scatter", n * dtype.size(), direct, |st, w| {
             if self.size() == 1 {
-                return Ok(copy_separate(input, out));
+                copy_separate(input, out);
+                return Ok(());
             }
             if direct {
                 let State { links, scratch, .. } = st;
@@ -368,7 +370,8 @@ impl Communicator {
         let direct = self.use_direct(out.len());
         self.run("all_gather", out.len(), direct, |st, w| {
             if self.size() == 1 {
-                return Ok(copy_separate(input, out));
+                copy_separate(input, out);
+                return Ok(());
             }
             if direct {
                 direct::all_gather(&mut LinkTable(&mut st.links), &self.direct_shape(dtype), input, out, w)
@@ -427,7 +430,8 @@ impl Communicator {
         let direct = self.use_direct(n * dtype.size());
         self.run("reduce", n * dtype.size(), direct, |st, w| {
             if self.size() == 1 {
-                return Ok(copy_separate(input, out));
+                copy_separate(input, out);
+                return Ok(());
             }
             if direct {
                 let State { links, scratch, .. } = st;

@@ -466,8 +466,8 @@ mod tests {
 
     #[test]
     fn unaligned_bytes_take_the_slow_path_correctly() {
-        let a: Vec<i64> = vec![7, -3, 1 << 40];
-        let b: Vec<i64> = vec![1, 5, 2];
+        let a: [i64; 3] = [7, -3, 1 << 40];
+        let b: [i64; 3] = [1, 5, 2];
         let mut raw = vec![0u8; 8 * 3 + 1];
         raw[1..].copy_from_slice(bytemuck::cast_slice(&a));
         let r = Reducer::new(DType::I64, ReduceOp::Sum);

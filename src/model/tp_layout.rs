@@ -355,7 +355,7 @@ fn shard_box(
             let mut view = vec![stacked, per];
             view.extend_from_slice(&shape[1..]);
             let mut off = vec![0, r * per / tp];
-            off.extend(std::iter::repeat(0).take(shape.len() - 1));
+            off.extend(std::iter::repeat_n(0, shape.len() - 1));
             let mut boxed = vec![stacked, per / tp];
             boxed.extend_from_slice(&shape[1..]);
             let mut local = vec![shape[0] / tp];

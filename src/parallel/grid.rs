@@ -138,13 +138,11 @@ mod tests {
         let orders = [[Axis::Tp, Axis::Pp, Axis::Dp], [Axis::Dp, Axis::Tp, Axis::Pp], [Axis::Pp, Axis::Dp, Axis::Tp]];
         for order in orders {
             let g = GridShape { tp: 2, pp: 3, dp: 2, order };
-            let mut seen = vec![false; 12];
-            for r in 0..12 {
-                let c = g.coords(r);
-                assert_eq!(g.rank(c), r);
-                seen[r] = true;
-            }
-            assert!(seen.iter().all(|&s| s));
+            let mut coords: Vec<Coords> = (0..12).map(|r| g.coords(r)).collect();
+            assert!(coords.iter().enumerate().all(|(r, &c)| g.rank(c) == r));
+            coords.sort_by_key(|c| (c.tp, c.pp, c.dp));
+            coords.dedup();
+            assert_eq!(coords.len(), 12, "coordinates are distinct");
         }
         let g = GridShape { tp: 2, pp: 2, dp: 2, order: [Axis::Tp, Axis::Pp, Axis::Dp] };
         assert_eq!(g.coords(5), Coords { tp: 1, pp: 0, dp: 1 });

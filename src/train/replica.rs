@@ -18,7 +18,7 @@ use crate::parallel::schedule::Schedule;
 /// A trainable model replica.
 pub enum Replica {
     /// The whole model on this rank.
-    Whole(Gpt<f32>),
+    Whole(Box<Gpt<f32>>),
     /// One shard of a tensor-parallel group.
     TensorParallel {
         /// The shard.
@@ -54,7 +54,7 @@ impl Replica {
             return Ok(Replica::Pipeline(Box::new(p)));
         }
         if l.tp.size() == 1 {
-            return Ok(Replica::Whole(full));
+            return Ok(Replica::Whole(Box::new(full)));
         }
         let mut stage = Stage::new(cfg, l.tp.rank(), l.tp.size(), StageSpec::whole(&cfg), l.sequence_parallel, b, t, 1)?;
         stage.load_from_full(full.params())?;
@@ -190,7 +190,7 @@ impl Replica {
     /// The whole model, when this replica is one (checkpoints of sharded replicas are not built).
     pub fn whole(&self) -> Option<&Gpt<f32>> {
         match self {
-            Replica::Whole(m) => Some(m),
+            Replica::Whole(m) => Some(&**m),
             _ => None,
         }
     }
@@ -198,7 +198,7 @@ impl Replica {
     /// Mutable whole model (see [`Replica::whole`]).
     pub fn whole_mut(&mut self) -> Option<&mut Gpt<f32>> {
         match self {
-            Replica::Whole(m) => Some(m),
+            Replica::Whole(m) => Some(&mut **m),
             _ => None,
         }
     }

@@ -163,6 +163,7 @@ pub fn broadcast(p: &mut Pipe, s: &RingShape, root_pos: usize, buf: &mut [u8], w
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 /// Reduce onto the rank at ring position `root_pos`: the chain starts right after the root and ends
 /// at it; only the root writes `out`.
 pub fn reduce(

@@ -468,7 +468,7 @@ mod tests {
     fn unaligned_bytes_take_the_slow_path_correctly() {
         let a: [i64; 3] = [7, -3, 1 << 40];
         let b: [i64; 3] = [1, 5, 2];
-        let mut raw = vec![0u8; 8 * 3 + 1];
+        let mut raw = [0u8; 8 * 3 + 1];
         raw[1..].copy_from_slice(bytemuck::cast_slice(&a));
         let r = Reducer::new(DType::I64, ReduceOp::Sum);
         r.reduce_into(&mut raw[1..], bytemuck::cast_slice(&b));

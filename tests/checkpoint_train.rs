@@ -130,3 +130,39 @@ fn corrupt_checkpoint_is_rejected_before_training() {
     assert!(err.contains("rank_00000.h5"), "error should name the shard file: {err}");
     assert!(!String::from_utf8_lossy(&out.stdout).contains("step 1/"), "training started on a corrupt checkpoint");
 }
+
+#[test]
+fn tensor_and_pipeline_parallel_checkpoints_reshard() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // TP2 x PP2, two pipeline micro-batches of 4 sequences per step.
+    let layout = "[parallel]\ntp = 2\npp = 2\nschedule = \"1f1b\"\nmicrobatches = 2";
+    let full = job(d, "tpp.toml", layout);
+    common::train(4, &full, &d.join("tpp.jsonl"), &[]);
+    let want = common::losses(&d.join("tpp.jsonl"));
+    let ckpt10 = d.join("tpp_ckpt/step_00000010");
+    let resume = format!("checkpoint.resume={:?}", ckpt10.display().to_string());
+    let final_full = export(&d.join("tpp_ckpt/step_00000020"), &d.join("tpp.h5"));
+
+    // Same layout: bit for bit.
+    let same = job(d, "same.toml", layout);
+    common::train(4, &same, &d.join("same.jsonl"), &[resume.clone()]);
+    for (g, w) in common::losses(&d.join("same.jsonl")).iter().zip(&want[10..]) {
+        assert_eq!(g.1.to_bits(), w.1.to_bits(), "step {}: {} vs {}", g.0, g.1, w.1);
+    }
+    // Two data-parallel ranks with ZeRO-1 (same 8 sequences per step): within 1e-5.
+    let dp = job(d, "dp.toml", "[parallel]\ndp = 2\nzero = 1");
+    common::train(2, &dp, &d.join("dp.jsonl"), &[resume]);
+    let got = common::losses(&d.join("dp.jsonl"));
+    assert_eq!(got.len(), 10);
+    for (g, w) in got.iter().zip(&want[10..]) {
+        assert!((g.1 - w.1).abs() <= 1e-5 * w.1.abs(), "step {}: {} vs {}", g.0, g.1, w.1);
+    }
+    let final_dp = export(&d.join("dp_ckpt/step_00000020"), &d.join("dp.h5"));
+    for (a, b) in final_dp.iter().zip(&final_full) {
+        assert_eq!((&a.0, &a.1), (&b.0, &b.1));
+        let scale = b.2.iter().map(|x| x.abs()).fold(0f32, f32::max).max(1e-3);
+        let worst = a.2.iter().zip(&b.2).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-4 * scale, "{}: max diff {worst} (scale {scale})", a.0);
+    }
+}

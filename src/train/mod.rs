@@ -55,13 +55,6 @@ fn check_supported(cfg: &JobConfig) -> Result<()> {
     if cfg.device != DeviceKind::Cpu {
         return Err(Error::config("device", "only `cpu` training is implemented so far (GPU backends are not built yet)"));
     }
-    let ckpt = cfg.checkpoint.every > 0 || cfg.checkpoint.resume.is_some() || cfg.init_from.is_some();
-    if cfg.parallel.tp > 1 && ckpt {
-        return Err(Error::config("parallel.tp", "checkpoints of tensor-parallel runs are not implemented yet"));
-    }
-    if cfg.parallel.pp > 1 && ckpt {
-        return Err(Error::config("parallel.pp", "checkpoints of pipeline-parallel runs are not implemented yet"));
-    }
     if cfg.parallel.zero > 1 {
         return Err(Error::config("parallel.zero", "only ZeRO stages 0 and 1 are implemented so far"));
     }
@@ -142,8 +135,9 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         weight_decay: cfg.optim.weight_decay,
     };
     let opt = AdamW::new(adamw, DecayMask::from_spans(model.decay_spans()));
-    if let (Some(path), Some(m)) = (&cfg.init_from, model.whole_mut()) {
-        checkpointing::init_from(path, cfg, m)?;
+    let maps = model.tensor_maps();
+    if let Some(path) = &cfg.init_from {
+        checkpointing::init_from(path, cfg, &maps, model.params_mut())?;
     }
     let sched = LrSchedule::new(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.steps)?;
     let vocab = cfg.model.vocab_size;
@@ -164,8 +158,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     let (mut first_step, mut tokens_seen) = (1, 0u64);
     if let Some(resume) = &cfg.checkpoint.resume {
         let path = checkpointing::resolve(cfg, resume)?;
-        let m = model.whole_mut().expect("checked: checkpoints need tp = 1");
-        let r = checkpointing::restore(&path, cfg, m, &mut sync)?;
+        let r = checkpointing::restore(&path, cfg, &maps, model.params_mut(), &mut sync)?;
         sampler.restore(r.sampler)?;
         (first_step, tokens_seen) = (r.step + 1, r.tokens_seen);
         if leader {
@@ -244,8 +237,9 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         report.losses.push(loss[0]);
         tokens_seen += tokens_per_step as u64;
         if cfg.checkpoint.every > 0 && (step % cfg.checkpoint.every == 0 || step == cfg.train.steps) {
-            let m = model.whole().expect("checked: checkpoints need tp = 1");
-            let dir = checkpointing::save(&dp, cfg, adamw, m, &sync, step, tokens_seen, sampler.state())?;
+            let state = sampler.state();
+            let dir =
+                checkpointing::save(&world_comm, &dp, cfg, adamw, &maps, model.params(), &sync, step, tokens_seen, state)?;
             progress.println(&format!("# checkpoint {}", dir.display()));
         }
     }

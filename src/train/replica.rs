@@ -30,6 +30,26 @@ pub enum Replica {
     Pipeline(Box<Pipeline>),
 }
 
+/// One tensor of this rank's flat buffer as a box of the global tensor (for checkpoints).
+#[derive(Debug, Clone)]
+pub struct TensorMap {
+    /// Global name (layout table).
+    pub name: String,
+    /// Shape of the whole tensor.
+    pub global_shape: Vec<usize>,
+    /// The global tensor viewed so that this rank's part is one box (a reshape of it).
+    pub view_shape: Vec<usize>,
+    /// Start of the box along each view dimension.
+    pub box_offset: Vec<usize>,
+    /// Extent of the box along each view dimension.
+    pub box_shape: Vec<usize>,
+    /// Elements in the rank's flat buffer.
+    pub range: Range<usize>,
+    /// Whether this rank writes it (copies replicated over TP, and the last stage's copy of the tied
+    /// embedding, are written by another rank).
+    pub owner: bool,
+}
+
 /// How a replica is laid out over the grid.
 pub struct ReplicaLayout {
     /// Tensor-parallel communicator.
@@ -187,19 +207,49 @@ impl Replica {
         }
     }
 
-    /// The whole model, when this replica is one (checkpoints of sharded replicas are not built).
-    pub fn whole(&self) -> Option<&Gpt<f32>> {
-        match self {
-            Replica::Whole(m) => Some(&**m),
-            _ => None,
-        }
+    /// This rank's tensors as boxes of the global tensors.
+    pub fn tensor_maps(&self) -> Vec<TensorMap> {
+        let (stage, tp_rank, pp_first, pp_size) = match self {
+            Replica::Whole(m) => {
+                return m
+                    .layout()
+                    .entries()
+                    .iter()
+                    .map(|e| TensorMap {
+                        name: e.name.clone(),
+                        global_shape: e.shape.clone(),
+                        view_shape: e.shape.clone(),
+                        box_offset: vec![0; e.shape.len()],
+                        box_shape: e.shape.clone(),
+                        range: e.range(),
+                        owner: true,
+                    })
+                    .collect();
+            }
+            Replica::TensorParallel { stage, tp } => (&**stage, tp.rank(), true, 1),
+            Replica::Pipeline(p) => {
+                let (tp, pp) = p.groups();
+                (p.stage(), tp.rank(), pp.rank() == 0, pp.size())
+            }
+        };
+        stage
+            .layout()
+            .entries()
+            .iter()
+            .map(|e| TensorMap {
+                name: e.name.clone(),
+                global_shape: e.global_shape.clone(),
+                view_shape: e.view_shape.clone(),
+                box_offset: e.box_offset.clone(),
+                box_shape: e.box_shape.clone(),
+                range: e.range(),
+                owner: (!e.replicated_over_tp || tp_rank == 0) && (e.name != "wte" || pp_first || pp_size == 1),
+            })
+            .collect()
     }
 
-    /// Mutable whole model (see [`Replica::whole`]).
-    pub fn whole_mut(&mut self) -> Option<&mut Gpt<f32>> {
-        match self {
-            Replica::Whole(m) => Some(&mut **m),
-            _ => None,
-        }
+    /// Parameters, mutable.
+    pub fn params_mut(&mut self) -> &mut [f32] {
+        self.params_and_grads().0
     }
 }

@@ -146,7 +146,7 @@ fn tensor_and_pipeline_parallel_checkpoints_reshard() {
 
     // Same layout: bit for bit.
     let same = job(d, "same.toml", layout);
-    common::train(4, &same, &d.join("same.jsonl"), &[resume.clone()]);
+    common::train(4, &same, &d.join("same.jsonl"), std::slice::from_ref(&resume));
     for (g, w) in common::losses(&d.join("same.jsonl")).iter().zip(&want[10..]) {
         assert_eq!(g.1.to_bits(), w.1.to_bits(), "step {}: {} vs {}", g.0, g.1, w.1);
     }

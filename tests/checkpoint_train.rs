@@ -90,6 +90,14 @@ fn resume_same_layout_is_bitwise_and_other_layout_within_1e5() {
         assert!(worst <= 1e-5 * scale * 10.0, "{}: max diff {worst} (scale {scale})", a.0);
     }
 
+    // A new run started from the exported file (`init_from`, here in a TP2 layout) begins where
+    // the trained model is: its first loss is near the trained one, well below a fresh 5.55.
+    let init = job(d, "init.toml", "[parallel]\ntp = 2");
+    let init_metrics = d.join("init.jsonl");
+    common::train(2, &init, &init_metrics, &[format!("init_from={:?}", d.join("full.h5").display().to_string()), "train.steps=1".into(), "optim.warmup_steps=1".into(), "checkpoint.every=0".into()]);
+    let first = common::losses(&init_metrics)[0].1;
+    assert!(first < want[19].1 + 0.3 && first < 5.2, "init_from loss {first}, trained loss {}", want[19].1);
+
     // The exported model inspects and generates.
     let out = Command::new(common::meshtrain()).args(["inspect", "--verify", "--json"]).arg(&ckpt10).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

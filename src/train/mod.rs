@@ -228,6 +228,12 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
                 ("step_s".to_string(), serde_json::json!(step_s)),
             ]
             .into_iter()
+            .chain(model.pipeline_idle().into_iter().flat_map(|(idle, total)| {
+                [
+                    ("bubble_s".to_string(), serde_json::json!(idle)),
+                    ("pipeline_s".to_string(), serde_json::json!(total)),
+                ]
+            }))
             .collect(),
         };
         if let Some(w) = &mut writer {

@@ -10,6 +10,7 @@
 //! summed between them before the data-parallel reduction, so both copies stay equal.
 
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 use crate::comm::{block_range, Communicator, ReduceOp};
 use crate::data::Batch;
@@ -34,6 +35,8 @@ pub struct Pipeline {
     grad_in: Vec<Vec<f32>>,
     /// Gradients of this stage's input to send, one per micro-batch.
     grad_out: Vec<Vec<f32>>,
+    /// Time of the last `run` spent computing, and in total.
+    timing: (Duration, Duration),
 }
 
 impl Pipeline {
@@ -75,6 +78,7 @@ impl Pipeline {
             act_out: bufs(),
             grad_in: bufs(),
             grad_out: bufs(),
+            timing: (Duration::ZERO, Duration::ZERO),
         })
     }
 
@@ -118,9 +122,12 @@ impl Pipeline {
         }
         let (first, last) = (self.is_first(), self.is_last());
         let list = actions(self.schedule, self.pp.rank(), self.pp.size(), self.microbatches)?;
-        let Pipeline { stage, tp, pp, act_in, act_out, grad_in, grad_out, .. } = self;
+        let Pipeline { stage, tp, pp, act_in, act_out, grad_in, grad_out, timing, .. } = self;
         let mut loss = 0.0f64;
+        let (start, mut compute) = (Instant::now(), Duration::ZERO);
         for a in list {
+            let t0 = Instant::now();
+            let is_compute = matches!(a, Action::Forward { .. } | Action::Backward { .. });
             match a {
                 Action::RecvActivation { mb, from_rank, .. } => pp.recv_into(&mut act_in[mb], from_rank)?,
                 Action::Forward { mb, .. } => {
@@ -142,10 +149,20 @@ impl Pipeline {
                 }
                 Action::SendGrad { mb, to_rank, .. } => pp.send(&grad_out[mb], to_rank)?,
             }
+            if is_compute {
+                compute += t0.elapsed();
+            }
         }
+        *timing = (compute, start.elapsed());
         let mut total = [loss];
         pp.all_reduce(&mut total, ReduceOp::Sum)?;
         Ok(total[0])
+    }
+
+    /// (compute, total) time of the last [`Pipeline::run`]: the rest is pipeline bubble and
+    /// point-to-point waiting.
+    pub fn timing(&self) -> (Duration, Duration) {
+        self.timing
     }
 
     /// Sums the tied embedding's gradient between the first and the last stage.

@@ -113,6 +113,18 @@ impl Replica {
         Ok(sum / batches.len() as f64)
     }
 
+    /// Seconds of the last step this rank spent idle in the pipeline (bubble and transfers), and
+    /// the pipeline rounds' total seconds; `None` without pipeline parallelism.
+    pub fn pipeline_idle(&self) -> Option<(f64, f64)> {
+        match self {
+            Replica::Pipeline(p) => {
+                let (compute, total) = p.timing();
+                Some(((total - compute).as_secs_f64(), total.as_secs_f64()))
+            }
+            _ => None,
+        }
+    }
+
     /// Loss of one batch, forward only (on every rank).
     pub fn eval(&mut self, batch: &Batch) -> Result<f64> {
         match self {

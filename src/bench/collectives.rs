@@ -16,6 +16,7 @@ use mpi::collective::SystemOperation;
 use mpi::traits::{CommunicatorCollectives, Root};
 
 use crate::comm::dtype::{exact_input, exact_result};
+pub use crate::comm::stats::bus_factor;
 use crate::comm::{block_range, Communicator, DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -59,16 +60,6 @@ pub fn parse_size(s: &str) -> std::result::Result<usize, String> {
         _ => (t, 1),
     };
     num.parse::<usize>().map(|n| n * mult).map_err(|_| format!("`{s}` is not a size like 4K, 64M or 1G"))
-}
-
-/// Bus-bandwidth factor of a collective on `n` ranks.
-pub fn bus_factor(coll: &str, n: usize) -> f64 {
-    let n = n as f64;
-    match coll {
-        "all_reduce" => 2.0 * (n - 1.0) / n,
-        "all_gather" | "reduce_scatter" | "all_to_all" => (n - 1.0) / n,
-        _ => 1.0,
-    }
 }
 
 /// One result row.

@@ -21,6 +21,7 @@ use crate::comm::algo::ring::{self, RingShape};
 use crate::comm::block_range;
 use crate::comm::dtype::{DType, Element, ReduceOp, Reducer};
 use crate::comm::primitives::{Pipe, Rx, Tx};
+use crate::comm::stats::CommStats;
 use crate::error::{Error, Result};
 use crate::transport::{Connector, Link, Waiter};
 
@@ -101,6 +102,7 @@ pub struct Communicator {
     ring_pos: usize,
     cfg: CommConfig,
     state: Mutex<State>,
+    stats: Arc<CommStats>,
 }
 
 struct State {
@@ -186,6 +188,7 @@ impl Communicator {
             ring_pos,
             cfg,
             state: Mutex::new(State { links, seq: 0, splits: 0, scratch }),
+            stats: CommStats::new(k),
         };
         if k > 1 {
             let (prev, next) = comm.ring_neighbours();
@@ -209,6 +212,12 @@ impl Communicator {
     /// World rank of member `r`.
     pub fn world_rank(&self, r: usize) -> usize {
         self.members[r]
+    }
+
+    /// Traffic counters of this communicator (shared: readable after the communicator moved to
+    /// another thread).
+    pub fn stats(&self) -> Arc<CommStats> {
+        self.stats.clone()
     }
 
     /// Member ranks in ring order.
@@ -272,6 +281,7 @@ impl Communicator {
         let mut st = self.lock();
         st.seq += 1;
         let w = self.waiter(op, st.seq, bytes);
+        let start = std::time::Instant::now();
         let result = (|| {
             if direct && self.size() > 1 {
                 let all: Vec<usize> = (0..self.size()).collect();
@@ -279,6 +289,7 @@ impl Communicator {
             }
             f(&mut st, &w)
         })();
+        self.stats.record(op, bytes, start.elapsed());
         if let Err(e) = &result {
             if !matches!(e, Error::Aborted { .. }) {
                 self.connector.abort().raise(&e.to_string());

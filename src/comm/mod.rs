@@ -14,6 +14,7 @@ pub mod communicator;
 pub mod dtype;
 pub mod primitives;
 pub mod selftest;
+pub mod stats;
 #[cfg(test)]
 mod collective_tests;
 #[cfg(test)]

@@ -9,8 +9,10 @@
 //! exactly those ranges, and the updated parameters are all-gathered bucket by bucket.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use super::buckets::{OverlapReducer, ReduceTiming};
+use crate::comm::stats::CommStats;
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::Result;
 use crate::optim::{clip_scale, scale_grads, sum_of_squares, AdamW, AdamWState};
@@ -20,6 +22,8 @@ pub struct DataParallel {
     /// ZeRO stage (0: replicated state; 1: state sharded).
     pub zero: u8,
     reducer: OverlapReducer,
+    /// Traffic of the reduction thread's communicator.
+    bucket_stats: Arc<CommStats>,
     /// One AdamW state per bucket, covering that bucket's owned range.
     states: Vec<AdamWState<f32>>,
 }
@@ -38,6 +42,7 @@ impl DataParallel {
     /// communicator).
     pub fn new(dp: &Communicator, n: usize, zero: u8, bucket_elems: usize) -> Result<Self> {
         let thread_comm = dp.split(Some(0), dp.rank() as i64)?.expect("every rank joins color 0");
+        let bucket_stats = thread_comm.stats();
         let reducer = OverlapReducer::new(thread_comm, n, bucket_elems, zero > 0);
         let states = (0..reducer.buckets().len())
             .map(|b| {
@@ -45,12 +50,17 @@ impl DataParallel {
                 AdamWState::new(r.start, r.len())
             })
             .collect();
-        Ok(DataParallel { zero, reducer, states })
+        Ok(DataParallel { zero, reducer, bucket_stats, states })
     }
 
     /// Elements of optimizer state this rank holds (m and v each).
     pub fn state_len(&self) -> usize {
         self.states.iter().map(|s| s.m.len()).sum()
+    }
+
+    /// Traffic counters of the gradient-bucket communicator.
+    pub fn bucket_stats(&self) -> Arc<CommStats> {
+        self.bucket_stats.clone()
     }
 
     /// Number of gradient buckets.

@@ -14,9 +14,11 @@ mod pipeline;
 mod replica;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::bootstrap::World;
+use crate::comm::stats::CommStats;
 use crate::comm::{Communicator, ReduceOp};
 use crate::config::{DeviceKind, JobConfig};
 use crate::data::{open_source, Batch, Sampler, Split};
@@ -97,6 +99,13 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         }
     }
     let norm_groups: Vec<&Communicator> = norm_groups.iter().collect();
+    // Traffic counters per group, reported in the metrics (groups of one rank move nothing).
+    let mut traffic: Vec<(&str, Arc<CommStats>)> = Vec::new();
+    for (name, g) in [("tp", &tp), ("pp", &pp), ("dp", &dp)] {
+        if g.size() > 1 {
+            traffic.push((name, g.stats()));
+        }
+    }
     let (b, t) = (cfg.train.micro_batch, cfg.train.seq_len);
     // Micro-batches per optimizer step on each data-parallel rank.
     let accum = cfg.train.grad_accum * cfg.parallel.microbatches;
@@ -112,6 +121,9 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     let norm_spans = model.norm_spans();
     let bucket_elems = ((cfg.parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1);
     let mut sync = DataParallel::new(&dp, n, cfg.parallel.zero, bucket_elems)?;
+    if dp.size() > 1 {
+        traffic.push(("dp_buckets", sync.bucket_stats()));
+    }
     if leader {
         let state_mb = (2 * sync.state_len() * 4) as f64 / 1e6;
         println!(
@@ -228,6 +240,10 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
                 ("step_s".to_string(), serde_json::json!(step_s)),
             ]
             .into_iter()
+            .chain(std::iter::once((
+                "collectives".to_string(),
+                serde_json::Value::Object(traffic.iter().map(|(n, s)| (n.to_string(), s.take_json())).collect()),
+            )))
             .chain(model.pipeline_idle().into_iter().flat_map(|(idle, total)| {
                 [
                     ("bubble_s".to_string(), serde_json::json!(idle)),

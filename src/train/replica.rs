@@ -24,7 +24,7 @@ pub enum Replica {
         /// The shard.
         stage: Box<Stage>,
         /// The tensor-parallel communicator.
-        tp: Communicator,
+        tp: Box<Communicator>,
     },
     /// One stage of a pipeline (itself possibly tensor parallel).
     Pipeline(Box<Pipeline>),
@@ -78,7 +78,7 @@ impl Replica {
         }
         let mut stage = Stage::new(cfg, l.tp.rank(), l.tp.size(), StageSpec::whole(&cfg), l.sequence_parallel, b, t, 1)?;
         stage.load_from_full(full.params())?;
-        Ok(Replica::TensorParallel { stage: Box::new(stage), tp: l.tp })
+        Ok(Replica::TensorParallel { stage: Box::new(stage), tp: Box::new(l.tp) })
     }
 
     /// Micro-batches one call of [`Replica::run`] consumes per accumulation round.
@@ -165,7 +165,7 @@ impl Replica {
         match self {
             Replica::Whole(m) => Ok(f64::from(m.forward(&batch.inputs, &batch.targets)?)),
             Replica::TensorParallel { stage, tp } => {
-                match stage.forward(0, StageInput::Tokens(&batch.inputs), Some(&batch.targets), tp)? {
+                match stage.forward(0, StageInput::Tokens(&batch.inputs), Some(&batch.targets), &**tp)? {
                     StageOutput::Loss(l) => Ok(f64::from(l)),
                     StageOutput::Hidden(_) => unreachable!("a whole-model stage ends with the loss"),
                 }
@@ -180,7 +180,7 @@ impl Replica {
         match self {
             Replica::Whole(m) => m.backward_with(&mut |r, g| on_final(r.clone(), &g[r])),
             Replica::TensorParallel { stage, tp } => {
-                stage.backward(0, None, tp, &mut |r, g| on_final(r, g))?;
+                stage.backward(0, None, &**tp, &mut |r, g| on_final(r, g))?;
                 Ok(())
             }
             Replica::Pipeline(_) => unreachable!("pipelines run through `run`"),

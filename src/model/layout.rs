@@ -97,6 +97,27 @@ pub struct BlockRanges {
     pub mlp_proj_b: Range<usize>,
 }
 
+impl BlockRanges {
+    /// The ranges of a block's tensors, `r(i)` giving the `i`-th in layout order
+    /// (`BLOCK_TENSORS`).
+    pub fn from_fn(r: impl Fn(usize) -> Range<usize>) -> Self {
+        BlockRanges {
+            ln1_w: r(0),
+            ln1_b: r(1),
+            qkv_w: r(2),
+            qkv_b: r(3),
+            attn_proj_w: r(4),
+            attn_proj_b: r(5),
+            ln2_w: r(6),
+            ln2_b: r(7),
+            fc_w: r(8),
+            fc_b: r(9),
+            mlp_proj_w: r(10),
+            mlp_proj_b: r(11),
+        }
+    }
+}
+
 /// Per-block tensor table, in buffer order; shapes are in units of C.
 const BLOCK_TENSORS: &[(&str, usize, usize, TpSplit)] = &[
     // suffix, rows (in units of C), cols (in units of C; 0 = a 1-D tensor), split
@@ -233,20 +254,7 @@ impl ParamLayout {
     pub fn block(&self, l: usize) -> BlockRanges {
         let first = 2 + l * BLOCK_TENSORS.len();
         let r = |i: usize| self.entries[first + i].range();
-        BlockRanges {
-            ln1_w: r(0),
-            ln1_b: r(1),
-            qkv_w: r(2),
-            qkv_b: r(3),
-            attn_proj_w: r(4),
-            attn_proj_b: r(5),
-            ln2_w: r(6),
-            ln2_b: r(7),
-            fc_w: r(8),
-            fc_b: r(9),
-            mlp_proj_w: r(10),
-            mlp_proj_b: r(11),
-        }
+        BlockRanges::from_fn(r)
     }
 
     /// Maximal runs of equal decay flag, covering `0..total_len()` in order: what AdamW needs

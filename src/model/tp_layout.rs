@@ -231,20 +231,7 @@ impl ShardLayout {
     pub fn block(&self, l: usize) -> BlockRanges {
         let e = &self.block_entries(l);
         let r = |i: usize| e[i].range();
-        BlockRanges {
-            ln1_w: r(0),
-            ln1_b: r(1),
-            qkv_w: r(2),
-            qkv_b: r(3),
-            attn_proj_w: r(4),
-            attn_proj_b: r(5),
-            ln2_w: r(6),
-            ln2_b: r(7),
-            fc_w: r(8),
-            fc_b: r(9),
-            mlp_proj_w: r(10),
-            mlp_proj_b: r(11),
-        }
+        BlockRanges::from_fn(r)
     }
 
     /// The contiguous local range of all of block `l`'s shards.

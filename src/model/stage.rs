@@ -1,8 +1,10 @@
 //! The executor of one (tensor-parallel rank, pipeline stage) shard of a GPT-2, on CPU in f32.
 //!
-//! A [`Stage`] runs the blocks `spec.layers` (plus the embedding when `first`, the final
-//! LayerNorm, tied head and loss when `last`) with the parameter shard of [`ShardLayout`], and
-//! talks to the other ranks of its TP group only through [`TpComm`]. Megatron-style TP:
+//! A [`Stage`] runs the model chunks of `spec.chunks` (each a contiguous range of blocks; several
+//! only under the interleaved pipeline schedule), plus the embedding at the start of chunk 0 when
+//! `first` and the final LayerNorm, tied head and loss at the end of the last chunk when `last`,
+//! with the parameter shard of [`ShardLayout`] (all chunks in one flat buffer), and talks to the
+//! other ranks of its TP group only through [`TpComm`]. Megatron-style TP:
 //! - qkv and mlp.fc are column-parallel (rank `r` holds heads `r*NH/tp ..` and hidden units
 //!   `r*4C/tp ..`; no communication), attn.proj and mlp.proj are row-parallel: each rank's
 //!   partial (B*T, C) product is summed over TP, and the bias is added ONCE, after the sum;
@@ -24,11 +26,12 @@
 //! all-reduced over TP, and only then added to the accumulated gradients (reducing the
 //! accumulated buffer in place would multiply earlier micro-batches by tp).
 //!
-//! Invariants: `backward` ADDS into the gradients; a `backward(slot)` needs a `forward(slot)`
-//! since the slot's previous backward; each slot keeps its own activations, so a pipeline may
-//! run several micro-batches' forwards before their backwards, in any order; every TP rank calls
-//! the same methods in the same order (SPMD). Hidden states exchanged with neighbouring stages are
-//! this rank's rows: (B*T/tp, C) with `sp`, else the full (B*T, C) (same on every TP rank).
+//! Invariants: `backward` ADDS into the gradients; a `backward(chunk, slot)` needs a
+//! `forward(chunk, slot)` since that slot's previous backward; each (chunk, slot) keeps its own
+//! activations, so a pipeline may run several micro-batches' forwards before their backwards, in
+//! any order; every TP rank calls the same methods in the same order (SPMD). Hidden states
+//! exchanged with neighbouring stages are this rank's rows: (B*T/tp, C) with `sp`, else the full
+//! (B*T, C) (same on every TP rank).
 
 use std::ops::Range;
 
@@ -67,12 +70,24 @@ pub struct Stage {
     layout: ShardLayout,
     tp_rank: usize,
     tp_size: usize,
-    d: Dims,
+    /// One per chunk of `spec.chunks`.
+    chunks: Vec<Chunk>,
     /// This shard's parameters and gradients ([`ShardLayout`] order).
     params: Vec<f32>,
     grads: Vec<f32>,
-    slots: Vec<SlotActs>,
     s: Scratch,
+}
+
+/// One model chunk: its blocks, sizes and per-micro-batch activations.
+struct Chunk {
+    /// Blocks (global indices).
+    layers: Range<usize>,
+    /// Sizes, with `nl` = this chunk's block count.
+    d: Dims,
+    /// Whether the chunk starts with the embedding / ends with the head and loss.
+    embeds: bool,
+    ends: bool,
+    slots: Vec<SlotActs>,
 }
 
 /// Shape and sizes only: the buffers are far too large to print.
@@ -82,9 +97,9 @@ impl std::fmt::Debug for Stage {
             .field("config", &self.config)
             .field("spec", &self.spec)
             .field("tp", &(self.tp_rank, self.tp_size))
-            .field("sequence_parallel", &self.d.sp)
+            .field("sequence_parallel", &self.dims().sp)
             .field("params", &self.params.len())
-            .field("slots", &self.slots.len())
+            .field("slots", &self.chunks[0].slots.len())
             .finish()
     }
 }
@@ -92,7 +107,7 @@ impl std::fmt::Debug for Stage {
 impl Stage {
     /// A stage with zero parameters (fill them with [`Stage::load_from_full`] or
     /// [`Stage::params_mut`]) for micro-batches of `micro_batch` x `seq_len` tokens, with
-    /// activations for `slots` micro-batches in flight.
+    /// activations for `slots` micro-batches in flight in each chunk.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         config: GptConfig,
@@ -143,24 +158,42 @@ impl Stage {
             vl,
             vstart: tp_rank * vl,
             vreal: real_columns(tp_rank * vl, vl, config.vocab_size),
-            nl: spec.layers.len(),
+            nl: 0,
             sp: sequence_parallel,
         };
+        let chunks = spec
+            .chunks
+            .iter()
+            .enumerate()
+            .map(|(c, layers)| {
+                let d = Dims { nl: layers.len(), ..d };
+                let (embeds, ends) = (spec.embeds(c), spec.ends(c));
+                Chunk {
+                    layers: layers.clone(),
+                    d,
+                    embeds,
+                    ends,
+                    slots: (0..slots).map(|_| SlotActs::new(&d, embeds, ends)).collect(),
+                }
+            })
+            .collect();
         let n = layout.total_len();
         Ok(Stage {
-            slots: (0..slots)
-                .map(|_| SlotActs::new(&d, spec.first, spec.last))
-                .collect(),
+            chunks,
             s: Scratch::new(&d),
             config,
             spec,
             layout,
             tp_rank,
             tp_size,
-            d,
             params: vec![0.0; n],
             grads: vec![0.0; n],
         })
+    }
+
+    /// Sizes shared by all chunks (everything but the block count).
+    fn dims(&self) -> &Dims {
+        &self.chunks[0].d
     }
 
     /// The model shape.
@@ -180,12 +213,12 @@ impl Stage {
 
     /// Whether activations between blocks are split along the rows over TP.
     pub fn sequence_parallel(&self) -> bool {
-        self.d.sp
+        self.dims().sp
     }
 
     /// Elements of a [`StageInput::Hidden`] / [`StageOutput::Hidden`] / backward gradient.
     pub fn hidden_len(&self) -> usize {
-        self.d.rows * self.d.c
+        self.dims().rows * self.dims().c
     }
 
     /// Elements held by all slots' activations and the shared scratch (memory accounting).
@@ -207,7 +240,8 @@ impl Stage {
             &s.ce,
             &s.repl,
         ];
-        self.slots.iter().map(SlotActs::num_elements).sum::<usize>()
+        let slots = self.chunks.iter().flat_map(|c| &c.slots);
+        slots.map(SlotActs::num_elements).sum::<usize>()
             + scratch.iter().map(|b| b.len()).sum::<usize>()
     }
 
@@ -251,7 +285,7 @@ impl Stage {
         self.layout.scatter_into_full(&self.params, full)
     }
 
-    fn check_call(&self, op: &str, slot: usize, tp: &dyn TpComm) -> Result<()> {
+    fn check_call(&self, op: &str, chunk: usize, slot: usize, tp: &dyn TpComm) -> Result<()> {
         if tp.tp_rank() != self.tp_rank || tp.tp_size() != self.tp_size {
             return Err(Error::InvalidArgument(format!(
                 "{op}: stage built for TP rank {} of {}, called with a group where it is {} of {}",
@@ -261,38 +295,46 @@ impl Stage {
                 tp.tp_size()
             )));
         }
-        if slot >= self.slots.len() {
+        let Some(c) = self.chunks.get(chunk) else {
+            return Err(Error::InvalidArgument(format!(
+                "{op}: chunk {chunk} but the stage has {} chunks",
+                self.chunks.len()
+            )));
+        };
+        if slot >= c.slots.len() {
             return Err(Error::InvalidArgument(format!(
                 "{op}: slot {slot} but the stage has {} slots",
-                self.slots.len()
+                c.slots.len()
             )));
         }
         Ok(())
     }
 
-    /// Runs the stage on one micro-batch, keeping its activations in `slot`. The first stage takes
-    /// [`StageInput::Tokens`], the others [`StageInput::Hidden`]; the last stage needs `targets`
-    /// (B, T) and returns the loss, the others return their hidden output.
+    /// Runs chunk `chunk` on one micro-batch, keeping its activations in `slot` of the chunk. The
+    /// embedding chunk (chunk 0 of the first stage) takes [`StageInput::Tokens`], the others
+    /// [`StageInput::Hidden`]; the last chunk of the last stage needs `targets` (B, T) and returns
+    /// the loss, the others return their hidden output.
     pub fn forward(
         &mut self,
+        chunk: usize,
         slot: usize,
         input: StageInput<'_>,
         targets: Option<&[u32]>,
         tp: &dyn TpComm,
     ) -> Result<StageOutput<'_>> {
-        self.check_call("forward", slot, tp)?;
-        let d = self.d;
+        self.check_call("forward", chunk, slot, tp)?;
         let Stage {
             params,
             layout,
-            slots,
+            chunks,
             s,
-            spec,
             ..
         } = self;
-        let a = &mut slots[slot];
+        let ch = &mut chunks[chunk];
+        let d = ch.d;
+        let a = &mut ch.slots[slot];
         a.forward_done = false;
-        match (spec.first, input) {
+        match (ch.embeds, input) {
             (true, StageInput::Tokens(tokens)) => {
                 check_ids("tokens", tokens, &d)?;
                 a.tokens.copy_from_slice(tokens);
@@ -306,24 +348,25 @@ impl Stage {
                 check_len("forward: hidden input", h.len(), d.rows * d.c)?;
                 a.input.copy_from_slice(h);
             }
-            (first, _) => {
+            (embeds, _) => {
                 return Err(Error::InvalidArgument(format!(
-                    "forward: a {} stage takes {}",
-                    if first { "first" } else { "non-first" },
-                    if first { "Tokens" } else { "Hidden" }
+                    "forward: chunk {chunk} {} the tokens, so it takes {}",
+                    if embeds { "embeds" } else { "does not embed" },
+                    if embeds { "Tokens" } else { "Hidden" }
                 )))
             }
         }
-        match (spec.last, targets) {
+        match (ch.ends, targets) {
             (true, Some(tg)) => {
                 check_ids("targets", tg, &d)?;
                 a.targets.copy_from_slice(tg);
             }
             (false, None) => {}
-            (last, _) => {
+            (ends, _) => {
                 return Err(Error::InvalidArgument(format!(
-                    "forward: targets must be given exactly to the last stage (this one is {}last)",
-                    if last { "" } else { "not " }
+                    "forward: targets must be given exactly to the model's last chunk (chunk {chunk} \
+                     is {}the last)",
+                    if ends { "" } else { "not " }
                 )))
             }
         }
@@ -332,14 +375,14 @@ impl Stage {
                 &d,
                 tp,
                 params,
-                &layout.block(spec.layers.start + li),
+                &layout.block(ch.layers.start + li),
                 a,
                 s,
                 li,
             )?;
         }
         a.forward_done = true;
-        if spec.last {
+        if ch.ends {
             Ok(StageOutput::Loss(head_forward(
                 &d, tp, params, layout, a, s,
             )?))
@@ -348,39 +391,41 @@ impl Stage {
         }
     }
 
-    /// Accumulates this micro-batch's gradients (of the mean loss over its B*T positions) into
-    /// the shard's gradients and frees `slot`. `grad_output` is d(hidden output) for non-last
-    /// stages (None on the last). Calls `on_grads_final(range, &mut grads[range])` as soon as a
-    /// range of the flat gradients will not be written again by this backward (the callee may
+    /// Accumulates this micro-batch's gradients through chunk `chunk` (of the mean loss over its
+    /// B*T positions) into the shard's gradients and frees the chunk's `slot`. `grad_output` is
+    /// d(hidden output), except on the model's last chunk (None). A micro-batch's backward runs
+    /// through the chunks in reverse order; over it, `on_grads_final(range, &mut grads[range])` is
+    /// called as soon as a range of the flat gradients will not be written again (the callee may
     /// read them, e.g. into a data-parallel bucket, or reduce them in place): the final LayerNorm,
-    /// then each block in reverse order, then `wte` and `wpe` at the very end (`wte` gets the
-    /// head's and then the embedding's contribution). The ranges are disjoint and cover the
-    /// buffer. Returns d(hidden input) for the previous stage (None on the first).
+    /// then each block in reverse order, then `wte` and `wpe` at the very end of chunk 0 (`wte`
+    /// gets the head's and then the embedding's contribution). The ranges are disjoint and cover
+    /// the buffer. Returns d(hidden input) for the previous chunk (None for the embedding chunk).
     pub fn backward(
         &mut self,
+        chunk: usize,
         slot: usize,
         grad_output: Option<&[f32]>,
         tp: &dyn TpComm,
         on_grads_final: &mut dyn FnMut(Range<usize>, &mut [f32]),
     ) -> Result<Option<&[f32]>> {
-        self.check_call("backward", slot, tp)?;
-        let d = self.d;
+        self.check_call("backward", chunk, slot, tp)?;
         let Stage {
             params,
             grads,
             layout,
-            slots,
+            chunks,
             s,
-            spec,
             ..
         } = self;
-        let a = &mut slots[slot];
+        let ch = &mut chunks[chunk];
+        let d = ch.d;
+        let a = &mut ch.slots[slot];
         if !a.forward_done {
             return Err(Error::InvalidArgument(format!(
                 "backward: slot {slot} has no forward since its last backward"
             )));
         }
-        match (spec.last, grad_output) {
+        match (ch.ends, grad_output) {
             (true, None) => {
                 head_backward(&d, tp, params, grads, layout, a, s)?;
                 let (w, b) = layout.lnf().expect("a last stage holds lnf");
@@ -390,27 +435,30 @@ impl Stage {
                 check_len("backward: grad_output", g.len(), d.rows * d.c)?;
                 s.dres.copy_from_slice(g);
             }
-            (last, _) => {
+            (ends, _) => {
                 return Err(Error::InvalidArgument(format!(
-                    "backward: grad_output must be given exactly to non-last stages (this one is {}last)",
-                    if last { "" } else { "not " }
+                    "backward: grad_output must be given exactly to chunks other than the model's \
+                     last (chunk {chunk} is {}the last)",
+                    if ends { "" } else { "not " }
                 )))
             }
         }
         for li in (0..d.nl).rev() {
-            let l = spec.layers.start + li;
+            let l = ch.layers.start + li;
             block_backward(&d, tp, params, grads, &layout.block(l), a, s, li)?;
             let span = layout.block_span(l);
             on_grads_final(span.clone(), &mut grads[span]);
         }
-        if spec.first {
+        if ch.embeds {
             embedding_backward(&d, tp, grads, layout, a, s)?;
         }
         a.forward_done = false;
-        for range in [layout.wte(), layout.wpe()].into_iter().flatten() {
-            on_grads_final(range.clone(), &mut grads[range]);
+        if chunk == 0 {
+            for range in [layout.wte(), layout.wpe()].into_iter().flatten() {
+                on_grads_final(range.clone(), &mut grads[range]);
+            }
         }
-        Ok(if spec.first { None } else { Some(&s.dres) })
+        Ok(if ch.embeds { None } else { Some(&s.dres) })
     }
 }
 

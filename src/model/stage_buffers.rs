@@ -1,10 +1,10 @@
 //! Per-micro-batch activations and shared backward scratch of a [`super::stage::Stage`].
 //!
-//! A slot keeps everything the backward of one micro-batch needs, so a pipeline can hold several
-//! micro-batches between their forward and backward; the scratch is reused by every backward.
-//! Shapes use R = rows of the residual stream held by this rank (B*T/tp under sequence
-//! parallelism, else B*T) and L = blocks of the stage. Everything is allocated once at
-//! construction.
+//! A slot keeps everything the backward of one micro-batch through one chunk needs, so a pipeline
+//! can hold several micro-batches between their forward and backward; the scratch is reused by
+//! every backward. Shapes use R = rows of the residual stream held by this rank (B*T/tp under
+//! sequence parallelism, else B*T) and L = blocks of the chunk (a stage has one slot set per
+//! chunk). Everything is allocated once at construction.
 
 use super::activations::slab;
 use super::attention::{attention_scratch_len, AttnShape};
@@ -35,7 +35,7 @@ pub(super) struct Dims {
     pub(super) vl: usize,
     pub(super) vstart: usize,
     pub(super) vreal: usize,
-    /// Number of blocks in the stage.
+    /// Number of blocks in the chunk.
     pub(super) nl: usize,
     /// Whether sequence parallelism splits the residual stream's rows over TP.
     pub(super) sp: bool,
@@ -56,12 +56,13 @@ impl Dims {
     }
 }
 
-/// One micro-batch's forward activations (L = blocks of the stage, R = held rows).
+/// One micro-batch's forward activations through one chunk (L = blocks of the chunk, R = held
+/// rows).
 pub(super) struct SlotActs {
-    /// Tokens (B, T) (first stage) and targets (B, T) (last stage).
+    /// Tokens (B, T) (embedding chunk) and targets (B, T) (the model's last chunk).
     pub(super) tokens: Vec<u32>,
     pub(super) targets: Vec<u32>,
-    /// Input of the stage's first block (R, C): the embedding output or the received hidden.
+    /// Input of the chunk's first block (R, C): the embedding output or the received hidden.
     pub(super) input: Vec<f32>,
     /// ln1 / ln2 row statistics (L, R).
     pub(super) ln1_mean: Vec<f32>,
@@ -82,7 +83,7 @@ pub(super) struct SlotActs {
     /// Local MLP hidden before and after GELU (L, B*T, 4C/tp).
     pub(super) fch: Vec<f32>,
     pub(super) fch_gelu: Vec<f32>,
-    /// Last stage: lnf output over all rows (B*T, C), its statistics (R), local logits
+    /// The model's last chunk: lnf output over all rows (B*T, C), its statistics (R), local logits
     /// (B*T, Vp/tp) and the global log-sum-exp per row (B*T).
     pub(super) lnf: Vec<f32>,
     pub(super) lnf_mean: Vec<f32>,
@@ -94,13 +95,13 @@ pub(super) struct SlotActs {
 }
 
 impl SlotActs {
-    pub(super) fn new(d: &Dims, first: bool, last: bool) -> Self {
+    pub(super) fn new(d: &Dims, embeds: bool, ends: bool) -> Self {
         let (l, r, bt, c) = (d.nl, d.rows, d.bt, d.c);
         let z = |n: usize| vec![0f32; n];
-        let zl = |n: usize| if last { vec![0f32; n] } else { Vec::new() };
+        let zl = |n: usize| if ends { vec![0f32; n] } else { Vec::new() };
         SlotActs {
-            tokens: vec![0; if first { bt } else { 0 }],
-            targets: vec![0; if last { bt } else { 0 }],
+            tokens: vec![0; if embeds { bt } else { 0 }],
+            targets: vec![0; if ends { bt } else { 0 }],
             input: z(r * c),
             ln1_mean: z(l * r),
             ln1_rstd: z(l * r),
@@ -124,7 +125,7 @@ impl SlotActs {
         }
     }
 
-    /// Output of the stage's last block (R, C) (its input when the stage has no blocks).
+    /// Output of the chunk's last block (R, C) (its input when the chunk has no blocks).
     pub(super) fn hidden_out(&self, d: &Dims) -> &[f32] {
         match d.nl {
             0 => &self.input,

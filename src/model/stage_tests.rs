@@ -25,7 +25,7 @@ const MICRO: usize = 2;
 
 fn cfg() -> GptConfig {
     GptConfig {
-        n_layer: 2,
+        n_layer: 4,
         n_head: 4,
         n_embd: 32,
         vocab_size: 200,
@@ -65,9 +65,10 @@ fn reference() -> (Vec<f32>, Vec<f32>) {
     (losses, m.grads().to_vec())
 }
 
-/// One TP rank holding every stage of `specs`: runs the micro-batches through the stages one
-/// after the other (passing hidden states by hand) and returns the losses and, per stage, the
-/// gradients written into a NaN-filled full buffer.
+/// One TP rank holding the stages of all pipeline ranks `specs` (each with the same number of
+/// chunks; chunk `c` of rank `r` is global stage `c * specs.len() + r`): runs the micro-batches
+/// through the global stages one after the other (passing hidden states by hand) and returns the
+/// losses and, per rank, the gradients written into a NaN-filled full buffer.
 fn run_stages(tp: &dyn TpComm, sp: bool, specs: &[StageSpec]) -> (Vec<f32>, Vec<Vec<f32>>) {
     let full = full_params();
     let mut stages: Vec<Stage> = specs
@@ -79,26 +80,31 @@ fn run_stages(tp: &dyn TpComm, sp: bool, specs: &[StageSpec]) -> (Vec<f32>, Vec<
             s
         })
         .collect();
+    let chunks = specs[0].chunks.len();
+    let order: Vec<(usize, usize)> = (0..chunks)
+        .flat_map(|c| (0..specs.len()).map(move |r| (r, c)))
+        .collect();
     let mut losses = Vec::new();
     for i in 0..MICRO as u64 {
         let (x, y) = batch(i);
         let mut hidden = Vec::new();
-        for st in stages.iter_mut() {
-            let input = if st.spec().first {
+        for &(r, c) in &order {
+            let st = &mut stages[r];
+            let input = if st.spec().embeds(c) {
                 StageInput::Tokens(&x)
             } else {
                 StageInput::Hidden(&hidden)
             };
-            let targets = st.spec().last.then_some(&y[..]);
-            match st.forward(0, input, targets, tp).unwrap() {
+            let targets = st.spec().ends(c).then_some(&y[..]);
+            match st.forward(c, 0, input, targets, tp).unwrap() {
                 StageOutput::Hidden(h) => hidden = h.to_vec(),
                 StageOutput::Loss(l) => losses.push(l),
             }
         }
         let mut grad: Option<Vec<f32>> = None;
-        for st in stages.iter_mut().rev() {
-            grad = st
-                .backward(0, grad.as_deref(), tp, &mut |_, _| {})
+        for &(r, c) in order.iter().rev() {
+            grad = stages[r]
+                .backward(c, 0, grad.as_deref(), tp, &mut |_, _| {})
                 .unwrap()
                 .map(<[f32]>::to_vec);
         }
@@ -182,13 +188,22 @@ fn check_against_reference(results: &[(Vec<f32>, Vec<Vec<f32>>)]) {
 
 fn two_stages() -> Vec<StageSpec> {
     vec![
+        StageSpec::single(0..1, true, false),
+        StageSpec::single(1..4, false, true),
+    ]
+}
+
+/// Two pipeline ranks with two chunks each (interleaved): rank 0 runs blocks 0 and 2 and embeds,
+/// rank 1 runs blocks 1 and 3 and ends with the head.
+fn interleaved_stages() -> Vec<StageSpec> {
+    vec![
         StageSpec {
-            layers: 0..1,
+            chunks: vec![0..1, 2..3],
             first: true,
             last: false,
         },
         StageSpec {
-            layers: 1..2,
+            chunks: vec![1..2, 3..4],
             first: false,
             last: true,
         },
@@ -212,7 +227,7 @@ fn one_rank_stage_is_bitwise_gpt() {
     let want = m.forward(&x, &y).unwrap();
     m.backward().unwrap();
     let got = match st
-        .forward(0, StageInput::Tokens(&x), Some(&y), &NoTp)
+        .forward(0, 0, StageInput::Tokens(&x), Some(&y), &NoTp)
         .unwrap()
     {
         StageOutput::Loss(l) => l,
@@ -220,7 +235,7 @@ fn one_rank_stage_is_bitwise_gpt() {
     };
     assert_eq!(got, want);
     assert!(st
-        .backward(0, None, &NoTp, &mut |_, _| {})
+        .backward(0, 0, None, &NoTp, &mut |_, _| {})
         .unwrap()
         .is_none());
     assert_eq!(st.grads(), m.grads());
@@ -234,6 +249,16 @@ fn one_rank_accumulates_like_gpt() {
 #[test]
 fn two_pipeline_stages_match_gpt() {
     check_against_reference(&[run_stages(&NoTp, false, &two_stages())]);
+}
+
+#[test]
+fn interleaved_chunks_match_gpt() {
+    check_against_reference(&[run_stages(&NoTp, false, &interleaved_stages())]);
+}
+
+#[test]
+fn tp2_sequence_parallel_with_interleaved_chunks_matches_gpt() {
+    check_against_reference(&run_tp(2, true, interleaved_stages()));
 }
 
 #[test]
@@ -280,14 +305,14 @@ fn micro_batches_in_flight_keep_their_activations() {
     let fwd = |st: &mut [Stage], slot: usize, i: u64| -> f32 {
         let (x, y) = batch(i);
         let h = match st[0]
-            .forward(slot, StageInput::Tokens(&x), None, &NoTp)
+            .forward(0, slot, StageInput::Tokens(&x), None, &NoTp)
             .unwrap()
         {
             StageOutput::Hidden(h) => h.to_vec(),
             StageOutput::Loss(_) => panic!("first stage returns its hidden state"),
         };
         match st[1]
-            .forward(slot, StageInput::Hidden(&h), Some(&y), &NoTp)
+            .forward(0, slot, StageInput::Hidden(&h), Some(&y), &NoTp)
             .unwrap()
         {
             StageOutput::Loss(l) => l,
@@ -296,12 +321,12 @@ fn micro_batches_in_flight_keep_their_activations() {
     };
     let bwd = |st: &mut [Stage], slot: usize| {
         let g = st[1]
-            .backward(slot, None, &NoTp, &mut |_, _| {})
+            .backward(0, slot, None, &NoTp, &mut |_, _| {})
             .unwrap()
             .unwrap()
             .to_vec();
         assert!(st[0]
-            .backward(slot, Some(&g), &NoTp, &mut |_, _| {})
+            .backward(0, slot, Some(&g), &NoTp, &mut |_, _| {})
             .unwrap()
             .is_none());
     };
@@ -320,7 +345,7 @@ fn micro_batches_in_flight_keep_their_activations() {
     }
     let g = vec![0.0; inflight[0].hidden_len()];
     assert!(inflight[0]
-        .backward(0, Some(&g), &NoTp, &mut |_, _| {})
+        .backward(0, 0, Some(&g), &NoTp, &mut |_, _| {})
         .is_err()); // slot consumed
 }
 
@@ -347,9 +372,9 @@ fn gradient_ranges_are_reported_once_after_their_last_write() {
                 } else {
                     StageInput::Tokens(&x)
                 };
-                st.forward(0, input, Some(&y), &comm).unwrap();
+                st.forward(0, 0, input, Some(&y), &comm).unwrap();
                 let mut seen: Vec<(std::ops::Range<usize>, Vec<f32>)> = Vec::new();
-                st.backward(0, None, &comm, &mut |r, g| seen.push((r, g.to_vec())))
+                st.backward(0, 0, None, &comm, &mut |r, g| seen.push((r, g.to_vec())))
                     .unwrap();
                 let mut count = vec![0; st.grads().len()];
                 for (r, g) in &seen {
@@ -382,20 +407,24 @@ fn rejects_misuse() {
     let mut st = Stage::new(cfg(), 0, 1, two_stages()[1].clone(), false, B, T, 1).unwrap();
     let (x, y) = batch(0);
     assert!(st
-        .forward(0, StageInput::Tokens(&x), Some(&y), &NoTp)
+        .forward(0, 0, StageInput::Tokens(&x), Some(&y), &NoTp)
         .is_err()); // not first
     assert!(st
-        .forward(0, StageInput::Hidden(&[0.0; 3]), Some(&y), &NoTp)
+        .forward(0, 0, StageInput::Hidden(&[0.0; 3]), Some(&y), &NoTp)
         .is_err()); // size
     assert!(st
         .forward(
+            0,
             1,
             StageInput::Hidden(&vec![0.0; B * T * 32]),
             Some(&y),
             &NoTp
         )
         .is_err()); // slot
-    assert!(st.backward(0, None, &NoTp, &mut |_, _| {}).is_err()); // no forward
+    assert!(st
+        .forward(1, 0, StageInput::Hidden(&vec![0.0; B * T * 32]), Some(&y), &NoTp)
+        .is_err()); // chunk
+    assert!(st.backward(0, 0, None, &NoTp, &mut |_, _| {}).is_err()); // no forward
     assert!(Stage::new(cfg(), 0, 3, StageSpec::whole(&cfg()), false, B, T, 1).is_err()); // 4 heads
     assert!(Stage::new(cfg(), 0, 2, StageSpec::whole(&cfg()), true, 1, 3, 1).is_err());
     // 3 rows / 2

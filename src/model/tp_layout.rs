@@ -1,6 +1,7 @@
 //! The flat parameter buffer of one (tensor-parallel rank, pipeline stage) shard of a GPT-2.
 //!
-//! A stage holds the tensors of its blocks, plus `wte` when it embeds (first stage) or owns the
+//! A stage holds the tensors of the blocks of all its chunks (one contiguous block range each; an
+//! interleaved pipeline gives a rank several), plus `wte` when it embeds (first stage) or owns the
 //! tied head (last stage), `wpe` when first, and the final LayerNorm when last; in the global
 //! [`ParamLayout`] order. Each tensor is cut by its [`TpSplit`] over `tp` ranks (rank `r`):
 //!
@@ -27,25 +28,66 @@ use super::layout::{BlockRanges, ParamLayout, TpSplit};
 use super::GptConfig;
 use crate::error::{Error, Result};
 
-/// Which part of the model a pipeline stage (or virtual-pipeline chunk) runs.
+/// Which part of the model one pipeline rank runs: one model chunk (a contiguous range of blocks),
+/// or several with the interleaved schedule, which gives a rank non-contiguous block ranges.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StageSpec {
-    /// Transformer blocks of this stage (global indices).
-    pub layers: Range<usize>,
-    /// Whether the stage embeds the tokens (holds `wpe` and the embedding use of `wte`).
+    /// Transformer blocks of each chunk in execution order (global indices; ascending and disjoint,
+    /// so the chunks' tensors follow each other in the flat buffer in chunk order).
+    pub chunks: Vec<Range<usize>>,
+    /// Whether chunk 0 embeds the tokens (holds `wpe` and the embedding use of `wte`).
     pub first: bool,
-    /// Whether the stage ends the model: final LayerNorm, tied head (`wte`) and the loss.
+    /// Whether the last chunk ends the model: final LayerNorm, tied head (`wte`) and the loss.
     pub last: bool,
 }
 
 impl StageSpec {
     /// The whole model in one stage.
     pub fn whole(config: &GptConfig) -> Self {
+        StageSpec::single(0..config.n_layer, true, true)
+    }
+
+    /// One chunk of the blocks `layers`.
+    pub fn single(layers: Range<usize>, first: bool, last: bool) -> Self {
         StageSpec {
-            layers: 0..config.n_layer,
-            first: true,
-            last: true,
+            chunks: vec![layers],
+            first,
+            last,
         }
+    }
+
+    /// Whether chunk `chunk` embeds the tokens.
+    pub fn embeds(&self, chunk: usize) -> bool {
+        self.first && chunk == 0
+    }
+
+    /// Whether chunk `chunk` ends with the head and the loss.
+    pub fn ends(&self, chunk: usize) -> bool {
+        self.last && chunk + 1 == self.chunks.len()
+    }
+
+    /// Whether block `layer` belongs to one of the chunks.
+    pub fn holds(&self, layer: usize) -> bool {
+        self.chunks.iter().any(|c| c.contains(&layer))
+    }
+
+    /// Checks that there is at least one chunk and the chunks ascend within `n_layer` blocks.
+    fn validate(&self, n_layer: usize) -> Result<()> {
+        let mut end = 0;
+        for c in &self.chunks {
+            if c.start < end || c.start > c.end || c.end > n_layer {
+                return Err(Error::InvalidArgument(format!(
+                    "stage chunks {:?} are not ascending, disjoint block ranges within the model's \
+                     {n_layer} blocks",
+                    self.chunks
+                )));
+            }
+            end = c.end;
+        }
+        if self.chunks.is_empty() {
+            return Err(Error::InvalidArgument("a stage needs at least one chunk".into()));
+        }
+        Ok(())
     }
 }
 
@@ -110,8 +152,9 @@ impl ShardEntry {
 #[derive(Debug, Clone)]
 pub struct ShardLayout {
     entries: Vec<ShardEntry>,
-    layers: Range<usize>,
-    /// Index into `entries` of the first tensor of block `layers.start`.
+    /// Global indices of the blocks held, ascending (buffer order).
+    blocks: Vec<usize>,
+    /// Index into `entries` of the first tensor of block `blocks[0]`.
     first_block_entry: usize,
     /// Tensors per block.
     per_block: usize,
@@ -139,15 +182,10 @@ impl ShardLayout {
     ) -> Result<Self> {
         config.validate()?;
         check_tp(config, tp_rank, tp_size)?;
-        if spec.layers.start > spec.layers.end || spec.layers.end > config.n_layer {
-            return Err(Error::InvalidArgument(format!(
-                "stage layers {:?} are not within the model's {} blocks",
-                spec.layers, config.n_layer
-            )));
-        }
+        spec.validate(config.n_layer)?;
         let global = ParamLayout::new(config);
         let keep = |name: &str, layer: Option<usize>| match layer {
-            Some(l) => spec.layers.contains(&l),
+            Some(l) => spec.holds(l),
             None if name == "wte" => spec.first || spec.last,
             None if name == "wpe" => spec.first,
             None => spec.last,
@@ -187,7 +225,7 @@ impl ShardLayout {
         Ok(ShardLayout {
             first_block_entry: first_block_entry.unwrap_or(entries.len()),
             entries,
-            layers: spec.layers.clone(),
+            blocks: (0..config.n_layer).filter(|&l| spec.holds(l)).collect(),
             per_block: global.block_tensor_count(),
             total: offset,
             global_total: global.total_len(),
@@ -227,7 +265,7 @@ impl ShardLayout {
         ))
     }
 
-    /// Local ranges of block `l`'s shards (`l` global, within the stage's layers).
+    /// Local ranges of block `l`'s shards (`l` global, one of the stage's blocks).
     pub fn block(&self, l: usize) -> BlockRanges {
         let e = &self.block_entries(l);
         let r = |i: usize| e[i].range();
@@ -241,12 +279,11 @@ impl ShardLayout {
     }
 
     fn block_entries(&self, l: usize) -> &[ShardEntry] {
-        assert!(
-            self.layers.contains(&l),
-            "block {l} is not in this stage's {:?}",
-            self.layers
-        );
-        let first = self.first_block_entry + (l - self.layers.start) * self.per_block;
+        let k = self
+            .blocks
+            .binary_search(&l)
+            .unwrap_or_else(|_| panic!("block {l} is not among this stage's {:?}", self.blocks));
+        let first = self.first_block_entry + k * self.per_block;
         &self.entries[first..first + self.per_block]
     }
 
@@ -363,7 +400,7 @@ mod tests {
 
     fn cfg() -> GptConfig {
         GptConfig {
-            n_layer: 3,
+            n_layer: 4,
             n_head: 4,
             n_embd: 8,
             vocab_size: 200,
@@ -372,26 +409,40 @@ mod tests {
     }
 
     /// The shards of all TP ranks of all stages cover the full buffer: every element of a split
-    /// tensor exactly once per stage holding it, replicated ones on every rank.
+    /// tensor exactly once per stage holding it, replicated ones on every rank; with contiguous
+    /// stages and with interleaved ones (two chunks per rank).
     #[test]
     fn shards_tile_the_full_buffer() {
-        let c = cfg();
-        let full_len = ParamLayout::new(&c).total_len();
-        let stages = [
+        check_tiling(&[
+            StageSpec::single(0..1, true, false),
+            StageSpec::single(1..4, false, true),
+        ]);
+        let interleaved = [
             StageSpec {
-                layers: 0..1,
+                chunks: vec![0..1, 2..3],
                 first: true,
                 last: false,
             },
             StageSpec {
-                layers: 1..3,
+                chunks: vec![1..2, 3..4],
                 first: false,
                 last: true,
             },
         ];
+        check_tiling(&interleaved);
+        // Rank 1 holds blocks 1 and 3 back to back, and nothing of blocks 0 and 2.
+        let lay = ShardLayout::new(&cfg(), 0, 1, &interleaved[1]).unwrap();
+        assert_eq!(lay.block_span(1).end, lay.block_span(3).start);
+        assert!(lay.get("h.0.ln1.weight").is_none() && lay.get("h.2.ln1.weight").is_none());
+        assert_eq!(lay.block(3).ln1_w, lay.get("h.3.ln1.weight").unwrap().range());
+    }
+
+    fn check_tiling(stages: &[StageSpec]) {
+        let c = cfg();
+        let full_len = ParamLayout::new(&c).total_len();
         let tp = 2;
         let mut count = vec![0usize; full_len];
-        for spec in &stages {
+        for spec in stages {
             for r in 0..tp {
                 let lay = ShardLayout::new(&c, r, tp, spec).unwrap();
                 let mut next = 0;

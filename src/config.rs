@@ -31,6 +31,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::model::GptConfig;
+use crate::parallel::stage_split;
 
 /// Sections of the file; an environment variable `MESHTRAIN_<SECTION>_...` targets one of them.
 const SECTIONS: &[&str] = &[
@@ -293,6 +294,10 @@ pub struct ParallelConfig {
     pub microbatches: usize,
     /// Model chunks per pipeline rank; above 1 only with `interleaved` (default 1).
     pub virtual_stages: usize,
+    /// Blocks of each of the `pp * virtual_stages` pipeline stages, in pipeline order (chunk `c`
+    /// of pipeline rank `r` is stage `c * pp + r`); empty (default): balanced by estimated compute,
+    /// the last stage's head counted (see `parallel::stage_split`).
+    pub stage_layers: Vec<usize>,
     /// Gradient bucket size in MiB, fractions allowed (default 25).
     pub bucket_mb: f64,
     /// Grid axis order, innermost first (default `tp-pp-dp`).
@@ -310,6 +315,7 @@ impl Default for ParallelConfig {
             schedule: Schedule::OneFOneB,
             microbatches: 1,
             virtual_stages: 1,
+            stage_layers: Vec::new(),
             bucket_mb: 25.0,
             order: AxisOrder([Axis::Tp, Axis::Pp, Axis::Dp]),
         }
@@ -585,12 +591,14 @@ impl JobConfig {
                 ));
             }
         }
+        let stages = p.pp * p.virtual_stages;
         if p.schedule == Schedule::Interleaved {
-            if m.n_layer % (p.pp * p.virtual_stages) != 0 {
+            if m.n_layer < stages {
                 return Err(Error::config(
                     "parallel.virtual_stages",
                     format!(
-                        "interleaved: model.n_layer {} is not divisible by pp {} x virtual_stages {}",
+                        "interleaved: model.n_layer {} blocks cannot fill pp {} x virtual_stages {} \
+                         stages of at least one block",
                         m.n_layer, p.pp, p.virtual_stages
                     ),
                 ));
@@ -609,6 +617,9 @@ impl JobConfig {
                 "parallel.virtual_stages",
                 "above 1 only with schedule = \"interleaved\"",
             ));
+        }
+        if !p.stage_layers.is_empty() {
+            stage_split::check_counts(&p.stage_layers, stages, m.n_layer)?;
         }
         Ok(())
     }

@@ -101,6 +101,9 @@ fn bad_values_name_their_key() {
         ("[parallel]\nvirtual_stages = 2\n", "parallel.virtual_stages"),
         ("[parallel]\nschedule = \"interleaved\"\npp = 2\nvirtual_stages = 2\nmicrobatches = 4\n", "parallel.virtual_stages"),
         ("[parallel]\nschedule = \"interleaved\"\npp = 2\nmicrobatches = 3\n", "parallel.microbatches"),
+        ("[parallel]\npp = 2\nstage_layers = [2]\n", "parallel.stage_layers"),
+        ("[parallel]\npp = 2\nstage_layers = [2, 0]\n", "parallel.stage_layers"),
+        ("[parallel]\npp = 2\nstage_layers = [2, 1]\n", "parallel.stage_layers"),
         ("[optim]\nlr = 0\n", "optim.lr"),
         ("[optim]\nmin_lr = 1.0\n", "optim.min_lr"),
         ("[optim]\nbeta2 = 1.0\n", "optim.beta2"),
@@ -126,11 +129,16 @@ fn bad_values_name_their_key() {
 fn valid_parallel_layouts_pass_and_world_size_is_checked() {
     let c = JobConfig::from_str(
         "[model]\nsize = \"tiny\"\nn_layer = 4\n[parallel]\ntp = 2\npp = 2\ndp = 3\nsequence_parallel = true\n\
-         schedule = \"interleaved\"\nvirtual_stages = 2\nmicrobatches = 4\norder = \"dp-tp-pp\"\n",
+         schedule = \"interleaved\"\nvirtual_stages = 2\nmicrobatches = 4\norder = \"dp-tp-pp\"\n\
+         stage_layers = [1, 1, 1, 1]\n",
         &[],
     )
     .unwrap();
     assert_eq!(c.parallel.order.0, [Axis::Dp, Axis::Tp, Axis::Pp]);
+    assert_eq!(c.parallel.stage_layers, [1, 1, 1, 1]);
+    let set = ["parallel.stage_layers=[3,1]".to_string()];
+    let s = JobConfig::from_str("[model]\nsize = \"tiny\"\nn_layer = 4\n[parallel]\npp = 2\n", &set).unwrap();
+    assert_eq!(s.parallel.stage_layers, [3, 1]);
     c.validate_world(12).unwrap();
     let e = c.validate_world(8).unwrap_err();
     assert_eq!(e.exit_code(), 2);

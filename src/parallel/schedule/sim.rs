@@ -2,11 +2,12 @@
 //! source of the theoretical bubble the training loop and benchmarks report.
 //!
 //! Semantics: each rank runs its list in order. A forward or backward of one chunk takes
-//! `fwd_time / v` or `bwd_time / v`. Sends and receives are blocking rendezvous over one ordered
-//! channel per (sender, receiver): a send and the receive at the head of the peer's list complete
-//! together, at the later of the two ranks' clocks, and take no time; if the peer's head receive
-//! from this rank expects a different message, that is a protocol error, not a wait. No message
-//! is buffered, so a list set that completes here also completes over any buffered transport.
+//! `fwd_time / v` or `bwd_time / v` (per rank with [`simulate_ranks`]). Sends and receives are
+//! blocking rendezvous over one ordered channel per (sender, receiver): a send and the receive at
+//! the head of the peer's list complete together, at the later of the two ranks' clocks, and take
+//! no time; if the peer's head receive from this rank expects a different message, that is a
+//! protocol error, not a wait. No message is buffered, so a list set that completes here also
+//! completes over any buffered transport.
 //!
 //! Every action is checked as it runs: a forward needs its input activation (received, or computed
 //! locally by the previous chunk when `p == 1`), a backward needs its own forward and its output
@@ -22,8 +23,10 @@ use crate::error::{Error, Result};
 pub struct SimReport {
     /// Time from the start to the last rank's last action, in the unit of `fwd_time`.
     pub makespan: f64,
-    /// Compute time of each rank: `m * (fwd_time + bwd_time)` for every rank.
+    /// Compute time of each rank: `m * (fwd_time + bwd_time)` (of that rank).
     pub busy: Vec<f64>,
+    /// When each rank's last action finished; `end[r] - busy[r]` is rank `r`'s idle time.
+    pub end: Vec<f64>,
     /// Idle share of all ranks' time: `1 - sum(busy) / (p * makespan)`.
     pub bubble_fraction: f64,
     /// Per rank, the most (micro-batch, chunk) pairs whose forward has run and whose backward has
@@ -44,8 +47,28 @@ pub fn simulate(
     fwd_time: f64,
     bwd_time: f64,
 ) -> Result<SimReport> {
-    for (name, t) in [("fwd_time", fwd_time), ("bwd_time", bwd_time)] {
-        if !(t.is_finite() && t > 0.0) {
+    simulate_ranks(schedule, stages, microbatches, &vec![fwd_time; stages], &vec![bwd_time; stages])
+}
+
+/// [`simulate`] with per-rank times: rank `r`'s forward and backward of one micro-batch through all
+/// its chunks take `fwd_times[r]` and `bwd_times[r]` (e.g. measured ones, to see how much bubble
+/// the imbalance between stages alone explains). Errors as [`simulate`], and
+/// `Error::InvalidArgument` unless both slices have one time per rank.
+pub fn simulate_ranks(
+    schedule: Schedule,
+    stages: usize,
+    microbatches: usize,
+    fwd_times: &[f64],
+    bwd_times: &[f64],
+) -> Result<SimReport> {
+    for (name, times) in [("fwd_time", fwd_times), ("bwd_time", bwd_times)] {
+        if times.len() != stages {
+            return Err(Error::InvalidArgument(format!(
+                "simulate: {} {name}s for {stages} pipeline ranks",
+                times.len()
+            )));
+        }
+        if let Some(t) = times.iter().find(|t| !(t.is_finite() && **t > 0.0)) {
             return Err(Error::InvalidArgument(format!(
                 "simulate: {name} {t} is not a finite positive time"
             )));
@@ -54,8 +77,8 @@ pub fn simulate(
     let lists =
         (0..stages).map(|rank| actions(schedule, rank, stages, microbatches)).collect::<Result<Vec<_>>>()?;
     let layout = Layout { p: stages, m: microbatches, v: schedule.chunks() };
-    let chunks = layout.v as f64;
-    execute(&lists, layout, fwd_time / chunks, bwd_time / chunks)
+    let per_chunk = |times: &[f64]| times.iter().map(|t| t / layout.v as f64).collect::<Vec<_>>();
+    execute(&lists, layout, &per_chunk(fwd_times), &per_chunk(bwd_times))
 }
 
 /// Message direction along the pipeline.
@@ -74,8 +97,9 @@ struct Message {
     to_stage: usize,
 }
 
-/// Runs `lists[r]` on rank `r` for every rank; one chunk's forward takes `fwd`, backward `bwd`.
-fn execute(lists: &[Vec<Action>], layout: Layout, fwd: f64, bwd: f64) -> Result<SimReport> {
+/// Runs `lists[r]` on rank `r` for every rank; one chunk's forward on rank `r` takes `fwd[r]`,
+/// its backward `bwd[r]`.
+fn execute(lists: &[Vec<Action>], layout: Layout, fwd: &[f64], bwd: &[f64]) -> Result<SimReport> {
     let p = layout.p;
     if lists.len() != p {
         return Err(Error::InvalidArgument(format!(
@@ -117,6 +141,7 @@ fn execute(lists: &[Vec<Action>], layout: Layout, fwd: f64, bwd: f64) -> Result<
         makespan,
         bubble_fraction: 1.0 - work / (p as f64 * makespan),
         busy: sim.busy,
+        end: sim.clock,
         peak_in_flight: sim.peak_in_flight,
     })
 }
@@ -124,8 +149,9 @@ fn execute(lists: &[Vec<Action>], layout: Layout, fwd: f64, bwd: f64) -> Result<
 struct Sim<'a> {
     lists: &'a [Vec<Action>],
     layout: Layout,
-    fwd: f64,
-    bwd: f64,
+    /// Per rank: one chunk's forward and backward time.
+    fwd: &'a [f64],
+    bwd: &'a [f64],
     /// Per rank: index of the next action.
     pc: Vec<usize>,
     /// Per rank: time at which its last action finished.
@@ -201,7 +227,7 @@ impl Sim<'_> {
                 } else {
                     self.activation_in[slot]
                 };
-            (input, self.fwd)
+            (input, self.fwd[rank])
         } else {
             if self.backwarded[slot] || !self.forwarded[slot] {
                 return Err(self.fail(rank, "backward twice or before its forward"));
@@ -212,7 +238,7 @@ impl Sim<'_> {
                 } else {
                     self.grad_in[slot]
                 };
-            (grad, self.bwd)
+            (grad, self.bwd[rank])
         };
         if !ready {
             return Err(self.fail(rank, "input not received or computed"));
@@ -340,7 +366,7 @@ mod tests {
     const TWO_RANKS_TWO_MB: Layout = Layout { p: 2, m: 2, v: 1 };
 
     fn run(lists: &[Vec<Action>]) -> Result<SimReport> {
-        execute(lists, TWO_RANKS_TWO_MB, 1.0, 1.0)
+        execute(lists, TWO_RANKS_TWO_MB, &[1.0; 2], &[1.0; 2])
     }
 
     fn check_error(r: Result<SimReport>, needle: &str) {
@@ -396,6 +422,7 @@ mod tests {
         let report = run(&[fixed, rank1_one_f_one_b()]).unwrap();
         assert_eq!(report.makespan, 6.0);
         assert_eq!(report.busy, vec![4.0, 4.0]);
+        assert_eq!(report.end, vec![6.0, 5.0]);
         assert_eq!(report.peak_in_flight, vec![2, 1]);
     }
 
@@ -437,7 +464,7 @@ mod tests {
     fn missing_backward_is_caught() {
         let layout = Layout { p: 1, m: 2, v: 1 };
         let list = vec![F { mb: 0, chunk: 0 }, F { mb: 1, chunk: 0 }, B { mb: 1, chunk: 0 }];
-        match execute(&[list], layout, 1.0, 1.0) {
+        match execute(&[list], layout, &[1.0], &[1.0]) {
             Err(Error::Check(msg)) => assert!(msg.contains("backward of micro-batch 0"), "{msg}"),
             other => panic!("expected a missing-backward error, got {other:?}"),
         }

@@ -128,6 +128,20 @@ fn interleaved_two_stages_two_chunks_rank0() {
     assert_eq!(report.makespan, 10.0);
 }
 
+/// A slower last stage sets the pace of 1F1B on two ranks: rank 1 computes without pause from its
+/// first forward (after rank 0's, at 1) to its last backward (4 x 4.5 later, at 19), then rank 0
+/// runs its last backward (2): makespan 21, of which rank 0 computes 4 x 3 = 12.
+#[test]
+fn per_rank_times_show_the_slow_stage() {
+    let report = simulate_ranks(ONE_F_ONE_B, 2, 4, &[1.0, 1.5], &[2.0, 3.0]).unwrap();
+    assert_eq!(report.makespan, 21.0);
+    assert_eq!(report.busy, vec![12.0, 18.0]);
+    assert_eq!(report.end, vec![21.0, 19.0]);
+    let even = simulate_ranks(ONE_F_ONE_B, 2, 4, &[1.0; 2], &[2.0; 2]).unwrap();
+    assert_eq!(even, simulate(ONE_F_ONE_B, 2, 4, 1.0, 2.0).unwrap());
+    assert!(matches!(simulate_ranks(ONE_F_ONE_B, 2, 4, &[1.0], &[2.0; 2]), Err(Error::InvalidArgument(_))));
+}
+
 #[test]
 fn single_stage_has_no_messages() {
     let interleaved = Schedule::Interleaved { virtual_stages: 2 };

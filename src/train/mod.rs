@@ -27,6 +27,7 @@ use crate::metrics::{FlopCounter, MetricsWriter, Progress, StepRecord};
 use crate::device::{bind_cpu_threads, cpu_peak_tflops};
 use crate::parallel::grid::{Grid, GridShape};
 use crate::parallel::schedule::Schedule;
+use crate::parallel::stage_split;
 use crate::optim::{AdamW, AdamWConfig, DecayMask, LrSchedule};
 
 pub use grad_sync::DataParallel;
@@ -109,12 +110,20 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     let (b, t) = (cfg.train.micro_batch, cfg.train.seq_len);
     // Micro-batches per optimizer step on each data-parallel rank.
     let accum = cfg.train.grad_accum * cfg.parallel.microbatches;
+    let schedule = Schedule::from_config(&cfg.parallel);
+    let stages = pp.size() * schedule.chunks();
+    let stage_layers = stage_split::stage_layers(&cfg.model, t, stages, &cfg.parallel.stage_layers)?;
+    if leader && pp.size() > 1 {
+        // Chunk c of pipeline rank r is global stage c * pp + r.
+        println!("# pipeline stages (blocks of each global stage): {stage_layers:?}");
+    }
     let layout = ReplicaLayout {
         tp,
         pp,
         sequence_parallel: cfg.parallel.sequence_parallel,
-        schedule: Schedule::from_config(&cfg.parallel),
+        schedule,
         microbatches: cfg.parallel.microbatches,
+        stage_layers,
     };
     let mut model = Replica::new(cfg.model, b, t, cfg.train.seed, layout)?;
     let n = model.params().len();
@@ -224,6 +233,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             _ => None,
         };
         let tokens_per_s = tokens_per_step / step_s;
+        let pipeline = model.pipeline_metrics()?;
         let record = StepRecord {
             step,
             loss: loss[0],
@@ -244,12 +254,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
                 "collectives".to_string(),
                 serde_json::Value::Object(traffic.iter().map(|(n, s)| (n.to_string(), s.take_json())).collect()),
             )))
-            .chain(model.pipeline_idle().into_iter().flat_map(|(idle, total)| {
-                [
-                    ("bubble_s".to_string(), serde_json::json!(idle)),
-                    ("pipeline_s".to_string(), serde_json::json!(total)),
-                ]
-            }))
+            .chain(pipeline)
             .collect(),
         };
         if let Some(w) = &mut writer {

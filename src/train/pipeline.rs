@@ -1,24 +1,29 @@
-//! Pipeline-parallel execution of a training step: this rank's stage (a contiguous range of
-//! layers, balanced with `block_range`, possibly tensor parallel) runs the action list that
-//! [`crate::parallel::schedule::actions`] gives for (schedule, stage, stages, micro-batches), moving
-//! activations and their gradients with point-to-point calls on the pipeline communicator.
+//! Pipeline-parallel execution of a training step: this rank's stage (one contiguous range of
+//! blocks, or `v` of them under the interleaved schedule, possibly tensor parallel) runs the
+//! action list that [`crate::parallel::schedule::actions`] gives for (schedule, rank, stages,
+//! micro-batches), moving activations and their gradients with point-to-point calls on the
+//! pipeline communicator. Chunk `c` of pipeline rank `r` is global stage `c * p + r`; the global
+//! stages' block ranges come from [`crate::parallel::stage_split`].
 //!
-//! Invariants: every stage reads the same micro-batches (the first needs the tokens, the last the
-//! targets); micro-batch `mb` lives in stage slot `mb` from its forward to its backward; the loss
-//! is computed on the last stage and summed over the pipeline group, so every rank reports it; the
-//! tied embedding exists on the first and the last stage, starts equal on both, and its gradient is
-//! summed between them before the data-parallel reduction, so both copies stay equal.
+//! Invariants: every rank reads the same micro-batches (the first stage needs the tokens, the last
+//! the targets); micro-batch `mb` lives in slot `mb` of each chunk from its forward to its
+//! backward, and its messages in buffer `mb * v + chunk`; the loss is computed on the model's last
+//! chunk and summed over the pipeline group, so every rank reports it; the tied embedding exists
+//! on the first and the last pipeline rank, starts equal on both, and its gradient is summed
+//! between them before the data-parallel reduction, so both copies stay equal.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use crate::comm::{block_range, Communicator, ReduceOp};
+use serde_json::{json, Value};
+
+use crate::comm::{Communicator, ReduceOp};
 use crate::data::Batch;
 use crate::error::{Error, Result};
 use crate::model::{GptConfig, Stage, StageInput, StageOutput, StageSpec};
-use crate::parallel::schedule::{actions, Action, Schedule};
+use crate::parallel::schedule::{actions, simulate_ranks, Action, Schedule};
 
-/// One pipeline stage of one tensor-parallel rank, with its message buffers.
+/// One pipeline rank of one tensor-parallel rank, with its message buffers.
 pub struct Pipeline {
     stage: Stage,
     tp: Communicator,
@@ -27,20 +32,32 @@ pub struct Pipeline {
     tied: Option<Communicator>,
     schedule: Schedule,
     microbatches: usize,
-    /// Received activations, one per micro-batch: (rows, C).
+    /// This rank's actions for one round.
+    list: Vec<Action>,
+    /// Received activations, one per (micro-batch, chunk): (rows, C).
     act_in: Vec<Vec<f32>>,
-    /// Activations to send, one per micro-batch.
+    /// Activations to send, one per (micro-batch, chunk).
     act_out: Vec<Vec<f32>>,
-    /// Received gradients of this stage's output, one per micro-batch.
+    /// Received gradients of the chunks' outputs, one per (micro-batch, chunk).
     grad_in: Vec<Vec<f32>>,
-    /// Gradients of this stage's input to send, one per micro-batch.
+    /// Gradients of the chunks' inputs to send, one per (micro-batch, chunk).
     grad_out: Vec<Vec<f32>>,
-    /// Time of the last `run` spent computing, and in total.
-    timing: (Duration, Duration),
+    timing: RoundTiming,
+}
+
+/// Where the time of the last pipeline round went.
+#[derive(Debug, Clone, Default)]
+struct RoundTiming {
+    /// This rank's round, from its first action to its last.
+    total: Duration,
+    /// Seconds every pipeline rank (by index) spent in forwards and in backwards.
+    forward_s: Vec<f64>,
+    backward_s: Vec<f64>,
 }
 
 impl Pipeline {
-    /// Stage `pp.rank()` of `pp.size()` for `cfg`, loaded from the full parameters `full`.
+    /// Pipeline rank `pp.rank()` of `pp.size()` for `cfg`, loaded from the full parameters `full`;
+    /// `stages` are the block ranges of all `pp.size() * schedule.chunks()` global stages.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         cfg: GptConfig,
@@ -52,21 +69,27 @@ impl Pipeline {
         sequence_parallel: bool,
         schedule: Schedule,
         microbatches: usize,
+        stages: &[Range<usize>],
     ) -> Result<Self> {
-        if matches!(schedule, Schedule::Interleaved { .. }) {
-            return Err(Error::config("parallel.schedule", "the interleaved schedule is not wired into training yet"));
+        let (r, p, v) = (pp.rank(), pp.size(), schedule.chunks());
+        if stages.len() != p * v {
+            return Err(Error::config(
+                "parallel.stage_layers",
+                format!("{} stage ranges for pp {p} x {v} chunks", stages.len()),
+            ));
         }
-        let (s, p) = (pp.rank(), pp.size());
-        if cfg.n_layer < p {
-            return Err(Error::config("parallel.pp", format!("{p} stages for {} layers", cfg.n_layer)));
-        }
-        let spec = StageSpec { layers: block_range(cfg.n_layer, p, s), first: s == 0, last: s + 1 == p };
+        let list = actions(schedule, r, p, microbatches)?;
+        let spec = StageSpec {
+            chunks: (0..v).map(|c| stages[c * p + r].clone()).collect(),
+            first: r == 0,
+            last: r + 1 == p,
+        };
         let mut stage = Stage::new(cfg, tp.rank(), tp.size(), spec, sequence_parallel, b, t, microbatches)?;
         stage.load_from_full(full)?;
-        let ends = s == 0 || s + 1 == p;
-        let tied = if p > 1 { pp.split(ends.then_some(0), s as i64)? } else { None };
+        let ends = r == 0 || r + 1 == p;
+        let tied = if p > 1 { pp.split(ends.then_some(0), r as i64)? } else { None };
         let rows = stage.hidden_len();
-        let bufs = || (0..microbatches).map(|_| vec![0f32; rows]).collect::<Vec<_>>();
+        let bufs = || (0..microbatches * v).map(|_| vec![0f32; rows]).collect::<Vec<_>>();
         Ok(Pipeline {
             stage,
             tp,
@@ -74,11 +97,12 @@ impl Pipeline {
             tied,
             schedule,
             microbatches,
+            list,
             act_in: bufs(),
             act_out: bufs(),
             grad_in: bufs(),
             grad_out: bufs(),
-            timing: (Duration::ZERO, Duration::ZERO),
+            timing: RoundTiming::default(),
         })
     }
 
@@ -106,10 +130,6 @@ impl Pipeline {
         self.pp.rank() == 0
     }
 
-    fn is_last(&self) -> bool {
-        self.pp.rank() + 1 == self.pp.size()
-    }
-
     /// Runs forward and backward of `batches` (exactly `microbatches` of them) through the
     /// pipeline, adding into the gradients; returns the sum of their losses (on every rank).
     pub fn run(&mut self, batches: &[Batch]) -> Result<f64> {
@@ -120,49 +140,90 @@ impl Pipeline {
                 self.microbatches
             )));
         }
-        let (first, last) = (self.is_first(), self.is_last());
-        let list = actions(self.schedule, self.pp.rank(), self.pp.size(), self.microbatches)?;
-        let Pipeline { stage, tp, pp, act_in, act_out, grad_in, grad_out, timing, .. } = self;
+        let (rank, p, v) = (self.pp.rank(), self.pp.size(), self.schedule.chunks());
+        let Pipeline { stage, tp, pp, list, act_in, act_out, grad_in, grad_out, timing, .. } = self;
         let mut loss = 0.0f64;
-        let (start, mut compute) = (Instant::now(), Duration::ZERO);
-        for a in list {
+        let (start, mut fwd, mut bwd) = (Instant::now(), Duration::ZERO, Duration::ZERO);
+        for &a in list.iter() {
             let t0 = Instant::now();
-            let is_compute = matches!(a, Action::Forward { .. } | Action::Backward { .. });
             match a {
-                Action::RecvActivation { mb, from_rank, .. } => pp.recv_into(&mut act_in[mb], from_rank)?,
-                Action::Forward { mb, .. } => {
-                    let input =
-                        if first { StageInput::Tokens(&batches[mb].inputs) } else { StageInput::Hidden(&act_in[mb]) };
-                    let targets = last.then_some(&batches[mb].targets[..]);
-                    match stage.forward(mb, input, targets, tp)? {
+                Action::RecvActivation { mb, chunk, from_rank } => {
+                    pp.recv_into(&mut act_in[mb * v + chunk], from_rank)?
+                }
+                Action::Forward { mb, chunk } => {
+                    let k = mb * v + chunk;
+                    let spec = stage.spec();
+                    let input = if spec.embeds(chunk) {
+                        StageInput::Tokens(&batches[mb].inputs)
+                    } else {
+                        StageInput::Hidden(&act_in[k])
+                    };
+                    let targets = spec.ends(chunk).then_some(&batches[mb].targets[..]);
+                    match stage.forward(chunk, mb, input, targets, tp)? {
                         StageOutput::Loss(l) => loss += f64::from(l),
-                        StageOutput::Hidden(h) => act_out[mb].copy_from_slice(h),
+                        StageOutput::Hidden(h) => act_out[k].copy_from_slice(h),
                     }
+                    fwd += t0.elapsed();
                 }
-                Action::SendActivation { mb, to_rank, .. } => pp.send(&act_out[mb], to_rank)?,
-                Action::RecvGrad { mb, from_rank, .. } => pp.recv_into(&mut grad_in[mb], from_rank)?,
-                Action::Backward { mb, .. } => {
-                    let go = if last { None } else { Some(&grad_in[mb][..]) };
-                    if let Some(d) = stage.backward(mb, go, tp, &mut |_, _| {})? {
-                        grad_out[mb].copy_from_slice(d);
+                Action::SendActivation { mb, chunk, to_rank } => {
+                    pp.send(&act_out[mb * v + chunk], to_rank)?
+                }
+                Action::RecvGrad { mb, chunk, from_rank } => {
+                    pp.recv_into(&mut grad_in[mb * v + chunk], from_rank)?
+                }
+                Action::Backward { mb, chunk } => {
+                    let k = mb * v + chunk;
+                    let go = if stage.spec().ends(chunk) { None } else { Some(&grad_in[k][..]) };
+                    if let Some(d) = stage.backward(chunk, mb, go, tp, &mut |_, _| {})? {
+                        grad_out[k].copy_from_slice(d);
                     }
+                    bwd += t0.elapsed();
                 }
-                Action::SendGrad { mb, to_rank, .. } => pp.send(&grad_out[mb], to_rank)?,
-            }
-            if is_compute {
-                compute += t0.elapsed();
+                Action::SendGrad { mb, chunk, to_rank } => pp.send(&grad_out[mb * v + chunk], to_rank)?,
             }
         }
-        *timing = (compute, start.elapsed());
-        let mut total = [loss];
-        pp.all_reduce(&mut total, ReduceOp::Sum)?;
-        Ok(total[0])
+        timing.total = start.elapsed();
+        // One reduction for the loss and every rank's compute times (each fills its own entries).
+        let mut sums = vec![0.0f64; 1 + 2 * p];
+        sums[0] = loss;
+        sums[1 + rank] = fwd.as_secs_f64();
+        sums[1 + p + rank] = bwd.as_secs_f64();
+        pp.all_reduce(&mut sums, ReduceOp::Sum)?;
+        timing.forward_s = sums[1..1 + p].to_vec();
+        timing.backward_s = sums[1 + p..].to_vec();
+        Ok(sums[0])
     }
 
-    /// (compute, total) time of the last [`Pipeline::run`]: the rest is pipeline bubble and
-    /// point-to-point waiting.
-    pub fn timing(&self) -> (Duration, Duration) {
-        self.timing
+    /// Timing of the last [`Pipeline::run`] for the metrics: `bubble_s` (this rank's round time
+    /// outside its forwards and backwards: pipeline bubble and transfers) and `pipeline_s` (the
+    /// round), every rank's `stage_forward_s` and `stage_backward_s`, and `bubble_sim_s` /
+    /// `pipeline_sim_s`: the same for this rank when the schedule runs with those per-rank compute
+    /// times and instant transfers ([`simulate_ranks`]), i.e. the bubble that the schedule and the
+    /// stages' imbalance explain, without transfer costs.
+    pub fn round_metrics(&self) -> Result<Vec<(String, Value)>> {
+        let t = &self.timing;
+        if t.forward_s.is_empty() {
+            return Ok(Vec::new()); // no round yet
+        }
+        let (rank, m) = (self.pp.rank(), self.microbatches as f64);
+        let busy = t.forward_s[rank] + t.backward_s[rank];
+        let total = t.total.as_secs_f64();
+        let per_mb = |s: &[f64]| s.iter().map(|x| x / m).collect::<Vec<_>>();
+        let sim = simulate_ranks(
+            self.schedule,
+            self.pp.size(),
+            self.microbatches,
+            &per_mb(&t.forward_s),
+            &per_mb(&t.backward_s),
+        )?;
+        Ok(vec![
+            ("bubble_s".into(), json!(total - busy)),
+            ("pipeline_s".into(), json!(total)),
+            ("bubble_sim_s".into(), json!(sim.end[rank] - sim.busy[rank])),
+            ("pipeline_sim_s".into(), json!(sim.end[rank])),
+            ("stage_forward_s".into(), json!(t.forward_s)),
+            ("stage_backward_s".into(), json!(t.backward_s)),
+        ])
     }
 
     /// Sums the tied embedding's gradient between the first and the last stage.
@@ -175,19 +236,26 @@ impl Pipeline {
 
     /// Loss of one batch, forward only, passed stage to stage (on every rank).
     pub fn eval(&mut self, batch: &Batch) -> Result<f64> {
-        let (first, last, s) = (self.is_first(), self.is_last(), self.pp.rank());
+        let (r, p) = (self.pp.rank(), self.pp.size());
+        let v = self.schedule.chunks();
+        let last = p * v - 1;
         let Pipeline { stage, tp, pp, act_in, act_out, .. } = self;
-        if !first {
-            pp.recv_into(&mut act_in[0], s - 1)?;
-        }
-        let input = if first { StageInput::Tokens(&batch.inputs) } else { StageInput::Hidden(&act_in[0]) };
         let mut loss = [0.0f64];
-        match stage.forward(0, input, last.then_some(&batch.targets[..]), tp)? {
-            StageOutput::Loss(l) => loss[0] = f64::from(l),
-            StageOutput::Hidden(h) => act_out[0].copy_from_slice(h),
-        }
-        if !last {
-            pp.send(&act_out[0], s + 1)?;
+        // Slot 0 of each chunk; message buffers 0 * v + chunk.
+        for chunk in 0..v {
+            let g = chunk * p + r; // global stage
+            if g > 0 {
+                pp.recv_into(&mut act_in[chunk], (g - 1) % p)?;
+            }
+            let input =
+                if g == 0 { StageInput::Tokens(&batch.inputs) } else { StageInput::Hidden(&act_in[chunk]) };
+            match stage.forward(chunk, 0, input, (g == last).then_some(&batch.targets[..]), tp)? {
+                StageOutput::Loss(l) => loss[0] = f64::from(l),
+                StageOutput::Hidden(h) => act_out[chunk].copy_from_slice(h),
+            }
+            if g < last {
+                pp.send(&act_out[chunk], (g + 1) % p)?;
+            }
         }
         pp.all_reduce(&mut loss, ReduceOp::Sum)?;
         Ok(loss[0])

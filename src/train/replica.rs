@@ -62,6 +62,8 @@ pub struct ReplicaLayout {
     pub schedule: Schedule,
     /// Micro-batches per pipeline round.
     pub microbatches: usize,
+    /// Blocks of each global pipeline stage ([`crate::parallel::stage_split::stage_layers`]).
+    pub stage_layers: Vec<Range<usize>>,
 }
 
 impl Replica {
@@ -70,7 +72,18 @@ impl Replica {
     pub fn new(cfg: GptConfig, b: usize, t: usize, seed: u64, l: ReplicaLayout) -> Result<Self> {
         let full = Gpt::<f32>::new(cfg, b, t, seed)?;
         if l.pp.size() > 1 {
-            let p = Pipeline::new(cfg, full.params(), b, t, l.tp, l.pp, l.sequence_parallel, l.schedule, l.microbatches)?;
+            let p = Pipeline::new(
+                cfg,
+                full.params(),
+                b,
+                t,
+                l.tp,
+                l.pp,
+                l.sequence_parallel,
+                l.schedule,
+                l.microbatches,
+                &l.stage_layers,
+            )?;
             return Ok(Replica::Pipeline(Box::new(p)));
         }
         if l.tp.size() == 1 {
@@ -113,15 +126,12 @@ impl Replica {
         Ok(sum / batches.len() as f64)
     }
 
-    /// Seconds of the last step this rank spent idle in the pipeline (bubble and transfers), and
-    /// the pipeline rounds' total seconds; `None` without pipeline parallelism.
-    pub fn pipeline_idle(&self) -> Option<(f64, f64)> {
+    /// Metrics of the last pipeline round (bubble, per-stage compute, see
+    /// [`Pipeline::round_metrics`]); empty without pipeline parallelism.
+    pub fn pipeline_metrics(&self) -> Result<Vec<(String, serde_json::Value)>> {
         match self {
-            Replica::Pipeline(p) => {
-                let (compute, total) = p.timing();
-                Some(((total - compute).as_secs_f64(), total.as_secs_f64()))
-            }
-            _ => None,
+            Replica::Pipeline(p) => p.round_metrics(),
+            _ => Ok(Vec::new()),
         }
     }
 
@@ -165,7 +175,7 @@ impl Replica {
         match self {
             Replica::Whole(m) => Ok(f64::from(m.forward(&batch.inputs, &batch.targets)?)),
             Replica::TensorParallel { stage, tp } => {
-                match stage.forward(0, StageInput::Tokens(&batch.inputs), Some(&batch.targets), &**tp)? {
+                match stage.forward(0, 0, StageInput::Tokens(&batch.inputs), Some(&batch.targets), &**tp)? {
                     StageOutput::Loss(l) => Ok(f64::from(l)),
                     StageOutput::Hidden(_) => unreachable!("a whole-model stage ends with the loss"),
                 }
@@ -180,7 +190,7 @@ impl Replica {
         match self {
             Replica::Whole(m) => m.backward_with(&mut |r, g| on_final(r.clone(), &g[r])),
             Replica::TensorParallel { stage, tp } => {
-                stage.backward(0, None, &**tp, &mut |r, g| on_final(r, g))?;
+                stage.backward(0, 0, None, &**tp, &mut |r, g| on_final(r, g))?;
                 Ok(())
             }
             Replica::Pipeline(_) => unreachable!("pipelines run through `run`"),

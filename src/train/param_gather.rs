@@ -197,6 +197,7 @@ impl Drop for ParamGather {
 }
 
 #[cfg(test)]
+#[allow(clippy::single_range_in_vec_init, clippy::needless_range_loop)] // unit lists; index = value
 mod tests {
     use super::*;
     use crate::comm::testing::run_ranks;

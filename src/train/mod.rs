@@ -262,6 +262,12 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             _ => None,
         };
         let tokens_per_s = tokens_per_step / step_s;
+        // The step split: exposed communication (gradient buckets not hidden behind backward,
+        // ZeRO-3 gathers waited for), pipeline bubble (idle and point-to-point waits), and the rest
+        // (compute, including the optimizer and the hidden communication).
+        let bubble = model.pipeline_idle().map_or(0.0, |(idle, _)| idle);
+        let exposed = outcome.timing.exposed.as_secs_f64() + param_wait.as_secs_f64();
+        let compute_s = (step_s - exposed - bubble).max(0.0);
         let record = StepRecord {
             step,
             loss: loss[0],
@@ -277,6 +283,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
                 ("comm_exposed_s".to_string(), serde_json::json!(outcome.timing.exposed.as_secs_f64())),
                 ("param_gather_wait_s".to_string(), serde_json::json!(param_wait.as_secs_f64())),
                 ("step_s".to_string(), serde_json::json!(step_s)),
+                ("compute_s".to_string(), serde_json::json!(compute_s)),
                 ("peak_rss_mb".to_string(), serde_json::json!(peak_mb[0])),
                 ("peak_rss_covers".to_string(), serde_json::json!(if peak_is_steps { "steps" } else { "run" })),
                 ("mem_estimate_mb".to_string(), serde_json::json!((estimate.total() + baseline) as f64 / 1e6)),

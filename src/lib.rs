@@ -7,6 +7,7 @@
 //! - [`comm`]: communicators, rings, and the collective algorithms written over transport primitives.
 //! - [`device`]: CPU (numerical reference), CUDA and HIP arms.
 //! - [`model`], [`optim`], [`data`], [`train`]: the GPT model, AdamW, token shards, the training loop.
+//! - [`memory`]: releasing buffer pages (ZeRO-2/3 residency) and measuring resident memory.
 //! - [`bench`]: `meshtrain bench`, collective and step benchmarks.
 
 pub mod bench;
@@ -17,6 +18,7 @@ pub mod config;
 pub mod data;
 pub mod device;
 pub mod error;
+pub mod memory;
 pub mod metrics;
 pub mod model;
 pub mod optim;

@@ -7,7 +7,6 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use meshtrain::checkpoint::read_exported;
 
 fn job(dir: &Path, name: &str, extra: &str) -> PathBuf {
     let path = dir.join(name);
@@ -43,11 +42,7 @@ keep = 5
 
 
 
-fn export(ckpt: &Path, out: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    let st = Command::new(common::meshtrain()).arg("export").arg(ckpt).arg(out).output().unwrap();
-    assert!(st.status.success(), "export failed: {}", String::from_utf8_lossy(&st.stderr));
-    read_exported(out).unwrap().1
-}
+use common::export;
 
 #[test]
 fn resume_same_layout_is_bitwise_and_other_layout_within_1e5() {
@@ -139,40 +134,78 @@ fn corrupt_checkpoint_is_rejected_before_training() {
     assert!(!String::from_utf8_lossy(&out.stdout).contains("step 1/"), "training started on a corrupt checkpoint");
 }
 
+/// A run is uninterrupted and resumed from its step-10 checkpoint in the same layout.
+struct Resumed {
+    /// (step, loss) of the uninterrupted run.
+    want: Vec<(u64, f64)>,
+    /// Its final tensors.
+    final_full: Vec<meshtrain::checkpoint::ExportedTensor>,
+    /// `checkpoint.resume=...` for its step-10 checkpoint.
+    resume: String,
+}
+
+/// Runs `layout` on `np` ranks for 20 steps (with the `--set` overrides `sets`), then resumes it
+/// from step 10 in the same layout and checks that the losses continue bit for bit.
+fn resume_same_layout(d: &Path, name: &str, np: usize, layout: &str, sets: &[String]) -> Resumed {
+    let full = job(d, &format!("{name}.toml"), layout);
+    common::train(np, &full, &d.join(format!("{name}.jsonl")), sets);
+    let want = common::losses(&d.join(format!("{name}.jsonl")));
+    let ckpt10 = d.join(format!("{name}_ckpt/step_00000010"));
+    let resume = format!("checkpoint.resume={:?}", ckpt10.display().to_string());
+    let final_full = export(&d.join(format!("{name}_ckpt/step_00000020")), &d.join(format!("{name}.h5")));
+    let same = job(d, &format!("{name}_same.toml"), layout);
+    let resumed: Vec<String> = sets.iter().cloned().chain([resume.clone()]).collect();
+    common::train(np, &same, &d.join(format!("{name}_same.jsonl")), &resumed);
+    for (g, w) in common::losses(&d.join(format!("{name}_same.jsonl"))).iter().zip(&want[10..]) {
+        assert_eq!(g.1.to_bits(), w.1.to_bits(), "{name} step {}: {} vs {}", g.0, g.1, w.1);
+    }
+    Resumed { want, final_full, resume }
+}
+
+/// Resumes `from` in another `layout` on `np` ranks (with the `--set` overrides `sets`): 10 losses
+/// within 1e-5, final parameters within `rel`.
+fn resume_other_layout(
+    d: &Path,
+    from: &Resumed,
+    name: &str,
+    np: usize,
+    layout: &str,
+    sets: &[String],
+    rel: f64,
+) {
+    let other = job(d, &format!("{name}.toml"), layout);
+    let resumed: Vec<String> = sets.iter().cloned().chain([from.resume.clone()]).collect();
+    common::train(np, &other, &d.join(format!("{name}.jsonl")), &resumed);
+    let got = common::losses(&d.join(format!("{name}.jsonl")));
+    assert_eq!(got.len(), 10);
+    for (g, w) in got.iter().zip(&from.want[10..]) {
+        assert!((g.1 - w.1).abs() <= 1e-5 * w.1.abs(), "{name} step {}: {} vs {}", g.0, g.1, w.1);
+    }
+    let final_other = export(&d.join(format!("{name}_ckpt/step_00000020")), &d.join(format!("{name}.h5")));
+    common::assert_params_close(&final_other, &from.final_full, rel, name);
+}
+
 #[test]
 fn tensor_and_pipeline_parallel_checkpoints_reshard() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     // TP2 x PP2, two pipeline micro-batches of 4 sequences per step.
     let layout = "[parallel]\ntp = 2\npp = 2\nschedule = \"1f1b\"\nmicrobatches = 2";
-    let full = job(d, "tpp.toml", layout);
-    common::train(4, &full, &d.join("tpp.jsonl"), &[]);
-    let want = common::losses(&d.join("tpp.jsonl"));
-    let ckpt10 = d.join("tpp_ckpt/step_00000010");
-    let resume = format!("checkpoint.resume={:?}", ckpt10.display().to_string());
-    let final_full = export(&d.join("tpp_ckpt/step_00000020"), &d.join("tpp.h5"));
+    let tpp = resume_same_layout(d, "tpp", 4, layout, &[]);
+    // Two data-parallel ranks with ZeRO-1 (same 8 sequences per step).
+    resume_other_layout(d, &tpp, "dp", 2, "[parallel]\ndp = 2\nzero = 1", &[], 1e-5);
+}
 
-    // Same layout: bit for bit.
-    let same = job(d, "same.toml", layout);
-    common::train(4, &same, &d.join("same.jsonl"), std::slice::from_ref(&resume));
-    for (g, w) in common::losses(&d.join("same.jsonl")).iter().zip(&want[10..]) {
-        assert_eq!(g.1.to_bits(), w.1.to_bits(), "step {}: {} vs {}", g.0, g.1, w.1);
-    }
-    // Two data-parallel ranks with ZeRO-1 (same 8 sequences per step): within 1e-5.
-    let dp = job(d, "dp.toml", "[parallel]\ndp = 2\nzero = 1");
-    common::train(2, &dp, &d.join("dp.jsonl"), &[resume]);
-    let got = common::losses(&d.join("dp.jsonl"));
-    assert_eq!(got.len(), 10);
-    for (g, w) in got.iter().zip(&want[10..]) {
-        assert!((g.1 - w.1).abs() <= 1e-5 * w.1.abs(), "step {}: {} vs {}", g.0, g.1, w.1);
-    }
-    let final_dp = export(&d.join("dp_ckpt/step_00000020"), &d.join("dp.h5"));
-    for (a, b) in final_dp.iter().zip(&final_full) {
-        assert_eq!((&a.0, &a.1), (&b.0, &b.1));
-        let scale = b.2.iter().map(|x| x.abs()).fold(0f32, f32::max).max(1e-3);
-        let worst = a.2.iter().zip(&b.2).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-        assert!(worst <= 1e-4 * scale, "{}: max diff {worst} (scale {scale})", a.0);
-    }
+#[test]
+fn zero3_checkpoints_resume_bitwise_and_reshard_into_zero2_tensor_parallel() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // Two data-parallel ranks with ZeRO-3: each holds only its blocks of the parameters and
+    // writes exactly those.
+    let z3 = resume_same_layout(d, "z3", 2, "[parallel]\ndp = 2\nzero = 3\nbucket_mb = 0.05", &[]);
+    // ZeRO-2 over a TP2 x DP2 grid with sequence parallelism.
+    let layout = "[parallel]\ntp = 2\ndp = 2\nzero = 2\nsequence_parallel = true\nbucket_mb = 0.02";
+    resume_other_layout(d, &z3, "tp2dp2z2", 4, layout, &[], 1e-5);
 }
 
 #[test]
@@ -180,36 +213,11 @@ fn interleaved_pipeline_checkpoints_resume_in_any_layout() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     // Two pipeline ranks with two chunks each over four blocks (rank 0: blocks 0 and 2, rank 1:
-    // blocks 1 and 3), two micro-batches per step.
-    let blocks = "model.n_layer=4".to_string();
+    // blocks 1 and 3), two micro-batches of 4 sequences per step.
+    let blocks = ["model.n_layer=4".to_string()];
     let layout = "[parallel]\npp = 2\nschedule = \"interleaved\"\nvirtual_stages = 2\nmicrobatches = 2";
-    let full = job(d, "il.toml", layout);
-    common::train(2, &full, &d.join("il.jsonl"), std::slice::from_ref(&blocks));
-    let want = common::losses(&d.join("il.jsonl"));
-    let ckpt10 = d.join("il_ckpt/step_00000010");
-    let resume = format!("checkpoint.resume={:?}", ckpt10.display().to_string());
-    let final_full = export(&d.join("il_ckpt/step_00000020"), &d.join("il.h5"));
-
-    // Same layout: bit for bit.
-    let same = job(d, "same.toml", layout);
-    common::train(2, &same, &d.join("same.jsonl"), &[blocks.clone(), resume.clone()]);
-    for (g, w) in common::losses(&d.join("same.jsonl")).iter().zip(&want[10..]) {
-        assert_eq!(g.1.to_bits(), w.1.to_bits(), "step {}: {} vs {}", g.0, g.1, w.1);
-    }
-    // Contiguous 1F1B stages of 3 and 1 blocks (same 8 sequences per step): within 1e-5.
+    let il = resume_same_layout(d, "il", 2, layout, &blocks);
+    // Contiguous 1F1B stages of 3 and 1 blocks (same 8 sequences per step).
     let split = "[parallel]\npp = 2\nschedule = \"1f1b\"\nmicrobatches = 2\nstage_layers = [3, 1]";
-    let other = job(d, "other.toml", split);
-    common::train(2, &other, &d.join("other.jsonl"), &[blocks, resume]);
-    let got = common::losses(&d.join("other.jsonl"));
-    assert_eq!(got.len(), 10);
-    for (g, w) in got.iter().zip(&want[10..]) {
-        assert!((g.1 - w.1).abs() <= 1e-5 * w.1.abs(), "step {}: {} vs {}", g.0, g.1, w.1);
-    }
-    let final_other = export(&d.join("other_ckpt/step_00000020"), &d.join("other.h5"));
-    for (a, b) in final_other.iter().zip(&final_full) {
-        assert_eq!((&a.0, &a.1), (&b.0, &b.1));
-        let scale = b.2.iter().map(|x| x.abs()).fold(0f32, f32::max).max(1e-3);
-        let worst = a.2.iter().zip(&b.2).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-        assert!(worst <= 1e-5 * scale, "{}: max diff {worst} (scale {scale})", a.0);
-    }
+    resume_other_layout(d, &il, "split", 2, split, &blocks, 1e-5);
 }

@@ -152,7 +152,7 @@ pub fn run_step_bench(args: &StepBenchArgs) -> Result<StepBenchReport> {
             losses.push(loss);
         }
     }
-    let peak_rss_bytes = peak_rss_bytes()?;
+    let peak_rss_bytes = crate::memory::peak_rss_bytes()?;
     let elem = std::mem::size_of::<f32>() as u64;
     let accounted_bytes = elem * (4 * layout.total_len() + model.activation_elements()) as u64;
 
@@ -274,18 +274,6 @@ fn time_gemm(flops: usize, mut f: impl FnMut()) -> f64 {
             start.elapsed().as_secs_f64() / reps as f64
         })
         .fold(f64::INFINITY, f64::min)
-}
-
-/// Peak resident set size of this process (VmHWM in /proc/self/status), in bytes.
-fn peak_rss_bytes() -> Result<u64> {
-    let path = "/proc/self/status";
-    let status = std::fs::read_to_string(path).map_err(|e| Error::io(format!("read {path}"), e))?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-        .ok_or_else(|| Error::file(path, None, "no parsable VmHWM line"))
 }
 
 impl fmt::Display for StepBenchReport {

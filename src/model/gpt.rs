@@ -309,12 +309,12 @@ impl<F: Float> Gpt<F> {
         self.backward_with(&mut |_, _| {})
     }
 
-    /// [`Gpt::backward`], calling `on_final(range, grads)` as soon as `grads[range]` will not change
+    /// [`Gpt::backward`], calling `on_final(range, &mut grads[range])` as soon as `grads[range]` will not change
     /// any more in this backward: the final LayerNorm first, then each block in reverse order, then
     /// the embeddings (the tied `wte` also receives the head's gradient, so it is final only at the
     /// end). The ranges are disjoint and cover the whole buffer; data-parallel training starts
     /// reducing them while the rest of the backward runs.
-    pub fn backward_with(&mut self, on_final: &mut dyn FnMut(Range<usize>, &[F])) -> Result<()> {
+    pub fn backward_with(&mut self, on_final: &mut dyn FnMut(Range<usize>, &mut [F])) -> Result<()> {
         if !self.forward_done {
             return Err(Error::InvalidArgument(
                 "backward called without a forward since the last backward".into(),
@@ -362,14 +362,16 @@ impl<F: Float> Gpt<F> {
             c,
         );
         let blocks = self.layout.layers_range(0..nl);
-        on_final(blocks.end..self.grads.len(), &self.grads);
+        let head = blocks.end..self.grads.len();
+        on_final(head.clone(), &mut self.grads[head]);
         for l in (0..nl).rev() {
             self.block_backward(l);
-            on_final(self.layout.layers_range(l..l + 1), &self.grads);
+            let block = self.layout.layers_range(l..l + 1);
+            on_final(block.clone(), &mut self.grads[block]);
         }
         let (dwte, dwpe) = pair_mut(&mut self.grads, self.layout.wte(), self.layout.wpe());
         encoder_backward(dwte, dwpe, &self.dacts.dresidual, &self.tokens, t, c);
-        on_final(0..blocks.start, &self.grads);
+        on_final(0..blocks.start, &mut self.grads[..blocks.start]);
         Ok(())
     }
 

@@ -26,6 +26,10 @@
 //! all-reduced over TP, and only then added to the accumulated gradients (reducing the
 //! accumulated buffer in place would multiply earlier micro-batches by tp).
 //!
+//! Parameters may be sharded over data parallelism (ZeRO-3): with a [`ParamGate`] installed, the
+//! stage asks it for each unit (`wte`+`wpe`, a block, `lnf`+`wte`) right before reading it,
+//! naming the unit it reads next so that the gate can prefetch it.
+//!
 //! Invariants: `backward` ADDS into the gradients; a `backward(chunk, slot)` needs a
 //! `forward(chunk, slot)` since that slot's previous backward; each (chunk, slot) keeps its own
 //! activations, so a pipeline may run several micro-batches' forwards before their backwards, in
@@ -39,6 +43,7 @@ use super::stage_buffers::{Dims, Scratch, SlotActs};
 use super::stage_compute::{
     block_backward, block_forward, embedding_backward, head_backward, head_forward, reduce_rows,
 };
+use super::param_gate::ParamGate;
 use super::tp_comm::TpComm;
 use super::tp_layout::{ShardLayout, StageSpec};
 use super::vocab_parallel::{embedding_shard_forward, position_forward, real_columns};
@@ -76,6 +81,8 @@ pub struct Stage {
     params: Vec<f32>,
     grads: Vec<f32>,
     s: Scratch,
+    /// Makes parameter units resident before use (ZeRO-3); None: all always resident.
+    gate: Option<Box<dyn ParamGate>>,
 }
 
 /// One model chunk: its blocks, sizes and per-micro-batch activations.
@@ -188,6 +195,7 @@ impl Stage {
             tp_size,
             params: vec![0.0; n],
             grads: vec![0.0; n],
+            gate: None,
         })
     }
 
@@ -270,9 +278,83 @@ impl Stage {
         (&mut self.params, &mut self.grads)
     }
 
-    /// Sets all gradients to zero.
+    /// Sets all gradients to zero (returning their pages to the OS: a data-parallel reducer that
+    /// keeps only a gradient shard never touches most of them again).
     pub fn zero_grad(&mut self) {
-        self.grads.iter_mut().for_each(|g| *g = 0.0);
+        crate::memory::zero_release(&mut self.grads);
+    }
+
+    /// The parameter units in buffer order: `wte`, `wpe`, each block, `lnf` (those this stage
+    /// holds). They partition the flat buffer; a [`ParamGate`] makes them resident one by one.
+    pub fn units(&self) -> Vec<Range<usize>> {
+        let l = &self.layout;
+        let mut units: Vec<Range<usize>> = [l.wte(), l.wpe()].into_iter().flatten().collect();
+        let blocks = self.chunks.iter().flat_map(|c| c.layers.clone());
+        units.extend(blocks.map(|b| l.block_span(b)));
+        units.extend(l.lnf().map(|(w, b)| w.start..b.end));
+        units
+    }
+
+    /// Installs the gate that makes parameter units resident before use (ZeRO-3).
+    pub fn set_gate(&mut self, gate: Box<dyn ParamGate>) {
+        self.gate = Some(gate);
+    }
+
+    /// Makes every parameter resident (for reading them all, e.g. to export).
+    pub fn gather_all(&mut self) -> Result<()> {
+        let units = self.units();
+        match &mut self.gate {
+            Some(g) => g.acquire(&units, &[], &mut self.params),
+            None => Ok(()),
+        }
+    }
+
+    /// Gives back every gathered unit, keeping the owned shard (after the optimizer step or a
+    /// load changed the shard). No-op without a gate.
+    pub fn release_gathered(&mut self) -> Result<()> {
+        match &mut self.gate {
+            Some(g) => g.release_all(&mut self.params),
+            None => Ok(()),
+        }
+    }
+
+    /// The unit groups one forward and one backward of each chunk acquire, in order, one pass per
+    /// (chunk, direction) (memory accounting).
+    pub fn gather_passes(&self) -> Vec<Vec<Vec<Range<usize>>>> {
+        (0..self.chunks.len()).flat_map(|c| [self.forward_units(c), self.backward_units(c)]).collect()
+    }
+
+    /// The units the head reads: the final LayerNorm and the tied `wte` shard.
+    fn head_units(&self) -> Vec<Range<usize>> {
+        let l = &self.layout;
+        let lnf = l.lnf().map(|(w, b)| w.start..b.end);
+        lnf.into_iter().chain(l.wte()).collect()
+    }
+
+    /// Units the backward of `chunk` reads, in order: head, blocks in reverse (the embedding's
+    /// backward reads no parameters).
+    fn backward_units(&self, chunk: usize) -> Vec<Vec<Range<usize>>> {
+        let (l, ch) = (&self.layout, &self.chunks[chunk]);
+        let mut out = Vec::new();
+        if ch.ends {
+            out.push(self.head_units());
+        }
+        out.extend(ch.layers.clone().rev().map(|b| vec![l.block_span(b)]));
+        out
+    }
+
+    /// Units the forward of `chunk` reads, in order: embedding, blocks, head.
+    fn forward_units(&self, chunk: usize) -> Vec<Vec<Range<usize>>> {
+        let (l, ch) = (&self.layout, &self.chunks[chunk]);
+        let mut out = Vec::new();
+        if ch.embeds {
+            out.push([l.wte(), l.wpe()].into_iter().flatten().collect());
+        }
+        out.extend(ch.layers.clone().map(|b| vec![l.block_span(b)]));
+        if ch.ends {
+            out.push(self.head_units());
+        }
+        out
     }
 
     /// Copies this shard's parameters out of a single-rank flat buffer (see [`super::Gpt`]).
@@ -323,13 +405,16 @@ impl Stage {
         tp: &dyn TpComm,
     ) -> Result<StageOutput<'_>> {
         self.check_call("forward", chunk, slot, tp)?;
+        let plan = if self.gate.is_some() { self.forward_units(chunk) } else { Vec::new() };
         let Stage {
             params,
             layout,
             chunks,
             s,
+            gate,
             ..
         } = self;
+        let mut k = 0; // next unit group of `plan`
         let ch = &mut chunks[chunk];
         let d = ch.d;
         let a = &mut ch.slots[slot];
@@ -337,6 +422,8 @@ impl Stage {
         match (ch.embeds, input) {
             (true, StageInput::Tokens(tokens)) => {
                 check_ids("tokens", tokens, &d)?;
+                fetch(gate, params, &plan, k)?;
+                k += 1;
                 a.tokens.copy_from_slice(tokens);
                 let wte = &params[layout.wte().expect("a first stage holds wte")];
                 embedding_shard_forward(&mut s.partial, tokens, wte, d.vstart, d.c);
@@ -371,6 +458,8 @@ impl Stage {
             }
         }
         for li in 0..d.nl {
+            fetch(gate, params, &plan, k)?;
+            k += 1;
             block_forward(
                 &d,
                 tp,
@@ -383,6 +472,7 @@ impl Stage {
         }
         a.forward_done = true;
         if ch.ends {
+            fetch(gate, params, &plan, k)?;
             Ok(StageOutput::Loss(head_forward(
                 &d, tp, params, layout, a, s,
             )?))
@@ -409,14 +499,17 @@ impl Stage {
         on_grads_final: &mut dyn FnMut(Range<usize>, &mut [f32]),
     ) -> Result<Option<&[f32]>> {
         self.check_call("backward", chunk, slot, tp)?;
+        let plan = if self.gate.is_some() { self.backward_units(chunk) } else { Vec::new() };
         let Stage {
             params,
             grads,
             layout,
             chunks,
             s,
+            gate,
             ..
         } = self;
+        let mut k = 0; // next unit group of `plan`
         let ch = &mut chunks[chunk];
         let d = ch.d;
         let a = &mut ch.slots[slot];
@@ -427,6 +520,8 @@ impl Stage {
         }
         match (ch.ends, grad_output) {
             (true, None) => {
+                fetch(gate, params, &plan, k)?;
+                k += 1;
                 head_backward(&d, tp, params, grads, layout, a, s)?;
                 let (w, b) = layout.lnf().expect("a last stage holds lnf");
                 on_grads_final(w.start..b.end, &mut grads[w.start..b.end]);
@@ -445,6 +540,8 @@ impl Stage {
         }
         for li in (0..d.nl).rev() {
             let l = ch.layers.start + li;
+            fetch(gate, params, &plan, k)?;
+            k += 1;
             block_backward(&d, tp, params, grads, &layout.block(l), a, s, li)?;
             let span = layout.block_span(l);
             on_grads_final(span.clone(), &mut grads[span]);
@@ -459,6 +556,19 @@ impl Stage {
             }
         }
         Ok(if ch.embeds { None } else { Some(&s.dres) })
+    }
+}
+
+/// Asks the gate (if any) for unit group `k` of `plan`, naming group `k + 1` as the next.
+fn fetch(
+    gate: &mut Option<Box<dyn ParamGate>>,
+    params: &mut [f32],
+    plan: &[Vec<Range<usize>>],
+    k: usize,
+) -> Result<()> {
+    match gate {
+        Some(g) => g.acquire(&plan[k], plan.get(k + 1).map_or(&[], |n| n), params),
+        None => Ok(()),
     }
 }
 

@@ -1,17 +1,28 @@
 //! Bucketed gradient reduction overlapped with the backward pass.
 //!
 //! The flat gradient buffer is cut into buckets of about `bucket_mb` MB, from the end of the buffer
-//! backwards (the order in which backward finishes gradients). The model reports each range of
-//! gradients, with its values, as soon as it is final; the values are copied (scaled by
-//! `1/grad_accum`) into the bucket's staging buffer, and when every element of a bucket has arrived
-//! the buffer goes to a communication thread, which reduces it on its own communicator while the
-//! backward goes on. [`OverlapReducer::finish`] waits for the last buckets and writes the results
-//! back.
+//! backwards (the order in which backward finishes gradients), never straddling a unit boundary
+//! (with ZeRO-3 a bucket is also the granularity of parameter gathers, see `param_gather.rs`).
+//! The model reports each range of gradients, with its values, as soon as it is final; the values
+//! are copied (scaled by `1/micro_batches`) into a staging buffer of the bucket, and when every
+//! element of a bucket has arrived the buffer goes to a communication thread, which reduces it on
+//! its own communicator while the backward goes on. [`OverlapReducer::finish`] waits for the rest.
 //!
-//! Invariants: buckets are disjoint, contiguous and cover the buffer; every bucket is reduced
-//! exactly once per step, in the same order on every rank (readiness order is deterministic);
-//! with ZeRO >= 1 each bucket is reduce-scattered and this rank keeps block `dp_rank` of every
-//! bucket ([`OverlapReducer::shard`]), which is the part its optimizer state covers.
+//! Two reductions:
+//! - [`Reduction::AllReduce`] (ZeRO-0): every rank gets the whole averaged bucket; each bucket has a
+//!   staging buffer of its own for the whole run and `finish` writes the results back into the
+//!   model's gradients.
+//! - [`Reduction::ReduceScatter`] (ZeRO >= 1): this rank keeps block `dp_rank` of every bucket
+//!   ([`OverlapReducer::shard`]), accumulated in a compact shard buffer ([`OverlapReducer::shard_grads`],
+//!   Ψ/dp elements in all) that the optimizer reads. Staging buffers come from a pool of at most
+//!   [`MAX_STAGED`] (filling or in flight; a report waits for a finished bucket when the pool is
+//!   empty), so transient gradient memory is bounded by `MAX_STAGED` buckets. A bucket may be
+//!   reported several times per step (ZeRO-2/3 reduce every micro-batch instead of keeping the
+//!   full accumulated gradient); the shard sums the reports.
+//!
+//! Invariants: buckets are disjoint, contiguous and cover the buffer; every rank launches the same
+//! buckets in the same order (readiness order is deterministic), so the thread's collectives match
+//! across ranks; `finish` fails if a bucket was never reported or only partly.
 
 use std::ops::Range;
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -21,18 +32,32 @@ use std::time::{Duration, Instant};
 use crate::comm::{block_range, Communicator, ReduceOp};
 use crate::error::{Error, Result};
 
-/// Buckets over `n` elements, each at most `bucket_elems` long, in readiness order (last
-/// elements first).
-pub fn plan_buckets(n: usize, bucket_elems: usize) -> Vec<Range<usize>> {
+/// Most staging buffers (being filled or in flight) a sharded reducer holds at once.
+pub const MAX_STAGED: usize = 4;
+
+/// Buckets over the `units` (contiguous ranges in buffer order that partition it), each at most
+/// `bucket_elems` long and inside one unit, in readiness order (last elements first).
+pub fn plan_buckets(units: &[Range<usize>], bucket_elems: usize) -> Vec<Range<usize>> {
     let step = bucket_elems.max(1);
     let mut out = Vec::new();
-    let mut end = n;
-    while end > 0 {
-        let start = end.saturating_sub(step);
-        out.push(start..end);
-        end = start;
+    for u in units.iter().rev() {
+        let mut end = u.end;
+        while end > u.start {
+            let start = end.saturating_sub(step).max(u.start);
+            out.push(start..end);
+            end = start;
+        }
     }
     out
+}
+
+/// How a bucket is reduced over the data-parallel group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduction {
+    /// Everyone gets the whole average (ZeRO-0).
+    AllReduce,
+    /// Everyone gets the average of its own block (ZeRO >= 1).
+    ReduceScatter,
 }
 
 struct Job {
@@ -49,20 +74,32 @@ struct Done {
 /// Reduces gradient buckets on a communication thread as they become final.
 pub struct OverlapReducer {
     buckets: Vec<Range<usize>>,
-    /// Elements of each bucket reported final in this step.
-    ready: Vec<usize>,
-    /// Staging buffer of each bucket (absent while the thread holds it).
-    staging: Vec<Option<Vec<f32>>>,
-    launched: Vec<bool>,
-    sharded: bool,
+    reduction: Reduction,
     dp_rank: usize,
     dp_size: usize,
+    /// Elements of each bucket reported since its last launch.
+    ready: Vec<usize>,
+    /// Staging buffer of each bucket while it fills (AllReduce: also between steps).
+    staging: Vec<Option<Vec<f32>>>,
+    /// Free staging buffers (ReduceScatter).
+    pool: Vec<Vec<f32>>,
+    /// Staging buffers filling or in flight (ReduceScatter).
+    staged: usize,
+    /// Launches of each bucket this step.
+    launches: Vec<usize>,
+    /// Reduced results of each bucket received this step.
+    received: Vec<usize>,
+    in_flight: usize,
+    /// Reduced own block of each bucket, summed over this step's launches (ReduceScatter).
+    shards: Vec<Vec<f32>>,
     scale: f32,
     jobs: Option<Sender<Job>>,
     done: Receiver<Result<Done>>,
     thread: Option<JoinHandle<()>>,
     /// Time the communication thread spent in collectives this step.
     busy: Duration,
+    /// First error of the communication thread, reported by `finish`.
+    failed: Option<Error>,
 }
 
 /// Timing of one step's gradient reduction.
@@ -75,11 +112,9 @@ pub struct ReduceTiming {
 }
 
 impl OverlapReducer {
-    /// A reducer for `n` gradients in buckets of `bucket_elems` on `comm` (which the thread owns;
-    /// give it a communicator no other thread uses). `sharded` selects reduce-scatter (ZeRO >= 1)
-    /// over all-reduce.
-    pub fn new(comm: Communicator, n: usize, bucket_elems: usize, sharded: bool) -> Self {
-        let buckets = plan_buckets(n, bucket_elems);
+    /// A reducer of `buckets` (from [`plan_buckets`]) on `comm`, which the thread owns (give it a
+    /// communicator no other thread uses).
+    pub fn new(comm: Communicator, buckets: Vec<Range<usize>>, reduction: Reduction) -> Self {
         let (dp_rank, dp_size) = (comm.rank(), comm.size());
         let (jobs_tx, jobs_rx) = channel::<Job>();
         let (done_tx, done_rx) = channel::<Result<Done>>();
@@ -88,10 +123,9 @@ impl OverlapReducer {
             .spawn(move || {
                 for mut job in jobs_rx {
                     let t0 = Instant::now();
-                    let r = if sharded {
-                        comm.reduce_scatter(&mut job.data, ReduceOp::Avg)
-                    } else {
-                        comm.all_reduce(&mut job.data, ReduceOp::Avg)
+                    let r = match reduction {
+                        Reduction::ReduceScatter => comm.reduce_scatter(&mut job.data, ReduceOp::Avg),
+                        Reduction::AllReduce => comm.all_reduce(&mut job.data, ReduceOp::Avg),
                     };
                     let out = r.map(|()| Done { bucket: job.bucket, data: job.data, busy: t0.elapsed() });
                     let failed = out.is_err();
@@ -102,21 +136,32 @@ impl OverlapReducer {
             })
             .expect("spawning the gradient communication thread");
         let k = buckets.len();
-        let staging = buckets.iter().map(|b| Some(vec![0f32; b.len()])).collect();
-        OverlapReducer {
-            buckets,
-            ready: vec![0; k],
-            staging,
-            launched: vec![false; k],
-            sharded,
+        let sharded = reduction == Reduction::ReduceScatter;
+        let staging = buckets.iter().map(|b| (!sharded).then(|| vec![0f32; b.len()])).collect();
+        let mut red = OverlapReducer {
+            reduction,
             dp_rank,
             dp_size,
+            ready: vec![0; k],
+            staging,
+            pool: Vec::new(),
+            staged: 0,
+            launches: vec![0; k],
+            received: vec![0; k],
+            in_flight: 0,
+            shards: Vec::new(),
             scale: 1.0,
             jobs: Some(jobs_tx),
             done: done_rx,
             thread: Some(thread),
             busy: Duration::ZERO,
+            failed: None,
+            buckets,
+        };
+        if sharded {
+            red.shards = (0..k).map(|b| vec![0f32; red.shard(b).len()]).collect();
         }
+        red
     }
 
     /// The buckets, in readiness order.
@@ -124,26 +169,34 @@ impl OverlapReducer {
         &self.buckets
     }
 
-    /// The part of bucket `b` this rank owns (all of it without sharding).
+    /// The part of bucket `b` this rank owns (all of it with [`Reduction::AllReduce`]).
     pub fn shard(&self, b: usize) -> Range<usize> {
         let r = self.buckets[b].clone();
-        if !self.sharded {
+        if self.reduction == Reduction::AllReduce {
             return r;
         }
         let blk = block_range(r.len(), self.dp_size, self.dp_rank);
         r.start + blk.start..r.start + blk.end
     }
 
-    /// Starts a step whose gradients are sums over `micro_batches` micro-batches.
+    /// The reduced gradients of bucket `b`'s shard after `finish` (ReduceScatter only).
+    pub fn shard_grads(&mut self, b: usize) -> &mut [f32] {
+        &mut self.shards[b]
+    }
+
+    /// Starts a step whose gradients are averaged over `micro_batches` micro-batches.
     pub fn begin(&mut self, micro_batches: usize) {
         self.ready.iter_mut().for_each(|r| *r = 0);
-        self.launched.iter_mut().for_each(|l| *l = false);
+        self.launches.iter_mut().for_each(|l| *l = 0);
+        self.received.iter_mut().for_each(|l| *l = 0);
         self.scale = 1.0 / micro_batches.max(1) as f32;
         self.busy = Duration::ZERO;
     }
 
-    /// Records that the gradients `range` are final with values `data` (`range.len()` of them)
-    /// and launches every bucket that became complete.
+    /// Records that the gradients `range` are final for this report with values `data`
+    /// (`range.len()` of them) and launches every bucket that became complete. May wait for a
+    /// finished bucket when the staging pool is used up; an error of the communication thread is
+    /// kept for `finish`.
     pub fn on_final(&mut self, range: Range<usize>, data: &[f32]) {
         debug_assert_eq!(range.len(), data.len());
         for b in 0..self.buckets.len() {
@@ -152,7 +205,15 @@ impl OverlapReducer {
             if lo >= hi {
                 continue;
             }
-            let stage = self.staging[b].as_mut().expect("a bucket is staged once per step");
+            if self.reduction == Reduction::AllReduce && self.launches[b] > 0 {
+                self.failed.get_or_insert(Error::Check(format!("gradient bucket {b} reported twice in one step")));
+                continue;
+            }
+            if self.staging[b].is_none() {
+                let buf = self.take_staging(r.len());
+                self.staging[b] = Some(buf);
+            }
+            let stage = self.staging[b].as_mut().expect("staged above");
             for (d, s) in stage[lo - r.start..hi - r.start].iter_mut().zip(&data[lo - range.start..hi - range.start]) {
                 *d = s * self.scale;
             }
@@ -163,37 +224,86 @@ impl OverlapReducer {
         }
     }
 
+    /// A staging buffer of `len` elements from the pool, waiting for a finished bucket if
+    /// [`MAX_STAGED`] are out.
+    fn take_staging(&mut self, len: usize) -> Vec<f32> {
+        while self.staged >= MAX_STAGED && self.in_flight > 0 && self.failed.is_none() {
+            if let Err(e) = self.receive_one(None) {
+                self.failed = Some(e);
+            }
+        }
+        self.staged += 1;
+        let mut buf = self.pool.pop().unwrap_or_default();
+        buf.resize(len, 0.0);
+        buf
+    }
+
     fn launch(&mut self, b: usize) {
-        self.launched[b] = true;
-        let data = self.staging[b].take().expect("a bucket is launched once per step");
+        self.ready[b] = 0;
+        self.launches[b] += 1;
+        let data = self.staging[b].take().expect("a launched bucket was staged");
         if let Some(tx) = &self.jobs {
             // A closed channel means the thread stopped on an error, which `finish` reports.
-            let _ = tx.send(Job { bucket: b, data });
+            if tx.send(Job { bucket: b, data }).is_ok() {
+                self.in_flight += 1;
+            }
         }
     }
 
-    /// Launches what is left, waits for every bucket, and writes the reduced gradients back into
-    /// `grads` (the owned part of each bucket when sharded).
-    pub fn finish(&mut self, grads: &mut [f32]) -> Result<ReduceTiming> {
-        let t0 = Instant::now();
-        for b in 0..self.buckets.len() {
-            if !self.launched[b] {
-                let r = self.buckets[b].clone();
-                let missing: Vec<f32> = grads[r.clone()].to_vec();
-                self.ready[b] = 0;
-                self.on_final(r, &missing);
+    /// Waits for one reduced bucket and files it: into the shard (ReduceScatter, returning the
+    /// buffer to the pool) or into `grads` (AllReduce).
+    fn receive_one(&mut self, grads: Option<&mut [f32]>) -> Result<()> {
+        let done = self
+            .done
+            .recv()
+            .map_err(|_| Error::Check("gradient communication thread stopped unexpectedly".into()))??;
+        self.in_flight -= 1;
+        self.busy += done.busy;
+        let b = done.bucket;
+        self.received[b] += 1;
+        let own = self.shard(b);
+        let base = self.buckets[b].start;
+        match self.reduction {
+            Reduction::ReduceScatter => {
+                let block = &done.data[own.start - base..own.end - base];
+                if self.received[b] == 1 {
+                    self.shards[b].copy_from_slice(block);
+                } else {
+                    self.shards[b].iter_mut().zip(block).for_each(|(s, x)| *s += x);
+                }
+                self.pool.push(done.data);
+                self.staged -= 1;
+            }
+            Reduction::AllReduce => {
+                let grads = grads.expect("all-reduced buckets are received in `finish` only");
+                grads[own].copy_from_slice(&done.data);
+                self.staging[b] = Some(done.data);
             }
         }
-        for _ in 0..self.buckets.len() {
-            let done = self
-                .done
-                .recv()
-                .map_err(|_| Error::Check("gradient communication thread stopped unexpectedly".into()))??;
-            self.busy += done.busy;
-            let dst = self.shard(done.bucket);
-            let src = if self.sharded { dst.start - self.buckets[done.bucket].start..dst.end - self.buckets[done.bucket].start } else { 0..dst.len() };
-            grads[dst].copy_from_slice(&done.data[src]);
-            self.staging[done.bucket] = Some(done.data);
+        Ok(())
+    }
+
+    /// Waits for every launched bucket; with [`Reduction::AllReduce`] writes the results into
+    /// `grads`, with [`Reduction::ReduceScatter`] they are in [`OverlapReducer::shard_grads`].
+    pub fn finish(&mut self, grads: &mut [f32]) -> Result<ReduceTiming> {
+        let t0 = Instant::now();
+        while self.in_flight > 0 && self.failed.is_none() {
+            if let Err(e) = self.receive_one(Some(&mut *grads)) {
+                self.failed = Some(e);
+            }
+        }
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
+        for (b, r) in self.buckets.iter().enumerate() {
+            if self.launches[b] == 0 || self.ready[b] != 0 {
+                return Err(Error::Check(format!(
+                    "gradient bucket {b} ({r:?}): {} of {} elements reported after {} launches",
+                    self.ready[b],
+                    r.len(),
+                    self.launches[b]
+                )));
+            }
         }
         Ok(ReduceTiming { comm: self.busy, exposed: t0.elapsed() })
     }
@@ -209,6 +319,7 @@ impl Drop for OverlapReducer {
 }
 
 #[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)] // one-unit bucket plans
 mod tests {
     use super::*;
     use crate::comm::testing::run_ranks;
@@ -216,10 +327,10 @@ mod tests {
     use crate::model::{Gpt, GptConfig};
 
     #[test]
-    fn buckets_cover_the_buffer_backwards() {
-        let b = plan_buckets(10, 4);
-        assert_eq!(b, vec![6..10, 2..6, 0..2]);
-        assert!(plan_buckets(0, 4).is_empty());
+    fn buckets_cover_the_buffer_backwards_within_units() {
+        assert_eq!(plan_buckets(&[0..10], 4), vec![6..10, 2..6, 0..2]);
+        assert_eq!(plan_buckets(&[0..3, 3..10], 4), vec![6..10, 3..6, 0..3]);
+        assert!(plan_buckets(&[0..0], 4).is_empty());
     }
 
     #[test]
@@ -229,7 +340,7 @@ mod tests {
         let tokens: Vec<u32> = (0..16).map(|i| (i * 7 % 200) as u32).collect();
         m.forward(&tokens, &tokens).unwrap();
         let mut seen: Vec<(Range<usize>, Vec<f32>)> = Vec::new();
-        m.backward_with(&mut |r, g| seen.push((r.clone(), g[r].to_vec()))).unwrap();
+        m.backward_with(&mut |r, g| seen.push((r.clone(), g.to_vec()))).unwrap();
         let mut covered = vec![0u8; m.grads().len()];
         for (r, snapshot) in &seen {
             r.clone().for_each(|i| covered[i] += 1);
@@ -238,32 +349,76 @@ mod tests {
         assert!(covered.iter().all(|&c| c == 1));
     }
 
+    /// Rank `rank`'s gradient `i` in report `k`.
+    fn grad(i: usize, rank: usize, k: usize) -> f32 {
+        (i % 17) as f32 + rank as f32 + 4.0 * k as f32
+    }
+
     #[test]
     fn overlapped_reduction_equals_a_plain_average() {
-        for sharded in [false, true] {
+        for (reduction, reports) in
+            [(Reduction::AllReduce, 1), (Reduction::ReduceScatter, 1), (Reduction::ReduceScatter, 3)]
+        {
             let results = run_ranks(3, CommConfig::default(), move |c| {
                 let n = 1000;
-                let grads: Vec<f32> = (0..n).map(|i| (i % 17) as f32 + c.rank() as f32).collect();
                 let thread_comm = c.split(Some(0), c.rank() as i64).unwrap().unwrap();
-                let mut red = OverlapReducer::new(thread_comm, n, 128, sharded);
-                let mut g = grads.clone();
-                red.begin(2);
-                // Reported out of bucket order and in pieces, as a backward would.
-                red.on_final(600..n, &g[600..n]);
-                red.on_final(0..300, &g[..300]);
-                red.on_final(300..600, &g[300..600]);
-                red.finish(&mut g).unwrap();
-                let owned: Vec<Range<usize>> = (0..red.buckets().len()).map(|b| red.shard(b)).collect();
-                (g, owned)
+                // Two units; small buckets so that more than MAX_STAGED are in play.
+                let mut red = OverlapReducer::new(thread_comm, plan_buckets(&[0..380, 380..n], 64), reduction);
+                let mut g = vec![0f32; n];
+                // Two steps: the second must not see anything of the first (reused staging,
+                // shard accumulators).
+                for _step in 0..2 {
+                    red.begin(2);
+                    for k in 0..reports {
+                        let data: Vec<f32> = (0..n).map(|i| grad(i, c.rank(), k)).collect();
+                        // Reported out of bucket order and in pieces, as a backward would.
+                        red.on_final(600..n, &data[600..n]);
+                        red.on_final(0..300, &data[..300]);
+                        red.on_final(300..600, &data[300..600]);
+                    }
+                    red.finish(&mut g).unwrap();
+                }
+                (0..red.buckets().len())
+                    .map(|b| {
+                        let own = red.shard(b);
+                        let v = if reduction == Reduction::AllReduce {
+                            g[own.clone()].to_vec()
+                        } else {
+                            red.shard_grads(b).to_vec()
+                        };
+                        (own, v)
+                    })
+                    .collect::<Vec<_>>()
             });
-            for (g, owned) in results {
-                for r in owned {
-                    for i in r {
-                        // mean over ranks 0,1,2 of (i%17 + rank), times 1/2 for two micro-batches.
-                        assert_eq!(g[i], ((i % 17) as f32 + 1.0) * 0.5, "sharded={sharded} i={i}");
+            for shards in results {
+                let covered: usize = shards.iter().map(|(r, _)| r.len()).sum();
+                if reduction == Reduction::AllReduce {
+                    assert_eq!(covered, 1000);
+                }
+                for (own, v) in shards {
+                    for (i, x) in own.zip(v) {
+                        // Mean over ranks 0,1,2 of the reports' sum, times 1/2 for two micro-batches;
+                        // every partial sum is an integer or half-integer, so this is exact.
+                        let want: f32 = (0..reports).map(|k| grad(i, 1, k)).sum::<f32>() * 0.5;
+                        assert_eq!(x, want, "{reduction:?} x{reports} i={i}");
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn an_unreported_bucket_is_an_error_not_a_silent_zero() {
+        let results = run_ranks(2, CommConfig::default(), |c| {
+            let thread_comm = c.split(Some(0), c.rank() as i64).unwrap().unwrap();
+            let mut red = OverlapReducer::new(thread_comm, plan_buckets(&[0..100], 40), Reduction::ReduceScatter);
+            red.begin(1);
+            red.on_final(30..100, &[1.0; 70]);
+            red.finish(&mut [0.0; 100]).map(|_| ()).map_err(|e| e.to_string())
+        });
+        for r in results {
+            let e = r.unwrap_err();
+            assert!(e.contains("gradient bucket 1 (20..60): 30 of 40 elements"), "{e}");
         }
     }
 }

@@ -1,25 +1,40 @@
-//! Data-parallel gradient synchronisation and the optimizer step: replicated optimizer state
-//! (ZeRO-0) or state sharded across the data-parallel group (ZeRO-1), both with bucketed
-//! reduction overlapped with the backward pass ([`super::buckets`]).
+//! Data-parallel gradient synchronisation and the optimizer step, for ZeRO stages 0-3, all with
+//! bucketed reduction overlapped with the backward pass ([`super::buckets`]):
+//!
+//! | stage | gradients reduced by | resident per rank (fp32, Ψ parameters, N ranks)         |
+//! |-------|----------------------|----------------------------------------------------------|
+//! | 0     | all-reduce           | params 4Ψ, grads 4Ψ (+4Ψ staging), AdamW 8Ψ              |
+//! | 1     | reduce-scatter       | params 4Ψ, grads 4Ψ + 4Ψ/N shard, AdamW 8Ψ/N             |
+//! | 2     | reduce-scatter each micro-batch | params 4Ψ, grads 4Ψ/N shard, AdamW 8Ψ/N     |
+//! | 3     | reduce-scatter each micro-batch | params 4Ψ/N, grads 4Ψ/N shard, AdamW 8Ψ/N   |
+//!
+//! plus working buffers (staging buckets, the units being computed, see `memory_estimate.rs`).
+//! With ZeRO >= 1 a rank's shard is block `dp_rank` of every bucket (an offset range per bucket):
+//! its AdamW state and its reduced gradients cover exactly those ranges. ZeRO-1/2 all-gather the
+//! updated parameters bucket by bucket; ZeRO-2/3 give a gradient range's pages back as soon as it
+//! is staged (the model's flat gradient buffer is then mostly unbacked); ZeRO-3 keeps only the
+//! owned blocks of the parameters and gathers the rest unit by unit ([`super::param_gather`]).
 //!
 //! Invariants: after [`DataParallel::step`] every data-parallel rank holds bit-identical
-//! parameters; the optimizer sees the mean gradient over ranks and micro-batches; the global
-//! gradient norm is the same on every rank, so clipping agrees everywhere. With ZeRO-1 a rank's
-//! shard is block `dp_rank` of every bucket (an offset range per bucket): its AdamW state covers
-//! exactly those ranges, and the updated parameters are all-gathered bucket by bucket.
+//! parameters (ZeRO-3: bit-identical blocks, identical gathers); the optimizer sees the mean
+//! gradient over ranks and micro-batches; the global gradient norm is the same on every rank, so
+//! clipping agrees everywhere.
 
 use std::ops::Range;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
-use super::buckets::{OverlapReducer, ReduceTiming};
+use super::buckets::{plan_buckets, OverlapReducer, ReduceTiming, Reduction};
+use super::param_gather::ParamGather;
 use crate::comm::stats::CommStats;
 use crate::comm::{Communicator, ReduceOp};
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::memory::zero_release;
 use crate::optim::{clip_scale, scale_grads, sum_of_squares, AdamW, AdamWState};
 
 /// How gradients and optimizer state are laid out across the data-parallel group.
 pub struct DataParallel {
-    /// ZeRO stage (0: replicated state; 1: state sharded).
+    /// ZeRO stage (0-3, see the module documentation).
     pub zero: u8,
     reducer: OverlapReducer,
     /// Traffic of the reduction thread's communicator.
@@ -37,13 +52,21 @@ pub struct StepOutcome {
 }
 
 impl DataParallel {
-    /// Layout for `n` parameters on `dp`'s ranks at ZeRO `zero` (0 or 1) with buckets of
-    /// `bucket_elems` gradients. Collective over `dp` (it makes the communication thread's own
-    /// communicator).
-    pub fn new(dp: &Communicator, n: usize, zero: u8, bucket_elems: usize) -> Result<Self> {
+    /// Layout for the parameters `units` (contiguous ranges partitioning the flat buffer, in
+    /// order) on `dp`'s ranks at ZeRO `zero` with buckets of `bucket_elems` gradients. Collective
+    /// over `dp` (it makes the communication thread's own communicator).
+    pub fn new(dp: &Communicator, units: &[Range<usize>], zero: u8, bucket_elems: usize) -> Result<Self> {
+        if zero > 3 {
+            return Err(Error::config("parallel.zero", format!("{zero} is not a ZeRO stage (0-3)")));
+        }
         let thread_comm = dp.split(Some(0), dp.rank() as i64)?.expect("every rank joins color 0");
         let bucket_stats = thread_comm.stats();
-        let reducer = OverlapReducer::new(thread_comm, n, bucket_elems, zero > 0);
+        let n = units.last().map_or(0, |u| u.end);
+        // ZeRO-3 gathers parameters bucket by bucket, so its buckets must not straddle units.
+        let whole = 0..n;
+        let buckets = if zero == 3 { plan_buckets(units, bucket_elems) } else { plan_buckets(std::slice::from_ref(&whole), bucket_elems) };
+        let reduction = if zero == 0 { Reduction::AllReduce } else { Reduction::ReduceScatter };
+        let reducer = OverlapReducer::new(thread_comm, buckets, reduction);
         let states = (0..reducer.buckets().len())
             .map(|b| {
                 let r = reducer.shard(b);
@@ -51,6 +74,19 @@ impl DataParallel {
             })
             .collect();
         Ok(DataParallel { zero, reducer, bucket_stats, states })
+    }
+
+    /// Whether every backward reports its gradients (ZeRO-2/3 reduce each micro-batch so that
+    /// no rank holds the full accumulated gradient); otherwise only the last one does.
+    pub fn reduces_every_backward(&self) -> bool {
+        self.zero >= 2
+    }
+
+    /// The ZeRO-3 parameter gate over this layout's buckets and owned blocks, gathering on a
+    /// communicator of its own (collective over `dp`), and its waited-nanoseconds counter.
+    pub fn param_gate(&self, dp: &Communicator, units: &[Range<usize>]) -> Result<(ParamGather, Arc<AtomicU64>)> {
+        let comm = dp.split(Some(0), dp.rank() as i64)?.expect("every rank joins color 0");
+        ParamGather::new(comm, units, self.reducer.buckets().to_vec(), self.owned())
     }
 
     /// Elements of optimizer state this rank holds (m and v each).
@@ -66,6 +102,11 @@ impl DataParallel {
     /// Number of gradient buckets.
     pub fn buckets(&self) -> usize {
         self.states.len()
+    }
+
+    /// The gradient buckets, in readiness order.
+    pub fn bucket_ranges(&self) -> &[Range<usize>] {
+        self.reducer.buckets()
     }
 
     /// AdamW states, one per bucket (covering this rank's part of it).
@@ -88,16 +129,20 @@ impl DataParallel {
         self.reducer.begin(micro_batches);
     }
 
-    /// Hook for the last micro-batch's backward: the gradients `range` are final, with values
-    /// `data`.
-    pub fn on_final(&mut self, range: Range<usize>, data: &[f32]) {
+    /// Hook for a reporting backward: the gradients `range` are final, with values `data` (the
+    /// model's buffer; ZeRO-2/3 zero it and give its pages back once staged).
+    pub fn on_final(&mut self, range: Range<usize>, data: &mut [f32]) {
         self.reducer.on_final(range, data);
+        if self.zero >= 2 {
+            zero_release(data);
+        }
     }
 
     /// Finishes the reduction, clips by the global norm (`max_norm` 0 = off), applies AdamW at
-    /// learning rate `lr`, and leaves identical `params` on every data-parallel rank. `counted`
-    /// says which elements this rank counts in the norm; partial norms are summed over `groups`
-    /// (the tensor- and pipeline-parallel groups) and, with ZeRO, over `dp`.
+    /// learning rate `lr`, and leaves identical `params` on every data-parallel rank (ZeRO-3: the
+    /// owned blocks only). `counted` says which elements this rank counts in the norm; partial
+    /// norms are summed over `groups` (the tensor- and pipeline-parallel groups) and, with ZeRO,
+    /// over `dp`. `grads` is the model's buffer (read only at ZeRO-0).
     #[allow(clippy::too_many_arguments)]
     pub fn step(
         &mut self,
@@ -111,18 +156,21 @@ impl DataParallel {
         grads: &mut [f32],
     ) -> Result<StepOutcome> {
         let timing = self.reducer.finish(grads)?;
+        let DataParallel { zero, reducer, states, .. } = self;
+        let sharded = *zero > 0;
         let mut partial = 0.0f64;
-        for s in &self.states {
+        for (b, s) in states.iter().enumerate() {
             let owned = s.range();
+            let g = if sharded { reducer.shard_grads(b) } else { &mut grads[owned.clone()] };
             for (span, _) in counted.iter().filter(|(_, c)| *c) {
                 let (lo, hi) = (owned.start.max(span.start), owned.end.min(span.end));
                 if lo < hi {
-                    partial += sum_of_squares(&grads[lo..hi]);
+                    partial += sum_of_squares(&g[lo - owned.start..hi - owned.start]);
                 }
             }
         }
         let mut sq = [partial];
-        if self.zero > 0 {
+        if sharded {
             dp.all_reduce(&mut sq, ReduceOp::Sum)?;
         }
         for g in groups {
@@ -130,13 +178,14 @@ impl DataParallel {
         }
         let grad_norm = sq[0].sqrt();
         let scale = clip_scale(grad_norm, max_norm);
-        for s in &mut self.states {
+        for (b, s) in states.iter_mut().enumerate() {
             let r = s.range();
-            scale_grads(&mut grads[r.clone()], scale);
-            opt.step(s, lr, &mut params[r.clone()], &grads[r])?;
+            let g = if sharded { reducer.shard_grads(b) } else { &mut grads[r.clone()] };
+            scale_grads(g, scale);
+            opt.step(s, lr, &mut params[r], g)?;
         }
-        if self.zero > 0 {
-            for b in self.reducer.buckets().to_vec() {
+        if sharded && *zero < 3 {
+            for b in reducer.buckets().to_vec() {
                 dp.all_gather(&mut params[b])?;
             }
         }

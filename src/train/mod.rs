@@ -10,12 +10,15 @@
 mod buckets;
 mod checkpointing;
 mod grad_sync;
+mod memory_estimate;
+mod param_gather;
 mod pipeline;
 mod replica;
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::bootstrap::World;
 use crate::comm::stats::CommStats;
@@ -23,6 +26,7 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::config::{DeviceKind, JobConfig};
 use crate::data::{open_source, Batch, Sampler, Split};
 use crate::error::{Error, Result};
+use crate::memory::{peak_rss_bytes, reset_peak_rss, rss_bytes};
 use crate::metrics::{FlopCounter, MetricsWriter, Progress, StepRecord};
 use crate::device::{bind_cpu_threads, cpu_peak_tflops};
 use crate::parallel::grid::{Grid, GridShape};
@@ -31,6 +35,7 @@ use crate::parallel::stage_split;
 use crate::optim::{AdamW, AdamWConfig, DecayMask, LrSchedule};
 
 pub use grad_sync::DataParallel;
+pub use memory_estimate::{MemoryEstimate, MemoryInputs};
 pub use replica::{Replica, ReplicaLayout};
 
 /// Options of one run that are not part of the job config.
@@ -49,17 +54,12 @@ pub struct TrainReport {
     pub val_losses: Vec<(u64, f64)>,
     /// Mean tokens per second over the steps after the first.
     pub tokens_per_s: f64,
-    /// The final parameters.
-    pub params: Vec<f32>,
 }
 
 /// Rejects layouts this build cannot run yet, naming the key.
 fn check_supported(cfg: &JobConfig) -> Result<()> {
     if cfg.device != DeviceKind::Cpu {
         return Err(Error::config("device", "only `cpu` training is implemented so far (GPU backends are not built yet)"));
-    }
-    if cfg.parallel.zero > 1 {
-        return Err(Error::config("parallel.zero", "only ZeRO stages 0 and 1 are implemented so far"));
     }
     Ok(())
 }
@@ -82,6 +82,9 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     check_supported(cfg)?;
     let leader = world.rank == 0;
     bind_cpu_threads(world.local_size);
+    // What the process holds before the model exists (binary, libraries, MPI): the baseline of
+    // the memory estimate.
+    let baseline = rss_bytes()?;
     if leader {
         println!("# effective config\n{}", cfg.to_toml());
     }
@@ -124,29 +127,52 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         schedule,
         microbatches: cfg.parallel.microbatches,
         stage_layers,
+        shard_executor: cfg.parallel.zero >= 2,
     };
+    let zero = cfg.parallel.zero;
     let mut model = Replica::new(cfg.model, b, t, cfg.train.seed, layout)?;
     let n = model.params().len();
     let norm_spans = model.norm_spans();
+    let units = model.units();
     let bucket_elems = ((cfg.parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1);
-    let mut sync = DataParallel::new(&dp, n, cfg.parallel.zero, bucket_elems)?;
+    let mut sync = DataParallel::new(&dp, &units, zero, bucket_elems)?;
     if dp.size() > 1 {
         traffic.push(("dp_buckets", sync.bucket_stats()));
     }
+    let gather_wait = if zero == 3 {
+        let (gate, waited) = sync.param_gate(&dp, &units)?;
+        model.set_param_gate(Box::new(gate))?;
+        model.release_gathered()?;
+        waited
+    } else {
+        Arc::new(AtomicU64::new(0))
+    };
+    let passes = if zero == 3 { model.gather_passes() } else { Vec::new() };
+    let owned: Vec<_> = sync.owned();
+    let estimate = MemoryEstimate::new(&MemoryInputs {
+        zero,
+        n,
+        shard: owned.iter().map(|r| r.len()).sum(),
+        buckets: sync.bucket_ranges(),
+        units: &units,
+        wte: model.wte(),
+        passes: &passes,
+        activations: model.activation_elements(),
+    });
     if leader {
-        let state_mb = (2 * sync.state_len() * 4) as f64 / 1e6;
         println!(
-            "# layout: dp={} tp={} pp={} zero={}; {} parameters on this rank in {} gradient bucket(s); per rank: params {:.1} MB, grads {:.1} MB, AdamW state {:.1} MB, activations {:.1} MB",
+            "# layout: dp={} tp={} pp={} zero={}; {} parameters on this rank in {} gradient bucket(s)",
             dp.size(),
             cfg.parallel.tp,
             cfg.parallel.pp,
-            cfg.parallel.zero,
+            zero,
             n,
             sync.buckets(),
-            (n * 4) as f64 / 1e6,
-            (n * 4) as f64 / 1e6,
-            state_mb,
-            (model.activation_elements() * 4) as f64 / 1e6
+        );
+        println!(
+            "# memory estimate per rank (rank 0): {} + runtime baseline {:.1} MB",
+            estimate.describe(),
+            baseline as f64 / 1e6
         );
     }
     let adamw = AdamWConfig {
@@ -159,6 +185,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     let maps = model.tensor_maps();
     if let Some(path) = &cfg.init_from {
         checkpointing::init_from(path, cfg, &maps, model.params_mut())?;
+        model.release_gathered()?;
     }
     let sched = LrSchedule::new(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.steps)?;
     let vocab = cfg.model.vocab_size;
@@ -180,6 +207,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     if let Some(resume) = &cfg.checkpoint.resume {
         let path = checkpointing::resolve(cfg, resume)?;
         let r = checkpointing::restore(&path, cfg, &maps, model.params_mut(), &mut sync)?;
+        model.release_gathered()?;
         sampler.restore(r.sampler)?;
         (first_step, tokens_seen) = (r.step + 1, r.tokens_seen);
         if leader {
@@ -200,8 +228,13 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     let tokens_per_step = (dp.size() * accum * b * t) as f64;
     let mut batch = Batch::new(b, t);
     let mut batches: Vec<Batch> = (0..accum).map(|_| Batch::new(b, t)).collect();
-    let mut report = TrainReport { losses: Vec::new(), val_losses: Vec::new(), tokens_per_s: 0.0, params: Vec::new() };
+    let mut report = TrainReport { losses: Vec::new(), val_losses: Vec::new(), tokens_per_s: 0.0 };
     let (start, mut timed_s, mut timed_steps) = (Instant::now(), 0.0, 0u64);
+    // The peak resident set reported per step is that of the training steps, not of the set-up
+    // (which builds the initial model from one seed on every rank). Without the kernel interface
+    // the peak covers the whole run.
+    let peak_is_steps = reset_peak_rss().is_ok();
+    let every_backward = sync.reduces_every_backward();
 
     for step in first_step..=cfg.train.steps {
         let t0 = Instant::now();
@@ -211,13 +244,18 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             sampler.next_batch(batch)?;
         }
         // Only the last backward communicates, overlapped bucket by bucket.
-        let loss_mean = model.run(&batches, &mut |r, g| sync.on_final(r, g))?;
+        let loss_mean = model.run(&batches, every_backward, &mut |r, g| sync.on_final(r, g))?;
         let lr = sched.lr(step - 1);
         let (params, grads) = model.params_and_grads();
         let outcome =
             sync.step(&dp, &norm_groups, &norm_spans, &opt, lr, cfg.optim.grad_clip, params, grads)?;
+        model.release_gathered()?;
+        let param_wait = Duration::from_nanos(gather_wait.swap(0, Ordering::Relaxed));
         let mut loss = [loss_mean];
         dp.all_reduce(&mut loss, ReduceOp::Avg)?;
+        // The largest peak resident set over all ranks, in MB.
+        let mut peak_mb = [peak_rss_bytes()? as f64 / 1e6];
+        world_comm.all_reduce(&mut peak_mb, ReduceOp::Max)?;
         let step_s = t0.elapsed().as_secs_f64();
         if step > 1 {
             timed_s += step_s;
@@ -233,6 +271,12 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             _ => None,
         };
         let tokens_per_s = tokens_per_step / step_s;
+        // The step split: exposed communication (gradient buckets not hidden behind backward,
+        // ZeRO-3 gathers waited for), pipeline bubble (idle and point-to-point waits), and the rest
+        // (compute, including the optimizer and the hidden communication).
+        let bubble = model.pipeline_idle().map_or(0.0, |(idle, _)| idle);
+        let exposed = outcome.timing.exposed.as_secs_f64() + param_wait.as_secs_f64();
+        let compute_s = (step_s - exposed - bubble).max(0.0);
         let pipeline = model.pipeline_metrics()?;
         let record = StepRecord {
             step,
@@ -247,7 +291,12 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             extra: [
                 ("comm_s".to_string(), serde_json::json!(outcome.timing.comm.as_secs_f64())),
                 ("comm_exposed_s".to_string(), serde_json::json!(outcome.timing.exposed.as_secs_f64())),
+                ("param_gather_wait_s".to_string(), serde_json::json!(param_wait.as_secs_f64())),
                 ("step_s".to_string(), serde_json::json!(step_s)),
+                ("compute_s".to_string(), serde_json::json!(compute_s)),
+                ("peak_rss_mb".to_string(), serde_json::json!(peak_mb[0])),
+                ("peak_rss_covers".to_string(), serde_json::json!(if peak_is_steps { "steps" } else { "run" })),
+                ("mem_estimate_mb".to_string(), serde_json::json!((estimate.total() + baseline) as f64 / 1e6)),
             ]
             .into_iter()
             .chain(std::iter::once((
@@ -272,7 +321,6 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     }
     progress.finish();
     report.tokens_per_s = if timed_s > 0.0 { tokens_per_step * timed_steps as f64 / timed_s } else { 0.0 };
-    report.params = model.params().to_vec();
     if leader {
         println!(
             "# done: {} steps, final loss {:.4}{}, {:.0} tokens/s",

@@ -42,17 +42,30 @@ pub struct Pipeline {
     grad_in: Vec<Vec<f32>>,
     /// Gradients of the chunks' inputs to send, one per (micro-batch, chunk).
     grad_out: Vec<Vec<f32>>,
-    timing: RoundTiming,
+    timing: StepTiming,
 }
 
-/// Where the time of the last pipeline round went.
-#[derive(Debug, Clone, Default)]
-struct RoundTiming {
-    /// This rank's round, from its first action to its last.
+/// Where the time of the pipeline rounds since [`Pipeline::start_step`] went.
+#[derive(Debug, Clone)]
+struct StepTiming {
+    /// Rounds run.
+    rounds: usize,
+    /// This rank's rounds, each from its first action to its last.
     total: Duration,
     /// Seconds every pipeline rank (by index) spent in forwards and in backwards.
     forward_s: Vec<f64>,
     backward_s: Vec<f64>,
+}
+
+impl StepTiming {
+    fn new(ranks: usize) -> Self {
+        StepTiming {
+            rounds: 0,
+            total: Duration::ZERO,
+            forward_s: vec![0.0; ranks],
+            backward_s: vec![0.0; ranks],
+        }
+    }
 }
 
 impl Pipeline {
@@ -102,7 +115,7 @@ impl Pipeline {
             act_out: bufs(),
             grad_in: bufs(),
             grad_out: bufs(),
-            timing: RoundTiming::default(),
+            timing: StepTiming::new(p),
         })
     }
 
@@ -124,6 +137,11 @@ impl Pipeline {
     /// The tensor-parallel and pipeline communicators.
     pub fn groups(&self) -> (&Communicator, &Communicator) {
         (&self.tp, &self.pp)
+    }
+
+    /// Starts the timing of a new optimizer step (its rounds add up until the next call).
+    pub fn start_step(&mut self) {
+        self.timing = StepTiming::new(self.pp.size());
     }
 
     fn is_first(&self) -> bool {
@@ -182,45 +200,49 @@ impl Pipeline {
                 Action::SendGrad { mb, chunk, to_rank } => pp.send(&grad_out[mb * v + chunk], to_rank)?,
             }
         }
-        timing.total = start.elapsed();
+        timing.total += start.elapsed();
+        timing.rounds += 1;
         // One reduction for the loss and every rank's compute times (each fills its own entries).
         let mut sums = vec![0.0f64; 1 + 2 * p];
         sums[0] = loss;
         sums[1 + rank] = fwd.as_secs_f64();
         sums[1 + p + rank] = bwd.as_secs_f64();
         pp.all_reduce(&mut sums, ReduceOp::Sum)?;
-        timing.forward_s = sums[1..1 + p].to_vec();
-        timing.backward_s = sums[1 + p..].to_vec();
+        let add = |acc: &mut [f64], new: &[f64]| acc.iter_mut().zip(new).for_each(|(a, n)| *a += n);
+        add(&mut timing.forward_s, &sums[1..1 + p]);
+        add(&mut timing.backward_s, &sums[1 + p..]);
         Ok(sums[0])
     }
 
-    /// Timing of the last [`Pipeline::run`] for the metrics: `bubble_s` (this rank's round time
-    /// outside its forwards and backwards: pipeline bubble and transfers) and `pipeline_s` (the
-    /// round), every rank's `stage_forward_s` and `stage_backward_s`, and `bubble_sim_s` /
-    /// `pipeline_sim_s`: the same for this rank when the schedule runs with those per-rank compute
-    /// times and instant transfers ([`simulate_ranks`]), i.e. the bubble that the schedule and the
-    /// stages' imbalance explain, without transfer costs.
-    pub fn round_metrics(&self) -> Result<Vec<(String, Value)>> {
-        let t = &self.timing;
-        if t.forward_s.is_empty() {
-            return Ok(Vec::new()); // no round yet
-        }
-        let (rank, m) = (self.pp.rank(), self.microbatches as f64);
-        let busy = t.forward_s[rank] + t.backward_s[rank];
+    /// Seconds this rank spent outside its forwards and backwards in the rounds of the step
+    /// (pipeline bubble and transfers), and the rounds' total seconds.
+    pub fn idle(&self) -> (f64, f64) {
+        let (t, rank) = (&self.timing, self.pp.rank());
         let total = t.total.as_secs_f64();
-        let per_mb = |s: &[f64]| s.iter().map(|x| x / m).collect::<Vec<_>>();
-        let sim = simulate_ranks(
-            self.schedule,
-            self.pp.size(),
-            self.microbatches,
-            &per_mb(&t.forward_s),
-            &per_mb(&t.backward_s),
-        )?;
+        (total - t.forward_s[rank] - t.backward_s[rank], total)
+    }
+
+    /// Timing of the step's rounds for the metrics: `bubble_s` and `pipeline_s` ([`Pipeline::idle`]),
+    /// every pipeline rank's `stage_forward_s` and `stage_backward_s`, and `bubble_sim_s` /
+    /// `pipeline_sim_s`: the same as `bubble_s` / `pipeline_s` when the schedule runs with those
+    /// per-rank compute times and instant transfers ([`simulate_ranks`]), i.e. the bubble that the
+    /// schedule and the stages' imbalance explain, without transfer costs.
+    pub fn step_metrics(&self) -> Result<Vec<(String, Value)>> {
+        let (t, rank) = (&self.timing, self.pp.rank());
+        if t.rounds == 0 {
+            return Ok(Vec::new());
+        }
+        let (idle, total) = self.idle();
+        let per_mb =
+            |s: &[f64]| s.iter().map(|x| x / (t.rounds * self.microbatches) as f64).collect::<Vec<_>>();
+        let (fwd, bwd) = (per_mb(&t.forward_s), per_mb(&t.backward_s));
+        let sim = simulate_ranks(self.schedule, self.pp.size(), self.microbatches, &fwd, &bwd)?;
+        let rounds = t.rounds as f64;
         Ok(vec![
-            ("bubble_s".into(), json!(total - busy)),
+            ("bubble_s".into(), json!(idle)),
             ("pipeline_s".into(), json!(total)),
-            ("bubble_sim_s".into(), json!(sim.end[rank] - sim.busy[rank])),
-            ("pipeline_sim_s".into(), json!(sim.end[rank])),
+            ("bubble_sim_s".into(), json!(rounds * (sim.end[rank] - sim.busy[rank]))),
+            ("pipeline_sim_s".into(), json!(rounds * sim.end[rank])),
             ("stage_forward_s".into(), json!(t.forward_s)),
             ("stage_backward_s".into(), json!(t.backward_s)),
         ])

@@ -11,8 +11,8 @@ use std::ops::Range;
 use super::pipeline::Pipeline;
 use crate::comm::Communicator;
 use crate::data::Batch;
-use crate::error::Result;
-use crate::model::{Gpt, GptConfig, Stage, StageInput, StageOutput, StageSpec};
+use crate::error::{Error, Result};
+use crate::model::{Gpt, GptConfig, ParamGate, Stage, StageInput, StageOutput, StageSpec};
 use crate::parallel::schedule::Schedule;
 
 /// A trainable model replica.
@@ -64,6 +64,9 @@ pub struct ReplicaLayout {
     pub microbatches: usize,
     /// Blocks of each global pipeline stage ([`crate::parallel::stage_split::stage_layers`]).
     pub stage_layers: Vec<Range<usize>>,
+    /// Run the whole model through the shard executor ([`Stage`]) even without tensor
+    /// parallelism: ZeRO-2/3 need its units, parameter gate and mutable gradient reports.
+    pub shard_executor: bool,
 }
 
 impl Replica {
@@ -86,7 +89,7 @@ impl Replica {
             )?;
             return Ok(Replica::Pipeline(Box::new(p)));
         }
-        if l.tp.size() == 1 {
+        if l.tp.size() == 1 && !l.shard_executor {
             return Ok(Replica::Whole(Box::new(full)));
         }
         let mut stage = Stage::new(cfg, l.tp.rank(), l.tp.size(), StageSpec::whole(&cfg), l.sequence_parallel, b, t, 1)?;
@@ -103,21 +106,31 @@ impl Replica {
     }
 
     /// Forward and backward of every batch, adding into the gradients; `on_final(range, values)`
-    /// reports gradients as they become final in the last backward. Returns the mean loss.
-    pub fn run(&mut self, batches: &[Batch], on_final: &mut dyn FnMut(Range<usize>, &[f32])) -> Result<f64> {
+    /// reports gradients as they become final, in the last backward only or (`every_backward`)
+    /// in each (a pipeline reports once per round). Returns the mean loss.
+    pub fn run(
+        &mut self,
+        batches: &[Batch],
+        every_backward: bool,
+        on_final: &mut dyn FnMut(Range<usize>, &mut [f32]),
+    ) -> Result<f64> {
         let mut sum = 0.0;
         if let Replica::Pipeline(p) = self {
-            for round in batches.chunks(p.microbatches()) {
+            p.start_step();
+            let rounds = batches.len() / p.microbatches().max(1);
+            for (i, round) in batches.chunks(p.microbatches()).enumerate() {
                 sum += p.run(round)?;
+                if every_backward || i + 1 == rounds {
+                    p.sync_tied_grads()?;
+                    let g = p.stage_mut().grads_mut();
+                    on_final(0..g.len(), g);
+                }
             }
-            p.sync_tied_grads()?;
-            let g = p.stage().grads();
-            on_final(0..g.len(), g);
             return Ok(sum / batches.len() as f64);
         }
         for (i, b) in batches.iter().enumerate() {
             sum += self.forward(b)?;
-            if i + 1 == batches.len() {
+            if every_backward || i + 1 == batches.len() {
                 self.backward(on_final)?;
             } else {
                 self.backward(&mut |_, _| {})?;
@@ -126,11 +139,77 @@ impl Replica {
         Ok(sum / batches.len() as f64)
     }
 
-    /// Metrics of the last pipeline round (bubble, per-stage compute, see
-    /// [`Pipeline::round_metrics`]); empty without pipeline parallelism.
+    /// The parameter units of the flat buffer (ZeRO-3 gathers them one by one): the shard
+    /// executor's units, or the whole buffer as one.
+    pub fn units(&self) -> Vec<Range<usize>> {
+        match self.stage() {
+            Some(s) => s.units(),
+            None => std::iter::once(0..self.params().len()).collect(),
+        }
+    }
+
+    /// Installs the ZeRO-3 parameter gate; the replica must run on the shard executor.
+    pub fn set_param_gate(&mut self, gate: Box<dyn ParamGate>) -> Result<()> {
+        match self.stage_mut() {
+            Some(s) => {
+                s.set_gate(gate);
+                Ok(())
+            }
+            None => Err(Error::Check("a parameter gate needs the shard executor".into())),
+        }
+    }
+
+    /// Gives back gathered parameter units (ZeRO-3) after the owned shard changed.
+    pub fn release_gathered(&mut self) -> Result<()> {
+        match self.stage_mut() {
+            Some(s) => s.release_gathered(),
+            None => Ok(()),
+        }
+    }
+
+    /// The unit groups each pass acquires (empty without the shard executor).
+    pub fn gather_passes(&self) -> Vec<Vec<Vec<Range<usize>>>> {
+        self.stage().map_or(Vec::new(), |s| s.gather_passes().to_vec())
+    }
+
+    /// The flat range of the tied `wte` (shard), if this rank holds it.
+    pub fn wte(&self) -> Option<Range<usize>> {
+        match self {
+            Replica::Whole(m) => Some(m.layout().wte()),
+            _ => self.stage().and_then(|s| s.layout().wte()),
+        }
+    }
+
+    fn stage(&self) -> Option<&Stage> {
+        match self {
+            Replica::Whole(_) => None,
+            Replica::TensorParallel { stage, .. } => Some(stage),
+            Replica::Pipeline(p) => Some(p.stage()),
+        }
+    }
+
+    fn stage_mut(&mut self) -> Option<&mut Stage> {
+        match self {
+            Replica::Whole(_) => None,
+            Replica::TensorParallel { stage, .. } => Some(stage),
+            Replica::Pipeline(p) => Some(p.stage_mut()),
+        }
+    }
+
+    /// Seconds of the last step this rank spent idle in the pipeline (bubble and transfers), and
+    /// the pipeline rounds' total seconds; `None` without pipeline parallelism.
+    pub fn pipeline_idle(&self) -> Option<(f64, f64)> {
+        match self {
+            Replica::Pipeline(p) => Some(p.idle()),
+            _ => None,
+        }
+    }
+
+    /// Pipeline metrics of the last step (bubble, per-stage compute, see
+    /// [`Pipeline::step_metrics`]); empty without pipeline parallelism.
     pub fn pipeline_metrics(&self) -> Result<Vec<(String, serde_json::Value)>> {
         match self {
-            Replica::Pipeline(p) => p.round_metrics(),
+            Replica::Pipeline(p) => p.step_metrics(),
             _ => Ok(Vec::new()),
         }
     }
@@ -186,9 +265,9 @@ impl Replica {
 
     /// Backward of the last forward, adding into the gradients; `on_final(range, values)` is called
     /// for each range as soon as it is final.
-    fn backward(&mut self, on_final: &mut dyn FnMut(Range<usize>, &[f32])) -> Result<()> {
+    fn backward(&mut self, on_final: &mut dyn FnMut(Range<usize>, &mut [f32])) -> Result<()> {
         match self {
-            Replica::Whole(m) => m.backward_with(&mut |r, g| on_final(r.clone(), &g[r])),
+            Replica::Whole(m) => m.backward_with(on_final),
             Replica::TensorParallel { stage, tp } => {
                 stage.backward(0, 0, None, &**tp, &mut |r, g| on_final(r, g))?;
                 Ok(())

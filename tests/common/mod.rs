@@ -139,3 +139,45 @@ pub fn losses(metrics: &std::path::Path) -> Vec<(u64, f64)> {
         })
         .collect()
 }
+
+/// Exports the checkpoint `ckpt` to the file `out` and reads every tensor back (name, global
+/// shape, values), sorted by name.
+pub fn export(ckpt: &std::path::Path, out: &std::path::Path) -> Vec<meshtrain::checkpoint::ExportedTensor> {
+    let st = Command::new(meshtrain()).arg("export").arg(ckpt).arg(out).output().unwrap();
+    assert!(st.status.success(), "export failed: {}", String::from_utf8_lossy(&st.stderr));
+    meshtrain::checkpoint::read_exported(out).unwrap().1
+}
+
+/// Asserts that every model tensor of `got` is within `rel` of `want` in relative L2 norm
+/// (`|a - b| / |b|`; element-wise relative error is meaningless for elements near zero).
+///
+/// The key third of each `attn.qkv.bias` is left out: its gradient is zero in exact arithmetic
+/// (adding a constant to every key's score leaves each query's softmax unchanged), so what it
+/// receives is rounding noise, which AdamW's normalisation turns into steps of size ~lr whose
+/// signs depend on summation order: two layouts legitimately disagree there at the 1e-4 level.
+pub fn assert_params_close(
+    got: &[meshtrain::checkpoint::ExportedTensor],
+    want: &[meshtrain::checkpoint::ExportedTensor],
+    rel: f64,
+    what: &str,
+) {
+    assert_eq!(got.len(), want.len(), "{what}: tensor counts differ");
+    let mut compared = 0;
+    for (a, b) in got.iter().zip(want) {
+        assert_eq!((&a.0, &a.1), (&b.0, &b.1), "{what}: tensor tables differ");
+        if !a.0.starts_with("model/") {
+            continue;
+        }
+        let n = a.2.len();
+        let parts: Vec<std::ops::Range<usize>> =
+            if a.0.ends_with("attn.qkv.bias") { vec![0..n / 3, 2 * n / 3..n] } else { std::iter::once(0..n).collect() };
+        for r in parts {
+            let diff: f64 = a.2[r.clone()].iter().zip(&b.2[r.clone()]).map(|(x, y)| f64::from(x - y).powi(2)).sum();
+            let norm: f64 = b.2[r.clone()].iter().map(|y| f64::from(*y).powi(2)).sum();
+            let e = (diff / norm.max(1e-30)).sqrt();
+            assert!(e <= rel, "{what}: {}[{r:?}] relative L2 difference {e:.3e} > {rel:e}", a.0);
+        }
+        compared += 1;
+    }
+    assert!(compared > 0, "{what}: no model tensors to compare");
+}

@@ -202,18 +202,26 @@ fn interleaved_pipelines_follow_the_single_rank_trajectory() {
     let blocks = "model.n_layer=8".to_string();
     let single = job(d, "single.toml", "");
     let want = trajectory(d, "ref", 1, &single, &["train.grad_accum=4".into(), blocks.clone()]);
-    // (tp, pp, microbatches, grad_accum, stage_layers): 4 micro-batches per step; the explicit
-    // split gives the chunks of each rank different depths.
-    let layouts = [(1, 2, 4, 1, ""), (1, 4, 4, 1, ""), (2, 2, 2, 2, ""), (1, 2, 2, 2, "[3, 2, 1, 2]")];
-    for (tp, pp, m, accum, split) in layouts {
-        let name = format!("tp{tp}pp{pp}m{m}a{accum}{}", if split.is_empty() { "" } else { "split" });
-        let mut parallel = format!("[parallel]\ntp = {tp}\npp = {pp}\nmicrobatches = {m}\n");
-        parallel.push_str("schedule = \"interleaved\"\nvirtual_stages = 2");
+    // (tp, pp, dp, zero, microbatches, grad_accum, stage_layers): dp * m * accum = 4 micro-batches
+    // per step; the explicit split gives the chunks of each rank different depths; ZeRO-3 gathers
+    // each chunk's blocks on its own.
+    let layouts = [
+        (1, 2, 1, 0, 4, 1, ""),
+        (1, 4, 1, 0, 4, 1, ""),
+        (2, 2, 1, 0, 2, 2, ""),
+        (1, 2, 1, 0, 2, 2, "[3, 2, 1, 2]"),
+        (1, 2, 2, 3, 2, 1, ""),
+    ];
+    for (tp, pp, dp, zero, m, accum, split) in layouts {
+        let name = format!("tp{tp}pp{pp}dp{dp}z{zero}m{m}{}", if split.is_empty() { "" } else { "split" });
+        let mut parallel = format!("[parallel]\ntp = {tp}\npp = {pp}\ndp = {dp}\nzero = {zero}\n");
+        parallel.push_str(&format!("microbatches = {m}\nschedule = \"interleaved\"\nvirtual_stages = 2"));
         if !split.is_empty() {
             parallel.push_str(&format!("\nstage_layers = {split}"));
         }
         let path = job(d, &format!("{name}.toml"), &parallel);
-        let got = trajectory(d, &name, tp * pp, &path, &[format!("train.grad_accum={accum}"), blocks.clone()]);
+        let sets = [format!("train.grad_accum={accum}"), blocks.clone()];
+        let got = trajectory(d, &name, tp * pp * dp, &path, &sets);
         assert_close(&got.losses, &want.losses, 1e-5, &name);
         common::assert_params_close(&got.params, &want.params, 3e-5, &name);
     }

@@ -46,7 +46,7 @@ mod tests;
 use crate::config::{self, ParallelConfig};
 use crate::error::{Error, Result};
 
-pub use sim::{simulate, simulate_ranks, SimReport};
+pub use sim::{simulate, simulate_ranks, Delivery, SimReport};
 
 /// A pipeline schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -21,7 +21,7 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::data::Batch;
 use crate::error::{Error, Result};
 use crate::model::{GptConfig, Stage, StageInput, StageOutput, StageSpec};
-use crate::parallel::schedule::{actions, simulate_ranks, Action, Schedule};
+use crate::parallel::schedule::{actions, simulate_ranks, Action, Delivery, Schedule};
 
 /// One pipeline rank of one tensor-parallel rank, with its message buffers.
 pub struct Pipeline {
@@ -225,8 +225,9 @@ impl Pipeline {
     /// Timing of the step's rounds for the metrics: `bubble_s` and `pipeline_s` ([`Pipeline::idle`]),
     /// every pipeline rank's `stage_forward_s` and `stage_backward_s`, and `bubble_sim_s` /
     /// `pipeline_sim_s`: the same as `bubble_s` / `pipeline_s` when the schedule runs with those
-    /// per-rank compute times and instant transfers ([`simulate_ranks`]), i.e. the bubble that the
-    /// schedule and the stages' imbalance explain, without transfer costs.
+    /// per-rank compute times over buffered links whose transfers take no time ([`simulate_ranks`]),
+    /// i.e. the bubble that the schedule and the stages' imbalance explain; the rest of `bubble_s`
+    /// is transfers and waiting on them.
     pub fn step_metrics(&self) -> Result<Vec<(String, Value)>> {
         let (t, rank) = (&self.timing, self.pp.rank());
         if t.rounds == 0 {
@@ -236,7 +237,8 @@ impl Pipeline {
         let per_mb =
             |s: &[f64]| s.iter().map(|x| x / (t.rounds * self.microbatches) as f64).collect::<Vec<_>>();
         let (fwd, bwd) = (per_mb(&t.forward_s), per_mb(&t.backward_s));
-        let sim = simulate_ranks(self.schedule, self.pp.size(), self.microbatches, &fwd, &bwd)?;
+        let sim =
+            simulate_ranks(self.schedule, self.pp.size(), self.microbatches, &fwd, &bwd, Delivery::Buffered)?;
         let rounds = t.rounds as f64;
         Ok(vec![
             ("bubble_s".into(), json!(idle)),

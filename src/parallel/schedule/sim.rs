@@ -7,7 +7,10 @@
 //! the head of the peer's list complete together, at the later of the two ranks' clocks, and take
 //! no time; if the peer's head receive from this rank expects a different message, that is a
 //! protocol error, not a wait. No message is buffered, so a list set that completes here also
-//! completes over any buffered transport.
+//! completes over any buffered transport. [`simulate_ranks`] can also model buffered links
+//! ([`Delivery::Buffered`]: a send completes at once, its message waits in the channel's FIFO
+//! until the receive at the head of the receiver's list takes it), which is how meshtrain's
+//! shared-memory and TCP links behave while messages fit their slots.
 //!
 //! Every action is checked as it runs: a forward needs its input activation (received, or computed
 //! locally by the previous chunk when `p == 1`), a backward needs its own forward and its output
@@ -15,8 +18,19 @@
 //! nothing runs twice. At the end every (micro-batch, stage) must have run its forward and its
 //! backward. Violations and deadlocks are `Error::Check` naming the rank, action index and action.
 
+use std::collections::VecDeque;
+
 use super::{actions, Action, Layout, Schedule};
 use crate::error::{Error, Result};
+
+/// How a simulated send completes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// When the peer takes the message (no buffering; the strictest model).
+    Rendezvous,
+    /// At once; the message waits in an unbounded FIFO per (sender, receiver).
+    Buffered,
+}
 
 /// What executing one step of a schedule on all ranks yields.
 #[derive(Debug, Clone, PartialEq)]
@@ -47,19 +61,21 @@ pub fn simulate(
     fwd_time: f64,
     bwd_time: f64,
 ) -> Result<SimReport> {
-    simulate_ranks(schedule, stages, microbatches, &vec![fwd_time; stages], &vec![bwd_time; stages])
+    let (fwd, bwd) = (vec![fwd_time; stages], vec![bwd_time; stages]);
+    simulate_ranks(schedule, stages, microbatches, &fwd, &bwd, Delivery::Rendezvous)
 }
 
-/// [`simulate`] with per-rank times: rank `r`'s forward and backward of one micro-batch through all
-/// its chunks take `fwd_times[r]` and `bwd_times[r]` (e.g. measured ones, to see how much bubble
-/// the imbalance between stages alone explains). Errors as [`simulate`], and
-/// `Error::InvalidArgument` unless both slices have one time per rank.
+/// [`simulate`] with per-rank times and a choice of [`Delivery`]: rank `r`'s forward and backward
+/// of one micro-batch through all its chunks take `fwd_times[r]` and `bwd_times[r]` (e.g. measured
+/// ones, to see how much bubble the imbalance between stages alone explains). Errors as
+/// [`simulate`], and `Error::InvalidArgument` unless both slices have one time per rank.
 pub fn simulate_ranks(
     schedule: Schedule,
     stages: usize,
     microbatches: usize,
     fwd_times: &[f64],
     bwd_times: &[f64],
+    delivery: Delivery,
 ) -> Result<SimReport> {
     for (name, times) in [("fwd_time", fwd_times), ("bwd_time", bwd_times)] {
         if times.len() != stages {
@@ -78,7 +94,7 @@ pub fn simulate_ranks(
         (0..stages).map(|rank| actions(schedule, rank, stages, microbatches)).collect::<Result<Vec<_>>>()?;
     let layout = Layout { p: stages, m: microbatches, v: schedule.chunks() };
     let per_chunk = |times: &[f64]| times.iter().map(|t| t / layout.v as f64).collect::<Vec<_>>();
-    execute(&lists, layout, &per_chunk(fwd_times), &per_chunk(bwd_times))
+    execute(&lists, layout, &per_chunk(fwd_times), &per_chunk(bwd_times), delivery)
 }
 
 /// Message direction along the pipeline.
@@ -99,7 +115,13 @@ struct Message {
 
 /// Runs `lists[r]` on rank `r` for every rank; one chunk's forward on rank `r` takes `fwd[r]`,
 /// its backward `bwd[r]`.
-fn execute(lists: &[Vec<Action>], layout: Layout, fwd: &[f64], bwd: &[f64]) -> Result<SimReport> {
+fn execute(
+    lists: &[Vec<Action>],
+    layout: Layout,
+    fwd: &[f64],
+    bwd: &[f64],
+    delivery: Delivery,
+) -> Result<SimReport> {
     let p = layout.p;
     if lists.len() != p {
         return Err(Error::InvalidArgument(format!(
@@ -113,6 +135,8 @@ fn execute(lists: &[Vec<Action>], layout: Layout, fwd: &[f64], bwd: &[f64]) -> R
         layout,
         fwd,
         bwd,
+        delivery,
+        queues: vec![VecDeque::new(); p * p],
         pc: vec![0; p],
         clock: vec![0.0; p],
         busy: vec![0.0; p],
@@ -152,6 +176,10 @@ struct Sim<'a> {
     /// Per rank: one chunk's forward and backward time.
     fwd: &'a [f64],
     bwd: &'a [f64],
+    delivery: Delivery,
+    /// Buffered delivery: messages sent and not yet received with their send times, FIFO per
+    /// (sender, receiver) at `sender * p + receiver`.
+    queues: Vec<VecDeque<(Message, f64)>>,
     /// Per rank: index of the next action.
     pc: Vec<usize>,
     /// Per rank: time at which its last action finished.
@@ -189,10 +217,16 @@ impl Sim<'_> {
             Action::Forward { mb, chunk } => self.compute(rank, mb, chunk, true).map(|()| true),
             Action::Backward { mb, chunk } => self.compute(rank, mb, chunk, false).map(|()| true),
             Action::SendActivation { to_rank: peer, .. } | Action::SendGrad { to_rank: peer, .. } => {
-                self.rendezvous(rank, peer, rank)
+                match self.delivery {
+                    Delivery::Rendezvous => self.rendezvous(rank, peer, rank),
+                    Delivery::Buffered => self.post(rank, peer, action).map(|()| true),
+                }
             }
             Action::RecvActivation { from_rank: peer, .. } | Action::RecvGrad { from_rank: peer, .. } => {
-                self.rendezvous(rank, peer, peer)
+                match self.delivery {
+                    Delivery::Rendezvous => self.rendezvous(rank, peer, peer),
+                    Delivery::Buffered => self.take(rank, peer, action),
+                }
             }
         }
     }
@@ -283,6 +317,31 @@ impl Sim<'_> {
         Ok(true)
     }
 
+    /// Buffered delivery: queues the message `action` on `rank` sends to `peer`, completing the send.
+    fn post(&mut self, rank: usize, peer: usize, action: Action) -> Result<()> {
+        self.check_peer(rank, peer)?;
+        let sent = self.message(rank, action, true)?.expect("a send action describes a message");
+        self.queues[rank * self.layout.p + peer].push_back((sent, self.clock[rank]));
+        self.pc[rank] += 1;
+        Ok(())
+    }
+
+    /// Buffered delivery: completes the receive `action` on `rank` from `peer` with the oldest
+    /// queued message of that channel, once it was sent; `Ok(false)` while none is queued.
+    fn take(&mut self, rank: usize, peer: usize, action: Action) -> Result<bool> {
+        self.check_peer(rank, peer)?;
+        let channel = peer * self.layout.p + rank;
+        let Some(&(sent, at)) = self.queues[channel].front() else {
+            return Ok(false);
+        };
+        let expected = self.message(rank, action, false)?.expect("a receive action describes a message");
+        self.deliver(peer, rank, sent, expected)?;
+        self.queues[channel].pop_front();
+        self.clock[rank] = self.clock[rank].max(at);
+        self.pc[rank] += 1;
+        Ok(true)
+    }
+
     /// Checks that `receiver` expects what `sender` sent and marks it arrived.
     fn deliver(&mut self, sender: usize, receiver: usize, sent: Message, expected: Message) -> Result<()> {
         if sent != expected {
@@ -340,6 +399,13 @@ impl Sim<'_> {
     }
 
     fn check_complete(&self) -> Result<()> {
+        if let Some(i) = self.queues.iter().position(|q| !q.is_empty()) {
+            let (sender, receiver) = (i / self.layout.p, i % self.layout.p);
+            return Err(Error::Check(format!(
+                "pipeline rank {sender} sent {:?} to rank {receiver}, which never received it",
+                self.queues[i][0].0
+            )));
+        }
         let stages = self.layout.stage_count();
         for (slot, (&f, &b)) in self.forwarded.iter().zip(&self.backwarded).enumerate() {
             if !(f && b) {
@@ -366,7 +432,7 @@ mod tests {
     const TWO_RANKS_TWO_MB: Layout = Layout { p: 2, m: 2, v: 1 };
 
     fn run(lists: &[Vec<Action>]) -> Result<SimReport> {
-        execute(lists, TWO_RANKS_TWO_MB, &[1.0; 2], &[1.0; 2])
+        execute(lists, TWO_RANKS_TWO_MB, &[1.0; 2], &[1.0; 2], Delivery::Rendezvous)
     }
 
     fn check_error(r: Result<SimReport>, needle: &str) {
@@ -432,6 +498,31 @@ mod tests {
         check_error(run(&[rank0(), rank1_one_f_one_b()]), "deadlock");
     }
 
+    /// Buffered links let the facing sends pass: rank 0 F0 [0,1] F1 [1,2], both sends queued;
+    /// rank 1 F0 [1,2] B0 [2,3] F1 [3,4] B1 [4,5]; rank 0 B0 [3,4] B1 [5,6].
+    #[test]
+    fn buffered_links_pass_facing_sends() {
+        let lists = [rank0(), rank1_one_f_one_b()];
+        let report = execute(&lists, TWO_RANKS_TWO_MB, &[1.0; 2], &[1.0; 2], Delivery::Buffered).unwrap();
+        assert_eq!(report.end, vec![6.0, 5.0]);
+    }
+
+    #[test]
+    fn a_message_never_received_is_caught() {
+        let mut rank1 = rank1_one_f_one_b();
+        // Rank 1 stops after micro-batch 0, rank 0 after its backward; activation 1 stays queued.
+        let mb1 = |a: &Action| {
+            matches!(a, RecvA { mb: 1, .. } | F { mb: 1, .. } | B { mb: 1, .. } | SendG { mb: 1, .. })
+        };
+        rank1.retain(|a| !mb1(a));
+        let mut rank0 = rank0();
+        rank0.retain(|a| !matches!(a, RecvG { mb: 1, .. } | B { mb: 1, .. }));
+        match execute(&[rank0, rank1], TWO_RANKS_TWO_MB, &[1.0; 2], &[1.0; 2], Delivery::Buffered) {
+            Err(Error::Check(msg)) => assert!(msg.contains("never received"), "{msg}"),
+            other => panic!("expected an unreceived-message error, got {other:?}"),
+        }
+    }
+
     #[test]
     fn out_of_order_receive_is_a_protocol_error() {
         let mut rank1 = rank1_one_f_one_b();
@@ -464,7 +555,7 @@ mod tests {
     fn missing_backward_is_caught() {
         let layout = Layout { p: 1, m: 2, v: 1 };
         let list = vec![F { mb: 0, chunk: 0 }, F { mb: 1, chunk: 0 }, B { mb: 1, chunk: 0 }];
-        match execute(&[list], layout, &[1.0], &[1.0]) {
+        match execute(&[list], layout, &[1.0], &[1.0], Delivery::Rendezvous) {
             Err(Error::Check(msg)) => assert!(msg.contains("backward of micro-batch 0"), "{msg}"),
             other => panic!("expected a missing-backward error, got {other:?}"),
         }

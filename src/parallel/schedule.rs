@@ -22,17 +22,21 @@
 //! Communication order. Point-to-point operations are blocking rendezvous: a send completes only
 //! when the peer has posted the matching receive, and the messages between two ranks form one
 //! ordered channel per direction (no tags, no buffering assumed). Each rank's list is its
-//! computes and messages sorted by their times in the ideal unit-time timeline (every forward and
-//! backward of one chunk takes one time unit and starts as soon as its inputs exist and its rank
-//! is free); a message is placed at the time its producer finishes, before a compute that starts
-//! at the same time, and messages at equal times are ordered by (kind, micro-batch, stage). Both
-//! ends of a message therefore place it under the same key, so every channel is consumed in the
-//! order it is filled, and by induction over that key every send meets its receive exactly at
-//! its ideal time: with unit times the blocking execution reproduces the ideal timeline, hence it
-//! cannot deadlock, and since blocking rendezvous execution is deterministic it cannot deadlock for
-//! any other compute times either. It may then wait more than the ideal: with backward = 2 x
-//! forward, GPipe and 1F1B still meet [`bubble_fraction`] exactly, interleaved runs up to ~26%
-//! longer (p <= 8, m <= 16, v <= 4) because a fixed receive order suits one time ratio only.
+//! computes and messages sorted by their times in an ideal timeline (every forward of one chunk
+//! takes one time unit, every backward one unit for GPipe and 1F1B and two for interleaved, and
+//! each starts as soon as its inputs exist and its rank is free); a message is placed at the time
+//! its producer finishes, before a compute that starts at the same time, and messages at equal
+//! times are ordered by (kind, micro-batch, stage). Both ends of a message therefore place it
+//! under the same key, so all ranks' actions merge into one global order by key in which every
+//! rank's list is a subsequence, a message's two ends are one event, and every compute comes
+//! after the receive of its input: executing that order runs every action with its inputs
+//! present and both ends of every message at the heads of their lists, so the lists cannot
+//! deadlock, and since blocking rendezvous execution is deterministic they cannot for any compute
+//! times. How long they run depends on the times: GPipe and 1F1B meet [`bubble_fraction`]
+//! exactly at backward = 1x and 2x forward; interleaved meets it at 2x over buffered links (how
+//! meshtrain's links behave while a message fits their slots), and runs up to 33% (equal times)
+//! or 43% (2x, blocking sends) longer otherwise (p <= 8, m <= 16, v <= 4), because a fixed order
+//! suits one time ratio and one kind of link only; 2x is what a backward costs in FLOPs.
 //!
 //! Invariants: each rank runs exactly one forward and one backward per (micro-batch, own chunk);
 //! a forward follows the arrival of its input activation, a backward follows its own forward and
@@ -82,6 +86,17 @@ impl Schedule {
         }
     }
 
+    /// Duration of a backward in the ideal timeline that orders the messages, in forwards: 2 for
+    /// interleaved (a backward costs about twice a forward, and interleaved lists ordered for equal
+    /// times run up to 22% long at that ratio even over buffered links), 1 for GPipe and 1F1B
+    /// (whose lists meet the formula at both ratios either way).
+    fn backward_units(self) -> u64 {
+        match self {
+            Schedule::GPipe | Schedule::OneFOneB => 1,
+            Schedule::Interleaved { .. } => 2,
+        }
+    }
+
     /// Forwards this rank runs before its first backward.
     fn warmup(self, rank: usize, stages: usize, microbatches: usize) -> usize {
         match self {
@@ -127,7 +142,7 @@ pub fn actions(schedule: Schedule, rank: usize, stages: usize, microbatches: usi
     }
     let layout = Layout { p: stages, m: microbatches, v: schedule.chunks() };
     let orders: Vec<Vec<Work>> = (0..stages).map(|r| compute_order(schedule, r, layout)).collect();
-    let timeline = UnitTimeline::new(&orders, layout);
+    let timeline = IdealTimeline::new(&orders, layout, schedule.backward_units());
     Ok(place_messages(&orders[rank], rank, &timeline, layout))
 }
 
@@ -239,17 +254,18 @@ fn visit(pass: Pass, k: usize, layout: Layout) -> Work {
     Work { pass, mb, chunk }
 }
 
-/// End times of every forward and backward in the ideal timeline where each compute takes one
-/// unit and starts once its rank is free and its inputs exist.
-struct UnitTimeline {
+/// End times of every forward and backward in the ideal timeline where each forward takes one
+/// unit, each backward `bwd_units`, and each starts once its rank is free and its inputs exist.
+struct IdealTimeline {
+    bwd_units: u64,
     /// (m, p*v) end time of the forward of (mb, stage).
     fwd_end: Vec<u64>,
     /// (m, p*v) end time of the backward of (mb, stage).
     bwd_end: Vec<u64>,
 }
 
-impl UnitTimeline {
-    fn new(orders: &[Vec<Work>], layout: Layout) -> UnitTimeline {
+impl IdealTimeline {
+    fn new(orders: &[Vec<Work>], layout: Layout, bwd_units: u64) -> IdealTimeline {
         let cells = layout.m * layout.stage_count();
         let (mut fwd_end, mut bwd_end) = (vec![None; cells], vec![None; cells]);
         let mut next = vec![0usize; layout.p];
@@ -263,7 +279,7 @@ impl UnitTimeline {
                     let Some(ready) = input_ready(work, stage, layout, &fwd_end, &bwd_end) else {
                         break;
                     };
-                    let end = free[rank].max(ready) + 1;
+                    let end = free[rank].max(ready) + if work.pass == Pass::Forward { 1 } else { bwd_units };
                     let table = match work.pass {
                         Pass::Forward => &mut fwd_end,
                         Pass::Backward => &mut bwd_end,
@@ -278,7 +294,7 @@ impl UnitTimeline {
             assert!(progressed, "pipeline compute orders wait on each other: {layout:?}");
         }
         let done = |t: Vec<Option<u64>>| t.into_iter().map(|e| e.expect("every compute ran"));
-        UnitTimeline { fwd_end: done(fwd_end).collect(), bwd_end: done(bwd_end).collect() }
+        IdealTimeline { bwd_units, fwd_end: done(fwd_end).collect(), bwd_end: done(bwd_end).collect() }
     }
 }
 
@@ -309,7 +325,7 @@ fn input_ready(
 type EventKey = (u64, u8, u8, usize, usize);
 
 /// Interleaves `rank`'s computes with its messages in ideal-time order (see the module doc).
-fn place_messages(order: &[Work], rank: usize, timeline: &UnitTimeline, layout: Layout) -> Vec<Action> {
+fn place_messages(order: &[Work], rank: usize, timeline: &IdealTimeline, layout: Layout) -> Vec<Action> {
     let mut events: Vec<(EventKey, Action)> = Vec::new();
     let last = layout.stage_count() - 1;
     let talks = layout.p > 1;
@@ -333,7 +349,7 @@ fn place_messages(order: &[Work], rank: usize, timeline: &UnitTimeline, layout: 
                 }
             }
             Pass::Backward => {
-                let start = bwd_end(stage) - 1;
+                let start = bwd_end(stage) - timeline.bwd_units;
                 if talks && stage < last {
                     let from_rank = layout.owner(stage + 1).0;
                     let key = (bwd_end(stage + 1), 0, 1, mb, stage + 1);

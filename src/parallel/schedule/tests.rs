@@ -237,29 +237,40 @@ fn every_schedule_completes_under_blocking_rendezvous() {
     }
 }
 
-/// With equal forward and backward times the blocking execution reproduces the ideal unit
-/// timeline, whose makespan is (v*m + p - 1) chunk forward+backward pairs. Times are chosen so
-/// that one chunk's compute is one unit: every clock is a small integer, so equality is exact.
+/// With equal forward and backward times the blocking execution of GPipe and 1F1B reproduces the
+/// ideal timeline, whose makespan is (m + p - 1) forward+backward pairs. Interleaved lists are
+/// ordered for backward = 2 x forward; at equal times they run up to 33% longer (measured: p=3,
+/// m=15, v=4). Times are chosen so that one chunk's compute is one unit: every clock is a small
+/// integer, so equality is exact.
 #[test]
-fn equal_times_reach_the_theoretical_bubble_exactly() {
+fn equal_times_against_the_theoretical_bubble() {
     for (schedule, p, m) in sweep() {
         let v = schedule.chunks();
         let per_rank = v as f64; // one chunk = one unit
         let report = simulate(schedule, p, m, per_rank, per_rank).unwrap();
-        assert_eq!(report.makespan, (2 * (v * m + p - 1)) as f64, "{schedule:?} p={p} m={m}");
+        let theory = (2 * (v * m + p - 1)) as f64;
         assert!(report.busy.iter().all(|&b| b == (2 * v * m) as f64));
-        let theory = bubble_fraction(schedule, p, m).unwrap();
-        // Both sides are a handful of correctly rounded operations on integers below 2^10.
-        assert!((report.bubble_fraction - theory).abs() < 1e-12, "{schedule:?} p={p} m={m}");
+        match schedule {
+            Schedule::GPipe | Schedule::OneFOneB => {
+                assert_eq!(report.makespan, theory, "{schedule:?} p={p} m={m}");
+                let bubble = bubble_fraction(schedule, p, m).unwrap();
+                // Both sides are a handful of correctly rounded operations on integers below 2^10.
+                assert!((report.bubble_fraction - bubble).abs() < 1e-12, "{schedule:?} p={p} m={m}");
+            }
+            Schedule::Interleaved { .. } => {
+                assert!(report.makespan >= theory, "{schedule:?} p={p} m={m}");
+                assert!(report.makespan < 1.35 * theory, "{schedule:?} p={p} m={m}");
+            }
+        }
     }
 }
 
 /// With backward = 2 x forward, GPipe and 1F1B still reach the formula exactly under blocking
-/// sends: the fill and drain cost (p-1) forward+backward pairs. Interleaved lists are ordered for
-/// equal times; at 2x their receives sometimes come before a compute that could already run, so
-/// the blocking execution is longer than the formula (measured: up to 26% more makespan, at
-/// p=2, m=16, v=4), although the same compute order without blocking meets it. The test pins
-/// both facts: interleaved is never below the formula, and the excess stays under 30%.
+/// sends: the fill and drain cost (p-1) forward+backward pairs. Interleaved lists meet it over
+/// buffered links (next test) but not under blocking sends: a send then waits for a receiver
+/// busy in a backward that the ideal timeline had end later (measured: up to 43% more makespan,
+/// at p=2, m=16, v=4). The test pins both facts: interleaved is never below the formula, and the
+/// excess stays under 45%.
 #[test]
 fn backward_twice_forward_against_the_theoretical_bubble() {
     for (schedule, p, m) in sweep() {
@@ -275,31 +286,25 @@ fn backward_twice_forward_against_the_theoretical_bubble() {
             }
             Schedule::Interleaved { .. } => {
                 assert!(report.makespan >= theory, "{schedule:?} p={p} m={m}");
-                assert!(report.makespan < 1.3 * theory, "{schedule:?} p={p} m={m}");
+                assert!(report.makespan < 1.45 * theory, "{schedule:?} p={p} m={m}");
             }
         }
     }
 }
 
-/// Buffered links (a send never waits) never make a list set slower than blocking ones. With
-/// backward = 2 x forward, GPipe and 1F1B meet the formula exactly; interleaved lists, ordered for
-/// equal times, still run up to 22% over it (p=2..8, m<=16, v<=4; 26% blocking), so most of
-/// that excess is the compute order, not the sends waiting.
+/// Buffered links (a send never waits, as meshtrain's while a message fits the link's slots) never
+/// make a list set slower than blocking ones, and with backward = 2 x forward every schedule meets
+/// the formula exactly, interleaved included: its messages are ordered by the timeline of that
+/// ratio, which buffered execution reproduces.
 #[test]
-fn buffered_delivery_against_the_formula_at_backward_twice_forward() {
+fn buffered_delivery_meets_the_formula_at_backward_twice_forward() {
     for (schedule, p, m) in sweep() {
         let v = schedule.chunks();
         let (fwd, bwd) = (vec![v as f64; p], vec![2.0 * v as f64; p]);
         let buffered = simulate_ranks(schedule, p, m, &fwd, &bwd, Delivery::Buffered).unwrap();
         let blocking = simulate_ranks(schedule, p, m, &fwd, &bwd, Delivery::Rendezvous).unwrap();
         assert!(buffered.makespan <= blocking.makespan, "{schedule:?} p={p} m={m}");
-        let (theory, got) = ((3 * (v * m + p - 1)) as f64, buffered.makespan);
-        match schedule {
-            Schedule::GPipe | Schedule::OneFOneB => assert_eq!(got, theory, "{schedule:?} p={p} m={m}"),
-            Schedule::Interleaved { .. } => {
-                assert!(got >= theory && got < 1.25 * theory, "{schedule:?} p={p} m={m}: {got} vs {theory}")
-            }
-        }
+        assert_eq!(buffered.makespan, (3 * (v * m + p - 1)) as f64, "{schedule:?} p={p} m={m}");
     }
 }
 
@@ -322,3 +327,4 @@ fn peak_activations_in_flight() {
         }
     }
 }
+

@@ -144,6 +144,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         zero,
         n,
         shard: owned.iter().map(|r| r.len()).sum(),
+        dp: dp.size(),
         buckets: sync.bucket_ranges(),
         units: &units,
         wte: model.wte(),

@@ -131,7 +131,10 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         traffic.push(("dp_buckets", sync.bucket_stats()));
     }
     let gather_wait = if zero == 3 {
-        let (gate, waited) = sync.param_gate(&dp, &units)?;
+        let (gate, waited, stats) = sync.param_gate(&dp, &units)?;
+        if dp.size() > 1 {
+            traffic.push(("dp_params", stats));
+        }
         model.set_param_gate(Box::new(gate))?;
         model.release_gathered()?;
         waited

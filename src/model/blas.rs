@@ -79,68 +79,44 @@ fn dim(x: usize) -> c_int {
     c_int::try_from(x).expect("GEMM dimension exceeds the BLAS int range")
 }
 
-/// Single-precision GEMM (see [`Gemm`]).
-pub fn sgemm(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: Operand<'_, f32>,
-    b: Operand<'_, f32>,
-    beta: f32,
-    c: &mut [f32],
-) {
-    // SAFETY: `gemm::matmul` checked that a, b and c hold their full matrices for these
-    // dimensions and leading dimensions; c is uniquely borrowed, so it aliases neither a nor b.
-    unsafe {
-        cblas_sgemm(
-            CBLAS_ROW_MAJOR,
-            flag(a.trans),
-            flag(b.trans),
-            dim(m),
-            dim(n),
-            dim(k),
-            1.0,
-            a.data.as_ptr(),
-            dim(a.ld),
-            b.data.as_ptr(),
-            dim(b.ld),
-            beta,
-            c.as_mut_ptr(),
-            dim(n),
-        )
-    }
+/// Defines a safe GEMM over one CBLAS routine (the f32 and f64 versions differ only in it).
+macro_rules! blas_gemm {
+    ($(#[$doc:meta])* $name:ident, $cblas:ident, $t:ty) => {
+        $(#[$doc])*
+        pub fn $name(m: usize, n: usize, k: usize, a: Operand<'_, $t>, b: Operand<'_, $t>, beta: $t, c: &mut [$t]) {
+            // SAFETY: `gemm::matmul` checked that a, b and c hold their full matrices for these
+            // dimensions and leading dimensions; c is uniquely borrowed, so it aliases neither a
+            // nor b.
+            unsafe {
+                $cblas(
+                    CBLAS_ROW_MAJOR,
+                    flag(a.trans),
+                    flag(b.trans),
+                    dim(m),
+                    dim(n),
+                    dim(k),
+                    1.0,
+                    a.data.as_ptr(),
+                    dim(a.ld),
+                    b.data.as_ptr(),
+                    dim(b.ld),
+                    beta,
+                    c.as_mut_ptr(),
+                    dim(n),
+                )
+            }
+        }
+    };
 }
 
-/// Double-precision GEMM (see [`Gemm`]).
-pub fn dgemm(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: Operand<'_, f64>,
-    b: Operand<'_, f64>,
-    beta: f64,
-    c: &mut [f64],
-) {
-    // SAFETY: as in `sgemm`.
-    unsafe {
-        cblas_dgemm(
-            CBLAS_ROW_MAJOR,
-            flag(a.trans),
-            flag(b.trans),
-            dim(m),
-            dim(n),
-            dim(k),
-            1.0,
-            a.data.as_ptr(),
-            dim(a.ld),
-            b.data.as_ptr(),
-            dim(b.ld),
-            beta,
-            c.as_mut_ptr(),
-            dim(n),
-        )
-    }
-}
+blas_gemm!(
+    /// Single-precision GEMM (see [`Gemm`]).
+    sgemm, cblas_sgemm, f32
+);
+blas_gemm!(
+    /// Double-precision GEMM (see [`Gemm`]).
+    dgemm, cblas_dgemm, f64
+);
 
 /// Sets the number of threads OpenBLAS uses for every following GEMM (at least 1).
 pub fn set_gemm_threads(n: usize) {

@@ -83,10 +83,17 @@ impl DataParallel {
     }
 
     /// The ZeRO-3 parameter gate over this layout's buckets and owned blocks, gathering on a
-    /// communicator of its own (collective over `dp`), and its waited-nanoseconds counter.
-    pub fn param_gate(&self, dp: &Communicator, units: &[Range<usize>]) -> Result<(ParamGather, Arc<AtomicU64>)> {
+    /// communicator of its own (collective over `dp`), its waited-nanoseconds counter, and the
+    /// traffic counters of its communicator.
+    pub fn param_gate(
+        &self,
+        dp: &Communicator,
+        units: &[Range<usize>],
+    ) -> Result<(ParamGather, Arc<AtomicU64>, Arc<CommStats>)> {
         let comm = dp.split(Some(0), dp.rank() as i64)?.expect("every rank joins color 0");
-        ParamGather::new(comm, units, self.reducer.buckets().to_vec(), self.owned())
+        let stats = comm.stats();
+        let (gate, waited) = ParamGather::new(comm, units, self.reducer.buckets().to_vec(), self.owned())?;
+        Ok((gate, waited, stats))
     }
 
     /// Elements of optimizer state this rank holds (m and v each).

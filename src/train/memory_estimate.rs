@@ -11,8 +11,10 @@
 //! | AdamW m, v  | 2n     | 2s     | 2s     | 2s     |
 //! | staging     | n      | pool   | pool   | pool   |
 //!
-//! - *gathered units* (ZeRO-3): the largest `current + next` pair of unit groups the executor
-//!   acquires within one pass, plus the prefetched group's in-flight copy;
+//! - *gathered units* (ZeRO-3): the non-owned part (1 - 1/dp) of the unit group being computed
+//!   plus the next group's prefetch buffers (whole buckets), or, once the next group is acquired
+//!   (the current one released first), its non-owned part plus one bucket still being copied in;
+//!   the largest of these over the executor's passes;
 //! - *live* gradients (ZeRO-2/3): gradients written but not yet reported final; in our executor the
 //!   tied `wte` gradient (written by the head, final after the embedding) plus the largest other
 //!   unit;
@@ -36,6 +38,8 @@ pub struct MemoryInputs<'a> {
     pub n: usize,
     /// Elements of this rank's data-parallel shard (its optimizer state covers them).
     pub shard: usize,
+    /// Data-parallel group size.
+    pub dp: usize,
     /// Gradient buckets.
     pub buckets: &'a [Range<usize>],
     /// Parameter units (partition of the flat buffer).
@@ -81,12 +85,19 @@ impl MemoryEstimate {
         let pool = bucket_lens.iter().take(MAX_STAGED).sum::<usize>() as u64;
         let largest_other = i.units.iter().filter(|u| Some(*u) != i.wte.as_ref()).map(|u| u.len()).max();
         let live = (i.wte.as_ref().map_or(0, |w| w.len()) + largest_other.unwrap_or(0)) as u64;
+        let others = 1.0 - 1.0 / i.dp.max(1) as f64;
+        let largest_bucket = bucket_lens.first().copied().unwrap_or(0) as f64;
+        let transition = |cur: &[Range<usize>], next: &[Range<usize>]| {
+            let computing = others * group_len(cur) as f64 + (union_len(cur, next) - group_len(cur)) as f64;
+            let arriving = others * group_len(next) as f64 + largest_bucket;
+            computing.max(arriving)
+        };
         let gathered = i
             .passes
             .iter()
-            .flat_map(|p| p.windows(2).map(|w| union_len(&w[0], &w[1]) + group_len(&w[1])).chain(p.last().map(|g| group_len(g))))
-            .max()
-            .unwrap_or(0) as u64;
+            .flat_map(|p| p.windows(2).map(|w| transition(&w[0], &w[1])).chain(p.last().map(|g| transition(g, &[]))))
+            .fold(0.0, f64::max)
+            .ceil() as u64;
         let (params, grads, optimizer, staging) = match i.zero {
             0 => (n, n, 2 * n, n),
             1 => (n, n + s, 2 * s, pool),
@@ -127,7 +138,7 @@ mod tests {
     use super::*;
 
     fn inputs<'a>(zero: u8, buckets: &'a [Range<usize>], units: &'a [Range<usize>], passes: &'a [Vec<Vec<Range<usize>>>]) -> MemoryInputs<'a> {
-        MemoryInputs { zero, n: 1000, shard: 250, buckets, units, wte: Some(0..400), passes, activations: 10 }
+        MemoryInputs { zero, n: 1000, shard: 250, dp: 4, buckets, units, wte: Some(0..400), passes, activations: 10 }
     }
 
     #[test]
@@ -143,8 +154,9 @@ mod tests {
         assert_eq!(e(1), MemoryEstimate { params: 4000, grads: 5000, optimizer: 2000, staging: 1600, activations: 40 });
         // Live gradients: wte 400 + largest other unit 300.
         assert_eq!(e(2).grads, (700 + 250) * 4);
-        // Gathered: the backward pair (head 700 elements, then 300 more, in flight 300) = 1300.
-        assert_eq!(e(3).params, (250 + 1300) * 4);
+        // Gathered: computing the backward's head group (3/4 of 700) while the next block's 300
+        // arrive = 825; larger than any arrival (3/4 of a group + a 100-element bucket).
+        assert_eq!(e(3).params, (250 + 825) * 4);
         assert_eq!(e(3).total(), e(3).params + e(3).grads + 2000 + 1600 + 40);
     }
 }

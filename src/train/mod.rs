@@ -140,7 +140,10 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         traffic.push(("dp_buckets", sync.bucket_stats()));
     }
     let gather_wait = if zero == 3 {
-        let (gate, waited) = sync.param_gate(&dp, &units)?;
+        let (gate, waited, stats) = sync.param_gate(&dp, &units)?;
+        if dp.size() > 1 {
+            traffic.push(("dp_params", stats));
+        }
         model.set_param_gate(Box::new(gate))?;
         model.release_gathered()?;
         waited
@@ -153,6 +156,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         zero,
         n,
         shard: owned.iter().map(|r| r.len()).sum(),
+        dp: dp.size(),
         buckets: sync.bucket_ranges(),
         units: &units,
         wte: model.wte(),

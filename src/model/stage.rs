@@ -278,10 +278,9 @@ impl Stage {
         (&mut self.params, &mut self.grads)
     }
 
-    /// Sets all gradients to zero (returning their pages to the OS: a data-parallel reducer that
-    /// keeps only a gradient shard never touches most of them again).
+    /// Sets all gradients to zero.
     pub fn zero_grad(&mut self) {
-        crate::memory::zero_release(&mut self.grads);
+        self.grads.fill(0.0);
     }
 
     /// The parameter units in buffer order: `wte`, `wpe`, each block, `lnf` (those this stage

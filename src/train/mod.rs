@@ -242,12 +242,17 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
 
     for step in first_step..=cfg.train.steps {
         let t0 = Instant::now();
-        model.zero_grad();
+        // ZeRO-2/3 zeroed every reported gradient range (handing its pages back) as it was staged,
+        // and the reducer checked that every range was reported: clearing the buffer again would
+        // only fault all of its pages back in.
+        if !every_backward {
+            model.zero_grad();
+        }
         sync.begin(accum);
         for batch in batches.iter_mut() {
             sampler.next_batch(batch)?;
         }
-        // Only the last backward communicates, overlapped bucket by bucket.
+        // The last backward (ZeRO-2/3: every backward) communicates, overlapped bucket by bucket.
         let loss_mean = model.run(&batches, every_backward, &mut |r, g| sync.on_final(r, g))?;
         let lr = sched.lr(step - 1);
         let (params, grads) = model.params_and_grads();

@@ -287,7 +287,15 @@ fn selftest(world: &World, args: &SelftestArgs) -> Result<()> {
     let mut total = [fails.len() as i64];
     comm.all_reduce(&mut total, ReduceOp::Sum)?;
     if world.rank == 0 {
-        println!("selftest: {} ranks, counts {:?} + {}: {} mismatches", world.size, args.counts, args.large, total[0]);
+        let reads = match comm.single_copy_reads() {
+            None => "not used".to_string(),
+            Some(Ok(())) => "on".to_string(),
+            Some(Err(why)) => format!("unavailable ({why})"),
+        };
+        println!(
+            "selftest: {} ranks, counts {:?} + {}: {} mismatches; single-copy reads: {reads}",
+            world.size, args.counts, args.large, total[0]
+        );
     }
     if total[0] > 0 {
         return Err(Error::Check(format!("selftest: {} mismatches", total[0])));

@@ -123,6 +123,13 @@ impl Call<'_> {
         matches!(self, Call::AllReduce { .. } | Call::AllGather { .. } | Call::Broadcast { .. })
     }
 
+    /// True for the calls `Cma::Auto` sends through their single-copy schedule. Not broadcast:
+    /// the ring's pipeline shares the copying between the root and the other ranks, where reads
+    /// leave the root idle, and measured faster on one node (README, "where the time goes").
+    fn reads_by_default(&self) -> bool {
+        matches!(self, Call::AllReduce { .. } | Call::AllGather { .. })
+    }
+
     /// The call on a one-rank communicator: the result is the input.
     fn single_rank(self) {
         match self {
@@ -309,13 +316,12 @@ impl Communicator {
     /// The schedule family a call wants, from (call, bytes, configuration) only; `run` may still
     /// fall back from `Read` to `Ring` when the probe fails.
     fn schedule(&self, call: &Call, bytes: usize) -> Sched {
-        let read = call.has_read_schedule();
         match (self.cfg.cma, self.cfg.algo) {
-            (Cma::On, _) if read => Sched::Read,
+            (Cma::On, _) if call.has_read_schedule() => Sched::Read,
             (_, Algo::Ring) => Sched::Ring,
             (_, Algo::Direct) => Sched::Direct,
             (_, Algo::Auto) if bytes <= self.cfg.small_bytes => Sched::Direct,
-            (Cma::Auto, Algo::Auto) if read => Sched::Read,
+            (Cma::Auto, Algo::Auto) if call.reads_by_default() => Sched::Read,
             _ => Sched::Ring,
         }
     }

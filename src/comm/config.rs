@@ -18,13 +18,14 @@ pub enum Algo {
     Direct,
 }
 
-/// Whether all-gather, broadcast and all-reduce may read peers' buffers directly (Cross Memory
+/// Whether all-gather, all-reduce and broadcast may read peers' buffers directly (Cross Memory
 /// Attach) instead of copying through the shared-memory FIFOs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Cma {
-    /// Above [`CommConfig::small_bytes`] under `Algo::Auto`, when the probe shows reads work.
+    /// All-gather and all-reduce above [`CommConfig::small_bytes`] under `Algo::Auto`, when the
+    /// probe shows reads work (broadcast keeps the ring, measured faster).
     Auto,
-    /// At every size and whatever [`Algo`] says; a failed probe is an error.
+    /// All three at every size, whatever [`Algo`] says; a failed probe is an error.
     On,
     /// Never.
     Off,

@@ -43,6 +43,14 @@ pub struct Exposed {
     pub len: usize,
 }
 
+impl Exposed {
+    /// The bytes `r` of this buffer (`r` relative to its start, within its length).
+    pub fn part(&self, r: std::ops::Range<usize>) -> Exposed {
+        assert!(r.start <= r.end && r.end <= self.len, "part {r:?} of a {}-byte buffer", self.len);
+        Exposed { addr: self.addr + r.start as u64, len: r.len() }
+    }
+}
+
 /// What a message's data is combined with: a separate input buffer, or the output buffer itself
 /// (in-place operation).
 #[derive(Clone, Copy)]
@@ -207,10 +215,15 @@ impl<'a> Rx<'a> {
             return Ok(());
         }
         let e = self.wait_exposed(dst.len(), w)?;
+        self.read(e, dst, w)
+    }
+
+    /// Copies the peer's buffer `e` (announced earlier) into `dst` (`dst.len() == e.len`).
+    fn read(&self, e: Exposed, dst: &mut [u8], w: &Waiter) -> Result<()> {
         for (i, piece) in dst.chunks_mut(READ_PIECE).enumerate() {
             w.check(self.peer)?;
-            let part = Exposed { addr: e.addr + (i * READ_PIECE) as u64, len: piece.len() };
-            self.try_read(part, piece).map_err(|cause| w.fail(self.peer, cause))?;
+            self.try_read(e.part(i * READ_PIECE..i * READ_PIECE + piece.len()), piece)
+                .map_err(|cause| w.fail(self.peer, cause))?;
         }
         Ok(())
     }

@@ -58,7 +58,9 @@ struct State {
 /// Which family of schedules carries one call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Sched {
+    /// Pipelined ring ([`ring`]).
     Ring,
+    /// All pairs through the FIFOs ([`direct`]).
     Direct,
     /// Single copy: peers read each other's buffers ([`read`]).
     Read,

@@ -4,8 +4,10 @@
 //! Written over the `expose` / `read_exposed` / `done_reading` primitives, so they run on any link
 //! that offers read access to the peer's memory (Cross Memory Attach on shared memory today; GPU
 //! peer access would be another such link). Each byte that crosses ranks is copied once, by its
-//! reader, where a FIFO copies it twice (into the slot, out of it): this is what moves large
-//! all-gathers and broadcasts at the speed of one memcpy.
+//! reader, where a FIFO copies it twice (into the slot, out of it); whether that is faster depends
+//! on how fast the kernel copies compared with two user-space copies through a cache-resident slot
+//! (README, "where the time goes"). Reading also needs no handoff per piece: a rank waits for a
+//! peer once per call, not once per slot, which is what wins on oversubscribed cores.
 //!
 //! Invariants: every rank exposes before it reads, so with links at least two messages deep nobody
 //! waits on a peer that waits on it; a rank leaves a schedule only after every live peer it exposed
@@ -165,7 +167,8 @@ const VERDICT_MSG: usize = 128;
 /// Checks that every rank can read every other rank's memory: each rank exposes a random token
 /// and also sends it inline; each peer reads it through memory and compares; then every rank tells
 /// every other whether all its reads worked. Returns `None` when they did everywhere, else the
-/// failure of the lowest failing rank (`"rank 2: ..."`): the same answer on every rank.
+/// failure of the lowest failing rank (`"rank 2: ..."`): the same answer on every rank. (A probe
+/// that fails on a dead peer fails the job, so its token, on this stack, needs no settling.)
 pub fn probe<P: Peers>(peers: &mut P, s: &DirectShape, w: &Waiter) -> Result<Option<String>> {
     let mut token = [0u8; 16];
     getrandom::getrandom(&mut token).map_err(|e| {

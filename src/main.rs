@@ -18,7 +18,7 @@ use meshtrain::model::sample::{self, SampleOptions};
 use meshtrain::model::{Gpt, GptConfig, ParamLayout};
 use meshtrain::train::{self, TrainOptions};
 use meshtrain::bootstrap::{rank_hint, World};
-use meshtrain::comm::{selftest, DType, ReduceOp};
+use meshtrain::comm::{probe::Reads, selftest, DType, ReduceOp};
 use meshtrain::{Error, Result};
 
 #[derive(Parser)]
@@ -288,9 +288,10 @@ fn selftest(world: &World, args: &SelftestArgs) -> Result<()> {
     comm.all_reduce(&mut total, ReduceOp::Sum)?;
     if world.rank == 0 {
         let reads = match comm.single_copy_reads() {
-            None => "not used".to_string(),
-            Some(Ok(())) => "on".to_string(),
-            Some(Err(why)) => format!("unavailable ({why})"),
+            None => "not probed".to_string(),
+            Some(Reads::Pay) => "work and pay".to_string(),
+            Some(Reads::Slow(why)) => format!("work, do not pay ({why})"),
+            Some(Reads::Fail(why)) => format!("unavailable ({why})"),
         };
         println!(
             "selftest: {} ranks, counts {:?} + {}: {} mismatches; single-copy reads: {reads}",

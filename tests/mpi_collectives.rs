@@ -30,9 +30,14 @@ fn selftest(np: usize, envs: &[(&str, &str)]) -> String {
 #[test]
 fn shared_memory_world_sizes_1_to_8() {
     for np in 1..=8 {
-        // The ~3 MiB count is above the small-message size: from 2 ranks on, it reads peers.
-        let want = if np == 1 { "not used" } else { "on" };
-        assert_eq!(selftest(np, &[]), want, "{np} ranks");
+        // The ~3 MiB count is above the small-message size: from 2 ranks on, it probes reads
+        // (which work here; whether they pay depends on the machine's copy rates).
+        let reads = selftest(np, &[]);
+        if np == 1 {
+            assert_eq!(reads, "not probed");
+        } else {
+            assert!(reads.starts_with("work"), "{np} ranks: {reads}");
+        }
     }
 }
 
@@ -47,14 +52,16 @@ fn tcp_world_sizes() {
 #[test]
 fn forced_schedules_over_shared_memory() {
     for algo in ["ring", "direct"] {
-        assert_eq!(selftest(4, &[("MESHTRAIN_ALGO", algo)]), "not used");
+        assert_eq!(selftest(4, &[("MESHTRAIN_ALGO", algo)]), "not probed");
     }
 }
 
 #[test]
 fn single_copy_reads_forced_on_and_off_odd_world_sizes() {
     for np in [3, 5] {
-        assert_eq!(selftest(np, &[("MESHTRAIN_CMA", "on")]), "on", "{np} ranks, forced on");
-        assert_eq!(selftest(np, &[("MESHTRAIN_CMA", "off")]), "not used", "{np} ranks, off");
+        // Forced on, reads that work are used at every size, paying or not.
+        let reads = selftest(np, &[("MESHTRAIN_CMA", "on")]);
+        assert!(reads.starts_with("work"), "{np} ranks, forced on: {reads}");
+        assert_eq!(selftest(np, &[("MESHTRAIN_CMA", "off")]), "not probed", "{np} ranks, off");
     }
 }

@@ -25,6 +25,7 @@ use crate::comm::block_range;
 use crate::comm::config::{Algo, Cma, CommConfig};
 use crate::comm::dtype::{DType, Element, ReduceOp, Reducer};
 use crate::comm::primitives::{Pipe, Rx, Tx};
+use crate::comm::probe::{self, Reads};
 use crate::comm::stats::CommStats;
 use crate::error::{Error, Result};
 use crate::transport::{cma, Connector, Link, Waiter};
@@ -51,8 +52,8 @@ struct State {
     splits: u64,
     /// One chunk of working space for the direct reductions.
     scratch: Vec<u8>,
-    /// What the single-copy probe found: `None` before it ran, then `Ok` or why reads fail.
-    reads: Option<std::result::Result<(), String>>,
+    /// What the single-copy probe found (`None` before it ran).
+    reads: Option<Reads>,
 }
 
 /// Which family of schedules carries one call.
@@ -263,9 +264,9 @@ impl Communicator {
         self.stats.clone()
     }
 
-    /// Whether single-copy reads are in use: `None` until a call wanted them (never, with
-    /// `MESHTRAIN_CMA=off`), then `Ok` if the probe found they work, or why they do not.
-    pub fn single_copy_reads(&self) -> Option<std::result::Result<(), String>> {
+    /// What the single-copy probe found: `None` until a call wanted reads (never, with
+    /// `MESHTRAIN_CMA=off`). Reads are used when they pay, or work and are forced on.
+    pub fn single_copy_reads(&self) -> Option<Reads> {
         self.lock().reads.clone()
     }
 
@@ -328,40 +329,45 @@ impl Communicator {
         }
     }
 
-    /// Whether single-copy reads work between all members, probing on first use. Every member
-    /// gets here on the same call (the schedule choice is the same everywhere), so they probe
-    /// together and agree on the answer.
+    /// Whether this call reads peers' buffers, probing on first use. Every member gets here on
+    /// the same call (the schedule choice is the same everywhere), so they probe together and
+    /// agree on the answer.
     fn reads_work(&self, st: &mut State, w: &Waiter) -> Result<bool> {
         if st.reads.is_none() {
             if let Err(why) = cma::allow_peer_reads() {
                 // Peers' reads of this rank may fail now; the probe finds out and says so.
                 log::debug!("rank {}: {why}", self.rank);
             }
-            let found = read::probe(&mut LinkTable(&mut st.links), &self.direct_shape(DType::U8), w)?;
+            let found = probe::probe(&mut LinkTable(&mut st.links), &self.direct_shape(DType::U8), w)?;
             self.log_probe(&found);
-            st.reads = Some(found.map_or(Ok(()), Err));
+            st.reads = Some(found);
         }
         match (st.reads.as_ref().expect("probed above"), self.cfg.cma) {
-            (Ok(()), _) => Ok(true),
-            (Err(why), Cma::On) => Err(Error::config(
+            (Reads::Fail(why), Cma::On) => Err(Error::config(
                 "MESHTRAIN_CMA",
                 format!("single-copy reads forced on, but they do not work on comm {:#x}: {why}", self.id),
             )),
-            (Err(_), _) => Ok(false),
+            (Reads::Fail(_), _) => Ok(false),
+            (Reads::Pay, _) | (Reads::Slow(_), Cma::On) => Ok(true),
+            (Reads::Slow(_), _) => Ok(false),
         }
     }
 
     /// Logs the probe's outcome once per process (on member 0 of the first communicator that probed).
-    fn log_probe(&self, failure: &Option<String>) {
+    fn log_probe(&self, found: &Reads) {
         static LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
         if self.rank != 0 || LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
             return;
         }
-        match failure {
-            None => log::info!("comm {:#x}: single-copy reads (CMA) work; large collectives use them", self.id),
-            Some(why) => log::warn!(
-                "comm {:#x}: single-copy reads (CMA) unavailable, collectives copy through shared memory: {why}",
-                self.id
+        let id = self.id;
+        match found {
+            Reads::Pay => log::info!("comm {id:#x}: single-copy reads (CMA) work and pay; large collectives use them"),
+            Reads::Slow(why) => log::info!(
+                "comm {id:#x}: single-copy reads (CMA) work but do not pay, collectives copy through shared \
+                 memory (MESHTRAIN_CMA=on forces reads): {why}"
+            ),
+            Reads::Fail(why) => log::warn!(
+                "comm {id:#x}: single-copy reads (CMA) unavailable, collectives copy through shared memory: {why}"
             ),
         }
     }

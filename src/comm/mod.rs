@@ -16,6 +16,7 @@ pub mod communicator;
 pub mod config;
 pub mod dtype;
 pub mod primitives;
+pub mod probe;
 pub mod selftest;
 pub mod stats;
 #[cfg(test)]

@@ -4,7 +4,10 @@
 //! processes of one node the kernel can copy from the owner's buffer into the reader's in one pass,
 //! as OpenMPI's and MPICH's shared-memory transports do for large messages. This module is only the
 //! capability: [`PeerMemory`] reads a range of a peer's address space, [`allow_peer_reads`] lets
-//! other processes read this one. Which bytes may be read, and for how long they stay valid, is the
+//! other processes read this one, [`copy_rates`] says whether one kernel copy beats the two
+//! user-space copies of a FIFO here (on some machines, virtual ones especially, the kernel's
+//! `rep movsb` copy runs at a third of an AVX `memcpy`, and loses). Which bytes may be read, and
+//! for how long they stay valid, is the
 //! business of the protocol built on top (`comm::primitives`): the owner announces a buffer and
 //! does not touch it until every reader has said it is done.
 //!
@@ -15,6 +18,9 @@
 
 use std::io;
 use std::sync::OnceLock;
+use std::time::Instant;
+
+use super::shm::DEFAULT_SHM_CHUNK;
 
 /// Read access to the address space of one peer process on this node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +99,63 @@ pub fn allow_peer_reads() -> Result<(), String> {
     .clone()
 }
 
+/// How fast this process moves bytes between two buffers, bytes per second, both ways a
+/// collective can.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CopyRates {
+    /// One copy through the kernel: `process_vm_readv` of this process's own memory (the same
+    /// path as reading a peer).
+    pub kernel: f64,
+    /// Two user-space copies through a FIFO slot: into a slot of the shared-memory transport's
+    /// default size, then out of it, slot by slot.
+    pub fifo: f64,
+}
+
+impl CopyRates {
+    /// True when a single kernel copy moves bytes at least as fast as the FIFO's two copies.
+    pub fn kernel_pays(&self) -> bool {
+        self.kernel >= self.fifo
+    }
+}
+
+/// Bytes moved per measurement: larger than a core's private caches, as a collective's buffers
+/// are, small enough to take a few milliseconds.
+const RATE_BYTES: usize = 8 << 20;
+
+/// Measures [`CopyRates`] once per process (best of four, the first of which faults the pages
+/// in; about 20 ms). `Err` if the kernel copy fails.
+pub fn copy_rates() -> Result<CopyRates, String> {
+    static RATES: OnceLock<Result<CopyRates, String>> = OnceLock::new();
+    RATES.get_or_init(measure_rates).clone()
+}
+
+fn measure_rates() -> Result<CopyRates, String> {
+    let src = vec![0x5au8; RATE_BYTES];
+    let mut dst = vec![0u8; RATE_BYTES];
+    let mut slot = vec![0u8; DEFAULT_SHM_CHUNK];
+    let me = PeerMemory::new(std::process::id()).ok_or("this process is not visible to itself")?;
+    let mut best = |copy: &mut dyn FnMut(&mut [u8]) -> io::Result<()>| {
+        let mut fastest = f64::INFINITY;
+        for _ in 0..4 {
+            let t = Instant::now();
+            copy(&mut dst)?;
+            fastest = fastest.min(t.elapsed().as_secs_f64());
+        }
+        Ok::<f64, io::Error>(RATE_BYTES as f64 / fastest.max(1e-9))
+    };
+    let kernel = best(&mut |d| me.read(src.as_ptr() as u64, d))
+        .map_err(|e| format!("process_vm_readv of this process: {e}"))?;
+    let fifo = best(&mut |d| {
+        for (out, inp) in d.chunks_mut(slot.len()).zip(src.chunks(slot.len())) {
+            slot[..inp.len()].copy_from_slice(std::hint::black_box(inp));
+            out.copy_from_slice(std::hint::black_box(&slot[..inp.len()]));
+        }
+        Ok(())
+    })
+    .expect("user-space copies cannot fail");
+    Ok(CopyRates { kernel, fifo })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,6 +178,16 @@ mod tests {
         assert_eq!(err.raw_os_error(), Some(libc::EFAULT));
         assert!(PeerMemory::new(0).is_none());
         assert!(PeerMemory::new(u32::MAX).is_none());
+    }
+
+    #[test]
+    fn copy_rates_are_measured_once_and_positive() {
+        let r = copy_rates().expect("reading this process works");
+        assert!(
+            r.kernel > 0.0 && r.fifo > 0.0 && r.kernel.is_finite() && r.fifo.is_finite(),
+            "{r:?}"
+        );
+        assert_eq!(copy_rates(), Ok(r), "one measurement per process");
     }
 
     #[test]

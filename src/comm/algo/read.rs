@@ -21,7 +21,7 @@ use crate::comm::algo::direct::{DirectShape, Peers};
 use crate::comm::algo::ring::{self, RingShape};
 use crate::comm::block_range;
 use crate::comm::dtype::Reducer;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::transport::Waiter;
 
 /// Byte range of rank `r`'s block of an `n`-element buffer.
@@ -158,59 +158,4 @@ pub fn all_reduce<P: Peers>(
     let (prev, next) = ring_shape.neighbours();
     ring::reduce_scatter(&mut peers.pipe(prev, next), ring_shape, input, out, n, red, w)?;
     all_gather(peers, s, None, out, w)
-}
-
-/// Bytes of a probe verdict: a flag (0: every read worked) and, after it, the reason it did not
-/// (UTF-8, zero padded, cut to fit).
-const VERDICT_MSG: usize = 128;
-
-/// Checks that every rank can read every other rank's memory: each rank exposes a random token
-/// and also sends it inline; each peer reads it through memory and compares; then every rank tells
-/// every other whether all its reads worked. Returns `None` when they did everywhere, else the
-/// failure of the lowest failing rank (`"rank 2: ..."`): the same answer on every rank. (A probe
-/// that fails on a dead peer fails the job, so its token, on this stack, needs no settling.)
-pub fn probe<P: Peers>(peers: &mut P, s: &DirectShape, w: &Waiter) -> Result<Option<String>> {
-    let mut token = [0u8; 16];
-    getrandom::getrandom(&mut token).map_err(|e| {
-        Error::io("probe token from the OS random source", std::io::Error::other(e.to_string()))
-    })?;
-    for to in s.peers() {
-        let mut tx = peers.tx(to);
-        tx.send(&token, w)?;
-        tx.expose(&token, w)?;
-    }
-    let mut mine: Option<String> = None;
-    for from in s.peers() {
-        let mut rx = peers.rx(from);
-        let mut want = [0u8; 16];
-        rx.recv(&mut want, w)?;
-        let exposed = rx.wait_exposed(want.len(), w)?;
-        let mut got = [0u8; 16];
-        let failure = match rx.try_read(exposed, &mut got) {
-            Ok(()) if got == want => continue,
-            Ok(()) => "read other bytes than it exposed (a process of another pid namespace?)".to_string(),
-            Err(cause) => cause,
-        };
-        mine.get_or_insert(format!("reading rank {from}: {failure}"));
-    }
-    let mut verdict = [0u8; VERDICT_MSG];
-    if let Some(why) = &mine {
-        verdict[0] = 1;
-        let text = why.as_bytes();
-        let len = text.len().min(VERDICT_MSG - 1);
-        verdict[1..1 + len].copy_from_slice(&text[..len]);
-    }
-    for to in s.peers() {
-        peers.tx(to).send(&verdict, w)?;
-    }
-    let mut first: Option<(usize, String)> = mine.map(|why| (s.me, why));
-    for from in s.peers() {
-        let mut v = [0u8; VERDICT_MSG];
-        peers.rx(from).recv(&mut v, w)?;
-        if v[0] != 0 && first.as_ref().is_none_or(|(r, _)| from < *r) {
-            let end = v[1..].iter().position(|&b| b == 0).map_or(VERDICT_MSG, |p| p + 1);
-            first = Some((from, String::from_utf8_lossy(&v[1..end]).into_owned()));
-        }
-    }
-    Ok(first.map(|(r, why)| format!("rank {r}: {why}")))
 }

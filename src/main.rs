@@ -18,7 +18,7 @@ use meshtrain::model::sample::{self, SampleOptions};
 use meshtrain::model::{Gpt, GptConfig, ParamLayout};
 use meshtrain::train::{self, TrainOptions};
 use meshtrain::bootstrap::{rank_hint, World};
-use meshtrain::comm::{selftest, DType, ReduceOp};
+use meshtrain::comm::{probe::Reads, selftest, DType, ReduceOp};
 use meshtrain::{Error, Result};
 
 #[derive(Parser)]
@@ -287,7 +287,16 @@ fn selftest(world: &World, args: &SelftestArgs) -> Result<()> {
     let mut total = [fails.len() as i64];
     comm.all_reduce(&mut total, ReduceOp::Sum)?;
     if world.rank == 0 {
-        println!("selftest: {} ranks, counts {:?} + {}: {} mismatches", world.size, args.counts, args.large, total[0]);
+        let reads = match comm.single_copy_reads() {
+            None => "not probed".to_string(),
+            Some(Reads::Pay) => "work and pay".to_string(),
+            Some(Reads::Slow(why)) => format!("work, do not pay ({why})"),
+            Some(Reads::Fail(why)) => format!("unavailable ({why})"),
+        };
+        println!(
+            "selftest: {} ranks, counts {:?} + {}: {} mismatches; single-copy reads: {reads}",
+            world.size, args.counts, args.large, total[0]
+        );
     }
     if total[0] > 0 {
         return Err(Error::Check(format!("selftest: {} mismatches", total[0])));

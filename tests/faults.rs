@@ -1,6 +1,7 @@
 //! Faults with real rank processes: a rank SIGKILLed in the middle of a large all-reduce (over
-//! shared memory and over TCP) must make every other rank exit non-zero, within the deadline, with
-//! an error naming the dead rank, and leave no shared-memory segment behind; strangers talking to a
+//! shared memory and over TCP) or of a large single-copy all-gather (peers reading each other's
+//! buffers) must make every other rank exit non-zero, within the deadline, with an error naming the
+//! dead rank, and leave no shared-memory segment behind; strangers talking to a
 //! job's listener must be turned away while the job completes with correct results.
 
 mod common;
@@ -12,10 +13,10 @@ use std::time::{Duration, Instant};
 /// Deadline given to every operation in these tests.
 const DEADLINE_S: u64 = 40;
 
-fn kill_rank_mid_all_reduce(envs: &[(&str, &str)]) {
+fn kill_rank_mid(coll: &str, envs: &[(&str, &str)]) {
     let before = common::shm_files("mt-");
     let mut cmd = common::mpirun(4);
-    cmd.args(["bench", "all_reduce", "--min", "32M", "--max", "32M", "--warmup", "0", "--iters", "100000"])
+    cmd.args(["bench", coll, "--min", "32M", "--max", "32M", "--warmup", "0", "--iters", "100000"])
         .env("MESHTRAIN_TIMEOUT", DEADLINE_S.to_string());
     for (k, v) in envs {
         cmd.env(k, v);
@@ -31,7 +32,7 @@ fn kill_rank_mid_all_reduce(envs: &[(&str, &str)]) {
         std::thread::sleep(Duration::from_millis(100));
     };
     assert_eq!(pids.len(), 4, "all four ranks started");
-    // Let the ranks connect and get deep into the all-reduce loop.
+    // Let the ranks connect and get deep into the loop of collectives.
     std::thread::sleep(Duration::from_secs(4));
     let victim = pids[2].1;
     let killed = std::process::Command::new("kill").args(["-9", &victim.to_string()]).status().unwrap();
@@ -63,12 +64,17 @@ fn kill_rank_mid_all_reduce(envs: &[(&str, &str)]) {
 
 #[test]
 fn killed_rank_over_shared_memory() {
-    kill_rank_mid_all_reduce(&[]);
+    kill_rank_mid("all_reduce", &[]);
+}
+
+#[test]
+fn killed_rank_during_single_copy_all_gather() {
+    kill_rank_mid("all_gather", &[("MESHTRAIN_CMA", "on")]);
 }
 
 #[test]
 fn killed_rank_over_tcp() {
-    kill_rank_mid_all_reduce(&[("MESHTRAIN_TRANSPORT", "tcp")]);
+    kill_rank_mid("all_reduce", &[("MESHTRAIN_TRANSPORT", "tcp")]);
 }
 
 #[test]

@@ -1,10 +1,13 @@
 //! Every collective, element type and operator on in-process ranks (world sizes 1..8) through
 //! [`super::selftest`]; small chunks force multi-piece pipelining in the ring and direct schedules.
+//! The single-copy schedules run forced on (in-process ranks read each other's memory through the
+//! same system call as separate processes), and the fallback runs over links that cannot read.
 
 use crate::comm::dtype::{exact_input as value, exact_result as expected};
+use crate::comm::probe::Reads;
 use crate::comm::selftest::{check_all, check_type};
-use crate::comm::testing::run_ranks;
-use crate::comm::{Algo, CommConfig, ReduceOp};
+use crate::comm::testing::{run_ranks, run_ranks_without_peer_memory};
+use crate::comm::{Algo, Cma, CommConfig, ReduceOp};
 
 fn cfg(algo: Algo) -> CommConfig {
     // 128-byte pieces: a 1000-element buffer is cut into many pieces per segment.
@@ -14,21 +17,106 @@ fn cfg(algo: Algo) -> CommConfig {
 #[test]
 fn every_collective_every_dtype_every_size_ring() {
     for k in 1..=8 {
-        run_ranks(k, cfg(Algo::Ring), |c| assert_eq!(check_all(&c, &[0, 1, 2, 13, 97, 1000], &ReduceOp::ALL).unwrap(), Vec::<String>::new()));
+        run_ranks(k, cfg(Algo::Ring), |c| {
+            assert_eq!(check_all(&c, &[0, 1, 2, 13, 97, 1000], &ReduceOp::ALL).unwrap(), Vec::<String>::new())
+        });
     }
 }
 
 #[test]
 fn every_collective_every_dtype_every_size_direct() {
     for k in 1..=8 {
-        run_ranks(k, cfg(Algo::Direct), |c| assert_eq!(check_all(&c, &[0, 1, 13, 1000], &ReduceOp::ALL).unwrap(), Vec::<String>::new()));
+        run_ranks(k, cfg(Algo::Direct), |c| {
+            assert_eq!(check_all(&c, &[0, 1, 13, 1000], &ReduceOp::ALL).unwrap(), Vec::<String>::new())
+        });
+    }
+}
+
+#[test]
+fn every_collective_every_dtype_every_size_single_copy() {
+    for k in 1..=8 {
+        let cfg = CommConfig { cma: Cma::On, ..cfg(Algo::Auto) };
+        let reads = run_ranks(k, cfg, |c| {
+            assert_eq!(
+                check_all(&c, &[0, 1, 2, 13, 97, 1000], &ReduceOp::ALL).unwrap(),
+                Vec::<String>::new()
+            );
+            c.single_copy_reads()
+        });
+        // One rank has no peers to read: nothing to probe. Otherwise reads work (whether they pay
+        // depends on this machine's copy rates; forced on, they are used either way), and every
+        // rank got the same answer.
+        if k == 1 {
+            assert_eq!(reads[0], None);
+        } else {
+            assert!(matches!(reads[0], Some(Reads::Pay | Reads::Slow(_))), "k={k}: {reads:?}");
+            assert!(reads.iter().all(|r| *r == reads[0]), "k={k}: {reads:?}");
+        }
+    }
+}
+
+#[test]
+fn single_copy_in_auto_mode_above_the_small_size_only() {
+    for k in [3, 5] {
+        // 100 f32 are 400 bytes (direct, no probe), 1000 are 4000 (single copy).
+        let probed = run_ranks(k, cfg(Algo::Auto), |c| {
+            assert!(check_type::<f32>(&c, &[5, 100], &ReduceOp::ALL).unwrap().is_empty());
+            let before = c.single_copy_reads();
+            assert!(check_type::<f32>(&c, &[1000, 1001], &ReduceOp::ALL).unwrap().is_empty());
+            (before, c.single_copy_reads())
+        });
+        assert!(probed.iter().all(|p| p.0.is_none() && p.1 == probed[0].1), "k={k}: {probed:?}");
+        assert!(matches!(probed[0].1, Some(Reads::Pay | Reads::Slow(_))), "k={k}: {probed:?}");
+    }
+}
+
+#[test]
+fn single_copy_off_or_unavailable_falls_back_to_the_fifo_schedules() {
+    for k in [3, 5] {
+        let off = CommConfig { cma: Cma::Off, ..cfg(Algo::Auto) };
+        let probed = run_ranks(k, off, |c| {
+            assert!(check_type::<f32>(&c, &[1000, 1001], &ReduceOp::ALL).unwrap().is_empty());
+            c.single_copy_reads()
+        });
+        assert!(probed.iter().all(Option::is_none), "off: nothing probed, {probed:?}");
+        let probed = run_ranks_without_peer_memory(k, cfg(Algo::Auto), |c| {
+            assert!(check_type::<f32>(&c, &[1000, 1001], &ReduceOp::ALL).unwrap().is_empty());
+            c.single_copy_reads()
+        });
+        for p in &probed {
+            // Every rank reports the same reason: the lowest rank that could not read.
+            assert_eq!(
+                p,
+                &Some(Reads::Fail(
+                    "rank 0: reading rank 1: the link offers no access to the peer's memory".into()
+                ))
+            );
+        }
+    }
+}
+
+#[test]
+fn single_copy_forced_on_without_peer_memory_is_an_error_everywhere() {
+    let errors = run_ranks_without_peer_memory(3, CommConfig { cma: Cma::On, ..cfg(Algo::Auto) }, |c| {
+        let mut v = vec![1.0f32; 7];
+        c.all_gather(&mut v).map(|_| ()).map_err(|e| e.to_string())
+    });
+    for e in errors {
+        match e {
+            Err(msg) => {
+                assert!(msg.contains("MESHTRAIN_CMA") && msg.contains("rank 0: reading rank 1"), "{msg}")
+            }
+            Ok(()) => panic!("a forced single-copy all-gather succeeded without peer memory"),
+        }
     }
 }
 
 #[test]
 fn auto_switches_between_schedules() {
     for k in [3, 4] {
-        run_ranks(k, cfg(Algo::Auto), |c| assert!(check_type::<f32>(&c, &[5, 100, 1000], &ReduceOp::ALL).unwrap().is_empty()));
+        run_ranks(k, cfg(Algo::Auto), |c| {
+            assert!(check_type::<f32>(&c, &[5, 100, 1000], &ReduceOp::ALL).unwrap().is_empty())
+        });
     }
 }
 

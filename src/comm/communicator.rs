@@ -10,85 +10,25 @@
 //! - links are opened in one global order of rank pairs, so creation never deadlocks; ring links
 //!   at creation, the others when a direct algorithm or point-to-point call first needs them;
 //! - the algorithm choice depends only on (operation, bytes, size, configuration), so it is the
-//!   same on every member; any failure raises the job-wide abort so that no other rank hangs.
+//!   same on every member; any failure raises the job-wide abort so that no other rank hangs;
+//! - single-copy (read) schedules run only after a probe, made once per communicator by the
+//!   first call that wants them, showed on every member that every peer's memory can be read;
+//!   the probe's answer is agreed, so every member falls back to the FIFO schedules together.
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use crate::comm::algo::direct::{self, DirectShape, Peers};
+use crate::comm::algo::read;
 use crate::comm::algo::ring::{self, RingShape};
 use crate::comm::block_range;
+use crate::comm::config::{Algo, Cma, CommConfig};
 use crate::comm::dtype::{DType, Element, ReduceOp, Reducer};
 use crate::comm::primitives::{Pipe, Rx, Tx};
+use crate::comm::probe::{self, Reads};
 use crate::comm::stats::CommStats;
 use crate::error::{Error, Result};
-use crate::transport::{Connector, Link, Waiter};
-
-/// Which schedule a collective uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Algo {
-    /// Direct below [`CommConfig::small_bytes`], ring above (all-to-all is always direct).
-    Auto,
-    /// Always the ring (all-to-all stays direct).
-    Ring,
-    /// Always the direct all-pairs schedule.
-    Direct,
-}
-
-/// Tunables shared by every member of a communicator (they must agree: take them from the same
-/// environment on every rank).
-#[derive(Debug, Clone)]
-pub struct CommConfig {
-    /// Deadline of one operation.
-    pub timeout: Duration,
-    /// Algorithm override (`MESHTRAIN_ALGO=auto|ring|direct`).
-    pub algo: Algo,
-    /// Largest message size, in bytes, for which `Auto` picks the direct schedule.
-    pub small_bytes: usize,
-    /// Largest message a schedule puts on a link, in bytes (every transport carries at least this).
-    pub chunk_bytes: usize,
-}
-
-impl Default for CommConfig {
-    fn default() -> Self {
-        CommConfig { timeout: Duration::from_secs(300), algo: Algo::Auto, small_bytes: 64 << 10, chunk_bytes: 1 << 20 }
-    }
-}
-
-impl CommConfig {
-    /// Defaults overridden by `MESHTRAIN_TIMEOUT` (seconds), `MESHTRAIN_ALGO`,
-    /// `MESHTRAIN_SMALL_BYTES` and `MESHTRAIN_CHUNK_BYTES`.
-    pub fn from_env() -> Result<Self> {
-        let mut c = CommConfig::default();
-        let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-        let num = |k: &str, v: String| {
-            v.parse::<f64>().ok().filter(|x| *x > 0.0).ok_or_else(|| Error::config(k, format!("`{v}` is not a positive number")))
-        };
-        if let Some(v) = get("MESHTRAIN_TIMEOUT") {
-            c.timeout = Duration::from_secs_f64(num("MESHTRAIN_TIMEOUT", v)?);
-        }
-        if let Some(v) = get("MESHTRAIN_ALGO") {
-            c.algo = match v.to_ascii_lowercase().as_str() {
-                "auto" => Algo::Auto,
-                "ring" => Algo::Ring,
-                "direct" => Algo::Direct,
-                _ => return Err(Error::config("MESHTRAIN_ALGO", format!("`{v}` is not one of auto, ring, direct"))),
-            };
-        }
-        if let Some(v) = get("MESHTRAIN_SMALL_BYTES") {
-            c.small_bytes = num("MESHTRAIN_SMALL_BYTES", v)? as usize;
-        }
-        if let Some(v) = get("MESHTRAIN_CHUNK_BYTES") {
-            let b = num("MESHTRAIN_CHUNK_BYTES", v)? as usize;
-            if b < 64 || b % 64 != 0 {
-                return Err(Error::config("MESHTRAIN_CHUNK_BYTES", "must be a multiple of 64 bytes"));
-            }
-            c.chunk_bytes = b;
-        }
-        Ok(c)
-    }
-}
+use crate::transport::{cma, Connector, Link, Waiter};
 
 /// A group of ranks that run collectives together.
 pub struct Communicator {
@@ -112,6 +52,101 @@ struct State {
     splits: u64,
     /// One chunk of working space for the direct reductions.
     scratch: Vec<u8>,
+    /// What the single-copy probe found (`None` before it ran).
+    reads: Option<Reads>,
+}
+
+/// Which family of schedules carries one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sched {
+    /// Pipelined ring ([`ring`]).
+    Ring,
+    /// All pairs through the FIFOs ([`direct`]).
+    Direct,
+    /// Single copy: peers read each other's buffers ([`read`]).
+    Read,
+    /// Point to point: only the link the call opens itself.
+    Pair,
+}
+
+/// One collective call and its byte buffers, as the dispatcher sees it. `input: None` is in place.
+enum Call<'a> {
+    AllReduce {
+        input: Option<&'a [u8]>,
+        out: &'a mut [u8],
+        red: Reducer,
+    },
+    /// `out` is this rank's block out of place, the whole `n`-element buffer in place.
+    ReduceScatter {
+        input: Option<&'a [u8]>,
+        out: &'a mut [u8],
+        n: usize,
+        red: Reducer,
+    },
+    AllGather {
+        input: Option<&'a [u8]>,
+        out: &'a mut [u8],
+    },
+    Broadcast {
+        root: usize,
+        buf: &'a mut [u8],
+    },
+    /// `out` is only written (and may be empty) off the root.
+    Reduce {
+        root: usize,
+        input: Option<&'a [u8]>,
+        out: &'a mut [u8],
+        n: usize,
+        red: Reducer,
+    },
+}
+
+impl Call<'_> {
+    fn name(&self) -> &'static str {
+        match self {
+            Call::AllReduce { .. } => "all_reduce",
+            Call::ReduceScatter { .. } => "reduce_scatter",
+            Call::AllGather { .. } => "all_gather",
+            Call::Broadcast { .. } => "broadcast",
+            Call::Reduce { .. } => "reduce",
+        }
+    }
+
+    /// Bytes of the whole buffer the call works on (the same on every member).
+    fn bytes(&self, esize: usize) -> usize {
+        match self {
+            Call::AllReduce { out, .. } | Call::AllGather { out, .. } => out.len(),
+            Call::Broadcast { buf, .. } => buf.len(),
+            Call::ReduceScatter { n, .. } | Call::Reduce { n, .. } => n * esize,
+        }
+    }
+
+    /// True for the calls that have a single-copy schedule.
+    fn has_read_schedule(&self) -> bool {
+        matches!(self, Call::AllReduce { .. } | Call::AllGather { .. } | Call::Broadcast { .. })
+    }
+
+    /// True for the calls `Cma::Auto` sends through their single-copy schedule. Not broadcast:
+    /// the ring's pipeline shares the copying between the root and the other ranks, where reads
+    /// leave the root idle, and measured faster on one node (README, "where the time goes").
+    fn reads_by_default(&self) -> bool {
+        matches!(self, Call::AllReduce { .. } | Call::AllGather { .. })
+    }
+
+    /// The call on a one-rank communicator: the result is the input.
+    fn single_rank(self) {
+        match self {
+            Call::Broadcast { .. } => {}
+            Call::AllReduce { input, out, .. }
+            | Call::ReduceScatter { input, out, .. }
+            | Call::AllGather { input, out }
+            | Call::Reduce { input, out, .. } => {
+                if let Some(i) = input {
+                    out.copy_from_slice(i);
+                }
+            }
+        }
+    }
 }
 
 /// The links of a communicator, addressed by member rank (for the direct schedules).
@@ -124,7 +159,10 @@ impl Peers for LinkTable<'_> {
     }
     fn rx(&mut self, from: usize) -> Rx<'_> {
         let l = self.0[from].as_mut().expect("link opened before use");
-        Rx::new(&mut *l.recv, l.peer)
+        Rx::new(&mut *l.recv, l.peer).with_memory(l.memory.as_ref())
+    }
+    fn pipe(&mut self, from: usize, to: usize) -> Pipe<'_> {
+        ring_pipe(self.0, from, to)
     }
 }
 
@@ -164,7 +202,13 @@ impl Communicator {
         Self::new(connector, 0, members, rank, cfg)
     }
 
-    fn new(connector: Arc<dyn Connector>, id: u64, members: Vec<usize>, rank: usize, cfg: CommConfig) -> Result<Self> {
+    fn new(
+        connector: Arc<dyn Connector>,
+        id: u64,
+        members: Vec<usize>,
+        rank: usize,
+        cfg: CommConfig,
+    ) -> Result<Self> {
         let k = members.len();
         let mut ring: Vec<usize> = (0..k).collect();
         ring.sort_by_key(|&r| (connector.node_of(members[r]), members[r]));
@@ -187,7 +231,7 @@ impl Communicator {
             ring,
             ring_pos,
             cfg,
-            state: Mutex::new(State { links, seq: 0, splits: 0, scratch }),
+            state: Mutex::new(State { links, seq: 0, splits: 0, scratch, reads: None }),
             stats: CommStats::new(k),
         };
         if k > 1 {
@@ -220,6 +264,12 @@ impl Communicator {
         self.stats.clone()
     }
 
+    /// What the single-copy probe found: `None` until a call wanted reads (never, with
+    /// `MESHTRAIN_CMA=off`). Reads are used when they pay, or work and are forced on.
+    pub fn single_copy_reads(&self) -> Option<Reads> {
+        self.lock().reads.clone()
+    }
+
     /// Member ranks in ring order.
     pub fn ring(&self) -> &[usize] {
         &self.ring
@@ -246,7 +296,8 @@ impl Communicator {
     /// Opens the missing links to `peers` (member ranks) in the global pair order.
     fn open_links(&self, st: &mut State, peers: &[usize], w: &Waiter) -> Result<()> {
         let me = self.members[self.rank];
-        let mut todo: Vec<usize> = peers.iter().copied().filter(|&p| p != self.rank && st.links[p].is_none()).collect();
+        let mut todo: Vec<usize> =
+            peers.iter().copied().filter(|&p| p != self.rank && st.links[p].is_none()).collect();
         todo.sort_by_key(|&p| {
             let other = self.members[p];
             (me.min(other), me.max(other))
@@ -255,39 +306,95 @@ impl Communicator {
         for p in todo {
             let link = self.connector.connect(self.id, self.members[p], w)?;
             if link.send.max_chunk() < self.cfg.chunk_bytes || link.send.depth() < 2 {
-                return Err(w.fail(link.peer, "link too small for the configured chunk size (or fewer than 2 slots)"));
+                return Err(w.fail(
+                    link.peer,
+                    "link too small for the configured chunk size (or fewer than 2 slots)",
+                ));
             }
             st.links[p] = Some(link);
         }
         Ok(())
     }
 
-    fn use_direct(&self, bytes: usize) -> bool {
-        match self.cfg.algo {
-            Algo::Ring => false,
-            Algo::Direct => true,
-            Algo::Auto => bytes <= self.cfg.small_bytes,
+    /// The schedule family a call wants, from (call, bytes, configuration) only; `run` may still
+    /// fall back from `Read` to `Ring` when the probe fails.
+    fn schedule(&self, call: &Call, bytes: usize) -> Sched {
+        match (self.cfg.cma, self.cfg.algo) {
+            (Cma::On, _) if call.has_read_schedule() => Sched::Read,
+            (_, Algo::Ring) => Sched::Ring,
+            (_, Algo::Direct) => Sched::Direct,
+            (_, Algo::Auto) if bytes <= self.cfg.small_bytes => Sched::Direct,
+            (Cma::Auto, Algo::Auto) if call.reads_by_default() => Sched::Read,
+            _ => Sched::Ring,
         }
     }
 
-    /// Runs one operation: sequence number, waiter, and abort on failure.
+    /// Whether this call reads peers' buffers, probing on first use. Every member gets here on
+    /// the same call (the schedule choice is the same everywhere), so they probe together and
+    /// agree on the answer.
+    fn reads_work(&self, st: &mut State, w: &Waiter) -> Result<bool> {
+        if st.reads.is_none() {
+            if let Err(why) = cma::allow_peer_reads() {
+                // Peers' reads of this rank may fail now; the probe finds out and says so.
+                log::debug!("rank {}: {why}", self.rank);
+            }
+            let found = probe::probe(&mut LinkTable(&mut st.links), &self.direct_shape(DType::U8), w)?;
+            self.log_probe(&found);
+            st.reads = Some(found);
+        }
+        match (st.reads.as_ref().expect("probed above"), self.cfg.cma) {
+            (Reads::Fail(why), Cma::On) => Err(Error::config(
+                "MESHTRAIN_CMA",
+                format!("single-copy reads forced on, but they do not work on comm {:#x}: {why}", self.id),
+            )),
+            (Reads::Fail(_), _) => Ok(false),
+            (Reads::Pay, _) | (Reads::Slow(_), Cma::On) => Ok(true),
+            (Reads::Slow(_), _) => Ok(false),
+        }
+    }
+
+    /// Logs the probe's outcome once per process (on member 0 of the first communicator that probed).
+    fn log_probe(&self, found: &Reads) {
+        static LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if self.rank != 0 || LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        let id = self.id;
+        match found {
+            Reads::Pay => log::info!("comm {id:#x}: single-copy reads (CMA) work and pay; large collectives use them"),
+            Reads::Slow(why) => log::info!(
+                "comm {id:#x}: single-copy reads (CMA) work but do not pay, collectives copy through shared \
+                 memory (MESHTRAIN_CMA=on forces reads): {why}"
+            ),
+            Reads::Fail(why) => log::warn!(
+                "comm {id:#x}: single-copy reads (CMA) unavailable, collectives copy through shared memory: {why}"
+            ),
+        }
+    }
+
+    /// Runs one operation: sequence number, waiter, the links and probe its schedule needs, and
+    /// abort on failure. `f` gets the schedule actually used.
     fn run(
         &self,
         op: &'static str,
         bytes: usize,
-        direct: bool,
-        f: impl FnOnce(&mut State, &Waiter) -> Result<()>,
+        want: Sched,
+        f: impl FnOnce(&mut State, Sched, &Waiter) -> Result<()>,
     ) -> Result<()> {
         let mut st = self.lock();
         st.seq += 1;
         let w = self.waiter(op, st.seq, bytes);
         let start = std::time::Instant::now();
         let result = (|| {
-            if direct && self.size() > 1 {
+            let mut sched = want;
+            if matches!(sched, Sched::Direct | Sched::Read) && self.size() > 1 {
                 let all: Vec<usize> = (0..self.size()).collect();
                 self.open_links(&mut st, &all, &w)?;
+                if sched == Sched::Read && !self.reads_work(&mut st, &w)? {
+                    sched = Sched::Ring;
+                }
             }
-            f(&mut st, &w)
+            f(&mut st, sched, &w)
         })();
         self.stats.record(op, bytes, start.elapsed());
         if let Err(e) = &result {
@@ -298,180 +405,164 @@ impl Communicator {
         result
     }
 
-    fn ring_shape(&self, dtype: DType) -> RingShape<'_> {
-        RingShape { order: &self.ring, pos: self.ring_pos, esize: dtype.size(), chunk: self.cfg.chunk_bytes / dtype.size() }
-    }
-
-    fn direct_shape(&self, dtype: DType) -> DirectShape {
-        DirectShape { k: self.size(), me: self.rank, esize: dtype.size(), chunk: self.cfg.chunk_bytes / dtype.size() }
-    }
-
-    fn all_reduce_bytes(&self, dtype: DType, op: ReduceOp, input: Option<&[u8]>, out: &mut [u8]) -> Result<()> {
-        let red = Reducer::new(dtype, op);
-        let direct = self.use_direct(out.len());
-        self.run("all_reduce", out.len(), direct, |st, w| {
+    /// Runs one collective with the schedule chosen for it.
+    fn collective(&self, dtype: DType, call: Call) -> Result<()> {
+        let bytes = call.bytes(dtype.size());
+        let want = self.schedule(&call, bytes);
+        self.run(call.name(), bytes, want, |st, sched, w| {
             if self.size() == 1 {
-                copy_separate(input, out);
+                call.single_rank();
                 return Ok(());
             }
-            if direct {
-                let State { links, scratch, .. } = st;
-                direct::all_reduce(&mut LinkTable(links), &self.direct_shape(dtype), input, out, scratch, &red, w)
-            } else {
-                let (prev, next) = self.ring_neighbours();
-                let mut pipe = ring_pipe(&mut st.links, prev, next);
-                ring::all_reduce(&mut pipe, &self.ring_shape(dtype), input, out, &red, w)
+            match sched {
+                Sched::Ring => self.ring_call(st, dtype, call, w),
+                Sched::Direct => self.direct_call(st, dtype, call, w),
+                Sched::Read => self.read_call(st, dtype, call, w),
+                Sched::Pair => unreachable!("schedule() never picks Pair for a collective"),
             }
         })
     }
 
+    fn ring_call(&self, st: &mut State, dtype: DType, call: Call, w: &Waiter) -> Result<()> {
+        let (prev, next) = self.ring_neighbours();
+        let (p, s) = (&mut ring_pipe(&mut st.links, prev, next), &self.ring_shape(dtype));
+        let pos = |root: usize| self.ring.iter().position(|&r| r == root).expect("root is a member");
+        match call {
+            Call::AllReduce { input, out, red } => ring::all_reduce(p, s, input, out, &red, w),
+            Call::ReduceScatter { input, out, n, red } => ring::reduce_scatter(p, s, input, out, n, &red, w),
+            Call::AllGather { input, out } => ring::all_gather(p, s, input, out, w),
+            Call::Broadcast { root, buf } => ring::broadcast(p, s, pos(root), buf, w),
+            Call::Reduce { root, input, out, n, red } => {
+                ring::reduce(p, s, pos(root), input, out, n, &red, w)
+            }
+        }
+    }
+
+    fn direct_call(&self, st: &mut State, dtype: DType, call: Call, w: &Waiter) -> Result<()> {
+        let State { links, scratch, .. } = st;
+        let (p, s) = (&mut LinkTable(links), &self.direct_shape(dtype));
+        match call {
+            Call::AllReduce { input, out, red } => direct::all_reduce(p, s, input, out, scratch, &red, w),
+            Call::ReduceScatter { input, out, n, red } => {
+                direct::reduce_scatter(p, s, input, out, n, scratch, &red, w)
+            }
+            Call::AllGather { input, out } => direct::all_gather(p, s, input, out, w),
+            Call::Broadcast { root, buf } => direct::broadcast(p, s, root, buf, w),
+            Call::Reduce { root, input, out, n, red } => {
+                direct::reduce(p, s, root, input, out, n, scratch, &red, w)
+            }
+        }
+    }
+
+    fn read_call(&self, st: &mut State, dtype: DType, call: Call, w: &Waiter) -> Result<()> {
+        let (p, s) = (&mut LinkTable(&mut st.links), &self.direct_shape(dtype));
+        match call {
+            Call::AllReduce { input, out, red } => {
+                read::all_reduce(p, &self.ring_shape(dtype), s, input, out, &red, w)
+            }
+            Call::AllGather { input, out } => read::all_gather(p, s, input, out, w),
+            Call::Broadcast { root, buf } => read::broadcast(p, s, root, buf, w),
+            Call::ReduceScatter { .. } | Call::Reduce { .. } => {
+                unreachable!("schedule() picks Read only where one exists")
+            }
+        }
+    }
+
+    fn ring_shape(&self, dtype: DType) -> RingShape<'_> {
+        RingShape {
+            order: &self.ring,
+            pos: self.ring_pos,
+            esize: dtype.size(),
+            chunk: self.cfg.chunk_bytes / dtype.size(),
+        }
+    }
+
+    fn direct_shape(&self, dtype: DType) -> DirectShape {
+        DirectShape {
+            k: self.size(),
+            me: self.rank,
+            esize: dtype.size(),
+            chunk: self.cfg.chunk_bytes / dtype.size(),
+        }
+    }
+
     /// In-place all-reduce of `buf`.
     pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        self.all_reduce_bytes(T::DTYPE, op, None, bytes_mut(buf))
+        let red = Reducer::new(T::DTYPE, op);
+        self.collective(T::DTYPE, Call::AllReduce { input: None, out: bytes_mut(buf), red })
     }
 
     /// All-reduce of `send` into `recv` (same length).
     pub fn all_reduce_into<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
         check_len("all_reduce", "recv", recv.len(), send.len())?;
-        self.all_reduce_bytes(T::DTYPE, op, Some(bytes(send)), bytes_mut(recv))
-    }
-
-    fn reduce_scatter_bytes(
-        &self,
-        dtype: DType,
-        op: ReduceOp,
-        input: Option<&[u8]>,
-        out: &mut [u8],
-        n: usize,
-    ) -> Result<()> {
-        let red = Reducer::new(dtype, op);
-        let direct = self.use_direct(n * dtype.size());
-        self.run("reduce_scatter", n * dtype.size(), direct, |st, w| {
-            if self.size() == 1 {
-                copy_separate(input, out);
-                return Ok(());
-            }
-            if direct {
-                let State { links, scratch, .. } = st;
-                let s = self.direct_shape(dtype);
-                direct::reduce_scatter(&mut LinkTable(links), &s, input, out, n, scratch, &red, w)
-            } else {
-                let (prev, next) = self.ring_neighbours();
-                let mut pipe = ring_pipe(&mut st.links, prev, next);
-                ring::reduce_scatter(&mut pipe, &self.ring_shape(dtype), input, out, n, &red, w)
-            }
-        })
+        let red = Reducer::new(T::DTYPE, op);
+        self.collective(T::DTYPE, Call::AllReduce { input: Some(bytes(send)), out: bytes_mut(recv), red })
     }
 
     /// In-place reduce-scatter: afterwards `buf[self.block(buf.len())]` holds this rank's block of
     /// the reduction; the rest of `buf` is unspecified.
     pub fn reduce_scatter<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        let n = buf.len();
-        self.reduce_scatter_bytes(T::DTYPE, op, None, bytes_mut(buf), n)
+        let (n, red) = (buf.len(), Reducer::new(T::DTYPE, op));
+        self.collective(T::DTYPE, Call::ReduceScatter { input: None, out: bytes_mut(buf), n, red })
     }
 
     /// Reduce-scatter of `send` (n elements): `recv` receives this rank's block
     /// (`self.block(n).len()` elements).
     pub fn reduce_scatter_into<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
         check_len("reduce_scatter", "recv", recv.len(), self.block(send.len()).len())?;
-        self.reduce_scatter_bytes(T::DTYPE, op, Some(bytes(send)), bytes_mut(recv), send.len())
-    }
-
-    fn all_gather_bytes(&self, dtype: DType, input: Option<&[u8]>, out: &mut [u8]) -> Result<()> {
-        let direct = self.use_direct(out.len());
-        self.run("all_gather", out.len(), direct, |st, w| {
-            if self.size() == 1 {
-                copy_separate(input, out);
-                return Ok(());
-            }
-            if direct {
-                direct::all_gather(&mut LinkTable(&mut st.links), &self.direct_shape(dtype), input, out, w)
-            } else {
-                let (prev, next) = self.ring_neighbours();
-                let mut pipe = ring_pipe(&mut st.links, prev, next);
-                ring::all_gather(&mut pipe, &self.ring_shape(dtype), input, out, w)
-            }
-        })
+        let (n, red) = (send.len(), Reducer::new(T::DTYPE, op));
+        self.collective(
+            T::DTYPE,
+            Call::ReduceScatter { input: Some(bytes(send)), out: bytes_mut(recv), n, red },
+        )
     }
 
     /// In-place all-gather: this rank's block `buf[self.block(buf.len())]` is sent, every other
     /// block is filled in.
     pub fn all_gather<T: Element>(&self, buf: &mut [T]) -> Result<()> {
-        self.all_gather_bytes(T::DTYPE, None, bytes_mut(buf))
+        self.collective(T::DTYPE, Call::AllGather { input: None, out: bytes_mut(buf) })
     }
 
     /// All-gather of each rank's `send` block into `recv`; `send.len()` must equal
     /// `self.block(recv.len()).len()`.
     pub fn all_gather_into<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         check_len("all_gather", "send", send.len(), self.block(recv.len()).len())?;
-        self.all_gather_bytes(T::DTYPE, Some(bytes(send)), bytes_mut(recv))
+        self.collective(T::DTYPE, Call::AllGather { input: Some(bytes(send)), out: bytes_mut(recv) })
     }
 
     /// Broadcast of `buf` from member `root`.
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         self.check_rank("broadcast", root)?;
-        let buf = bytes_mut(buf);
-        let direct = self.use_direct(buf.len());
-        self.run("broadcast", buf.len(), direct, |st, w| {
-            if self.size() == 1 {
-                return Ok(());
-            }
-            if direct {
-                direct::broadcast(&mut LinkTable(&mut st.links), &self.direct_shape(T::DTYPE), root, buf, w)
-            } else {
-                let (prev, next) = self.ring_neighbours();
-                let root_pos = self.ring.iter().position(|&r| r == root).expect("root is a member");
-                let mut pipe = ring_pipe(&mut st.links, prev, next);
-                ring::broadcast(&mut pipe, &self.ring_shape(T::DTYPE), root_pos, buf, w)
-            }
-        })
-    }
-
-    fn reduce_bytes(
-        &self,
-        dtype: DType,
-        op: ReduceOp,
-        root: usize,
-        input: Option<&[u8]>,
-        out: &mut [u8],
-        n: usize,
-    ) -> Result<()> {
-        self.check_rank("reduce", root)?;
-        let red = Reducer::new(dtype, op);
-        let direct = self.use_direct(n * dtype.size());
-        self.run("reduce", n * dtype.size(), direct, |st, w| {
-            if self.size() == 1 {
-                copy_separate(input, out);
-                return Ok(());
-            }
-            if direct {
-                let State { links, scratch, .. } = st;
-                let s = self.direct_shape(dtype);
-                direct::reduce(&mut LinkTable(links), &s, root, input, out, n, scratch, &red, w)
-            } else {
-                let (prev, next) = self.ring_neighbours();
-                let root_pos = self.ring.iter().position(|&r| r == root).expect("root is a member");
-                let mut pipe = ring_pipe(&mut st.links, prev, next);
-                ring::reduce(&mut pipe, &self.ring_shape(dtype), root_pos, input, out, n, &red, w)
-            }
-        })
+        self.collective(T::DTYPE, Call::Broadcast { root, buf: bytes_mut(buf) })
     }
 
     /// In-place reduce onto `root`: the root's `buf` receives the result; other ranks' `buf` is
     /// left unchanged.
     pub fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
-        let n = buf.len();
-        self.reduce_bytes(T::DTYPE, op, root, None, bytes_mut(buf), n)
+        self.check_rank("reduce", root)?;
+        let (n, red) = (buf.len(), Reducer::new(T::DTYPE, op));
+        self.collective(T::DTYPE, Call::Reduce { root, input: None, out: bytes_mut(buf), n, red })
     }
 
     /// Reduce of `send` onto `root`'s `recv` (same length as `send` at the root; ignored, and may be
     /// empty, elsewhere).
-    pub fn reduce_into<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+    pub fn reduce_into<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.check_rank("reduce", root)?;
         if self.rank == root {
             check_len("reduce", "recv", recv.len(), send.len())?;
         }
         let out: &mut [T] = if self.rank == root { recv } else { &mut [] };
-        self.reduce_bytes(T::DTYPE, op, root, Some(bytes(send)), bytes_mut(out), send.len())
+        let (n, red) = (send.len(), Reducer::new(T::DTYPE, op));
+        self.collective(
+            T::DTYPE,
+            Call::Reduce { root, input: Some(bytes(send)), out: bytes_mut(out), n, red },
+        )
     }
 
     /// All-to-all: `send` (n elements) is cut into `size` blocks (see [`block_range`]); block `b`
@@ -481,7 +572,7 @@ impl Communicator {
         let expect = self.block(send.len()).len() * self.size();
         check_len("all_to_all", "recv", recv.len(), expect)?;
         let (input, out) = (bytes(send), bytes_mut(recv));
-        self.run("all_to_all", input.len(), true, |st, w| {
+        self.run("all_to_all", input.len(), Sched::Direct, |st, _, w| {
             if self.size() == 1 {
                 out.copy_from_slice(input);
                 return Ok(());
@@ -495,7 +586,7 @@ impl Communicator {
     pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
         self.check_peer("send", peer)?;
         let (data, chunk) = (bytes(buf), self.cfg.chunk_bytes);
-        self.run("send", data.len(), false, |st, w| {
+        self.run("send", data.len(), Sched::Pair, |st, _, w| {
             self.open_links(st, &[peer], w)?;
             let mut tx = LinkTable(&mut st.links);
             let mut tx = tx.tx(peer);
@@ -507,7 +598,7 @@ impl Communicator {
     pub fn recv_into<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
         self.check_peer("recv", peer)?;
         let (data, chunk) = (bytes_mut(buf), self.cfg.chunk_bytes);
-        self.run("recv", data.len(), false, |st, w| {
+        self.run("recv", data.len(), Sched::Pair, |st, _, w| {
             self.open_links(st, &[peer], w)?;
             let mut rx = LinkTable(&mut st.links);
             let mut rx = rx.rx(peer);
@@ -547,7 +638,10 @@ impl Communicator {
 
     fn check_rank(&self, op: &str, r: usize) -> Result<()> {
         if r >= self.size() {
-            return Err(Error::InvalidArgument(format!("{op}: rank {r} out of range (size {})", self.size())));
+            return Err(Error::InvalidArgument(format!(
+                "{op}: rank {r} out of range (size {})",
+                self.size()
+            )));
         }
         Ok(())
     }
@@ -558,13 +652,6 @@ impl Communicator {
             return Err(Error::InvalidArgument(format!("{op}: peer {peer} is this rank")));
         }
         Ok(())
-    }
-}
-
-/// A one-rank collective: the result is the input (already in place when there is no separate one).
-fn copy_separate(input: Option<&[u8]>, out: &mut [u8]) {
-    if let Some(i) = input {
-        out.copy_from_slice(i);
     }
 }
 

@@ -1,9 +1,11 @@
 //! Communicators and collectives, written over transport links.
 //!
-//! Layering: [`primitives`] turns links into NCCL's message primitives; [`algo`] holds the
-//! schedules (ring, direct) as plain functions over those primitives; [`communicator`] owns the
-//! links of one group of ranks, chooses an algorithm per call and exposes the typed, `Result`
-//! returning API. No algorithm knows which transport or device carries its bytes.
+//! Layering: [`primitives`] turns links into NCCL's message primitives (copies through a link's
+//! FIFO, and single-copy reads of a peer's buffer where the link allows them); [`algo`] holds the
+//! schedules (ring, direct, read) as plain functions over those primitives; [`communicator`] owns
+//! the links of one group of ranks, chooses a schedule per call ([`config`] holds the tunables)
+//! and exposes the typed, `Result` returning API. No algorithm knows which transport or device
+//! carries its bytes.
 //!
 //! Buffers that are split across ranks (reduce-scatter output, all-gather input, all-to-all
 //! blocks) use [`block_range`]: `n` elements cut into `k` contiguous blocks whose lengths differ by
@@ -11,8 +13,10 @@
 
 pub mod algo;
 pub mod communicator;
+pub mod config;
 pub mod dtype;
 pub mod primitives;
+pub mod probe;
 pub mod selftest;
 pub mod stats;
 #[cfg(test)]
@@ -22,7 +26,8 @@ pub(crate) mod testing;
 
 use std::ops::Range;
 
-pub use communicator::{Algo, CommConfig, Communicator};
+pub use communicator::Communicator;
+pub use config::{Algo, Cma, CommConfig};
 pub use dtype::{DType, Element, ReduceOp};
 
 /// Element range of block `i` when `n` elements are cut into `k` near-equal contiguous blocks.

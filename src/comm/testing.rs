@@ -1,5 +1,7 @@
 //! In-process ranks for unit tests of the algorithms: threads joined by bounded in-memory FIFOs
-//! that behave like transport links (ordered, `depth` messages in flight, closed on drop).
+//! that behave like transport links (ordered, `depth` messages in flight, closed on drop). The
+//! links offer read access to the peer's memory (every rank is this process), unless a test asks
+//! for links without it.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
@@ -7,7 +9,7 @@ use std::time::Duration;
 
 use crate::comm::{CommConfig, Communicator};
 use crate::error::Result;
-use crate::transport::{AbortState, Connector, Link, LinkKind, RecvLink, SendLink, Waiter};
+use crate::transport::{AbortState, Connector, Link, LinkKind, PeerMemory, RecvLink, SendLink, Waiter};
 
 #[derive(Default)]
 struct Fifo {
@@ -96,6 +98,7 @@ pub struct MemConnector {
     size: usize,
     hub: Arc<Hub>,
     abort: Arc<AbortState>,
+    peer_memory: bool,
 }
 
 impl Hub {
@@ -117,7 +120,9 @@ impl Connector for MemConnector {
     fn connect(&self, comm_id: u64, peer: usize, _w: &Waiter) -> Result<Link> {
         let send = MemSend { fifo: self.hub.fifo(comm_id, self.rank, peer), slot: Vec::new(), peer };
         let recv = MemRecv { fifo: self.hub.fifo(comm_id, peer, self.rank), msg: Vec::new(), peer };
-        Ok(Link { peer, kind: LinkKind::Shm, send: Box::new(send), recv: Box::new(recv) })
+        // Every in-process rank is this process, so single-copy reads of a peer read our own memory.
+        let memory = if self.peer_memory { PeerMemory::new(std::process::id()) } else { None };
+        Ok(Link { peer, kind: LinkKind::Shm, send: Box::new(send), recv: Box::new(recv), memory })
     }
     fn abort(&self) -> &Arc<AbortState> {
         &self.abort
@@ -131,13 +136,32 @@ pub fn run_ranks<R: Send + 'static>(
     cfg: CommConfig,
     f: impl Fn(Communicator) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
+    spawn_ranks(k, cfg, true, f)
+}
+
+/// As [`run_ranks`], over links that cannot read the peer's memory (like TCP links).
+pub fn run_ranks_without_peer_memory<R: Send + 'static>(
+    k: usize,
+    cfg: CommConfig,
+    f: impl Fn(Communicator) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    spawn_ranks(k, cfg, false, f)
+}
+
+fn spawn_ranks<R: Send + 'static>(
+    k: usize,
+    cfg: CommConfig,
+    peer_memory: bool,
+    f: impl Fn(Communicator) -> R + Send + Sync + 'static,
+) -> Vec<R> {
     let hub = Arc::new(Hub::default());
     let f = Arc::new(f);
     let handles: Vec<_> = (0..k)
         .map(|rank| {
             let (hub, f, cfg) = (hub.clone(), f.clone(), cfg.clone());
             std::thread::spawn(move || {
-                let conn = MemConnector { rank, size: k, hub, abort: Arc::new(AbortState::default()) };
+                let abort = Arc::new(AbortState::default());
+                let conn = MemConnector { rank, size: k, hub, abort, peer_memory };
                 f(Communicator::world(Arc::new(conn), cfg).expect("world communicator"))
             })
         })

@@ -15,9 +15,12 @@
 //!   a job-wide abort turns into an `Error` naming the peer instead of a hang.
 //!
 //! Which transport carries a pair is decided by [`LinkKind`]: shared memory for ranks on one node,
-//! TCP otherwise or when `MESHTRAIN_TRANSPORT=tcp`. libfabric will be one more file here.
+//! TCP otherwise or when `MESHTRAIN_TRANSPORT=tcp`. libfabric will be one more file here. A
+//! shared-memory link also offers [`PeerMemory`] ([`cma`]): single-copy reads of the peer's
+//! buffers, for protocols that announce a buffer over the FIFO instead of copying it through.
 
 mod accept;
+pub mod cma;
 pub mod handshake;
 pub mod net;
 pub mod shm;
@@ -30,6 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+pub use cma::PeerMemory;
 
 /// Which transport carries a link.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,6 +75,9 @@ pub struct Link {
     pub send: Box<dyn SendLink>,
     /// Incoming FIFO.
     pub recv: Box<dyn RecvLink>,
+    /// Direct read access to the peer's memory, when the transport offers it (shared memory with a
+    /// known peer pid). Whether reads are actually permitted is probed by the communicator.
+    pub memory: Option<PeerMemory>,
 }
 
 /// Opens links between ranks. The network implementation authenticates every connection with the
@@ -191,5 +198,19 @@ impl Waiter {
     /// A `Comm` error for this operation and `peer`.
     pub fn fail(&self, peer: usize, cause: impl Into<String>) -> Error {
         Error::Comm { rank: self.rank, op: self.op, seq: self.seq, peer, bytes: self.bytes, cause: cause.into() }
+    }
+
+    /// The same operation and deadline, blind to the job-wide abort: for the waits that must still
+    /// finish while an abort is under way (an owner waiting until no live peer reads its buffer).
+    pub fn ignoring_abort(&self) -> Waiter {
+        Waiter {
+            rank: self.rank,
+            op: self.op,
+            seq: self.seq,
+            bytes: self.bytes,
+            start: self.start,
+            deadline: self.deadline,
+            abort: Arc::new(AbortState::default()),
+        }
     }
 }

@@ -28,7 +28,7 @@ use super::accept::Acceptor;
 use super::handshake::{self, Request};
 use super::shm::{self, PeerWatch, Segment};
 use super::tcp::{self, tcp_link};
-use super::{AbortState, Connector, Link, LinkKind, Waiter};
+use super::{AbortState, Connector, Link, LinkKind, PeerMemory, Waiter};
 use crate::error::{Error, Result};
 
 /// Tags with this bit are used by [`Connector::connect`]; raw streams use the tags below it.
@@ -306,6 +306,7 @@ impl NetConnector {
                 kind: LinkKind::Shm,
                 send: Box::new(send),
                 recv: Box::new(recv),
+                memory: PeerMemory::new(pid),
             });
         }
         send_setup(&mut stream, SETUP_TCP, self.cfg.tcp_chunk, self.cfg.tcp_depth)
@@ -316,6 +317,7 @@ impl NetConnector {
             kind: LinkKind::Tcp,
             send: Box::new(send),
             recv: Box::new(recv),
+            memory: None,
         })
     }
 
@@ -353,6 +355,7 @@ impl NetConnector {
                     kind: LinkKind::Shm,
                     send: Box::new(send),
                     recv: Box::new(recv),
+                    memory: PeerMemory::new(pid),
                 })
             }
             SETUP_TCP => {
@@ -363,6 +366,7 @@ impl NetConnector {
                     kind: LinkKind::Tcp,
                     send: Box::new(send),
                     recv: Box::new(recv),
+                    memory: None,
                 })
             }
             k => Err(w.fail(peer, format!("link setup names unknown transport {k}"))),

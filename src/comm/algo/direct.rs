@@ -11,7 +11,7 @@ use std::ops::Range;
 
 use crate::comm::block_range;
 use crate::comm::dtype::Reducer;
-use crate::comm::primitives::{Rx, Tx};
+use crate::comm::primitives::{Pipe, Rx, Tx};
 use crate::error::Result;
 use crate::transport::Waiter;
 
@@ -21,6 +21,8 @@ pub trait Peers {
     fn tx(&mut self, to: usize) -> Tx<'_>;
     /// Receiving half from `from`.
     fn rx(&mut self, from: usize) -> Rx<'_>;
+    /// Receive from `from` and send to `to` together (a ring position).
+    fn pipe(&mut self, from: usize, to: usize) -> Pipe<'_>;
 }
 
 /// Shape of one direct operation.
@@ -42,7 +44,9 @@ impl DirectShape {
         start * self.esize..(start + self.chunk).min(elems.end) * self.esize
     }
 
-    fn peers(&self) -> impl Iterator<Item = usize> + '_ {
+    /// The other ranks, starting after this one (so that peers' first messages go to different
+    /// ranks).
+    pub fn peers(&self) -> impl Iterator<Item = usize> + '_ {
         (1..self.k).map(move |d| (self.me + d) % self.k)
     }
 
@@ -174,7 +178,13 @@ pub fn all_gather<P: Peers>(
 /// All-to-all: block `b` of `input` (`n` elements cut into k blocks) goes to rank `b`; rank `src`'s
 /// block for this rank lands at `out[src * len .. (src + 1) * len]`, `len` being this rank's block
 /// length.
-pub fn all_to_all<P: Peers>(peers: &mut P, s: &DirectShape, input: &[u8], out: &mut [u8], w: &Waiter) -> Result<()> {
+pub fn all_to_all<P: Peers>(
+    peers: &mut P,
+    s: &DirectShape,
+    input: &[u8],
+    out: &mut [u8],
+    w: &Waiter,
+) -> Result<()> {
     let n = input.len() / s.esize;
     let len = block_range(n, s.k, s.me).len();
     for j in 0..s.rounds(block_range(n, s.k, 0).len()) {
@@ -191,7 +201,13 @@ pub fn all_to_all<P: Peers>(peers: &mut P, s: &DirectShape, input: &[u8], out: &
 }
 
 /// Broadcast: the root sends every piece to every peer.
-pub fn broadcast<P: Peers>(peers: &mut P, s: &DirectShape, root: usize, buf: &mut [u8], w: &Waiter) -> Result<()> {
+pub fn broadcast<P: Peers>(
+    peers: &mut P,
+    s: &DirectShape,
+    root: usize,
+    buf: &mut [u8],
+    w: &Waiter,
+) -> Result<()> {
     let n = buf.len() / s.esize;
     for j in 0..s.rounds(n) {
         let r = s.piece(0..n, j);

@@ -33,6 +33,11 @@ impl RingShape<'_> {
         self.order.len()
     }
 
+    /// Communicator ranks this position receives from and sends to.
+    pub fn neighbours(&self) -> (usize, usize) {
+        (self.order[self.before(1)], self.order[(self.pos + 1) % self.k()])
+    }
+
     /// Position `back` steps before `pos` (wrapping).
     fn before(&self, back: usize) -> usize {
         (self.pos + self.k() * 2 - back % self.k()) % self.k()
@@ -98,9 +103,9 @@ pub fn all_reduce(
     Ok(())
 }
 
-/// Reduce-scatter of the `n`-element `input` (or `buf` in place): this rank's block ends up in
-/// `out` (out of place: `out` is exactly the block; in place: `out` is the whole buffer and the
-/// block is written at its own offset).
+/// Reduce-scatter of the `n`-element `input` (or `out` in place): this rank's block ends up in
+/// `out`, which is either exactly the block or the whole buffer (the block written at its own
+/// offset; always so in place). Only the block is written.
 pub fn reduce_scatter(
     p: &mut Pipe,
     s: &RingShape,
@@ -111,27 +116,30 @@ pub fn reduce_scatter(
     w: &Waiter,
 ) -> Result<()> {
     let k = s.k();
-    let my_block = block_range(n, k, s.order[s.pos]);
+    // A block-sized `out` is addressed relative to the block. (When the block is the whole buffer
+    // it starts at 0, so both readings agree.)
+    let base = if out.len() == n * s.esize { 0 } else { block_range(n, k, s.order[s.pos]).start * s.esize };
     for j in 0..s.rounds(n) {
         p.tx.send(src(input, out, s.piece(n, s.before(1), j)), w)?;
         for t in 1..k - 1 {
             p.recv_reduce_send(src(input, out, s.piece(n, s.before(t + 1), j)), red, w)?;
         }
         let mine = s.piece(n, s.pos, j);
-        match input {
-            Some(i) => {
-                let local = mine.start - my_block.start * s.esize..mine.end - my_block.start * s.esize;
-                p.rx.recv_reduce_copy(Input::Separate(&i[mine]), &mut out[local], red, Some(k), w)?;
-            }
-            None => p.rx.recv_reduce_copy(Input::InPlace, &mut out[mine], red, Some(k), w)?,
-        }
+        let dst = mine.start - base..mine.end - base;
+        p.rx.recv_reduce_copy(input_of(input, mine), &mut out[dst], red, Some(k), w)?;
     }
     Ok(())
 }
 
 /// All-gather into the `n`-element `out`: this rank's block comes from `input` (or already sits at
 /// its offset in `out` when in place).
-pub fn all_gather(p: &mut Pipe, s: &RingShape, input: Option<&[u8]>, out: &mut [u8], w: &Waiter) -> Result<()> {
+pub fn all_gather(
+    p: &mut Pipe,
+    s: &RingShape,
+    input: Option<&[u8]>,
+    out: &mut [u8],
+    w: &Waiter,
+) -> Result<()> {
     let (k, n) = (s.k(), out.len() / s.esize);
     let my_start = block_range(n, k, s.order[s.pos]).start * s.esize;
     for j in 0..s.rounds(n) {
@@ -182,7 +190,9 @@ pub fn reduce(
         let r = s.whole_piece(n, j);
         match rel {
             0 => p.tx.send(src(input, out, r), w)?,
-            x if x == k - 1 => p.rx.recv_reduce_copy(input_of(input, r.clone()), &mut out[r], red, Some(k), w)?,
+            x if x == k - 1 => {
+                p.rx.recv_reduce_copy(input_of(input, r.clone()), &mut out[r], red, Some(k), w)?
+            }
             _ => p.recv_reduce_send(src(input, out, r), red, w)?,
         }
     }

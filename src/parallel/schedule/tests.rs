@@ -250,17 +250,23 @@ fn equal_times_against_the_theoretical_bubble() {
         let report = simulate(schedule, p, m, per_rank, per_rank).unwrap();
         let theory = (2 * (v * m + p - 1)) as f64;
         assert!(report.busy.iter().all(|&b| b == (2 * v * m) as f64));
-        match schedule {
-            Schedule::GPipe | Schedule::OneFOneB => {
-                assert_eq!(report.makespan, theory, "{schedule:?} p={p} m={m}");
-                let bubble = bubble_fraction(schedule, p, m).unwrap();
-                // Both sides are a handful of correctly rounded operations on integers below 2^10.
-                assert!((report.bubble_fraction - bubble).abs() < 1e-12, "{schedule:?} p={p} m={m}");
-            }
-            Schedule::Interleaved { .. } => {
-                assert!(report.makespan >= theory, "{schedule:?} p={p} m={m}");
-                assert!(report.makespan < 1.35 * theory, "{schedule:?} p={p} m={m}");
-            }
+        check_against_theory(&report, schedule, p, m, theory, 1.35);
+    }
+}
+
+/// GPipe and 1F1B meet the makespan `theory` and the bubble formula exactly; interleaved is never
+/// below `theory` and stays under `interleaved_excess` times it.
+fn check_against_theory(report: &SimReport, schedule: Schedule, p: usize, m: usize, theory: f64, interleaved_excess: f64) {
+    match schedule {
+        Schedule::GPipe | Schedule::OneFOneB => {
+            assert_eq!(report.makespan, theory, "{schedule:?} p={p} m={m}");
+            let bubble = bubble_fraction(schedule, p, m).unwrap();
+            // Both sides are a handful of correctly rounded operations on integers below 2^10.
+            assert!((report.bubble_fraction - bubble).abs() < 1e-12, "{schedule:?} p={p} m={m}");
+        }
+        Schedule::Interleaved { .. } => {
+            assert!(report.makespan >= theory, "{schedule:?} p={p} m={m}");
+            assert!(report.makespan < interleaved_excess * theory, "{schedule:?} p={p} m={m}");
         }
     }
 }
@@ -277,18 +283,7 @@ fn backward_twice_forward_against_the_theoretical_bubble() {
         let v = schedule.chunks();
         let report = simulate(schedule, p, m, v as f64, 2.0 * v as f64).unwrap();
         let theory = (3 * (v * m + p - 1)) as f64;
-        match schedule {
-            Schedule::GPipe | Schedule::OneFOneB => {
-                assert_eq!(report.makespan, theory, "{schedule:?} p={p} m={m}");
-                let bubble = bubble_fraction(schedule, p, m).unwrap();
-                // A handful of correctly rounded operations on integers below 2^10.
-                assert!((report.bubble_fraction - bubble).abs() < 1e-12);
-            }
-            Schedule::Interleaved { .. } => {
-                assert!(report.makespan >= theory, "{schedule:?} p={p} m={m}");
-                assert!(report.makespan < 1.45 * theory, "{schedule:?} p={p} m={m}");
-            }
-        }
+        check_against_theory(&report, schedule, p, m, theory, 1.45);
     }
 }
 

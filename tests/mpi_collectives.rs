@@ -35,8 +35,11 @@ fn shared_memory_world_sizes_1_to_8() {
         let reads = selftest(np, &[]);
         if np == 1 {
             assert_eq!(reads, "not probed");
-        } else {
+        } else if common::cross_process_reads_allowed() {
             assert!(reads.starts_with("work"), "{np} ranks: {reads}");
+        } else {
+            // The probe must find out and fall back (the selftest above passed on the FIFOs).
+            assert!(!reads.starts_with("work"), "{np} ranks: {reads}");
         }
     }
 }
@@ -58,10 +61,16 @@ fn forced_schedules_over_shared_memory() {
 
 #[test]
 fn single_copy_reads_forced_on_and_off_odd_world_sizes() {
+    let allowed = common::cross_process_reads_allowed();
+    if !allowed {
+        eprintln!("SKIP forced-on part: this machine forbids process_vm_readv between processes");
+    }
     for np in [3, 5] {
-        // Forced on, reads that work are used at every size, paying or not.
-        let reads = selftest(np, &[("MESHTRAIN_CMA", "on")]);
-        assert!(reads.starts_with("work"), "{np} ranks, forced on: {reads}");
+        if allowed {
+            // Forced on, reads that work are used at every size, paying or not.
+            let reads = selftest(np, &[("MESHTRAIN_CMA", "on")]);
+            assert!(reads.starts_with("work"), "{np} ranks, forced on: {reads}");
+        }
         assert_eq!(selftest(np, &[("MESHTRAIN_CMA", "off")]), "not probed", "{np} ranks, off");
     }
 }

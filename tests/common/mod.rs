@@ -181,3 +181,22 @@ pub fn assert_params_close(
     }
     assert!(compared > 0, "{what}: no model tensors to compare");
 }
+
+/// Whether this machine lets one process read another's memory (`process_vm_readv`; seccomp
+/// profiles of some containers forbid it), checked by reading a child process. Single-copy reads
+/// between ranks need it; where it is missing they must fall back, not fail.
+pub fn cross_process_reads_allowed() -> bool {
+    let Ok(mut child) = Command::new("sleep").arg("10").spawn() else { return false };
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", child.id())).unwrap_or_default();
+    let start = maps.split('-').next().and_then(|a| u64::from_str_radix(a, 16).ok());
+    let ok = start.is_some_and(|addr| {
+        let mut byte = [0u8; 1];
+        let local = libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: 1 };
+        let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: 1 };
+        // SAFETY: `local` points at one writable byte we own; the kernel checks `remote`.
+        unsafe { libc::process_vm_readv(child.id() as libc::pid_t, &local, 1, &remote, 1, 0) == 1 }
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    ok
+}

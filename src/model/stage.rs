@@ -299,15 +299,6 @@ impl Stage {
         self.gate = Some(gate);
     }
 
-    /// Makes every parameter resident (for reading them all, e.g. to export).
-    pub fn gather_all(&mut self) -> Result<()> {
-        let units = self.units();
-        match &mut self.gate {
-            Some(g) => g.acquire(&units, &[], &mut self.params),
-            None => Ok(()),
-        }
-    }
-
     /// Gives back every gathered unit, keeping the owned shard (after the optimizer step or a
     /// load changed the shard). No-op without a gate.
     pub fn release_gathered(&mut self) -> Result<()> {

@@ -151,11 +151,10 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         Arc::new(AtomicU64::new(0))
     };
     let passes = if zero == 3 { model.gather_passes() } else { Vec::new() };
-    let owned: Vec<_> = sync.owned();
     let estimate = MemoryEstimate::new(&MemoryInputs {
         zero,
         n,
-        shard: owned.iter().map(|r| r.len()).sum(),
+        shard: sync.state_len(),
         dp: dp.size(),
         buckets: sync.bucket_ranges(),
         units: &units,

@@ -25,9 +25,9 @@
 //! across ranks; `finish` fails if a bucket was never reported or only partly.
 
 use std::ops::Range;
-use std::sync::mpsc::{channel, Receiver, Sender};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use super::comm_worker::CommWorker;
 
 use crate::comm::{block_range, Communicator, ReduceOp};
 use crate::error::{Error, Result};
@@ -60,17 +60,6 @@ pub enum Reduction {
     ReduceScatter,
 }
 
-struct Job {
-    bucket: usize,
-    data: Vec<f32>,
-}
-
-struct Done {
-    bucket: usize,
-    data: Vec<f32>,
-    busy: Duration,
-}
-
 /// Reduces gradient buckets on a communication thread as they become final.
 pub struct OverlapReducer {
     buckets: Vec<Range<usize>>,
@@ -93,9 +82,7 @@ pub struct OverlapReducer {
     /// Reduced own block of each bucket, summed over this step's launches (ReduceScatter).
     shards: Vec<Vec<f32>>,
     scale: f32,
-    jobs: Option<Sender<Job>>,
-    done: Receiver<Result<Done>>,
-    thread: Option<JoinHandle<()>>,
+    worker: CommWorker,
     /// Time the communication thread spent in collectives this step.
     busy: Duration,
     /// First error of the communication thread, reported by `finish`.
@@ -116,25 +103,10 @@ impl OverlapReducer {
     /// communicator no other thread uses).
     pub fn new(comm: Communicator, buckets: Vec<Range<usize>>, reduction: Reduction) -> Self {
         let (dp_rank, dp_size) = (comm.rank(), comm.size());
-        let (jobs_tx, jobs_rx) = channel::<Job>();
-        let (done_tx, done_rx) = channel::<Result<Done>>();
-        let thread = std::thread::Builder::new()
-            .name("meshtrain-grad-comm".into())
-            .spawn(move || {
-                for mut job in jobs_rx {
-                    let t0 = Instant::now();
-                    let r = match reduction {
-                        Reduction::ReduceScatter => comm.reduce_scatter(&mut job.data, ReduceOp::Avg),
-                        Reduction::AllReduce => comm.all_reduce(&mut job.data, ReduceOp::Avg),
-                    };
-                    let out = r.map(|()| Done { bucket: job.bucket, data: job.data, busy: t0.elapsed() });
-                    let failed = out.is_err();
-                    if done_tx.send(out).is_err() || failed {
-                        return;
-                    }
-                }
-            })
-            .expect("spawning the gradient communication thread");
+        let worker = CommWorker::spawn("meshtrain-grad-comm", "gradient communication", comm, move |c, data| match reduction {
+            Reduction::ReduceScatter => c.reduce_scatter(data, ReduceOp::Avg),
+            Reduction::AllReduce => c.all_reduce(data, ReduceOp::Avg),
+        });
         let k = buckets.len();
         let sharded = reduction == Reduction::ReduceScatter;
         let staging = buckets.iter().map(|b| (!sharded).then(|| vec![0f32; b.len()])).collect();
@@ -151,9 +123,7 @@ impl OverlapReducer {
             in_flight: 0,
             shards: Vec::new(),
             scale: 1.0,
-            jobs: Some(jobs_tx),
-            done: done_rx,
-            thread: Some(thread),
+            worker,
             busy: Duration::ZERO,
             failed: None,
             buckets,
@@ -242,42 +212,36 @@ impl OverlapReducer {
         self.ready[b] = 0;
         self.launches[b] += 1;
         let data = self.staging[b].take().expect("a launched bucket was staged");
-        if let Some(tx) = &self.jobs {
-            // A closed channel means the thread stopped on an error, which `finish` reports.
-            if tx.send(Job { bucket: b, data }).is_ok() {
-                self.in_flight += 1;
-            }
+        // A failed send means the thread stopped on an error, which `finish` reports.
+        if self.worker.send(b, data).is_ok() {
+            self.in_flight += 1;
         }
     }
 
     /// Waits for one reduced bucket and files it: into the shard (ReduceScatter, returning the
     /// buffer to the pool) or into `grads` (AllReduce).
     fn receive_one(&mut self, grads: Option<&mut [f32]>) -> Result<()> {
-        let done = self
-            .done
-            .recv()
-            .map_err(|_| Error::Check("gradient communication thread stopped unexpectedly".into()))??;
+        let (b, data, busy) = self.worker.recv()?;
         self.in_flight -= 1;
-        self.busy += done.busy;
-        let b = done.bucket;
+        self.busy += busy;
         self.received[b] += 1;
         let own = self.shard(b);
         let base = self.buckets[b].start;
         match self.reduction {
             Reduction::ReduceScatter => {
-                let block = &done.data[own.start - base..own.end - base];
+                let block = &data[own.start - base..own.end - base];
                 if self.received[b] == 1 {
                     self.shards[b].copy_from_slice(block);
                 } else {
                     self.shards[b].iter_mut().zip(block).for_each(|(s, x)| *s += x);
                 }
-                self.pool.push(done.data);
+                self.pool.push(data);
                 self.staged -= 1;
             }
             Reduction::AllReduce => {
                 let grads = grads.expect("all-reduced buckets are received in `finish` only");
-                grads[own].copy_from_slice(&done.data);
-                self.staging[b] = Some(done.data);
+                grads[own].copy_from_slice(&data);
+                self.staging[b] = Some(data);
             }
         }
         Ok(())
@@ -306,15 +270,6 @@ impl OverlapReducer {
             }
         }
         Ok(ReduceTiming { comm: self.busy, exposed: t0.elapsed() })
-    }
-}
-
-impl Drop for OverlapReducer {
-    fn drop(&mut self) {
-        self.jobs = None;
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 

@@ -9,6 +9,7 @@
 
 mod buckets;
 mod checkpointing;
+mod comm_worker;
 mod grad_sync;
 mod memory_estimate;
 mod param_gather;

@@ -16,10 +16,10 @@
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Instant;
+
+use super::comm_worker::CommWorker;
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
@@ -36,9 +36,6 @@ enum Residency {
     Resident,
 }
 
-/// Bucket `.0`: the whole bucket with this rank's block filled in, gathered in place.
-type Job = (usize, Vec<f32>);
-
 /// Gathers parameter units on demand; see the module documentation.
 pub struct ParamGather {
     buckets: Vec<Range<usize>>,
@@ -48,9 +45,8 @@ pub struct ParamGather {
     units: Vec<(Range<usize>, Vec<usize>)>,
     state: Vec<Residency>,
     in_flight: usize,
-    jobs: Option<Sender<Job>>,
-    done: Receiver<Result<Job>>,
-    thread: Option<JoinHandle<()>>,
+    /// Gathers a bucket (its buffer holds this rank's block) in place.
+    worker: CommWorker,
     /// Nanoseconds the compute thread waited for gathers (shared with the training loop).
     waited_ns: Arc<AtomicU64>,
 }
@@ -75,20 +71,7 @@ impl ParamGather {
             }
             per_unit.push((u.clone(), inside));
         }
-        let (jobs_tx, jobs_rx) = channel::<Job>();
-        let (done_tx, done_rx) = channel::<Result<Job>>();
-        let thread = std::thread::Builder::new()
-            .name("meshtrain-param-gather".into())
-            .spawn(move || {
-                for (b, mut data) in jobs_rx {
-                    let out = comm.all_gather(&mut data).map(|()| (b, data));
-                    let failed = out.is_err();
-                    if done_tx.send(out).is_err() || failed {
-                        return;
-                    }
-                }
-            })
-            .expect("spawning the parameter gather thread");
+        let worker = CommWorker::spawn("meshtrain-param-gather", "parameter gather", comm, |c, data| c.all_gather(data));
         let waited_ns = Arc::new(AtomicU64::new(0));
         let gate = ParamGather {
             state: vec![Residency::Released; buckets.len()],
@@ -96,9 +79,7 @@ impl ParamGather {
             owned,
             units: per_unit,
             in_flight: 0,
-            jobs: Some(jobs_tx),
-            done: done_rx,
-            thread: Some(thread),
+            worker,
             waited_ns: waited_ns.clone(),
         };
         Ok((gate, waited_ns))
@@ -116,8 +97,7 @@ impl ParamGather {
         let (r, own) = (self.buckets[b].clone(), self.owned[b].clone());
         let mut data = vec![0f32; r.len()];
         data[own.start - r.start..own.end - r.start].copy_from_slice(&params[own]);
-        let tx = self.jobs.as_ref().expect("the job channel lives as long as the gate");
-        tx.send((b, data)).map_err(|_| Error::Check("parameter gather thread stopped".into()))?;
+        self.worker.send(b, data)?;
         self.state[b] = Residency::InFlight;
         self.in_flight += 1;
         Ok(())
@@ -126,10 +106,7 @@ impl ParamGather {
     /// Waits for one gathered bucket and copies it into `params` (or drops it when `keep` is
     /// false).
     fn receive_one(&mut self, params: &mut [f32], keep: bool) -> Result<()> {
-        let (b, data) = self
-            .done
-            .recv()
-            .map_err(|_| Error::Check("parameter gather thread stopped unexpectedly".into()))??;
+        let (b, data, _) = self.worker.recv()?;
         self.in_flight -= 1;
         if keep {
             params[self.buckets[b].clone()].copy_from_slice(&data);
@@ -184,15 +161,6 @@ impl ParamGate for ParamGather {
             self.release_bucket(b, params);
         }
         Ok(())
-    }
-}
-
-impl Drop for ParamGather {
-    fn drop(&mut self) {
-        self.jobs = None;
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 

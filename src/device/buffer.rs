@@ -1,15 +1,51 @@
 //! [`DeviceBuffer`]: untyped device memory of one arm, freed when dropped.
 //!
 //! A buffer remembers its arm; using it with a device of another arm is an error, never a wild
-//! pointer. Sizes are in bytes; typed views exist only on the host side of a copy.
+//! pointer. Sizes are in bytes. The CPU arm's bytes are 8-byte aligned ([`HostBytes`]), so the
+//! CPU versions of the kernels (`ops.rs`) view them as `f32`, `u32` or `u16` slices in place.
+
+use bytemuck::Pod;
 
 use super::{CudaBuffer, Device, HipBuffer};
 use crate::error::{Error, Result};
 
+/// Zeroed host bytes, 8-byte aligned (backed by `u64` words).
+pub struct HostBytes {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl HostBytes {
+    /// `len` zero bytes.
+    pub fn zeroed(len: usize) -> Self {
+        HostBytes { words: vec![0; len.div_ceil(8)], len }
+    }
+
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+
+    /// The bytes, mutable.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+
+    /// The first `n` elements viewed as `T` (alignment holds for any `T` of at most 8 bytes).
+    pub(crate) fn view<T: Pod>(&self, n: usize) -> &[T] {
+        &bytemuck::cast_slice(&self.bytes()[..n * std::mem::size_of::<T>()])[..n]
+    }
+
+    /// The first `n` elements viewed as `T`, mutable.
+    pub(crate) fn view_mut<T: Pod>(&mut self, n: usize) -> &mut [T] {
+        &mut bytemuck::cast_slice_mut(&mut self.bytes_mut()[..n * std::mem::size_of::<T>()])[..n]
+    }
+}
+
 /// Bytes owned by one device.
 pub enum DeviceBuffer {
     /// Host memory of the CPU device.
-    Host(Vec<u8>),
+    Host(HostBytes),
     /// CUDA device memory.
     Cuda(CudaBuffer),
     /// HIP device memory.
@@ -20,7 +56,7 @@ impl DeviceBuffer {
     /// Size in bytes.
     pub fn len(&self) -> usize {
         match self {
-            DeviceBuffer::Host(v) => v.len(),
+            DeviceBuffer::Host(v) => v.len,
             DeviceBuffer::Cuda(b) => b.len(),
             DeviceBuffer::Hip(b) => b.len(),
         }

@@ -119,6 +119,11 @@ impl CudaDevice {
         &self.name
     }
 
+    /// The one stream all of this device's work goes to (libraries such as cuBLAS bind to it).
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
     pub(crate) fn alloc(&self, bytes: usize) -> Result<CudaBuffer> {
         // SAFETY: the memory is uninitialized bytes; every reader of a DeviceBuffer either
         // wrote it first or accepts arbitrary bytes (u8 has no invalid values).

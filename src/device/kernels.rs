@@ -15,7 +15,7 @@ use crate::comm::{DType, ReduceOp};
 const HEADERS: [(&str, &str); 1] = [("compat.h", include_str!("../../kernels/compat.h"))];
 
 /// Kernel files, by name.
-pub const SOURCES: [(&str, &str); 8] = [
+pub const SOURCES: [(&str, &str); 10] = [
     ("reduce.cu", include_str!("../../kernels/reduce.cu")),
     ("layernorm.cu", include_str!("../../kernels/layernorm.cu")),
     ("gelu.cu", include_str!("../../kernels/gelu.cu")),
@@ -24,10 +24,12 @@ pub const SOURCES: [(&str, &str); 8] = [
     ("adamw.cu", include_str!("../../kernels/adamw.cu")),
     ("cast.cu", include_str!("../../kernels/cast.cu")),
     ("residual.cu", include_str!("../../kernels/residual.cu")),
+    ("encoder.cu", include_str!("../../kernels/encoder.cu")),
+    ("linear.cu", include_str!("../../kernels/linear.cu")),
 ];
 
 /// Entry points other than the reductions.
-const MODEL_KERNELS: [&str; 14] = [
+const MODEL_KERNELS: [&str; 20] = [
     "layernorm_forward_f32",
     "layernorm_backward_dinp_f32",
     "layernorm_backward_dparams_f32",
@@ -42,6 +44,12 @@ const MODEL_KERNELS: [&str; 14] = [
     "cast_f32_to_bf16",
     "cast_bf16_to_f32",
     "residual_forward_f32",
+    "encoder_forward_f32",
+    "encoder_backward_wpe_f32",
+    "encoder_backward_wte_f32",
+    "bias_add_f32",
+    "bias_backward_f32",
+    "fill_zero_f32",
 ];
 
 /// The whole kernel translation unit, local includes expanded once.
@@ -116,11 +124,11 @@ mod tests {
     }
 
     /// Every listed entry point is defined by name or by the reduction macros, and the list has
-    /// no duplicates (28 combine kernels, 7 avg divides, 14 model kernels).
+    /// no duplicates (28 combine kernels, 7 avg divides, 20 model kernels).
     #[test]
     fn entry_points_are_unique_and_defined() {
         let names = entry_points();
-        assert_eq!(names.len(), 28 + 7 + 14);
+        assert_eq!(names.len(), 28 + 7 + 20);
         assert_eq!(names.iter().collect::<HashSet<_>>().len(), names.len());
         let src = kernel_source();
         for n in names

@@ -18,6 +18,7 @@
 
 mod buffer;
 mod cuda;
+pub mod gemm;
 mod hip;
 pub mod hipcc;
 pub mod kernels;
@@ -25,7 +26,7 @@ pub mod nvrtc;
 pub mod ops;
 pub mod reduce_bench;
 
-pub use buffer::DeviceBuffer;
+pub use buffer::{DeviceBuffer, HostBytes};
 pub use cuda::{cuda_driver_available, CudaBuffer, CudaDevice};
 pub use hip::{HipBuffer, HipDevice};
 pub use nvrtc::compile_cuda_kernels;
@@ -116,7 +117,7 @@ impl Device {
     /// An uninitialized buffer of `bytes` bytes on this device.
     pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
         match self {
-            Device::Cpu => Ok(DeviceBuffer::Host(vec![0u8; bytes])),
+            Device::Cpu => Ok(DeviceBuffer::Host(HostBytes::zeroed(bytes))),
             Device::Cuda(d) => Ok(DeviceBuffer::Cuda(d.alloc(bytes)?)),
             Device::Hip(d) => Ok(DeviceBuffer::Hip(d.alloc(bytes)?)),
         }
@@ -135,7 +136,7 @@ impl Device {
         buffer::check_len("copy_to_device", dst.len(), src.len())?;
         match (self, dst) {
             (Device::Cpu, DeviceBuffer::Host(d)) => {
-                d[..src.len()].copy_from_slice(src);
+                d.bytes_mut()[..src.len()].copy_from_slice(src);
                 Ok(())
             }
             (Device::Cuda(dev), DeviceBuffer::Cuda(d)) => dev.copy_to_device(d, src),
@@ -150,7 +151,7 @@ impl Device {
         buffer::check_len("copy_to_host", src.len(), dst.len())?;
         match (self, src) {
             (Device::Cpu, DeviceBuffer::Host(s)) => {
-                dst.copy_from_slice(&s[..dst.len()]);
+                dst.copy_from_slice(&s.bytes()[..dst.len()]);
                 Ok(())
             }
             (Device::Cuda(dev), DeviceBuffer::Cuda(s)) => dev.copy_to_host(s, dst),
@@ -164,7 +165,7 @@ impl Device {
         buffer::check_len("copy_on_device", dst.len(), src.len())?;
         match (self, dst, src) {
             (Device::Cpu, DeviceBuffer::Host(d), DeviceBuffer::Host(s)) => {
-                d[..s.len()].copy_from_slice(s);
+                d.bytes_mut()[..s.bytes().len()].copy_from_slice(s.bytes());
                 Ok(())
             }
             (Device::Cuda(dev), DeviceBuffer::Cuda(d), DeviceBuffer::Cuda(s)) => dev.copy_on_device(d, s),

@@ -2,15 +2,22 @@
 //! elements the kernel will touch (so no launch can read or write out of bounds), pick the grid,
 //! and pass arguments in the kernel's C order. Shapes and semantics are those of the CPU
 //! reference functions named in each doc comment; all model kernels are f32.
+//!
+//! On the CPU device every op runs its reference function on the host buffers instead of a
+//! kernel (after the same checks), so code written against these ops (the device model, the
+//! device collectives) runs and is tested on any machine; on a GPU only the kernels differ.
 
 use std::ops::Range;
 
+use super::buffer::wrong_device;
 use super::kernels::{avg_div_kernel, reduce_kernel};
-use super::{Device, DeviceBuffer, KernelArg as A, LaunchDims};
+use super::{Device, DeviceBuffer, HostBytes, KernelArg as A, LaunchDims};
+use crate::comm::dtype::Reducer;
 use crate::comm::{DType, ReduceOp};
 use crate::error::{Error, Result};
-use crate::model::attention::AttnShape;
-use crate::optim::adamw::AdamWConfig;
+use crate::model::attention::{self, AttnShape};
+use crate::model::{cross_entropy, encoder, gelu, layernorm, residual};
+use crate::optim::adamw::{self, AdamWConfig};
 
 /// Threads per block of every launch: a multiple of both warp (32) and wavefront (64) widths.
 const THREADS: u32 = 256;
@@ -40,8 +47,24 @@ fn as_u32(kernel: &str, what: &str, v: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| Error::InvalidArgument(format!("{kernel}: `{what}` = {v} exceeds u32")))
 }
 
+/// The host bytes of a CPU-device buffer (ops check sizes before viewing them).
+pub(crate) fn host<'a>(op: &str, buf: &'a DeviceBuffer) -> Result<&'a HostBytes> {
+    match buf {
+        DeviceBuffer::Host(h) => Ok(h),
+        other => Err(wrong_device(op, &Device::Cpu, other)),
+    }
+}
+
+/// [`host`], mutable.
+pub(crate) fn host_mut<'a>(op: &str, buf: &'a mut DeviceBuffer) -> Result<&'a mut HostBytes> {
+    match buf {
+        DeviceBuffer::Host(h) => Ok(h),
+        other => Err(wrong_device(op, &Device::Cpu, other)),
+    }
+}
+
 /// Grid for a grid-stride loop over `items` work items, one per thread.
-fn stride_grid(items: usize) -> LaunchDims {
+pub(crate) fn stride_grid(items: usize) -> LaunchDims {
     let blocks = (items as u64).div_ceil(THREADS as u64).clamp(1, MAX_BLOCKS);
     LaunchDims::linear(blocks as u32, THREADS)
 }
@@ -62,6 +85,11 @@ pub fn reduce(
     for (what, buf) in [("out", &*out), ("a", a), ("b", b)] {
         need(&k, what, buf, bytes)?;
     }
+    if let Device::Cpu = dev {
+        let (a, b) = (&host(&k, a)?.bytes()[..bytes], &host(&k, b)?.bytes()[..bytes]);
+        Reducer::new(dtype, op).reduce_out(&mut host_mut(&k, out)?.bytes_mut()[..bytes], a, b);
+        return Ok(());
+    }
     let dims = stride_grid(n.div_ceil(16 / dtype.size()));
     dev.launch(&k, dims, &[A::Buf(out), A::Buf(a), A::Buf(b), A::U64(n as u64)])
 }
@@ -79,6 +107,11 @@ pub fn reduce_into(
     let bytes = n * dtype.size();
     need(&k, "acc", acc, bytes)?;
     need(&k, "x", x, bytes)?;
+    if let Device::Cpu = dev {
+        let x = &host(&k, x)?.bytes()[..bytes];
+        Reducer::new(dtype, op).reduce_into(&mut host_mut(&k, acc)?.bytes_mut()[..bytes], x);
+        return Ok(());
+    }
     let dims = stride_grid(n.div_ceil(16 / dtype.size()));
     dev.launch(&k, dims, &[A::Buf(acc), A::Buf(acc), A::Buf(x), A::U64(n as u64)])
 }
@@ -91,6 +124,11 @@ pub fn avg_divide(dev: &Device, dtype: DType, buf: &mut DeviceBuffer, n: usize, 
         return Err(Error::InvalidArgument(format!(
             "{k}: cannot divide by {ranks} ranks"
         )));
+    }
+    if let Device::Cpu = dev {
+        let bytes = n * dtype.size();
+        Reducer::new(dtype, ReduceOp::Avg).finalize(&mut host_mut(&k, buf)?.bytes_mut()[..bytes], ranks);
+        return Ok(());
     }
     dev.launch(
         &k,
@@ -120,6 +158,18 @@ pub fn layernorm_forward(
     need(k, "rstd", rstd, f32s(n))?;
     need(k, "weight", weight, f32s(c))?;
     need(k, "bias", bias, f32s(c))?;
+    if let Device::Cpu = dev {
+        layernorm::layernorm_forward(
+            host_mut(k, out)?.view_mut::<f32>(n * c),
+            host_mut(k, mean)?.view_mut::<f32>(n),
+            host_mut(k, rstd)?.view_mut::<f32>(n),
+            host(k, inp)?.view::<f32>(n * c),
+            host(k, weight)?.view::<f32>(c),
+            host(k, bias)?.view::<f32>(c),
+            c,
+        );
+        return Ok(());
+    }
     let dims = LaunchDims::linear(as_u32(k, "rows", n)?, THREADS);
     let args = [
         A::Buf(out),
@@ -158,6 +208,20 @@ pub fn layernorm_backward(
     }
     need(k, "mean", mean, f32s(n))?;
     need(k, "rstd", rstd, f32s(n))?;
+    if let Device::Cpu = dev {
+        layernorm::layernorm_backward(
+            host_mut(k, dinp)?.view_mut::<f32>(n * c),
+            host_mut(k, dweight)?.view_mut::<f32>(c),
+            host_mut(k, dbias)?.view_mut::<f32>(c),
+            host(k, dout)?.view::<f32>(n * c),
+            host(k, inp)?.view::<f32>(n * c),
+            host(k, weight)?.view::<f32>(c),
+            host(k, mean)?.view::<f32>(n),
+            host(k, rstd)?.view::<f32>(n),
+            c,
+        );
+        return Ok(());
+    }
     let ci = as_i32(k, "c", c)?;
     let rows = LaunchDims::linear(as_u32(k, "rows", n)?, THREADS);
     let args = [
@@ -190,6 +254,10 @@ pub fn gelu_forward(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer, n:
     let k = "gelu_forward_f32";
     need(k, "out", out, f32s(n))?;
     need(k, "inp", inp, f32s(n))?;
+    if let Device::Cpu = dev {
+        gelu::gelu_forward(host_mut(k, out)?.view_mut::<f32>(n), host(k, inp)?.view::<f32>(n));
+        return Ok(());
+    }
     dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)])
 }
 
@@ -204,6 +272,11 @@ pub fn gelu_backward(
     let k = "gelu_backward_f32";
     for (what, buf) in [("dinp", &*dinp), ("inp", inp), ("dout", dout)] {
         need(k, what, buf, f32s(n))?;
+    }
+    if let Device::Cpu = dev {
+        let (inp, dout) = (host(k, inp)?.view::<f32>(n), host(k, dout)?.view::<f32>(n));
+        gelu::gelu_backward(host_mut(k, dinp)?.view_mut::<f32>(n), inp, dout);
+        return Ok(());
     }
     dev.launch(
         k,
@@ -236,6 +309,15 @@ pub fn attention_forward(
     need(k, "out", out, f32s(btc * c))?;
     need(k, "att", att, f32s(s.b * s.nh * s.t * s.t))?;
     need(k, "qkv", qkv, f32s(btc * 3 * c))?;
+    if let Device::Cpu = dev {
+        attention::attention_forward(
+            host_mut(k, out)?.view_mut::<f32>(btc * c),
+            host_mut(k, att)?.view_mut::<f32>(s.b * s.nh * s.t * s.t),
+            host(k, qkv)?.view::<f32>(btc * 3 * c),
+            s,
+        );
+        return Ok(());
+    }
     let (dims, [t, nh, hs]) = attn_dims(k, s)?;
     dev.launch(k, dims, &[A::Buf(out), A::Buf(att), A::Buf(qkv), t, nh, hs])
 }
@@ -259,6 +341,21 @@ pub fn attention_backward(
     need(k, "dout", dout, f32s(btc * c))?;
     need(k, "dpre", dpre, f32s(tt))?;
     need(k, "att", att, f32s(tt))?;
+    if let Device::Cpu = dev {
+        // The reference needs only one (T) row of scratch; `dpre` is overwritten on a GPU, so
+        // it is zeroed here to keep the two arms' contracts alike.
+        host_mut(k, dpre)?.view_mut::<f32>(tt).fill(0.0);
+        let mut row = vec![0f32; attention::attention_scratch_len(s.t)];
+        attention::attention_backward(
+            host_mut(k, dqkv)?.view_mut::<f32>(btc * 3 * c),
+            &mut row,
+            host(k, dout)?.view::<f32>(btc * c),
+            host(k, qkv)?.view::<f32>(btc * 3 * c),
+            host(k, att)?.view::<f32>(tt),
+            s,
+        );
+        return Ok(());
+    }
     let (dims, [t, nh, hs]) = attn_dims(k, s)?;
     dev.launch(
         k,
@@ -297,6 +394,17 @@ pub fn cross_entropy_forward(
     need(k, "lse", lse, f32s(n))?;
     need(k, "targets", targets, 4 * n)?;
     need(k, "logits", logits, f32s(n * vp))?;
+    if let Device::Cpu = dev {
+        cross_entropy::cross_entropy_forward(
+            host_mut(k, losses)?.view_mut::<f32>(n),
+            host_mut(k, lse)?.view_mut::<f32>(n),
+            host(k, logits)?.view::<f32>(n * vp),
+            host(k, targets)?.view::<u32>(n),
+            v,
+            vp,
+        );
+        return Ok(());
+    }
     let dims = LaunchDims::linear(as_u32(k, "rows", n)?, THREADS);
     let args = [
         A::Buf(losses),
@@ -330,6 +438,18 @@ pub fn cross_entropy_backward(
     need(k, "logits", logits, f32s(n * vp))?;
     need(k, "lse", lse, f32s(n))?;
     need(k, "targets", targets, 4 * n)?;
+    if let Device::Cpu = dev {
+        cross_entropy::cross_entropy_backward(
+            host_mut(k, dlogits)?.view_mut::<f32>(n * vp),
+            host(k, logits)?.view::<f32>(n * vp),
+            host(k, lse)?.view::<f32>(n),
+            host(k, targets)?.view::<u32>(n),
+            dloss,
+            v,
+            vp,
+        );
+        return Ok(());
+    }
     let args = [
         A::Buf(dlogits),
         A::Buf(logits),
@@ -386,6 +506,16 @@ pub fn adamw_update(
     need(k, "grads", bufs.grads, end)?;
     need(k, "m", bufs.m, end)?;
     need(k, "v", bufs.v, end)?;
+    if let Device::Cpu = dev {
+        let coef = adamw::Coefficients::new(cfg, step, lr);
+        let wd = if decay { cfg.weight_decay as f32 } else { 0.0 };
+        let g = &host(k, bufs.grads)?.view::<f32>(span.end)[span.clone()];
+        let p = &mut host_mut(k, bufs.params)?.view_mut::<f32>(span.end)[span.clone()];
+        let m = &mut host_mut(k, bufs.m)?.view_mut::<f32>(span.end)[span.clone()];
+        let v = &mut host_mut(k, bufs.v)?.view_mut::<f32>(span.end)[span.clone()];
+        adamw::update_elements(&coef, wd, p, g, m, v);
+        return Ok(());
+    }
     let t = step as i32;
     let f = |x: f64| A::F32(x as f32);
     let off = f32s(span.start);
@@ -414,6 +544,11 @@ pub fn cast_f32_to_bf16(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer
     let k = "cast_f32_to_bf16";
     need(k, "out", out, 2 * n)?;
     need(k, "inp", inp, f32s(n))?;
+    if let Device::Cpu = dev {
+        let (out, inp) = (host_mut(k, out)?.view_mut::<half::bf16>(n), host(k, inp)?.view::<f32>(n));
+        out.iter_mut().zip(inp).for_each(|(o, &x)| *o = half::bf16::from_f32(x));
+        return Ok(());
+    }
     dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)])
 }
 
@@ -422,6 +557,11 @@ pub fn cast_bf16_to_f32(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer
     let k = "cast_bf16_to_f32";
     need(k, "out", out, f32s(n))?;
     need(k, "inp", inp, 2 * n)?;
+    if let Device::Cpu = dev {
+        let (out, inp) = (host_mut(k, out)?.view_mut::<f32>(n), host(k, inp)?.view::<half::bf16>(n));
+        out.iter_mut().zip(inp).for_each(|(o, &x)| *o = x.to_f32());
+        return Ok(());
+    }
     dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)])
 }
 
@@ -437,9 +577,137 @@ pub fn residual_forward(
     for (what, buf) in [("out", &*out), ("skip", skip), ("branch", branch)] {
         need(k, what, buf, f32s(n))?;
     }
+    if let Device::Cpu = dev {
+        let (skip, branch) = (host(k, skip)?.view::<f32>(n), host(k, branch)?.view::<f32>(n));
+        residual::residual_forward(host_mut(k, out)?.view_mut::<f32>(n), skip, branch);
+        return Ok(());
+    }
     dev.launch(
         k,
         stride_grid(n),
         &[A::Buf(out), A::Buf(skip), A::Buf(branch), A::U64(n as u64)],
     )
+}
+
+/// out (B*T, C) = wte (Vp, C) rows of `tokens` (B*T, u32, each < Vp) + wpe (>= T, C) rows
+/// `i % t`. Reference: `model::encoder::encoder_forward`.
+#[allow(clippy::too_many_arguments)]
+pub fn encoder_forward(
+    dev: &Device,
+    out: &mut DeviceBuffer,
+    tokens: &DeviceBuffer,
+    wte: &DeviceBuffer,
+    wpe: &DeviceBuffer,
+    bt: usize,
+    t: usize,
+    c: usize,
+) -> Result<()> {
+    let k = "encoder_forward_f32";
+    need(k, "out", out, f32s(bt * c))?;
+    need(k, "tokens", tokens, 4 * bt)?;
+    need(k, "wpe", wpe, f32s(t * c))?;
+    if let Device::Cpu = dev {
+        let vp = wte.len() / f32s(c);
+        encoder::encoder_forward(
+            host_mut(k, out)?.view_mut::<f32>(bt * c),
+            host(k, tokens)?.view::<u32>(bt),
+            host(k, wte)?.view::<f32>(vp * c),
+            host(k, wpe)?.view::<f32>(t * c),
+            t,
+            c,
+        );
+        return Ok(());
+    }
+    let args = [
+        A::Buf(out),
+        A::Buf(tokens),
+        A::Buf(wte),
+        A::Buf(wpe),
+        A::U64((bt * c) as u64),
+        A::I32(as_i32(k, "t", t)?),
+        A::I32(as_i32(k, "c", c)?),
+    ];
+    dev.launch(k, stride_grid(bt * c), &args)
+}
+
+/// dwte (Vp, C) += dout (B*T, C) scattered to the rows of `tokens`; dwpe (>= T, C) += the sum
+/// over the batch. Reference: `model::encoder::encoder_backward`.
+#[allow(clippy::too_many_arguments)]
+pub fn encoder_backward(
+    dev: &Device,
+    dwte: &mut DeviceBuffer,
+    dwpe: &mut DeviceBuffer,
+    dout: &DeviceBuffer,
+    tokens: &DeviceBuffer,
+    b: usize,
+    t: usize,
+    c: usize,
+) -> Result<()> {
+    let k = "encoder_backward_wte_f32";
+    let bt = b * t;
+    need(k, "dout", dout, f32s(bt * c))?;
+    need(k, "tokens", tokens, 4 * bt)?;
+    need(k, "dwpe", dwpe, f32s(t * c))?;
+    if let Device::Cpu = dev {
+        let vp = dwte.len() / f32s(c);
+        encoder::encoder_backward(
+            host_mut(k, dwte)?.view_mut::<f32>(vp * c),
+            host_mut(k, dwpe)?.view_mut::<f32>(t * c),
+            host(k, dout)?.view::<f32>(bt * c),
+            host(k, tokens)?.view::<u32>(bt),
+            t,
+            c,
+        );
+        return Ok(());
+    }
+    let ci = A::I32(as_i32(k, "c", c)?);
+    let wpe_args = [A::Buf(dwpe), A::Buf(dout), A::I32(as_i32(k, "b", b)?), A::I32(as_i32(k, "t", t)?), ci];
+    dev.launch("encoder_backward_wpe_f32", stride_grid(t * c), &wpe_args)?;
+    let args = [A::Buf(dwte), A::Buf(dout), A::Buf(tokens), A::U64((bt * c) as u64), ci];
+    dev.launch(k, stride_grid(bt * c), &args)
+}
+
+/// out (N, OC) += bias (OC) on every row. Reference: `model::linear::linear_forward`'s bias.
+pub fn bias_add(dev: &Device, out: &mut DeviceBuffer, bias: &DeviceBuffer, n: usize, oc: usize) -> Result<()> {
+    let k = "bias_add_f32";
+    need(k, "out", out, f32s(n * oc))?;
+    need(k, "bias", bias, f32s(oc))?;
+    if let Device::Cpu = dev {
+        let bias = host(k, bias)?.view::<f32>(oc);
+        for row in host_mut(k, out)?.view_mut::<f32>(n * oc).chunks_exact_mut(oc.max(1)) {
+            row.iter_mut().zip(bias).for_each(|(o, &b)| *o += b);
+        }
+        return Ok(());
+    }
+    let args = [A::Buf(out), A::Buf(bias), A::U64((n * oc) as u64), A::I32(as_i32(k, "oc", oc)?)];
+    dev.launch(k, stride_grid(n * oc), &args)
+}
+
+/// dbias (OC) += column sums of dout (N, OC). Reference: `model::linear::linear_backward`'s bias.
+pub fn bias_backward(dev: &Device, dbias: &mut DeviceBuffer, dout: &DeviceBuffer, n: usize, oc: usize) -> Result<()> {
+    let k = "bias_backward_f32";
+    need(k, "dbias", dbias, f32s(oc))?;
+    need(k, "dout", dout, f32s(n * oc))?;
+    if let Device::Cpu = dev {
+        let dout = host(k, dout)?.view::<f32>(n * oc);
+        let dbias = host_mut(k, dbias)?.view_mut::<f32>(oc);
+        for row in dout.chunks_exact(oc.max(1)) {
+            dbias.iter_mut().zip(row).for_each(|(g, &d)| *g += d);
+        }
+        return Ok(());
+    }
+    let dims = LaunchDims::linear(as_u32(k, "oc", oc.div_ceil(THREADS as usize))?.max(1), THREADS);
+    let args = [A::Buf(dbias), A::Buf(dout), A::I32(as_i32(k, "n", n)?), A::I32(as_i32(k, "oc", oc)?)];
+    dev.launch(k, dims, &args)
+}
+
+/// buf (N) f32 = 0.
+pub fn fill_zero(dev: &Device, buf: &mut DeviceBuffer, n: usize) -> Result<()> {
+    let k = "fill_zero_f32";
+    need(k, "buf", buf, f32s(n))?;
+    if let Device::Cpu = dev {
+        host_mut(k, buf)?.view_mut::<f32>(n).fill(0.0);
+        return Ok(());
+    }
+    dev.launch(k, stride_grid(n), &[A::Buf(buf), A::U64(n as u64)])
 }

@@ -14,6 +14,7 @@ pub mod activations;
 pub mod attention;
 pub mod blas;
 pub mod cross_entropy;
+pub mod device_gpt;
 pub mod encoder;
 pub mod float;
 pub mod gelu;
@@ -36,6 +37,7 @@ pub mod tp_comm;
 pub mod tp_layout;
 pub mod vocab_parallel;
 
+pub use device_gpt::{DeviceGpt, Precision};
 pub use float::Float;
 pub use gpt::Gpt;
 pub use layout::{ParamEntry, ParamLayout, TpSplit};

@@ -137,18 +137,7 @@ impl AdamW {
             )));
         }
         state.step += 1;
-        let t = state.step as i32;
-        let c = &self.config;
-        let k = Coefficients {
-            b1: F::from_f64(c.beta1),
-            b2: F::from_f64(c.beta2),
-            one_b1: F::from_f64(1.0 - c.beta1),
-            one_b2: F::from_f64(1.0 - c.beta2),
-            inv_bc1: F::from_f64(1.0 / (1.0 - c.beta1.powi(t))),
-            inv_bc2: F::from_f64(1.0 / (1.0 - c.beta2.powi(t))),
-            lr: F::from_f64(lr),
-            eps: F::from_f64(c.eps),
-        };
+        let k = Coefficients::new(&self.config, state.step, lr);
         // Element-wise, so the range is split across cores; see `model::parallel`.
         let per = chunk_items(range.len(), 1);
         let parts = params.chunks_mut(per).zip(grads.chunks(per));
@@ -174,19 +163,25 @@ impl AdamW {
             let wd = F::from_f64(if decay { self.config.weight_decay } else { 0.0 });
             let (p, g) = (&mut p[local.clone()], &g[local.clone()]);
             let (m, v) = (&mut m[local.clone()], &mut v[local]);
-            for (((pi, &gi), mi), vi) in p.iter_mut().zip(g).zip(m).zip(v) {
-                *mi = k.b1 * *mi + k.one_b1 * gi;
-                *vi = k.b2 * *vi + k.one_b2 * gi * gi;
-                let m_hat = *mi * k.inv_bc1;
-                let v_hat = *vi * k.inv_bc2;
-                *pi -= k.lr * (m_hat / (v_hat.sqrt() + k.eps) + wd * *pi);
-            }
+            update_elements(k, wd, p, g, m, v);
         }
     }
 }
 
+/// The AdamW update of aligned parameter, gradient and moment slices with weight decay `wd`
+/// (the GPU kernel `adamw_f32` computes the same expression in the same order).
+pub(crate) fn update_elements<F: Float>(k: &Coefficients<F>, wd: F, p: &mut [F], g: &[F], m: &mut [F], v: &mut [F]) {
+    for (((pi, &gi), mi), vi) in p.iter_mut().zip(g).zip(m).zip(v) {
+        *mi = k.b1 * *mi + k.one_b1 * gi;
+        *vi = k.b2 * *vi + k.one_b2 * gi * gi;
+        let m_hat = *mi * k.inv_bc1;
+        let v_hat = *vi * k.inv_bc2;
+        *pi -= k.lr * (m_hat / (v_hat.sqrt() + k.eps) + wd * *pi);
+    }
+}
+
 /// Per-step constants of the update, in the working precision.
-struct Coefficients<F> {
+pub(crate) struct Coefficients<F> {
     b1: F,
     b2: F,
     one_b1: F,
@@ -197,6 +192,23 @@ struct Coefficients<F> {
     inv_bc2: F,
     lr: F,
     eps: F,
+}
+
+impl<F: Float> Coefficients<F> {
+    /// The constants of update number `step` (1-based), computed in f64 and rounded once.
+    pub(crate) fn new(c: &AdamWConfig, step: u64, lr: f64) -> Self {
+        let t = step as i32;
+        Coefficients {
+            b1: F::from_f64(c.beta1),
+            b2: F::from_f64(c.beta2),
+            one_b1: F::from_f64(1.0 - c.beta1),
+            one_b2: F::from_f64(1.0 - c.beta2),
+            inv_bc1: F::from_f64(1.0 / (1.0 - c.beta1.powi(t))),
+            inv_bc2: F::from_f64(1.0 / (1.0 - c.beta2.powi(t))),
+            lr: F::from_f64(lr),
+            eps: F::from_f64(c.eps),
+        }
+    }
 }
 
 #[cfg(test)]

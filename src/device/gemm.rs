@@ -1,0 +1,424 @@
+//! Matrix products on a device: cuBLAS on CUDA (through cudarc, loaded at run time), rocBLAS on
+//! HIP (`librocblas.so`, loaded at run time), and the CPU gemm of `model::gemm` on the CPU device.
+//!
+//! Everything here speaks row-major, like the rest of meshtrain: `c (M, N) = op(a) · op(b)`, with
+//! `a` stored (M, K) or, transposed, (K, M), and `b` stored (K, N) or (N, K). Column-major BLAS
+//! libraries get the same product as `cᵀ = op(b)ᵀ · op(a)ᵀ`, which swaps the operands and keeps
+//! the transposition flags (see [`col_major`]).
+//!
+//! Operands are f32 or bf16; the product is accumulated in f32 and written as f32 (cuBLAS
+//! `CUBLAS_COMPUTE_32F`, rocBLAS `f32_r` compute). The CPU arm widens bf16 operands to f32
+//! (exactly) and multiplies in f32, so it computes the same rounded inputs' product up to the
+//! order of the f32 additions: the reference for the GPU arms, and how bf16 training is checked
+//! on machines without a GPU.
+
+use std::ffi::c_void;
+
+use half::bf16;
+
+use super::ops::{host, host_mut};
+use super::{Device, DeviceBuffer};
+use crate::error::{Error, Result};
+use crate::model::gemm::{matmul, Mat};
+
+/// Element type of a GEMM operand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmInput {
+    /// IEEE single precision.
+    F32,
+    /// bfloat16 (bit patterns, as written by `ops::cast_f32_to_bf16`).
+    Bf16,
+}
+
+impl GemmInput {
+    fn size(self) -> usize {
+        match self {
+            GemmInput::F32 => 4,
+            GemmInput::Bf16 => 2,
+        }
+    }
+}
+
+/// One operand of a product: a buffer, its element type, and whether it is stored transposed.
+#[derive(Clone, Copy)]
+pub struct Operand<'a> {
+    /// The elements, row-major.
+    pub buf: &'a DeviceBuffer,
+    /// Element type.
+    pub dtype: GemmInput,
+    /// Stored as the transpose of the operand the product uses.
+    pub transposed: bool,
+}
+
+impl<'a> Operand<'a> {
+    /// `buf` used as stored.
+    pub fn plain(buf: &'a DeviceBuffer, dtype: GemmInput) -> Self {
+        Operand { buf, dtype, transposed: false }
+    }
+
+    /// `buf` used transposed.
+    pub fn t(buf: &'a DeviceBuffer, dtype: GemmInput) -> Self {
+        Operand { buf, dtype, transposed: true }
+    }
+}
+
+/// A BLAS handle for one device (freed on drop).
+pub struct Gemm {
+    imp: Imp,
+}
+
+enum Imp {
+    Cpu,
+    Cuda(cudarc::cublas::CudaBlas),
+    Hip(rocblas::RocBlas),
+}
+
+/// The column-major BLAS call computing the row-major `c (M, N) = op(a) · op(b)`: it computes
+/// `cᵀ (N, M) = op(b)ᵀ · op(a)ᵀ`, so its first operand is `b`'s storage and its second `a`'s,
+/// each with the transposition flag of the row-major operand.
+#[derive(Debug)]
+pub(crate) struct ColMajor {
+    /// Rows and columns of the column-major result, and the summed dimension.
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    /// Transpose the first (`b`) / second (`a`) operand.
+    pub t_first: bool,
+    pub t_second: bool,
+    /// Leading dimensions of the first operand, the second, and the result.
+    pub ld_first: i32,
+    pub ld_second: i32,
+    pub ldc: i32,
+    /// Element types of the first and second operand.
+    pub ty_first: GemmInput,
+    pub ty_second: GemmInput,
+    /// 1 to accumulate into the result, 0 to overwrite it.
+    pub beta: f32,
+}
+
+impl ColMajor {
+    /// The call for checked dimensions (each fits `i32`).
+    pub(crate) fn new(a: &Operand, b: &Operand, m: usize, n: usize, k: usize, accumulate: bool) -> Self {
+        ColMajor {
+            m: n as i32,
+            n: m as i32,
+            k: k as i32,
+            t_first: b.transposed,
+            t_second: a.transposed,
+            ld_first: if b.transposed { k } else { n } as i32,
+            ld_second: if a.transposed { m } else { k } as i32,
+            ldc: n as i32,
+            ty_first: b.dtype,
+            ty_second: a.dtype,
+            beta: if accumulate { 1.0 } else { 0.0 },
+        }
+    }
+}
+
+impl Gemm {
+    /// A handle on `dev`: a clean error when the device's BLAS library is missing.
+    pub fn new(dev: &Device) -> Result<Self> {
+        let imp = match dev {
+            Device::Cpu => Imp::Cpu,
+            Device::Cuda(d) => {
+                // SAFETY: only tries to dlopen the library names cudarc knows.
+                if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+                    return Err(Error::Device("cuda: libcublas.so not found (install the CUDA toolkit's cuBLAS)".into()));
+                }
+                let blas = cudarc::cublas::CudaBlas::new(d.stream().clone())
+                    .map_err(|e| Error::Device(format!("cuda: cuBLAS handle: {e:?}")))?;
+                Imp::Cuda(blas)
+            }
+            Device::Hip(_) => Imp::Hip(rocblas::RocBlas::open()?),
+        };
+        Ok(Gemm { imp })
+    }
+
+    /// `c (M, N) = op(a) · op(b)` (`accumulate`: `c +=`), summed over `k`, queued on `dev`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(
+        &self,
+        dev: &Device,
+        c: &mut DeviceBuffer,
+        a: Operand,
+        b: Operand,
+        m: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        for (what, buf, elems, size) in [
+            ("c", &*c, m * n, 4),
+            ("a", a.buf, m * k, a.dtype.size()),
+            ("b", b.buf, k * n, b.dtype.size()),
+        ] {
+            if buf.len() < elems * size {
+                return Err(Error::InvalidArgument(format!(
+                    "gemm ({m}x{k} by {k}x{n}): `{what}` holds {} bytes, the shape needs {}",
+                    buf.len(),
+                    elems * size
+                )));
+            }
+        }
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let dims = [m, n, k];
+        if dims.iter().any(|&d| i32::try_from(d).is_err()) {
+            return Err(Error::InvalidArgument(format!("gemm: dimensions {dims:?} exceed i32")));
+        }
+        match &self.imp {
+            Imp::Cpu => cpu_matmul(c, a, b, m, n, k, accumulate),
+            Imp::Cuda(_) | Imp::Hip(_) => {
+                let ptr = |buf: &DeviceBuffer| buf.device_address(dev, "gemm", 0);
+                // The column-major call's operands: b's storage first, a's second.
+                let ptrs = (ptr(c)?, ptr(b.buf)?, ptr(a.buf)?);
+                let call = ColMajor::new(&a, &b, m, n, k, accumulate);
+                let shape = || format!("{m}x{k} by {k}x{n}");
+                match &self.imp {
+                    Imp::Cuda(blas) => cublas_gemm(blas, ptrs, &call, shape),
+                    Imp::Hip(blas) => blas.gemm(ptrs, &call, shape),
+                    Imp::Cpu => unreachable!("matched above"),
+                }
+            }
+        }
+    }
+}
+
+/// The operand as f32 values (bf16 widened exactly).
+fn widen(op: &Operand, elems: usize) -> Result<Vec<f32>> {
+    let h = host("gemm", op.buf)?;
+    Ok(match op.dtype {
+        GemmInput::F32 => h.view::<f32>(elems).to_vec(),
+        GemmInput::Bf16 => h.view::<bf16>(elems).iter().map(|x| x.to_f32()).collect(),
+    })
+}
+
+fn cpu_matmul(c: &mut DeviceBuffer, a: Operand, b: Operand, m: usize, n: usize, k: usize, accumulate: bool) -> Result<()> {
+    let (av, bv) = (widen(&a, m * k)?, widen(&b, k * n)?);
+    let am = if a.transposed { Mat::t(&av, k, m) } else { Mat::new(&av, m, k) };
+    let bm = if b.transposed { Mat::t(&bv, n, k) } else { Mat::new(&bv, k, n) };
+    matmul(host_mut("gemm", c)?.view_mut::<f32>(m * n), am, bm, accumulate);
+    Ok(())
+}
+
+/// Runs `call` on cuBLAS; `ptrs` = (result, first operand, second operand).
+fn cublas_gemm(
+    blas: &cudarc::cublas::CudaBlas,
+    (pc, p1, p2): (u64, u64, u64),
+    call: &ColMajor,
+    shape: impl Fn() -> String,
+) -> Result<()> {
+    use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+    let op = |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
+    let ty = |d: GemmInput| match d {
+        GemmInput::F32 => cudaDataType::CUDA_R_32F,
+        GemmInput::Bf16 => cudaDataType::CUDA_R_16BF,
+    };
+    let alpha = 1.0f32;
+    // SAFETY: Gemm::matmul checked that the three buffers hold the elements the shapes index;
+    // all pointers are device memory of this handle's context; alpha and beta are host f32 (the
+    // handle's default pointer mode); the call is queued on the device's only stream.
+    unsafe {
+        cudarc::cublas::result::gemm_ex(
+            *blas.handle(),
+            op(call.t_first),
+            op(call.t_second),
+            call.m,
+            call.n,
+            call.k,
+            (&alpha as *const f32).cast::<c_void>(),
+            p1 as *const c_void,
+            ty(call.ty_first),
+            call.ld_first,
+            p2 as *const c_void,
+            ty(call.ty_second),
+            call.ld_second,
+            (&call.beta as *const f32).cast::<c_void>(),
+            pc as *mut c_void,
+            cudaDataType::CUDA_R_32F,
+            call.ldc,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| Error::Device(format!("cuda: cublasGemmEx ({}): {e:?}", shape())))
+}
+
+/// rocBLAS, loaded at run time (ROCm >= 4 `rocblas_gemm_ex` signature) on the null stream, which
+/// is the stream every HIP launch of meshtrain uses.
+mod rocblas {
+    use std::ffi::c_void;
+
+    use libloading::Library;
+
+    use super::{ColMajor, GemmInput};
+    use crate::error::{Error, Result};
+
+    type Handle = *mut c_void;
+    const OP_NONE: i32 = 111;
+    const OP_TRANSPOSE: i32 = 112;
+    const F32_R: i32 = 151;
+    const BF16_R: i32 = 168;
+    const ALGO_STANDARD: i32 = 0;
+
+    type CreateFn = unsafe extern "C" fn(*mut Handle) -> i32;
+    type DestroyFn = unsafe extern "C" fn(Handle) -> i32;
+    #[allow(clippy::type_complexity)]
+    type GemmExFn = unsafe extern "C" fn(
+        Handle, i32, i32, i32, i32, i32,
+        *const c_void, *const c_void, i32, i32,
+        *const c_void, i32, i32,
+        *const c_void, *mut c_void, i32, i32,
+        *mut c_void, i32, i32,
+        i32, i32, i32, u32,
+    ) -> i32;
+
+    pub(super) struct RocBlas {
+        handle: Handle,
+        gemm_ex: GemmExFn,
+        destroy: DestroyFn,
+        _lib: Library,
+    }
+
+    fn lib_err(what: &str, e: impl std::fmt::Display) -> Error {
+        Error::Device(format!("hip: rocBLAS {what}: {e}"))
+    }
+
+    impl RocBlas {
+        pub(super) fn open() -> Result<Self> {
+            // SAFETY: loading rocBLAS runs its initializers, which only set up the library.
+            let lib = unsafe { Library::new("librocblas.so") }
+                .map_err(|e| lib_err("librocblas.so not found (install ROCm's rocBLAS)", e))?;
+            // SAFETY: the symbol types are those of rocblas.h (ROCm >= 4).
+            let (create, destroy, gemm_ex) = unsafe {
+                (
+                    *lib.get::<CreateFn>(b"rocblas_create_handle\0").map_err(|e| lib_err("symbol", e))?,
+                    *lib.get::<DestroyFn>(b"rocblas_destroy_handle\0").map_err(|e| lib_err("symbol", e))?,
+                    *lib.get::<GemmExFn>(b"rocblas_gemm_ex\0").map_err(|e| lib_err("symbol", e))?,
+                )
+            };
+            let mut handle: Handle = std::ptr::null_mut();
+            // SAFETY: `handle` is a valid out-pointer.
+            let status = unsafe { create(&mut handle) };
+            if status != 0 {
+                return Err(lib_err("create handle", format!("status {status}")));
+            }
+            Ok(RocBlas { handle, gemm_ex, destroy, _lib: lib })
+        }
+
+        /// Runs `call`; `ptrs` = (result, first operand, second operand).
+        pub(super) fn gemm(&self, (pc, p1, p2): (u64, u64, u64), call: &ColMajor, shape: impl Fn() -> String) -> Result<()> {
+            let op = |t: bool| if t { OP_TRANSPOSE } else { OP_NONE };
+            let ty = |d: GemmInput| if d == GemmInput::Bf16 { BF16_R } else { F32_R };
+            let alpha = 1.0f32;
+            let c = pc as *mut c_void;
+            // SAFETY: Gemm::matmul checked the buffer sizes; C and D are the same buffer, which
+            // rocBLAS allows when their types and leading dimensions agree; alpha and beta are
+            // host f32 (the default pointer mode).
+            let status = unsafe {
+                (self.gemm_ex)(
+                    self.handle, op(call.t_first), op(call.t_second), call.m, call.n, call.k,
+                    (&alpha as *const f32).cast(), p1 as *const c_void, ty(call.ty_first), call.ld_first,
+                    p2 as *const c_void, ty(call.ty_second), call.ld_second,
+                    (&call.beta as *const f32).cast(), c, F32_R, call.ldc,
+                    c, F32_R, call.ldc,
+                    F32_R, ALGO_STANDARD, 0, 0,
+                )
+            };
+            if status != 0 {
+                return Err(lib_err(&format!("rocblas_gemm_ex ({})", shape()), format!("status {status}")));
+            }
+            Ok(())
+        }
+    }
+
+    impl Drop for RocBlas {
+        fn drop(&mut self) {
+            // SAFETY: the handle came from rocblas_create_handle and is destroyed once.
+            unsafe { (self.destroy)(self.handle) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Row-major product of small integer matrices (exact in f32 and bf16).
+    fn reference(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+        let mut c = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k).map(|p| a[i * k + p] * b[p * n + j]).sum();
+            }
+        }
+        c
+    }
+
+    fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+        let mut t = vec![0f32; x.len()];
+        for r in 0..rows {
+            for c in 0..cols {
+                t[c * rows + r] = x[r * cols + c];
+            }
+        }
+        t
+    }
+
+    fn upload(dev: &Device, x: &[f32], dtype: GemmInput) -> DeviceBuffer {
+        match dtype {
+            GemmInput::F32 => dev.upload(x).unwrap(),
+            GemmInput::Bf16 => dev.upload(&x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).unwrap(),
+        }
+    }
+
+    #[test]
+    fn every_transposition_and_type_on_the_cpu_arm() {
+        let dev = Device::Cpu;
+        let gemm = Gemm::new(&dev).unwrap();
+        let (m, n, k) = (5, 3, 7);
+        let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 - 3.0).collect(); // (M, K)
+        let b: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 - 2.0).collect(); // (K, N)
+        let want = reference(&a, &b, m, n, k);
+        for dtype in [GemmInput::F32, GemmInput::Bf16] {
+            for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
+                let a_store = if a_t { transpose(&a, m, k) } else { a.clone() };
+                let b_store = if b_t { transpose(&b, k, n) } else { b.clone() };
+                let (ab, bb) = (upload(&dev, &a_store, dtype), upload(&dev, &b_store, dtype));
+                let mut c = dev.upload(&vec![1f32; m * n]).unwrap();
+                let op = |buf, t| Operand { buf, dtype, transposed: t };
+                gemm.matmul(&dev, &mut c, op(&ab, a_t), op(&bb, b_t), m, n, k, true).unwrap();
+                let mut got = vec![0f32; m * n];
+                dev.copy_to_host(&c, &mut got).unwrap();
+                let plus_one: Vec<f32> = want.iter().map(|x| x + 1.0).collect();
+                assert_eq!(got, plus_one, "{dtype:?} a_t={a_t} b_t={b_t}");
+            }
+        }
+    }
+
+    #[test]
+    fn column_major_arguments_follow_the_transpose_identity() {
+        let (x, y) = (DeviceBuffer::Host(crate::device::HostBytes::zeroed(0)), DeviceBuffer::Host(crate::device::HostBytes::zeroed(0)));
+        // c (2, 3) = a (2, 4) · b (4, 3): cᵀ (3, 2) = bᵀ · aᵀ with leading dimensions 3 and 4.
+        let call = ColMajor::new(&Operand::plain(&x, GemmInput::F32), &Operand::plain(&y, GemmInput::Bf16), 2, 3, 4, false);
+        assert_eq!((call.m, call.n, call.k, call.ld_first, call.ld_second, call.ldc), (3, 2, 4, 3, 4, 3));
+        assert_eq!((call.ty_first, call.ty_second, call.beta), (GemmInput::Bf16, GemmInput::F32, 0.0));
+        // a stored (4, 2), b stored (3, 4).
+        let call = ColMajor::new(&Operand::t(&x, GemmInput::F32), &Operand::t(&y, GemmInput::F32), 2, 3, 4, true);
+        assert_eq!((call.t_first, call.t_second, call.ld_first, call.ld_second, call.beta), (true, true, 4, 2, 1.0));
+    }
+
+    #[test]
+    fn short_buffers_are_rejected_with_the_operand_named() {
+        let dev = Device::Cpu;
+        let gemm = Gemm::new(&dev).unwrap();
+        let (a, b) = (dev.alloc(4 * 6).unwrap(), dev.alloc(4 * 5).unwrap());
+        let mut c = dev.alloc(4 * 4).unwrap();
+        let err = gemm
+            .matmul(&dev, &mut c, Operand::plain(&a, GemmInput::F32), Operand::plain(&b, GemmInput::F32), 2, 2, 3, false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`b`"), "{err}");
+    }
+}

@@ -14,6 +14,7 @@
 pub mod algo;
 pub mod communicator;
 pub mod config;
+pub mod device;
 pub mod dtype;
 pub mod primitives;
 pub mod probe;

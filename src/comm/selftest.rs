@@ -3,14 +3,19 @@
 //! integers whose sums and products are exact in every type), compared bit for bit.
 //!
 //! Used by the unit tests (in-process ranks) and by `meshtrain selftest` (real processes under a
-//! launcher, over shared memory or TCP), so that the same checks run on a new cluster.
+//! launcher, over shared memory or TCP), so that the same checks run on a new cluster. The device
+//! checks ([`check_device_all`]) run the same references through the device collectives
+//! (`comm::device`) on device buffers: the CPU arm in the unit tests, a GPU under
+//! `meshtrain selftest --device cuda`.
 
 use std::fmt::Debug;
 
 use half::{bf16, f16};
 
 use crate::comm::dtype::{exact_input as value, exact_result as expected};
+use crate::comm::device::GpuCommState;
 use crate::comm::{block_range, Communicator, Element, ReduceOp};
+use crate::device::{Device, DeviceBuffer};
 use crate::error::Result;
 
 /// Records a failure unless `got` and `want` are equal bit for bit.
@@ -101,15 +106,115 @@ fn mine_of(n: usize, k: usize, me: usize) -> std::ops::Range<usize> {
     block_range(n, k, me)
 }
 
+/// Runs `check::<T>(args)` for every element type and collects the failures.
+macro_rules! every_dtype {
+    ($check:ident($($arg:expr),*)) => {{
+        let mut fails = $check::<f32>($($arg),*)?;
+        fails.extend($check::<f64>($($arg),*)?);
+        fails.extend($check::<bf16>($($arg),*)?);
+        fails.extend($check::<f16>($($arg),*)?);
+        fails.extend($check::<i32>($($arg),*)?);
+        fails.extend($check::<i64>($($arg),*)?);
+        fails.extend($check::<u8>($($arg),*)?);
+        Ok(fails)
+    }};
+}
+
 /// Checks every collective for every element type at each count with the operators `ops`.
 pub fn check_all(c: &Communicator, counts: &[usize], ops: &[ReduceOp]) -> Result<Vec<String>> {
-    let mut fails = check_type::<f32>(c, counts, ops)?;
-    fails.extend(check_type::<f64>(c, counts, ops)?);
-    fails.extend(check_type::<bf16>(c, counts, ops)?);
-    fails.extend(check_type::<f16>(c, counts, ops)?);
-    fails.extend(check_type::<i32>(c, counts, ops)?);
-    fails.extend(check_type::<i64>(c, counts, ops)?);
-    fails.extend(check_type::<u8>(c, counts, ops)?);
+    every_dtype!(check_type(c, counts, ops))
+}
+
+/// The first `n` elements of a device buffer.
+fn download<T: Element>(dev: &Device, buf: &DeviceBuffer, n: usize) -> Result<Vec<T>> {
+    let mut v = vec![T::from_i64(0); n];
+    dev.synchronize()?;
+    dev.copy_to_host(buf, &mut v)?;
+    Ok(v)
+}
+
+/// A device buffer holding `n` copies of 99 (which no collective here produces).
+fn poisoned<T: Element>(dev: &Device, n: usize) -> Result<DeviceBuffer> {
+    dev.upload(&vec![T::from_i64(99); n])
+}
+
+/// Checks every device collective for element type `T` at each count, on `dev`'s buffers;
+/// returns the failures.
+pub fn check_device_type<T: Element + Debug>(
+    c: &Communicator,
+    dev: &Device,
+    state: &mut GpuCommState,
+    counts: &[usize],
+    ops: &[ReduceOp],
+) -> Result<Vec<String>> {
+    let mut fails = Vec::new();
+    let (k, me, dt) = (c.size(), c.rank(), T::DTYPE);
+    let mut coll = state.bind(c, dev);
+    for &n in counts {
+        let mine = block_range(n, k, me);
+        for &op in ops {
+            let ctx = format!("device {dt:?} {} n={n} k={k} rank={me}", op.name());
+            let input: Vec<T> = (0..n).map(|i| value(op, me, i)).collect();
+            let want: Vec<T> = (0..n).map(|i| expected(op, k, i)).collect();
+
+            let mut buf = dev.upload(&input)?;
+            coll.all_reduce(&mut buf, n, dt, op)?;
+            same(&mut fails, &format!("all_reduce {ctx}"), &download::<T>(dev, &buf, n)?, &want);
+
+            let send = dev.upload(&input)?;
+            let mut out = poisoned::<T>(dev, mine.len())?;
+            coll.reduce_scatter_into(&send, &mut out, n, dt, op)?;
+            same(&mut fails, &format!("reduce_scatter_into {ctx}"), &download::<T>(dev, &out, mine.len())?, &want[mine.clone()]);
+
+            let root = n % k;
+            let mut buf = dev.upload(&input)?;
+            coll.reduce(&mut buf, n, dt, op, root)?;
+            let got = download::<T>(dev, &buf, n)?;
+            same(&mut fails, &format!("reduce {ctx}"), &got, if me == root { &want } else { &input });
+        }
+        let ctx = format!("device {dt:?} n={n} k={k} rank={me}");
+        let full: Vec<T> = (0..n).map(|i| value(ReduceOp::Sum, i % 3 + 1, i)).collect();
+        let send = dev.upload(&full[mine.clone()])?;
+        let mut out = poisoned::<T>(dev, n)?;
+        coll.all_gather_into(&send, &mut out, n, dt)?;
+        same(&mut fails, &format!("all_gather_into {ctx}"), &download::<T>(dev, &out, n)?, &full);
+
+        let root = (n / 3) % k;
+        let mut buf = if me == root { dev.upload(&full)? } else { poisoned::<T>(dev, n)? };
+        coll.broadcast(&mut buf, n, dt, root)?;
+        same(&mut fails, &format!("broadcast {ctx}"), &download::<T>(dev, &buf, n)?, &full);
+
+        let own: Vec<T> = (0..n).map(|i| value(ReduceOp::Sum, me, i)).collect();
+        let send = dev.upload(&own)?;
+        let mut out = poisoned::<T>(dev, mine.len() * k)?;
+        coll.all_to_all_into(&send, &mut out, n, dt)?;
+        let want: Vec<T> = (0..k).flat_map(|s| mine.clone().map(move |i| value(ReduceOp::Sum, s, i))).collect();
+        same(&mut fails, &format!("all_to_all {ctx}"), &download::<T>(dev, &out, mine.len() * k)?, &want);
+
+        if k > 1 {
+            let (next, prev) = ((me + 1) % k, (me + k - 1) % k);
+            let mut got = poisoned::<T>(dev, n)?;
+            if me % 2 == 0 {
+                coll.send(&send, n, dt, next)?;
+                coll.recv_into(&mut got, n, dt, prev)?;
+            } else {
+                coll.recv_into(&mut got, n, dt, prev)?;
+                coll.send(&send, n, dt, next)?;
+            }
+            let want: Vec<T> = (0..n).map(|i| value(ReduceOp::Sum, prev, i)).collect();
+            same(&mut fails, &format!("send/recv {ctx}"), &download::<T>(dev, &got, n)?, &want);
+        }
+    }
     Ok(fails)
 }
 
+/// Checks every device collective for every element type at each count with the operators `ops`.
+pub fn check_device_all(
+    c: &Communicator,
+    dev: &Device,
+    state: &mut GpuCommState,
+    counts: &[usize],
+    ops: &[ReduceOp],
+) -> Result<Vec<String>> {
+    every_dtype!(check_device_type(c, dev, state, counts, ops))
+}

@@ -10,6 +10,8 @@
 use super::{LaunchDims, RawArg};
 use crate::error::Result;
 
+pub(crate) use imp::{HipEvent, HipExport, HipMapping, HipPinned};
+
 #[cfg(not(feature = "hip"))]
 mod imp {
     use super::{LaunchDims, RawArg};
@@ -55,6 +57,62 @@ mod imp {
         pub fn ordinal(&self) -> usize {
             match self.0 {}
         }
+        pub fn alloc_pinned(&self, _bytes: usize) -> Result<HipPinned> {
+            match self.0 {}
+        }
+        pub unsafe fn download_async(&self, _src: &HipBuffer, _off: usize, _dst: *mut u8, _len: usize) -> Result<()> {
+            match self.0 {}
+        }
+        pub unsafe fn upload_async(&self, _dst: &HipBuffer, _off: usize, _src: *const u8, _len: usize) -> Result<()> {
+            match self.0 {}
+        }
+        pub fn event(&self) -> Result<HipEvent> {
+            match self.0 {}
+        }
+        pub fn record(&self, _event: &HipEvent) -> Result<()> {
+            match self.0 {}
+        }
+        pub fn export(&self, _buf: &HipBuffer) -> Result<HipExport> {
+            match self.0 {}
+        }
+        pub fn open_ipc(&self, _handle: &[u8; 64]) -> Result<HipMapping> {
+            match self.0 {}
+        }
+    }
+
+    pub struct HipPinned(Never);
+    pub struct HipEvent(Never);
+    pub struct HipMapping(Never);
+    pub struct HipExport {
+        pub handle: [u8; 64],
+        pub offset: u64,
+    }
+
+    impl HipBuffer {
+        pub unsafe fn borrowed(_address: u64, _len: usize) -> HipBuffer {
+            unreachable!("no HIP device exists in a build without HIP, so nothing borrows its memory")
+        }
+    }
+
+    impl HipPinned {
+        pub fn as_mut_ptr(&mut self) -> *mut u8 {
+            match self.0 {}
+        }
+        pub fn len(&self) -> usize {
+            match self.0 {}
+        }
+    }
+
+    impl HipEvent {
+        pub fn synchronize(&self) -> Result<()> {
+            match self.0 {}
+        }
+    }
+
+    impl HipMapping {
+        pub fn address(&self) -> u64 {
+            match self.0 {}
+        }
     }
 }
 
@@ -81,6 +139,14 @@ impl HipBuffer {
 
     pub(crate) fn address(&self) -> u64 {
         self.0.address()
+    }
+
+    /// A buffer naming `len` bytes at `address` that frees nothing.
+    ///
+    /// # Safety
+    /// The memory must stay allocated while the result (or anything queued with it) is in use.
+    pub(crate) unsafe fn borrowed(address: u64, len: usize) -> HipBuffer {
+        HipBuffer(imp::HipBuffer::borrowed(address, len))
     }
 }
 
@@ -118,5 +184,44 @@ impl HipDevice {
 
     pub(crate) fn synchronize(&self) -> Result<()> {
         self.0.synchronize()
+    }
+
+    /// `bytes` of page-locked host memory.
+    pub(crate) fn alloc_pinned(&self, bytes: usize) -> Result<HipPinned> {
+        self.0.alloc_pinned(bytes)
+    }
+
+    /// See `CudaDevice::download_async`.
+    ///
+    /// # Safety
+    /// `dst..dst+len` stays valid and untouched until an event recorded after this call completed.
+    pub(crate) unsafe fn download_async(&self, src: &HipBuffer, offset: usize, dst: *mut u8, len: usize) -> Result<()> {
+        self.0.download_async(&src.0, offset, dst, len)
+    }
+
+    /// See `CudaDevice::upload_async`.
+    ///
+    /// # Safety
+    /// `src..src+len` stays valid and unwritten until an event recorded after this call completed.
+    pub(crate) unsafe fn upload_async(&self, dst: &HipBuffer, offset: usize, src: *const u8, len: usize) -> Result<()> {
+        self.0.upload_async(&dst.0, offset, src, len)
+    }
+
+    pub(crate) fn event(&self) -> Result<HipEvent> {
+        self.0.event()
+    }
+
+    pub(crate) fn record(&self, event: &HipEvent) -> Result<()> {
+        self.0.record(event)
+    }
+
+    /// The IPC handle of the allocation holding `buf` and `buf`'s offset in it.
+    pub(crate) fn export(&self, buf: &HipBuffer) -> Result<HipExport> {
+        self.0.export(&buf.0)
+    }
+
+    /// Maps a peer process's allocation from its IPC handle.
+    pub(crate) fn open_ipc(&self, handle: &[u8; 64]) -> Result<HipMapping> {
+        self.0.open_ipc(handle)
     }
 }

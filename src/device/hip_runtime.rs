@@ -1,5 +1,9 @@
 //! The HIP runtime calls behind [`super::HipDevice`] (feature `hip`; hip-sys bindings, ROCm
 //! 5.2 or newer). Only functions present in ROCm 5.2.3 are called.
+//!
+//! `hipMalloc` memory can be exported through IPC handles as it is; a borrowed buffer (a part of
+//! another buffer, a peer's mapping) frees nothing. Staging copies and events use the null stream,
+//! like every other call here.
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
@@ -31,6 +35,8 @@ pub struct HipDevice {
 pub struct HipBuffer {
     ptr: *mut c_void,
     len: usize,
+    /// False for memory owned elsewhere (see [`HipBuffer::borrowed`]).
+    owned: bool,
 }
 
 impl HipBuffer {
@@ -40,11 +46,17 @@ impl HipBuffer {
     pub fn address(&self) -> u64 {
         self.ptr as u64
     }
+
+    /// # Safety
+    /// The memory must stay allocated while the result (or anything queued with it) is in use.
+    pub unsafe fn borrowed(address: u64, len: usize) -> HipBuffer {
+        HipBuffer { ptr: address as *mut c_void, len, owned: false }
+    }
 }
 
 impl Drop for HipBuffer {
     fn drop(&mut self) {
-        if self.ptr.is_null() {
+        if self.ptr.is_null() || !self.owned {
             return;
         }
         // SAFETY: `ptr` came from hipMalloc and is freed once; hipFree waits for work using it.
@@ -102,7 +114,7 @@ impl HipDevice {
         check(&format!("alloc {bytes} B"), unsafe {
             hip::hipMalloc(&mut ptr, bytes)
         })?;
-        Ok(HipBuffer { ptr, len: bytes })
+        Ok(HipBuffer { ptr, len: bytes, owned: true })
     }
 
     pub fn copy_to_device(&self, dst: &mut HipBuffer, src: &[u8]) -> Result<()> {
@@ -167,5 +179,160 @@ impl HipDevice {
         check("synchronize (an earlier kernel failed?)", unsafe {
             hip::hipDeviceSynchronize()
         })
+    }
+}
+
+fn check_range(what: &str, buf: &HipBuffer, off: usize, len: usize) -> Result<()> {
+    if off.checked_add(len).is_none_or(|end| end > buf.len) {
+        return Err(Error::InvalidArgument(format!(
+            "hip: {what}: bytes {off}..{} outside a {}-byte buffer",
+            off.saturating_add(len),
+            buf.len
+        )));
+    }
+    Ok(())
+}
+
+fn at(buf: &HipBuffer, off: usize) -> *mut c_void {
+    (buf.ptr as *mut u8).wrapping_add(off).cast()
+}
+
+/// Page-locked host memory (`hipHostMalloc`).
+pub struct HipPinned {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: plain host memory owned by this value.
+unsafe impl Send for HipPinned {}
+
+impl HipPinned {
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for HipPinned {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from hipHostMalloc and is freed once, after the copies using it.
+        if let Err(e) = check("free pinned host memory", unsafe { hip::hipHostFree(self.ptr.cast()) }) {
+            log::error!("{e}");
+        }
+    }
+}
+
+pub struct HipEvent(hip::hipEvent_t);
+
+impl HipEvent {
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: a live event.
+        check("wait for event (an earlier copy failed?)", unsafe { hip::hipEventSynchronize(self.0) })
+    }
+}
+
+// SAFETY: an opaque runtime handle; the runtime is thread-safe.
+unsafe impl Send for HipEvent {}
+
+impl Drop for HipEvent {
+    fn drop(&mut self) {
+        // SAFETY: created by hipEventCreate, destroyed once.
+        if let Err(e) = check("destroy event", unsafe { hip::hipEventDestroy(self.0) }) {
+            log::error!("{e}");
+        }
+    }
+}
+
+pub struct HipExport {
+    pub handle: [u8; 64],
+    pub offset: u64,
+}
+
+pub struct HipMapping(*mut c_void);
+
+// SAFETY: a device address; the runtime is thread-safe.
+unsafe impl Send for HipMapping {}
+
+impl HipMapping {
+    pub fn address(&self) -> u64 {
+        self.0 as u64
+    }
+}
+
+impl Drop for HipMapping {
+    fn drop(&mut self) {
+        // SAFETY: opened by hipIpcOpenMemHandle, closed once after every use was synchronized.
+        if let Err(e) = check("close a peer's IPC mapping", unsafe { hip::hipIpcCloseMemHandle(self.0) }) {
+            log::error!("{e}");
+        }
+    }
+}
+
+impl HipDevice {
+    pub fn alloc_pinned(&self, bytes: usize) -> Result<HipPinned> {
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the result owns the allocation.
+        check(&format!("pinned host alloc {bytes} B"), unsafe {
+            hip::hipHostMalloc(&mut ptr, bytes.max(1), 0)
+        })?;
+        Ok(HipPinned { ptr: ptr.cast(), len: bytes })
+    }
+
+    /// # Safety
+    /// As `CudaDevice::download_async`: `dst..dst+len` stays valid and untouched until an event
+    /// recorded after this call completed.
+    pub unsafe fn download_async(&self, src: &HipBuffer, offset: usize, dst: *mut u8, len: usize) -> Result<()> {
+        check_range("copy to host", src, offset, len)?;
+        check(
+            &format!("copy {len} B to host"),
+            hip::hipMemcpyDtoHAsync(dst.cast(), at(src, offset), len, std::ptr::null_mut()),
+        )
+    }
+
+    /// # Safety
+    /// As `CudaDevice::upload_async`: `src..src+len` stays valid and unwritten until an event
+    /// recorded after this call completed.
+    pub unsafe fn upload_async(&self, dst: &HipBuffer, offset: usize, src: *const u8, len: usize) -> Result<()> {
+        check_range("copy to device", dst, offset, len)?;
+        check(
+            &format!("copy {len} B to device"),
+            hip::hipMemcpyHtoDAsync(at(dst, offset), src as *mut c_void, len, std::ptr::null_mut()),
+        )
+    }
+
+    pub fn event(&self) -> Result<HipEvent> {
+        let mut e = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check("create event", unsafe { hip::hipEventCreate(&mut e) })?;
+        Ok(HipEvent(e))
+    }
+
+    pub fn record(&self, event: &HipEvent) -> Result<()> {
+        // SAFETY: a live event, recorded on the null stream.
+        check("record event", unsafe { hip::hipEventRecord(event.0, std::ptr::null_mut()) })
+    }
+
+
+    pub fn export(&self, buf: &HipBuffer) -> Result<HipExport> {
+        let (mut base, mut size) = (std::ptr::null_mut(), 0usize);
+        let mut handle = hip::hipIpcMemHandle_t { reserved: [0; 64] };
+        // SAFETY: valid out-pointers; `buf.ptr` is a live device address.
+        unsafe {
+            check("address range of a buffer", hip::hipMemGetAddressRange(&mut base, &mut size, buf.ptr))?;
+            check("IPC handle of a buffer", hip::hipIpcGetMemHandle(&mut handle, base))?;
+        }
+        Ok(HipExport { handle: handle.reserved.map(|c| c as u8), offset: buf.ptr as u64 - base as u64 })
+    }
+
+    pub fn open_ipc(&self, handle: &[u8; 64]) -> Result<HipMapping> {
+        let handle = hip::hipIpcMemHandle_t { reserved: handle.map(|b| b as _) };
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the handle bytes came from hipIpcGetMemHandle in a peer.
+        check("open a peer's IPC handle", unsafe {
+            hip::hipIpcOpenMemHandle(&mut ptr, handle, hip::hipIpcMemLazyEnablePeerAccess)
+        })?;
+        Ok(HipMapping(ptr))
     }
 }

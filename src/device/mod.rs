@@ -21,9 +21,11 @@ mod cuda;
 pub mod gemm;
 mod hip;
 pub mod hipcc;
+pub mod ipc;
 pub mod kernels;
 pub mod nvrtc;
 pub mod ops;
+pub mod pinned;
 pub mod reduce_bench;
 
 pub use buffer::{DeviceBuffer, HostBytes};

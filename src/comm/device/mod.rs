@@ -1,0 +1,394 @@
+//! Collectives on device buffers ([`DeviceBuffer`] + [`Device`]) over a host [`Communicator`].
+//!
+//! Two paths carry them:
+//! - **IPC** ([`ipc`], GPUs of one node): every rank maps its peers' buffers through IPC handles
+//!   exchanged over the host communicator, and the GPU reduce kernels read peers' memory
+//!   directly; mappings are cached per (peer, allocation). Used when every rank of the
+//!   communicator runs on this node, in its own process, on a GPU whose buffers can be exported.
+//! - **Staged** ([`staged`], everything else: other nodes, the CPU arm, `MESHTRAIN_GPU_IPC=off`,
+//!   send/recv): chunks go through pinned host memory and the host collectives, double-buffered.
+//!
+//! Environment (read by [`GpuCommConfig::from_env`], the same on every rank):
+//! `MESHTRAIN_GPU_IPC=auto|on|off` (`on` where IPC is impossible is an error) and
+//! `MESHTRAIN_GPU_STAGE_CHUNK` (bytes per staged chunk, e.g. `4M`).
+//!
+//! Invariants: every member calls the same collectives in the same order with the same counts,
+//! element type and operator (as for the host API); the path choice depends only on facts every
+//! rank agrees on (configuration, an exchange of node and process ids, an agreed export and
+//! open status); sizes are checked before anything moves, with errors naming the operation and
+//! bytes. A [`GpuCommState`] belongs to one (communicator, device) pair.
+
+pub mod ipc;
+pub mod staged;
+#[cfg(test)]
+mod tests;
+
+use std::ops::Range;
+
+use crate::comm::{block_range, Communicator, DType, ReduceOp};
+use crate::device::pinned::Staging;
+use crate::device::{Device, DeviceBuffer};
+use crate::error::{Error, Result};
+use staged::{pipeline, Blocked, Flat, HostCall, Plan};
+
+/// Whether device collectives may map peers' buffers (`MESHTRAIN_GPU_IPC`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuIpc {
+    /// Where every rank is on this node and the buffers can be exported; staged otherwise.
+    Auto,
+    /// Always; an error where impossible.
+    On,
+    /// Never: always staged.
+    Off,
+}
+
+/// Tunables of the device collectives (the same on every rank).
+#[derive(Debug, Clone)]
+pub struct GpuCommConfig {
+    /// IPC path choice.
+    pub ipc: GpuIpc,
+    /// Bytes per staged chunk (the host collective's buffer size per step).
+    pub stage_chunk: usize,
+}
+
+impl Default for GpuCommConfig {
+    fn default() -> Self {
+        GpuCommConfig { ipc: GpuIpc::Auto, stage_chunk: 4 << 20 }
+    }
+}
+
+impl GpuCommConfig {
+    /// Defaults overridden by `MESHTRAIN_GPU_IPC` and `MESHTRAIN_GPU_STAGE_CHUNK`.
+    pub fn from_env() -> Result<Self> {
+        let mut c = GpuCommConfig::default();
+        let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        if let Some(v) = get("MESHTRAIN_GPU_IPC") {
+            c.ipc = match v.to_ascii_lowercase().as_str() {
+                "auto" => GpuIpc::Auto,
+                "on" => GpuIpc::On,
+                "off" => GpuIpc::Off,
+                _ => return Err(Error::config("MESHTRAIN_GPU_IPC", format!("`{v}` is not auto, on or off"))),
+            };
+        }
+        if let Some(v) = get("MESHTRAIN_GPU_STAGE_CHUNK") {
+            c.stage_chunk = crate::bench::collectives::parse_size(&v)
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| Error::config("MESHTRAIN_GPU_STAGE_CHUNK", format!("`{v}` is not a positive size like 4M")))?;
+        }
+        Ok(c)
+    }
+}
+
+/// What device collectives keep between calls: the configuration, the staging memory and the
+/// IPC state (the agreed eligibility and the cache of peers' mappings). One per (communicator,
+/// device) pair; [`GpuCommState::bind`] gives the collectives.
+pub struct GpuCommState {
+    cfg: GpuCommConfig,
+    staging: Option<Staging>,
+    ipc: ipc::IpcState,
+}
+
+impl GpuCommState {
+    /// State for `cfg`; allocates nothing until the first call.
+    pub fn new(cfg: GpuCommConfig) -> Self {
+        GpuCommState { cfg, staging: None, ipc: ipc::IpcState::default() }
+    }
+
+    /// The collectives of `comm` on `dev`'s buffers.
+    pub fn bind<'a>(&'a mut self, comm: &'a Communicator, dev: &'a Device) -> DeviceCollectives<'a> {
+        DeviceCollectives { comm, dev, state: self }
+    }
+
+    /// Closes every peer mapping this rank cached, then waits for every rank to do the same
+    /// (collective). Call it before freeing buffers that IPC collectives used: a peer must not
+    /// hold a mapping of a freed allocation.
+    pub fn release_mappings(&mut self, comm: &Communicator, dev: &Device) -> Result<()> {
+        self.ipc.release(dev)?;
+        comm.barrier()
+    }
+}
+
+/// The buffers of one call: in place, or an input and an output, or a buffer only read (send).
+pub(crate) enum Bufs<'b> {
+    InPlace(&'b mut DeviceBuffer),
+    Split(&'b DeviceBuffer, &'b mut DeviceBuffer),
+    ReadOnly(&'b DeviceBuffer),
+}
+
+impl Bufs<'_> {
+    pub(crate) fn input(&self) -> Result<&DeviceBuffer> {
+        Ok(match self {
+            Bufs::InPlace(b) => b,
+            Bufs::Split(i, _) => i,
+            Bufs::ReadOnly(b) => b,
+        })
+    }
+
+    pub(crate) fn output(&mut self) -> Result<&mut DeviceBuffer> {
+        match self {
+            Bufs::InPlace(b) => Ok(b),
+            Bufs::Split(_, o) => Ok(o),
+            Bufs::ReadOnly(_) => Err(Error::InvalidArgument("device collective: a send buffer is never written".into())),
+        }
+    }
+}
+
+fn arm(b: &DeviceBuffer) -> &'static str {
+    match b {
+        DeviceBuffer::Host(_) => "cpu",
+        DeviceBuffer::Cuda(_) => "cuda",
+        DeviceBuffer::Hip(_) => "hip",
+    }
+}
+
+/// Errors unless `buf` belongs to `dev`'s arm and holds `n` elements of `dtype`.
+fn check_buf(op: &str, what: &str, dev: &Device, buf: &DeviceBuffer, n: usize, dtype: DType) -> Result<()> {
+    let dev_arm = match dev {
+        Device::Cpu => "cpu",
+        Device::Cuda(_) => "cuda",
+        Device::Hip(_) => "hip",
+    };
+    if arm(buf) != dev_arm {
+        return Err(Error::InvalidArgument(format!("{op}: `{what}` is a {} buffer but the device is {dev_arm}", arm(buf))));
+    }
+    let need = n.checked_mul(dtype.size()).ok_or_else(|| Error::InvalidArgument(format!("{op}: {n} elements overflow")))?;
+    if buf.len() < need {
+        return Err(Error::InvalidArgument(format!(
+            "{op}: `{what}` holds {} bytes, but {n} {} elements need {need}",
+            buf.len(),
+            dtype.name()
+        )));
+    }
+    Ok(())
+}
+
+fn check_rank(op: &str, what: &str, r: usize, comm: &Communicator) -> Result<()> {
+    if r >= comm.size() {
+        return Err(Error::InvalidArgument(format!("{op}: {what} {r} out of range (size {})", comm.size())));
+    }
+    Ok(())
+}
+
+/// One collective as both paths see it.
+#[derive(Clone, Copy)]
+pub(crate) enum Op {
+    AllReduce(ReduceOp),
+    Broadcast(usize),
+    Reduce(ReduceOp, usize),
+    ReduceScatter(ReduceOp),
+    AllGather,
+    AllToAll,
+}
+
+/// The collectives of one communicator on one device's buffers. Counts are elements of `dtype`;
+/// buffers may be larger than a call needs (only the first bytes are used).
+pub struct DeviceCollectives<'a> {
+    comm: &'a Communicator,
+    dev: &'a Device,
+    state: &'a mut GpuCommState,
+}
+
+impl DeviceCollectives<'_> {
+    /// In-place all-reduce of the first `n` elements of `buf`.
+    pub fn all_reduce(&mut self, buf: &mut DeviceBuffer, n: usize, dtype: DType, op: ReduceOp) -> Result<()> {
+        check_buf("all_reduce", "buf", self.dev, buf, n, dtype)?;
+        self.run(Op::AllReduce(op), Bufs::InPlace(buf), n, dtype)
+    }
+
+    /// Broadcast of the first `n` elements of `buf` from member `root`.
+    pub fn broadcast(&mut self, buf: &mut DeviceBuffer, n: usize, dtype: DType, root: usize) -> Result<()> {
+        check_rank("broadcast", "root", root, self.comm)?;
+        check_buf("broadcast", "buf", self.dev, buf, n, dtype)?;
+        self.run(Op::Broadcast(root), Bufs::InPlace(buf), n, dtype)
+    }
+
+    /// In-place reduce onto `root`: the root's first `n` elements receive the result, other
+    /// ranks' buffers are unchanged.
+    pub fn reduce(&mut self, buf: &mut DeviceBuffer, n: usize, dtype: DType, op: ReduceOp, root: usize) -> Result<()> {
+        check_rank("reduce", "root", root, self.comm)?;
+        check_buf("reduce", "buf", self.dev, buf, n, dtype)?;
+        self.run(Op::Reduce(op, root), Bufs::InPlace(buf), n, dtype)
+    }
+
+    /// Reduce-scatter of `send` (`n` elements): `recv` receives this rank's block
+    /// (`comm.block(n).len()` elements).
+    pub fn reduce_scatter_into(
+        &mut self,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        n: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        check_buf("reduce_scatter", "send", self.dev, send, n, dtype)?;
+        check_buf("reduce_scatter", "recv", self.dev, recv, self.comm.block(n).len(), dtype)?;
+        self.run(Op::ReduceScatter(op), Bufs::Split(send, recv), n, dtype)
+    }
+
+    /// All-gather into `recv` (`n` elements) of every rank's block, which `send` holds
+    /// (`comm.block(n).len()` elements).
+    pub fn all_gather_into(&mut self, send: &DeviceBuffer, recv: &mut DeviceBuffer, n: usize, dtype: DType) -> Result<()> {
+        check_buf("all_gather", "send", self.dev, send, self.comm.block(n).len(), dtype)?;
+        check_buf("all_gather", "recv", self.dev, recv, n, dtype)?;
+        self.run(Op::AllGather, Bufs::Split(send, recv), n, dtype)
+    }
+
+    /// All-to-all: `send` (`n` elements) is cut into `size` blocks ([`block_range`]), block `b`
+    /// going to member `b`; `recv` holds `size` slots of `comm.block(n).len()` elements, slot `s`
+    /// receiving member `s`'s block for this rank.
+    pub fn all_to_all_into(&mut self, send: &DeviceBuffer, recv: &mut DeviceBuffer, n: usize, dtype: DType) -> Result<()> {
+        check_buf("all_to_all", "send", self.dev, send, n, dtype)?;
+        check_buf("all_to_all", "recv", self.dev, recv, self.comm.block(n).len() * self.comm.size(), dtype)?;
+        self.run(Op::AllToAll, Bufs::Split(send, recv), n, dtype)
+    }
+
+    /// Sends the first `n` elements of `buf` to member `peer` (which calls [`Self::recv_into`]
+    /// with the same count). Always staged.
+    pub fn send(&mut self, buf: &DeviceBuffer, n: usize, dtype: DType, peer: usize) -> Result<()> {
+        self.check_peer("send", peer)?;
+        check_buf("send", "buf", self.dev, buf, n, dtype)?;
+        self.flat(Bufs::ReadOnly(buf), n, dtype, (true, false), &|r| HostCall::Send(r, peer))
+    }
+
+    /// Receives `n` elements from member `peer` into the start of `buf`. Always staged.
+    pub fn recv_into(&mut self, buf: &mut DeviceBuffer, n: usize, dtype: DType, peer: usize) -> Result<()> {
+        self.check_peer("recv", peer)?;
+        check_buf("recv", "buf", self.dev, buf, n, dtype)?;
+        self.flat(Bufs::InPlace(buf), n, dtype, (false, true), &|r| HostCall::Recv(r, peer))
+    }
+
+    fn check_peer(&self, op: &str, peer: usize) -> Result<()> {
+        check_rank(op, "peer", peer, self.comm)?;
+        if peer == self.comm.rank() {
+            return Err(Error::InvalidArgument(format!("{op}: peer {peer} is this rank")));
+        }
+        Ok(())
+    }
+
+    /// Runs one collective on the path chosen for it.
+    fn run(&mut self, op: Op, mut bufs: Bufs, n: usize, dtype: DType) -> Result<()> {
+        let (comm, dev) = (self.comm, self.dev);
+        if self.state.ipc.try_call(&self.state.cfg, comm, dev, op, &mut bufs, n, dtype)? {
+            return Ok(());
+        }
+        self.run_staged(op, bufs, n, dtype)
+    }
+
+    fn run_staged(&mut self, op: Op, bufs: Bufs, n: usize, dtype: DType) -> Result<()> {
+        let (k, me, es, chunk) = (self.comm.size(), self.comm.rank(), dtype.size(), self.state.cfg.stage_chunk);
+        match op {
+            Op::AllReduce(o) => self.flat(bufs, n, dtype, (true, true), &|r| HostCall::AllReduce(r, o)),
+            Op::Broadcast(root) => self.flat(bufs, n, dtype, (me == root, me != root), &|r| HostCall::Broadcast(r, root)),
+            Op::Reduce(o, root) => self.flat(bufs, n, dtype, (true, me == root), &|r| HostCall::Reduce(r, o, root)),
+            Op::ReduceScatter(o) => self.reduce_scatter_staged(bufs, Blocked::new(n, k, es, chunk), dtype, o),
+            Op::AllGather => self.all_gather_staged(bufs, Blocked::new(n, k, es, chunk), dtype),
+            Op::AllToAll => self.all_to_all_staged(bufs, Blocked::new(n, k, es, chunk), dtype),
+        }
+    }
+
+    /// A staged call on the whole element range, chunk by chunk: `(down, up)` says whether this
+    /// rank downloads its input and uploads the result; `call` makes the host call of a chunk's
+    /// slot bytes.
+    fn flat(
+        &mut self,
+        bufs: Bufs,
+        n: usize,
+        dtype: DType,
+        (down, up): (bool, bool),
+        call: &dyn Fn(Range<usize>) -> HostCall,
+    ) -> Result<()> {
+        let flat = &Flat::new(n, dtype.size(), self.state.cfg.stage_chunk);
+        let copy = |on: bool| {
+            move |c: usize, out: &mut Vec<_>| {
+                if on {
+                    flat.copy(c, out)
+                }
+            }
+        };
+        let plan = Plan {
+            chunks: flat.chunks(),
+            slot_bytes: flat.per * flat.esize,
+            down: copy(down),
+            host: |c: usize| call(0..flat.bytes(c).len()),
+            up: copy(up),
+        };
+        self.staged(bufs, dtype, plan)
+    }
+
+    fn reduce_scatter_staged(&mut self, bufs: Bufs, blk: Blocked, dtype: DType, op: ReduceOp) -> Result<()> {
+        let (me, out_at) = (self.comm.rank(), blk.all_bytes());
+        let mine = |c: usize| blk.piece(me, c);
+        let plan = Plan {
+            chunks: blk.chunks(),
+            slot_bytes: out_at + blk.m * blk.esize,
+            down: |c: usize, out: &mut Vec<_>| {
+                out.extend((0..blk.k).map(|b| (blk.piece_bytes(b, c).start, blk.packed_at(b, c), blk.piece_bytes(b, c).len())))
+            },
+            host: |c: usize| HostCall::ReduceScatter {
+                input: 0..blk.packed_bytes(c),
+                output: out_at..out_at + mine(c).len() * blk.esize,
+                op,
+            },
+            up: |c: usize, out: &mut Vec<_>| out.push((mine(c).start * blk.esize, out_at, mine(c).len() * blk.esize)),
+        };
+        self.staged(bufs, dtype, plan)
+    }
+
+    fn all_gather_staged(&mut self, bufs: Bufs, blk: Blocked, dtype: DType) -> Result<()> {
+        let (me, out_at) = (self.comm.rank(), blk.m * blk.esize);
+        let mine = |c: usize| blk.piece(me, c);
+        let plan = Plan {
+            chunks: blk.chunks(),
+            slot_bytes: out_at + blk.all_bytes(),
+            down: |c: usize, out: &mut Vec<_>| out.push((mine(c).start * blk.esize, 0, mine(c).len() * blk.esize)),
+            host: |c: usize| HostCall::AllGather {
+                input: 0..mine(c).len() * blk.esize,
+                output: out_at..out_at + blk.packed_bytes(c),
+            },
+            up: |c: usize, out: &mut Vec<_>| {
+                out.extend((0..blk.k).map(|b| (blk.piece_bytes(b, c).start, out_at + blk.packed_at(b, c), blk.piece_bytes(b, c).len())))
+            },
+        };
+        self.staged(bufs, dtype, plan)
+    }
+
+    fn all_to_all_staged(&mut self, bufs: Bufs, blk: Blocked, dtype: DType) -> Result<()> {
+        let (me, k, es, out_at) = (self.comm.rank(), blk.k, blk.esize, blk.all_bytes());
+        let slot_len = block_range(blk.n, k, me).len();
+        let mine = |c: usize| blk.piece(me, c);
+        let plan = Plan {
+            chunks: blk.chunks(),
+            slot_bytes: 2 * out_at,
+            down: |c: usize, out: &mut Vec<_>| {
+                out.extend((0..k).map(|b| (blk.piece_bytes(b, c).start, blk.packed_at(b, c), blk.piece_bytes(b, c).len())))
+            },
+            host: |c: usize| HostCall::AllToAll { input: 0..blk.packed_bytes(c), output: out_at..out_at + k * mine(c).len() * es },
+            up: |c: usize, out: &mut Vec<_>| {
+                let p = mine(c);
+                out.extend((0..k).map(|s| ((s * slot_len + p.start) * es, out_at + s * p.len() * es, p.len() * es)))
+            },
+        };
+        self.staged(bufs, dtype, plan)
+    }
+
+    /// Runs a staged plan, growing the staging memory to what it needs first.
+    fn staged<D, H, U>(&mut self, mut bufs: Bufs, dtype: DType, plan: Plan<D, H, U>) -> Result<()>
+    where
+        D: Fn(usize, &mut Vec<(usize, usize, usize)>),
+        H: Fn(usize) -> HostCall,
+        U: Fn(usize, &mut Vec<(usize, usize, usize)>),
+    {
+        if self.state.staging.as_ref().is_none_or(|s| s.slot_bytes() < plan.slot_bytes) {
+            self.state.staging = None;
+            self.state.staging = Some(Staging::new(self.dev, plan.slot_bytes)?);
+        }
+        let stage = self.state.staging.as_mut().expect("allocated above");
+        pipeline(self.comm, self.dev, stage, dtype, &mut bufs, plan)
+    }
+
+    /// The path the IPC state chose for the last collective (`true` for IPC), for tests and logs.
+    pub fn last_used_ipc(&self) -> bool {
+        self.state.ipc.last_used_ipc()
+    }
+}

@@ -18,7 +18,9 @@ use meshtrain::model::sample::{self, SampleOptions};
 use meshtrain::model::{Gpt, GptConfig, ParamLayout};
 use meshtrain::train::{self, TrainOptions};
 use meshtrain::bootstrap::{rank_hint, World};
-use meshtrain::comm::{probe::Reads, selftest, DType, ReduceOp};
+use meshtrain::comm::{probe::Reads, selftest, Communicator, DType, ReduceOp};
+use meshtrain::config::DeviceKind;
+use meshtrain::device::Device;
 use meshtrain::{Error, Result};
 
 #[derive(Parser)]
@@ -132,6 +134,10 @@ struct SelftestArgs {
     /// for f32; 0 skips it.
     #[arg(long, default_value_t = 786_431)]
     large: usize,
+    /// `cuda` or `hip`: check the device collectives on this GPU's buffers instead (IPC or
+    /// staged path per MESHTRAIN_GPU_IPC; `cpu` runs them on the CPU arm).
+    #[arg(long)]
+    device: Option<String>,
 }
 
 #[derive(Args)]
@@ -274,29 +280,49 @@ fn bench(world: &World, args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// `meshtrain selftest --device KIND`: the device collectives, checked bit for bit.
+fn selftest_device(world: &World, args: &SelftestArgs, kind: &str) -> Result<()> {
+    let kind = match kind {
+        "cpu" => DeviceKind::Cpu,
+        "cuda" => DeviceKind::Cuda,
+        "hip" => DeviceKind::Hip,
+        other => return Err(Error::config("--device", format!("`{other}` is not cpu, cuda or hip"))),
+    };
+    let comm = world.communicator()?;
+    let dev = Device::open(kind, world.local_rank)?;
+    let (fails, ipc, calls) = selftest::check_device_job(&comm, &dev, &args.counts, args.large)?;
+    report_selftest(world, &comm, &fails, &format!("device path: {ipc} of {calls} collective calls over IPC"))
+}
+
 fn selftest(world: &World, args: &SelftestArgs) -> Result<()> {
+    if let Some(kind) = &args.device {
+        return selftest_device(world, args, kind);
+    }
     let comm = world.communicator()?;
     let mut fails = selftest::check_all(&comm, &args.counts, &ReduceOp::ALL)?;
     if args.large > 0 {
         fails.extend(selftest::check_all(&comm, &[args.large], &[ReduceOp::Sum])?);
         fails.extend(selftest::check_type::<f32>(&comm, &[args.large], &ReduceOp::ALL)?);
     }
-    for f in &fails {
+    let reads = match comm.single_copy_reads() {
+        None => "not probed".to_string(),
+        Some(Reads::Pay) => "work and pay".to_string(),
+        Some(Reads::Slow(why)) => format!("work, do not pay ({why})"),
+        Some(Reads::Fail(why)) => format!("unavailable ({why})"),
+    };
+    let what = format!("counts {:?} + {}", args.counts, args.large);
+    report_selftest(world, &comm, &fails, &format!("{what}: single-copy reads: {reads}"))
+}
+
+/// Logs this rank's failures; rank 0 prints the job's total and `note`; an error if any failed.
+fn report_selftest(world: &World, comm: &Communicator, fails: &[String], note: &str) -> Result<()> {
+    for f in fails {
         log::error!("selftest: {f}");
     }
     let mut total = [fails.len() as i64];
     comm.all_reduce(&mut total, ReduceOp::Sum)?;
     if world.rank == 0 {
-        let reads = match comm.single_copy_reads() {
-            None => "not probed".to_string(),
-            Some(Reads::Pay) => "work and pay".to_string(),
-            Some(Reads::Slow(why)) => format!("work, do not pay ({why})"),
-            Some(Reads::Fail(why)) => format!("unavailable ({why})"),
-        };
-        println!(
-            "selftest: {} ranks, counts {:?} + {}: {} mismatches; single-copy reads: {reads}",
-            world.size, args.counts, args.large, total[0]
-        );
+        println!("selftest: {} ranks: {} mismatches; {note}", world.size, total[0]);
     }
     if total[0] > 0 {
         return Err(Error::Check(format!("selftest: {} mismatches", total[0])));

@@ -15,6 +15,7 @@ use half::{bf16, f16};
 use crate::comm::dtype::{exact_input as value, exact_result as expected};
 use crate::comm::device::GpuCommState;
 use crate::comm::{block_range, Communicator, Element, ReduceOp};
+use crate::device::ipc::alloc_shareable;
 use crate::device::{Device, DeviceBuffer};
 use crate::error::Result;
 
@@ -133,13 +134,15 @@ fn download<T: Element>(dev: &Device, buf: &DeviceBuffer, n: usize) -> Result<Ve
     Ok(v)
 }
 
-/// A device buffer holding `n` copies of 99 (which no collective here produces).
-fn poisoned<T: Element>(dev: &Device, n: usize) -> Result<DeviceBuffer> {
-    dev.upload(&vec![T::from_i64(99); n])
+/// `n` copies of 99, which no collective here produces.
+fn poison<T: Element>(n: usize) -> Vec<T> {
+    vec![T::from_i64(99); n]
 }
 
 /// Checks every device collective for element type `T` at each count, on `dev`'s buffers;
-/// returns the failures.
+/// returns the failures. Two shareable buffers are allocated once and reused by every call (as
+/// a training step reuses its gradients), so IPC mappings are opened once and then come from
+/// the cache; they are released (collectively) before the buffers are freed.
 pub fn check_device_type<T: Element + Debug>(
     c: &Communicator,
     dev: &Device,
@@ -149,6 +152,10 @@ pub fn check_device_type<T: Element + Debug>(
 ) -> Result<Vec<String>> {
     let mut fails = Vec::new();
     let (k, me, dt) = (c.size(), c.rank(), T::DTYPE);
+    let most = counts.iter().copied().max().unwrap_or(0);
+    // x: inputs and in-place buffers (n elements); y: outputs (up to n + k for all-to-all).
+    let mut x = alloc_shareable(dev, most * dt.size())?;
+    let mut y = alloc_shareable(dev, (most + k) * dt.size())?;
     let mut coll = state.bind(c, dev);
     for &n in counts {
         let mine = block_range(n, k, me);
@@ -157,54 +164,55 @@ pub fn check_device_type<T: Element + Debug>(
             let input: Vec<T> = (0..n).map(|i| value(op, me, i)).collect();
             let want: Vec<T> = (0..n).map(|i| expected(op, k, i)).collect();
 
-            let mut buf = dev.upload(&input)?;
-            coll.all_reduce(&mut buf, n, dt, op)?;
-            same(&mut fails, &format!("all_reduce {ctx}"), &download::<T>(dev, &buf, n)?, &want);
+            dev.copy_to_device(&mut x, &input)?;
+            coll.all_reduce(&mut x, n, dt, op)?;
+            same(&mut fails, &format!("all_reduce {ctx}"), &download::<T>(dev, &x, n)?, &want);
 
-            let send = dev.upload(&input)?;
-            let mut out = poisoned::<T>(dev, mine.len())?;
-            coll.reduce_scatter_into(&send, &mut out, n, dt, op)?;
-            same(&mut fails, &format!("reduce_scatter_into {ctx}"), &download::<T>(dev, &out, mine.len())?, &want[mine.clone()]);
+            dev.copy_to_device(&mut x, &input)?;
+            dev.copy_to_device(&mut y, &poison::<T>(mine.len()))?;
+            coll.reduce_scatter_into(&x, &mut y, n, dt, op)?;
+            same(&mut fails, &format!("reduce_scatter_into {ctx}"), &download::<T>(dev, &y, mine.len())?, &want[mine.clone()]);
 
             let root = n % k;
-            let mut buf = dev.upload(&input)?;
-            coll.reduce(&mut buf, n, dt, op, root)?;
-            let got = download::<T>(dev, &buf, n)?;
+            dev.copy_to_device(&mut x, &input)?;
+            coll.reduce(&mut x, n, dt, op, root)?;
+            let got = download::<T>(dev, &x, n)?;
             same(&mut fails, &format!("reduce {ctx}"), &got, if me == root { &want } else { &input });
         }
         let ctx = format!("device {dt:?} n={n} k={k} rank={me}");
         let full: Vec<T> = (0..n).map(|i| value(ReduceOp::Sum, i % 3 + 1, i)).collect();
-        let send = dev.upload(&full[mine.clone()])?;
-        let mut out = poisoned::<T>(dev, n)?;
-        coll.all_gather_into(&send, &mut out, n, dt)?;
-        same(&mut fails, &format!("all_gather_into {ctx}"), &download::<T>(dev, &out, n)?, &full);
+        dev.copy_to_device(&mut x, &full[mine.clone()])?;
+        dev.copy_to_device(&mut y, &poison::<T>(n))?;
+        coll.all_gather_into(&x, &mut y, n, dt)?;
+        same(&mut fails, &format!("all_gather_into {ctx}"), &download::<T>(dev, &y, n)?, &full);
 
         let root = (n / 3) % k;
-        let mut buf = if me == root { dev.upload(&full)? } else { poisoned::<T>(dev, n)? };
-        coll.broadcast(&mut buf, n, dt, root)?;
-        same(&mut fails, &format!("broadcast {ctx}"), &download::<T>(dev, &buf, n)?, &full);
+        dev.copy_to_device(&mut x, &if me == root { full.clone() } else { poison(n) })?;
+        coll.broadcast(&mut x, n, dt, root)?;
+        same(&mut fails, &format!("broadcast {ctx}"), &download::<T>(dev, &x, n)?, &full);
 
         let own: Vec<T> = (0..n).map(|i| value(ReduceOp::Sum, me, i)).collect();
-        let send = dev.upload(&own)?;
-        let mut out = poisoned::<T>(dev, mine.len() * k)?;
-        coll.all_to_all_into(&send, &mut out, n, dt)?;
+        dev.copy_to_device(&mut x, &own)?;
+        dev.copy_to_device(&mut y, &poison::<T>(mine.len() * k))?;
+        coll.all_to_all_into(&x, &mut y, n, dt)?;
         let want: Vec<T> = (0..k).flat_map(|s| mine.clone().map(move |i| value(ReduceOp::Sum, s, i))).collect();
-        same(&mut fails, &format!("all_to_all {ctx}"), &download::<T>(dev, &out, mine.len() * k)?, &want);
+        same(&mut fails, &format!("all_to_all {ctx}"), &download::<T>(dev, &y, mine.len() * k)?, &want);
 
         if k > 1 {
             let (next, prev) = ((me + 1) % k, (me + k - 1) % k);
-            let mut got = poisoned::<T>(dev, n)?;
+            dev.copy_to_device(&mut y, &poison::<T>(n))?;
             if me % 2 == 0 {
-                coll.send(&send, n, dt, next)?;
-                coll.recv_into(&mut got, n, dt, prev)?;
+                coll.send(&x, n, dt, next)?;
+                coll.recv_into(&mut y, n, dt, prev)?;
             } else {
-                coll.recv_into(&mut got, n, dt, prev)?;
-                coll.send(&send, n, dt, next)?;
+                coll.recv_into(&mut y, n, dt, prev)?;
+                coll.send(&x, n, dt, next)?;
             }
             let want: Vec<T> = (0..n).map(|i| value(ReduceOp::Sum, prev, i)).collect();
-            same(&mut fails, &format!("send/recv {ctx}"), &download::<T>(dev, &got, n)?, &want);
+            same(&mut fails, &format!("send/recv {ctx}"), &download::<T>(dev, &y, n)?, &want);
         }
     }
+    state.release_mappings(c, dev)?;
     Ok(fails)
 }
 
@@ -217,4 +225,17 @@ pub fn check_device_all(
     ops: &[ReduceOp],
 ) -> Result<Vec<String>> {
     every_dtype!(check_device_type(c, dev, state, counts, ops))
+}
+
+/// `meshtrain selftest --device`: every device collective on `dev` (counts with every operator,
+/// `large` with f32 and every operator), configured from the environment. Returns the failures
+/// and how many calls took the IPC path, of how many.
+pub fn check_device_job(c: &Communicator, dev: &Device, counts: &[usize], large: usize) -> Result<(Vec<String>, u64, u64)> {
+    let mut state = GpuCommState::new(crate::comm::device::GpuCommConfig::from_env()?);
+    let mut fails = check_device_all(c, dev, &mut state, counts, &ReduceOp::ALL)?;
+    if large > 0 {
+        fails.extend(check_device_type::<f32>(c, dev, &mut state, &[large], &ReduceOp::ALL)?);
+    }
+    let (ipc, calls) = state.path_counts();
+    Ok((fails, ipc, calls))
 }

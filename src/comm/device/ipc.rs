@@ -65,7 +65,9 @@ pub(crate) struct IpcState {
     eligible: Option<std::result::Result<(), String>>,
     /// Peers' allocations mapped here, by (peer, IPC handle).
     cache: HashMap<(usize, [u8; 64]), Mapping>,
-    last_ipc: bool,
+    /// Collectives asked for, and how many of them ran here.
+    calls: u64,
+    ipc_calls: u64,
 }
 
 /// Agrees on whether `local` failed anywhere: every rank returns an error if any rank did.
@@ -90,8 +92,9 @@ fn boot_id_hash() -> i64 {
 }
 
 impl IpcState {
-    pub(crate) fn last_used_ipc(&self) -> bool {
-        self.last_ipc
+    /// (calls that took the IPC path, collective calls made).
+    pub(crate) fn path_counts(&self) -> (u64, u64) {
+        (self.ipc_calls, self.calls)
     }
 
     /// Closes every cached mapping (after the device finished using them).
@@ -143,7 +146,7 @@ impl IpcState {
         n: usize,
         dtype: DType,
     ) -> Result<bool> {
-        self.last_ipc = false;
+        self.calls += 1;
         if cfg.ipc == GpuIpc::Off {
             return Ok(false);
         }
@@ -178,7 +181,7 @@ impl IpcState {
         }
         let run = Run { comm, dev, dtype, n, records: &records, cache: &self.cache };
         run.op(op, bufs)?;
-        self.last_ipc = true;
+        self.ipc_calls += 1;
         Ok(true)
     }
 

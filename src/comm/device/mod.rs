@@ -100,6 +100,11 @@ impl GpuCommState {
         DeviceCollectives { comm, dev, state: self }
     }
 
+    /// (calls that took the IPC path, collective calls other than send/recv) so far.
+    pub fn path_counts(&self) -> (u64, u64) {
+        self.ipc.path_counts()
+    }
+
     /// Closes every peer mapping this rank cached, then waits for every rank to do the same
     /// (collective). Call it before freeing buffers that IPC collectives used: a peer must not
     /// hold a mapping of a freed allocation.
@@ -385,10 +390,5 @@ impl DeviceCollectives<'_> {
         }
         let stage = self.state.staging.as_mut().expect("allocated above");
         pipeline(self.comm, self.dev, stage, dtype, &mut bufs, plan)
-    }
-
-    /// The path the IPC state chose for the last collective (`true` for IPC), for tests and logs.
-    pub fn last_used_ipc(&self) -> bool {
-        self.state.ipc.last_used_ipc()
     }
 }

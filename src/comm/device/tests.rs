@@ -48,10 +48,9 @@ fn the_cpu_arm_never_takes_the_ipc_path() {
     run_ranks(3, CommConfig::default(), |c| {
         let dev = Device::Cpu;
         let mut st = state(64);
-        let mut coll = st.bind(&c, &dev);
         let mut buf = dev.upload(&[1.0f32; 50]).unwrap();
-        coll.all_reduce(&mut buf, 50, DType::F32, ReduceOp::Sum).unwrap();
-        assert!(!coll.last_used_ipc());
+        st.bind(&c, &dev).all_reduce(&mut buf, 50, DType::F32, ReduceOp::Sum).unwrap();
+        assert_eq!(st.path_counts(), (0, 1));
         let mut got = vec![0f32; 50];
         dev.copy_to_host(&buf, &mut got).unwrap();
         assert!(got.iter().all(|&x| x == 3.0));

@@ -23,18 +23,10 @@ use std::ops::Range;
 use super::attention::AttnShape;
 use super::layout::ParamLayout;
 use super::GptConfig;
+pub use crate::config::Precision;
 use crate::device::gemm::{Gemm, GemmInput, Operand};
 use crate::device::{ops, Device, DeviceBuffer};
 use crate::error::{Error, Result};
-
-/// Element type of the matrix products.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Precision {
-    /// f32 products (the reference numerics).
-    Fp32,
-    /// bf16 products with f32 accumulation, f32 master weights.
-    Bf16,
-}
 
 /// Activations of one block, kept from forward for backward.
 struct BlockActs {

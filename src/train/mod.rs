@@ -24,12 +24,12 @@ use std::time::{Duration, Instant};
 use crate::bootstrap::World;
 use crate::comm::stats::CommStats;
 use crate::comm::{Communicator, ReduceOp};
-use crate::config::{DeviceKind, JobConfig};
+use crate::config::{DeviceKind, JobConfig, Precision};
 use crate::data::{open_source, Batch, Sampler, Split};
 use crate::error::{Error, Result};
 use crate::memory::{peak_rss_bytes, reset_peak_rss, rss_bytes};
 use crate::metrics::{FlopCounter, MetricsWriter, Progress, StepRecord};
-use crate::device::{bind_cpu_threads, cpu_peak_tflops};
+use crate::device::{bind_cpu_threads, cpu_peak_tflops, Device};
 use crate::parallel::grid::{Grid, GridShape};
 use crate::parallel::schedule::Schedule;
 use crate::parallel::stage_split;
@@ -57,12 +57,21 @@ pub struct TrainReport {
     pub tokens_per_s: f64,
 }
 
-/// Rejects layouts this build cannot run yet, naming the key.
-fn check_supported(cfg: &JobConfig) -> Result<()> {
-    if cfg.device != DeviceKind::Cpu {
-        return Err(Error::config("device", "only `cpu` training is implemented so far (GPU backends are not built yet)"));
+/// Whether the job trains the device model (a GPU, or bf16 numerics on the CPU); rejects the
+/// layouts it cannot run yet, naming the key.
+fn uses_device_model(cfg: &JobConfig) -> Result<bool> {
+    if cfg.device == DeviceKind::Cpu && cfg.precision == Precision::Fp32 {
+        return Ok(false);
     }
-    Ok(())
+    let what = "the device model (device = cuda or hip, or precision = bf16)";
+    if cfg.parallel.tp > 1 || cfg.parallel.pp > 1 {
+        let key = if cfg.parallel.tp > 1 { "parallel.tp" } else { "parallel.pp" };
+        return Err(Error::config(key, format!("{what} trains data-parallel layouts only so far (tp = pp = 1)")));
+    }
+    if cfg.parallel.zero > 1 {
+        return Err(Error::config("parallel.zero", format!("{what} supports ZeRO 0 and 1 only so far")));
+    }
+    Ok(true)
 }
 
 /// Mean validation loss over `batches` micro-batches on every rank, averaged over the group.
@@ -79,8 +88,12 @@ fn evaluate(model: &mut Replica, batch: &mut Batch, sampler: &mut Sampler, batch
 
 /// Trains `cfg` on this world (every rank calls it).
 pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<TrainReport> {
+    let device_model = uses_device_model(cfg)?;
     cfg.validate_world(world.size)?;
-    check_supported(cfg)?;
+    let device = match device_model {
+        true => Some((Device::open(cfg.device, world.local_rank)?, cfg.precision)),
+        false => None,
+    };
     let leader = world.rank == 0;
     bind_cpu_threads(world.local_size);
     // What the process holds before the model exists (binary, libraries, MPI): the baseline of
@@ -129,6 +142,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         microbatches: cfg.parallel.microbatches,
         stage_layers,
         shard_executor: cfg.parallel.zero >= 2,
+        device,
     };
     let zero = cfg.parallel.zero;
     let mut model = Replica::new(cfg.model, b, t, cfg.train.seed, layout)?;
@@ -219,9 +233,10 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         }
     }
 
-    let peak = match cfg.metrics.peak_tflops {
-        Some(p) => Some(p),
-        None => Some(cpu_peak_tflops(world.local_size)),
+    let peak = match (cfg.metrics.peak_tflops, model.device()) {
+        (Some(p), _) => Some(p),
+        (None, None | Some(Device::Cpu)) => Some(cpu_peak_tflops(world.local_size)),
+        (None, Some(dev)) => dev.peak_tflops(cfg.precision),
     };
     let flops = FlopCounter::new(&cfg.model, t, peak, world.size);
     let mut writer = match (&opts.metrics, leader) {
@@ -246,7 +261,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         // and the reducer checked that every range was reported: clearing the buffer again would
         // only fault all of its pages back in.
         if !every_backward {
-            model.zero_grad();
+            model.zero_grad()?;
         }
         sync.begin(accum);
         for batch in batches.iter_mut() {

@@ -9,26 +9,16 @@
 //! compared bit for bit; sums in another order (GEMMs, atomics, column sums) by relative L2
 //! error <= 1e-5 (f32 unit roundoff 6e-8 times the growth of sums of a few thousand terms).
 
+mod common;
+
+use common::gpu::{gpu, rng};
 use half::bf16;
-use meshtrain::config::DeviceKind;
 use meshtrain::device::gemm::{Gemm, GemmInput, Operand};
 use meshtrain::device::{ops, Device, DeviceBuffer};
 use meshtrain::model::{DeviceGpt, Gpt, GptConfig, Precision};
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
-fn gpu() -> Device {
-    Device::open(DeviceKind::Cuda, 0).expect("a CUDA GPU with driver, NVRTC and cuBLAS")
-}
-
-fn rng(test: &str) -> ChaCha8Rng {
-    let seed = std::env::var("MESHTRAIN_GPU_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| rand::thread_rng().gen::<u64>());
-    eprintln!("{test}: seed {seed}");
-    ChaCha8Rng::seed_from_u64(seed)
-}
 
 fn rand_f32(r: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| r.gen_range(-1.0f32..1.0)).collect()

@@ -274,6 +274,10 @@ fn bf16_device_model_trains_data_parallel_and_tracks_fp32() {
     assert_close(&bf16.losses, &fp32.losses, 1e-2, "bf16 vs fp32");
     let differs = bf16.losses.iter().zip(&fp32.losses).any(|(a, b)| a != b);
     assert!(differs, "bf16 left no trace on the losses: did it run in fp32?");
+    // ZeRO 1 on one rank steps on host mirrors, ZeRO 0 on the device: the same arithmetic up to
+    // the order in which the gradient norm adds up.
+    let host_step = trajectory(d, "bf16_host", 1, &single, &["train.grad_accum=4".into(), "precision=bf16".into(), "parallel.zero=1".into()]);
+    assert_follows(&host_step, &bf16, "bf16 host step vs device step");
     for (np, accum, zero) in [(2, 2, 0), (4, 1, 1)] {
         let parallel = format!("[parallel]\ndp = {np}\nzero = {zero}");
         let name = format!("bf16_dp{np}z{zero}");

@@ -10,6 +10,7 @@
 mod buckets;
 mod checkpointing;
 mod comm_worker;
+mod device_step;
 mod grad_sync;
 mod memory_estimate;
 mod param_gather;
@@ -35,6 +36,7 @@ use crate::parallel::schedule::Schedule;
 use crate::parallel::stage_split;
 use crate::optim::{AdamW, AdamWConfig, DecayMask, LrSchedule};
 
+use device_step::DeviceStep;
 pub use grad_sync::DataParallel;
 pub use memory_estimate::{MemoryEstimate, MemoryInputs};
 pub use replica::{Replica, ReplicaLayout};
@@ -254,6 +256,16 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     // the peak covers the whole run.
     let peak_is_steps = reset_peak_rss().is_ok();
     let every_backward = sync.reduces_every_backward();
+    // The device model at ZeRO 0 steps on its device; from here on its device weights and moments
+    // are the training state (stored back into the host copies before each checkpoint).
+    let mut device_step = match (model.device_model_mut(), zero) {
+        (Some(m), 0) => {
+            let mut s = DeviceStep::new(m, m.layout().decay_spans(), adamw)?;
+            s.load(m, &sync)?;
+            Some(s)
+        }
+        _ => None,
+    };
 
     for step in first_step..=cfg.train.steps {
         let t0 = Instant::now();
@@ -263,16 +275,22 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         if !every_backward {
             model.zero_grad()?;
         }
-        sync.begin(accum);
+        if device_step.is_none() {
+            sync.begin(accum);
+        }
         for batch in batches.iter_mut() {
             sampler.next_batch(batch)?;
         }
         // The last backward (ZeRO-2/3: every backward) communicates, overlapped bucket by bucket.
         let loss_mean = model.run(&batches, every_backward, &mut |r, g| sync.on_final(r, g))?;
         let lr = sched.lr(step - 1);
-        let (params, grads) = model.params_and_grads();
-        let outcome =
-            sync.step(&dp, &norm_groups, &norm_spans, &opt, lr, cfg.optim.grad_clip, params, grads)?;
+        let outcome = match (&mut device_step, model.device_model_mut()) {
+            (Some(s), Some(m)) => s.step(m, &dp, accum, lr, cfg.optim.grad_clip)?,
+            _ => {
+                let (params, grads) = model.params_and_grads();
+                sync.step(&dp, &norm_groups, &norm_spans, &opt, lr, cfg.optim.grad_clip, params, grads)?
+            }
+        };
         model.release_gathered()?;
         let param_wait = Duration::from_nanos(gather_wait.swap(0, Ordering::Relaxed));
         let mut loss = [loss_mean];
@@ -338,6 +356,9 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         tokens_seen += tokens_per_step as u64;
         if cfg.checkpoint.every > 0 && (step % cfg.checkpoint.every == 0 || step == cfg.train.steps) {
             let state = sampler.state();
+            if let (Some(s), Some(m)) = (&device_step, model.device_model_mut()) {
+                s.store(m, &mut sync)?;
+            }
             let dir =
                 checkpointing::save(&world_comm, &dp, cfg, adamw, &maps, model.params(), &sync, step, tokens_seen, state)?;
             progress.println(&format!("# checkpoint {}", dir.display()));

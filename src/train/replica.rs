@@ -245,6 +245,14 @@ impl Replica {
         }
     }
 
+    /// The device model, if this replica is one.
+    pub fn device_model_mut(&mut self) -> Option<&mut DeviceGpt> {
+        match self {
+            Replica::Device(m) => Some(m),
+            _ => None,
+        }
+    }
+
     /// Parameters (flat, this rank's part).
     pub fn params(&self) -> &[f32] {
         match self {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU compile checks for CI (no GPU needed): installs NVRTC (PyPI wheel, into a venv) and ROCm's
 # hipcc (Debian), then runs tests/gpu_compile.rs with both compilers REQUIRED, so a missing
-# compiler fails the job instead of skipping. Call from .ci/run after the main test suite:
+# compiler fails the job instead of skipping, and builds the library with `--features hip` (the HIP
+# arm against those packages). Call from .ci/run after the main test suite:
 #   .ci/gpu-compile.sh
 # Measured on the dev machine (Debian 12, 2 cores): pip install ~36 s, 217 MB in the venv;
 # apt-get install ~60 s, 69 MB download, 368 MB installed (29 packages).
@@ -24,3 +25,5 @@ fi
 
 export MESHTRAIN_REQUIRE_NVRTC=1 MESHTRAIN_REQUIRE_HIPCC=1
 PATH="$HOME/.cargo/bin:$PATH" cargo test --release --test gpu_compile -- --test-threads=1
+# The HIP arm itself (hip-sys bindings to libamdhip64 from Debian's ROCm packages) must build too.
+PATH="$HOME/.cargo/bin:$PATH" cargo build --release --features hip --lib

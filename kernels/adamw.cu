@@ -19,3 +19,22 @@ extern "C" __global__ void adamw_f32(float *p, const float *g, float *m, float *
         p[i] -= lr * (m_hat / (sqrtf(v_hat) + eps) + wd * p[i]);
     }
 }
+
+// Gradient clipping: partials[block] = sum of g^2 over the elements a block's threads visit
+// (grid-stride over N); the host adds the partials in f64, so the total does not depend on how
+// large N is. Launched with at most MT_SUM_BLOCKS blocks.
+extern "C" __global__ void sum_squares_f32(float *partials, const float *g, mt_u64 n) {
+    __shared__ float scratch[MT_MAX_WARPS];
+    const mt_u64 stride = (mt_u64)gridDim.x * blockDim.x;
+    float acc = 0.0f;
+    for (mt_u64 i = (mt_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        acc += g[i] * g[i];
+    acc = mt_block_sum(acc, scratch);
+    if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+}
+
+// g (N) *= s.
+extern "C" __global__ void scale_f32(float *g, float s, mt_u64 n) {
+    const mt_u64 stride = (mt_u64)gridDim.x * blockDim.x;
+    for (mt_u64 i = (mt_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) g[i] *= s;
+}

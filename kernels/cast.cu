@@ -15,3 +15,10 @@ extern "C" __global__ void cast_bf16_to_f32(float *out, const mt_bf16 *inp, mt_u
     for (mt_u64 i = (mt_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         out[i] = mt_bf16_to_f32(inp[i]);
 }
+
+// out (N) f32 = inp (N) f32 (a copy between parts of buffers, e.g. a tensor into a flat buffer).
+extern "C" __global__ void copy_f32(float *out, const float *inp, mt_u64 n) {
+    const mt_u64 stride = (mt_u64)gridDim.x * blockDim.x;
+    for (mt_u64 i = (mt_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        out[i] = inp[i];
+}

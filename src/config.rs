@@ -44,7 +44,7 @@ const SECTIONS: &[&str] = &[
     "metrics",
 ];
 /// Keys outside any section.
-const TOP_LEVEL_KEYS: &[&str] = &["device", "init_from"];
+const TOP_LEVEL_KEYS: &[&str] = &["device", "precision", "init_from"];
 /// Prefix of environment overrides.
 const ENV_PREFIX: &str = "MESHTRAIN_";
 
@@ -60,11 +60,24 @@ pub enum DeviceKind {
     Hip,
 }
 
+/// Element type of the model's matrix products (`precision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// f32 everywhere (the reference numerics; the CPU model).
+    Fp32,
+    /// bf16 matrix-product inputs with f32 accumulation and f32 master weights (the device
+    /// model; on `device = "cpu"` an exact emulation of its numerics).
+    Bf16,
+}
+
 /// The complete, validated configuration of a training job.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct JobConfig {
     /// `device`: `cpu` (default), `cuda` or `hip`.
     pub device: DeviceKind,
+    /// `precision`: `fp32` (default on the CPU) or `bf16` (default on a GPU).
+    pub precision: Precision,
     /// `init_from`: a checkpoint to take the initial weights from (default: random init).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub init_from: Option<PathBuf>,
@@ -362,6 +375,7 @@ pub struct MetricsConfig {
 #[serde(default)]
 struct FileConfig {
     device: Option<DeviceKind>,
+    precision: Option<Precision>,
     init_from: Option<PathBuf>,
     model: ModelSection,
     data: DataConfig,
@@ -661,6 +675,10 @@ impl FileConfig {
         let t = self.train;
         Ok(JobConfig {
             device: self.device.unwrap_or(DeviceKind::Cpu),
+            precision: self.precision.unwrap_or(match self.device {
+                None | Some(DeviceKind::Cpu) => Precision::Fp32,
+                Some(_) => Precision::Bf16,
+            }),
             init_from: self.init_from,
             model,
             data: self.data,

@@ -221,3 +221,14 @@ fn interleaved_pipeline_checkpoints_resume_in_any_layout() {
     let split = "[parallel]\npp = 2\nschedule = \"1f1b\"\nmicrobatches = 2\nstage_layers = [3, 1]";
     resume_other_layout(d, &il, "split", 2, split, &blocks, 1e-5);
 }
+
+#[test]
+fn device_model_checkpoints_resume_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // bf16 device model (on the CPU device) over two data-parallel ranks at ZeRO 0: its master
+    // weights and AdamW moments live in device buffers during training and go to the checkpoint
+    // through the host copies; resuming loads them back.
+    let bf16 = ["precision=bf16".to_string()];
+    resume_same_layout(d, "dev_dp2", 2, "[parallel]\ndp = 2", &bf16);
+}

@@ -119,9 +119,10 @@ fn opening_hip_without_a_gpu_is_a_clean_error() {
     }
 }
 
-/// The CPU device has buffers but no kernels: a launch is an error, not a crash.
+/// The CPU device has buffers and runs every op through its CPU arm, but it has no kernels: a
+/// raw kernel launch is an error, not a crash.
 #[test]
-fn cpu_device_round_trips_buffers_and_rejects_kernels() {
+fn cpu_device_round_trips_buffers_runs_ops_and_rejects_raw_kernels() {
     let dev = Device::open(DeviceKind::Cpu, 3).unwrap();
     let host: Vec<f32> = (0..100).map(|i| i as f32 * 0.5 - 7.0).collect();
     let buf = dev.upload(&host).unwrap();
@@ -134,6 +135,11 @@ fn cpu_device_round_trips_buffers_and_rejects_kernels() {
         Err(Error::InvalidArgument(_))
     ));
     let mut out = dev.alloc(400).unwrap();
-    let r = meshtrain::device::ops::gelu_forward(&dev, &mut out, &buf, 100);
+    meshtrain::device::ops::gelu_forward(&dev, &mut out, &buf, 100).unwrap();
+    let mut want = vec![0f32; 100];
+    meshtrain::model::gelu::gelu_forward(&mut want, &host);
+    dev.copy_to_host(&out, &mut back).unwrap();
+    assert_eq!(back, want);
+    let r = dev.launch("gelu_forward_f32", meshtrain::device::LaunchDims::linear(1, 256), &[]);
     assert!(matches!(r, Err(Error::InvalidArgument(_))), "{:?}", r.err());
 }

@@ -12,10 +12,12 @@
 //! collective reductions, casts and residual add are single IEEE operations per element and must
 //! match the CPU bit for bit.
 
+mod common;
+
+use common::gpu::{gpu, rng};
 use half::{bf16, f16};
 use meshtrain::comm::dtype::Reducer;
 use meshtrain::comm::{DType, ReduceOp};
-use meshtrain::config::DeviceKind;
 use meshtrain::device::ops::{self, AdamWBuffers};
 use meshtrain::device::reduce_bench::reduce_bandwidth;
 use meshtrain::device::{Device, DeviceBuffer};
@@ -25,23 +27,11 @@ use meshtrain::model::gelu::{gelu_backward, gelu_forward};
 use meshtrain::model::layernorm::{layernorm_backward, layernorm_forward};
 use meshtrain::model::{GptConfig, ParamLayout};
 use meshtrain::optim::adamw::{AdamW, AdamWConfig, AdamWState, DecayMask};
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 const TOL: f64 = 1e-5;
 
-fn gpu() -> Device {
-    Device::open(DeviceKind::Cuda, 0).expect("a CUDA GPU with driver and NVRTC")
-}
-
-fn rng(test: &str) -> ChaCha8Rng {
-    let seed = std::env::var("MESHTRAIN_GPU_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| rand::thread_rng().gen::<u64>());
-    eprintln!("{test}: seed {seed}");
-    ChaCha8Rng::seed_from_u64(seed)
-}
 
 /// Uniform in [-scale, scale), never exactly zero in practice.
 fn rand_f32(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {

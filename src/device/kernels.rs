@@ -29,7 +29,7 @@ pub const SOURCES: [(&str, &str); 10] = [
 ];
 
 /// Entry points other than the reductions.
-const MODEL_KERNELS: [&str; 20] = [
+const MODEL_KERNELS: [&str; 23] = [
     "layernorm_forward_f32",
     "layernorm_backward_dinp_f32",
     "layernorm_backward_dparams_f32",
@@ -50,6 +50,9 @@ const MODEL_KERNELS: [&str; 20] = [
     "bias_add_f32",
     "bias_backward_f32",
     "fill_zero_f32",
+    "sum_squares_f32",
+    "scale_f32",
+    "copy_f32",
 ];
 
 /// The whole kernel translation unit, local includes expanded once.
@@ -124,11 +127,11 @@ mod tests {
     }
 
     /// Every listed entry point is defined by name or by the reduction macros, and the list has
-    /// no duplicates (28 combine kernels, 7 avg divides, 20 model kernels).
+    /// no duplicates (28 combine kernels, 7 avg divides, 23 model kernels).
     #[test]
     fn entry_points_are_unique_and_defined() {
         let names = entry_points();
-        assert_eq!(names.len(), 28 + 7 + 20);
+        assert_eq!(names.len(), 28 + 7 + 23);
         assert_eq!(names.iter().collect::<HashSet<_>>().len(), names.len());
         let src = kernel_source();
         for n in names

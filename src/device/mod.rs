@@ -35,7 +35,7 @@ pub use nvrtc::compile_cuda_kernels;
 
 use bytemuck::Pod;
 
-use crate::config::DeviceKind;
+use crate::config::{DeviceKind, Precision};
 use crate::error::{Error, Result};
 
 /// Where kernels run and buffers live.
@@ -200,6 +200,23 @@ impl Device {
             KernelArg::U64(v) => RawArg::U64(v),
             KernelArg::F32(v) => RawArg::F32(v),
         })
+    }
+
+    /// Dense peak TFLOP/s of this device for products in `precision`, for MFU: the vendor's
+    /// figure for known GPUs (H100/H200 SXM: 989 bf16, 67 fp32; A100: 312, 19.5), `None` for
+    /// others and the CPU (whose peak is measured, [`cpu_peak_tflops`]); `metrics.peak_tflops`
+    /// overrides it.
+    pub fn peak_tflops(&self, precision: Precision) -> Option<f64> {
+        let Device::Cuda(d) = self else { return None };
+        let bf16 = precision == Precision::Bf16;
+        let name = d.name();
+        if name.contains("H100") || name.contains("H200") {
+            Some(if bf16 { 989.0 } else { 67.0 })
+        } else if name.contains("A100") {
+            Some(if bf16 { 312.0 } else { 19.5 })
+        } else {
+            None
+        }
     }
 
     /// Waits until all queued work on this device has finished and reports its errors.

@@ -711,3 +711,50 @@ pub fn fill_zero(dev: &Device, buf: &mut DeviceBuffer, n: usize) -> Result<()> {
     }
     dev.launch(k, stride_grid(n), &[A::Buf(buf), A::U64(n as u64)])
 }
+
+/// Blocks of [`sum_squares`] (and the length of its partials buffer).
+pub const SUM_BLOCKS: usize = 1024;
+
+/// Σ g² over the `n` f32 elements of `g` from element `start`; `partials` holds at least
+/// [`SUM_BLOCKS`] f32. On a GPU each block sums its share in f32 and the host adds the block sums
+/// in f64; the CPU arm is `optim::clip::sum_of_squares`. Waits for the device (the result is a
+/// host value).
+pub fn sum_squares(dev: &Device, partials: &mut DeviceBuffer, g: &DeviceBuffer, start: usize, n: usize) -> Result<f64> {
+    let k = "sum_squares_f32";
+    need(k, "g", g, f32s(start + n))?;
+    need(k, "partials", partials, f32s(SUM_BLOCKS))?;
+    if let Device::Cpu = dev {
+        return Ok(crate::optim::clip::sum_of_squares(&host(k, g)?.view::<f32>(start + n)[start..]));
+    }
+    let blocks = n.div_ceil(THREADS as usize).clamp(1, SUM_BLOCKS);
+    let args = [A::Buf(partials), A::BufAt(g, f32s(start)), A::U64(n as u64)];
+    dev.launch(k, LaunchDims::linear(blocks as u32, THREADS), &args)?;
+    let mut sums = vec![0f32; blocks];
+    dev.copy_to_host(partials, &mut sums)?;
+    Ok(sums.iter().map(|&s| f64::from(s)).sum())
+}
+
+/// g[start..start + n] *= s (f32). Reference: `optim::clip::scale_grads`.
+pub fn scale(dev: &Device, g: &mut DeviceBuffer, start: usize, n: usize, s: f32) -> Result<()> {
+    let k = "scale_f32";
+    need(k, "g", g, f32s(start + n))?;
+    if let Device::Cpu = dev {
+        host_mut(k, g)?.view_mut::<f32>(start + n)[start..].iter_mut().for_each(|x| *x *= s);
+        return Ok(());
+    }
+    dev.launch(k, stride_grid(n), &[A::BufAt(g, f32s(start)), A::F32(s), A::U64(n as u64)])
+}
+
+/// dst[dst_start..][..n] = src[src_start..][..n] (f32 elements, distinct buffers).
+pub fn copy(dev: &Device, dst: &mut DeviceBuffer, dst_start: usize, src: &DeviceBuffer, src_start: usize, n: usize) -> Result<()> {
+    let k = "copy_f32";
+    need(k, "dst", dst, f32s(dst_start + n))?;
+    need(k, "src", src, f32s(src_start + n))?;
+    if let Device::Cpu = dev {
+        let s = &host(k, src)?.view::<f32>(src_start + n)[src_start..];
+        host_mut(k, dst)?.view_mut::<f32>(dst_start + n)[dst_start..].copy_from_slice(s);
+        return Ok(());
+    }
+    let args = [A::BufAt(dst, f32s(dst_start)), A::BufAt(src, f32s(src_start)), A::U64(n as u64)];
+    dev.launch(k, stride_grid(n), &args)
+}

@@ -23,18 +23,10 @@ use std::ops::Range;
 use super::attention::AttnShape;
 use super::layout::ParamLayout;
 use super::GptConfig;
+pub use crate::config::Precision;
 use crate::device::gemm::{Gemm, GemmInput, Operand};
 use crate::device::{ops, Device, DeviceBuffer};
 use crate::error::{Error, Result};
-
-/// Element type of the matrix products.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Precision {
-    /// f32 products (the reference numerics).
-    Fp32,
-    /// bf16 products with f32 accumulation, f32 master weights.
-    Bf16,
-}
 
 /// Activations of one block, kept from forward for backward.
 struct BlockActs {
@@ -174,6 +166,9 @@ pub struct DeviceGpt {
     host_grads: Vec<f32>,
     /// The host parameters may differ from the device's.
     params_stale: bool,
+    /// A backward asked to report brings the gradients to the host mirror (off when a
+    /// device-resident optimizer reads the device gradients).
+    host_reports: bool,
     blocks: Vec<BlockActs>,
     bufs: Bufs,
     linear: Linear,
@@ -271,6 +266,7 @@ impl DeviceGpt {
             host_params: params,
             host_grads: vec![0.0; n],
             params_stale: true,
+            host_reports: true,
             blocks,
             bufs,
             linear,
@@ -334,6 +330,39 @@ impl DeviceGpt {
         }
         self.params_stale = false;
         Ok(())
+    }
+
+    /// Copies every entry's device gradient into `flat` (P) at its layout offset.
+    pub fn pack_grads(&self, flat: &mut DeviceBuffer) -> Result<()> {
+        for (g, e) in self.grads.iter().zip(self.layout.entries()) {
+            ops::copy(&self.dev, flat, e.offset, g, 0, e.len)?;
+        }
+        Ok(())
+    }
+
+    /// Sets every entry's device parameters (and bf16 copies) from `flat` (P), the master
+    /// weights of a device-resident optimizer; the host mirror is left as it was (see
+    /// [`DeviceGpt::host_params_from`]).
+    pub fn unpack_params(&mut self, flat: &DeviceBuffer) -> Result<()> {
+        for (i, e) in self.layout.entries().iter().enumerate() {
+            ops::copy(&self.dev, &mut self.params[i], 0, flat, e.offset, e.len)?;
+            if let Some(p16) = &mut self.params16[i] {
+                ops::cast_f32_to_bf16(&self.dev, p16, &self.params[i], e.len)?;
+            }
+        }
+        self.params_stale = false;
+        Ok(())
+    }
+
+    /// Whether a reporting backward brings the gradients to the host mirror (default on).
+    pub fn set_host_reports(&mut self, on: bool) {
+        self.host_reports = on;
+    }
+
+    /// Brings the flat parameters `flat` (P, on this device) into the host mirror without marking
+    /// it newer than the device (for checkpoints of a device-resident optimizer).
+    pub fn host_params_from(&mut self, flat: &DeviceBuffer) -> Result<()> {
+        self.dev.copy_to_host(flat, &mut self.host_params)
     }
 
     fn entry(&self, r: &Range<usize>) -> usize {
@@ -419,8 +448,8 @@ impl DeviceGpt {
     }
 
     /// Adds d(mean loss)/d(params) of the last forward into the device gradients; with
-    /// `report`, brings all gradients to the host mirror afterwards and hands them to
-    /// `on_final(0..n, grads)`.
+    /// `report` (and host reports on), brings all gradients to the host mirror afterwards and
+    /// hands them to `on_final(0..n, grads)`.
     pub fn backward(&mut self, report: bool, on_final: &mut dyn FnMut(Range<usize>, &mut [f32])) -> Result<()> {
         if !self.forward_done {
             return Err(Error::InvalidArgument("backward called without a forward since the last backward".into()));
@@ -450,7 +479,7 @@ impl DeviceGpt {
         let (dev, s, g) = (&self.dev, &self.bufs, &mut self.grads);
         let (gte, gpe) = pair(g, wte, wpe);
         ops::encoder_backward(dev, gte, gpe, &s.dres, &s.tokens, b, t, c)?;
-        if report {
+        if report && self.host_reports {
             for (i, e) in self.layout.entries().iter().enumerate() {
                 dev.copy_to_host(&self.grads[i], &mut self.host_grads[e.range()])?;
             }

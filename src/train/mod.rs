@@ -10,6 +10,7 @@
 mod buckets;
 mod checkpointing;
 mod comm_worker;
+mod device_step;
 mod grad_sync;
 mod memory_estimate;
 mod param_gather;
@@ -24,17 +25,18 @@ use std::time::{Duration, Instant};
 use crate::bootstrap::World;
 use crate::comm::stats::CommStats;
 use crate::comm::{Communicator, ReduceOp};
-use crate::config::{DeviceKind, JobConfig};
+use crate::config::{DeviceKind, JobConfig, Precision};
 use crate::data::{open_source, Batch, Sampler, Split};
 use crate::error::{Error, Result};
 use crate::memory::{peak_rss_bytes, reset_peak_rss, rss_bytes};
 use crate::metrics::{FlopCounter, MetricsWriter, Progress, StepRecord};
-use crate::device::{bind_cpu_threads, cpu_peak_tflops};
+use crate::device::{bind_cpu_threads, cpu_peak_tflops, Device};
 use crate::parallel::grid::{Grid, GridShape};
 use crate::parallel::schedule::Schedule;
 use crate::parallel::stage_split;
 use crate::optim::{AdamW, AdamWConfig, DecayMask, LrSchedule};
 
+use device_step::DeviceStep;
 pub use grad_sync::DataParallel;
 pub use memory_estimate::{MemoryEstimate, MemoryInputs};
 pub use replica::{Replica, ReplicaLayout};
@@ -57,12 +59,21 @@ pub struct TrainReport {
     pub tokens_per_s: f64,
 }
 
-/// Rejects layouts this build cannot run yet, naming the key.
-fn check_supported(cfg: &JobConfig) -> Result<()> {
-    if cfg.device != DeviceKind::Cpu {
-        return Err(Error::config("device", "only `cpu` training is implemented so far (GPU backends are not built yet)"));
+/// Whether the job trains the device model (a GPU, or bf16 numerics on the CPU); rejects the
+/// layouts it cannot run yet, naming the key.
+fn uses_device_model(cfg: &JobConfig) -> Result<bool> {
+    if cfg.device == DeviceKind::Cpu && cfg.precision == Precision::Fp32 {
+        return Ok(false);
     }
-    Ok(())
+    let what = "the device model (device = cuda or hip, or precision = bf16)";
+    if cfg.parallel.tp > 1 || cfg.parallel.pp > 1 {
+        let key = if cfg.parallel.tp > 1 { "parallel.tp" } else { "parallel.pp" };
+        return Err(Error::config(key, format!("{what} trains data-parallel layouts only so far (tp = pp = 1)")));
+    }
+    if cfg.parallel.zero > 1 {
+        return Err(Error::config("parallel.zero", format!("{what} supports ZeRO 0 and 1 only so far")));
+    }
+    Ok(true)
 }
 
 /// Mean validation loss over `batches` micro-batches on every rank, averaged over the group.
@@ -79,8 +90,12 @@ fn evaluate(model: &mut Replica, batch: &mut Batch, sampler: &mut Sampler, batch
 
 /// Trains `cfg` on this world (every rank calls it).
 pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<TrainReport> {
+    let device_model = uses_device_model(cfg)?;
     cfg.validate_world(world.size)?;
-    check_supported(cfg)?;
+    let device = match device_model {
+        true => Some((Device::open(cfg.device, world.local_rank)?, cfg.precision)),
+        false => None,
+    };
     let leader = world.rank == 0;
     bind_cpu_threads(world.local_size);
     // What the process holds before the model exists (binary, libraries, MPI): the baseline of
@@ -129,6 +144,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         microbatches: cfg.parallel.microbatches,
         stage_layers,
         shard_executor: cfg.parallel.zero >= 2,
+        device,
     };
     let zero = cfg.parallel.zero;
     let mut model = Replica::new(cfg.model, b, t, cfg.train.seed, layout)?;
@@ -219,9 +235,10 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         }
     }
 
-    let peak = match cfg.metrics.peak_tflops {
-        Some(p) => Some(p),
-        None => Some(cpu_peak_tflops(world.local_size)),
+    let peak = match (cfg.metrics.peak_tflops, model.device()) {
+        (Some(p), _) => Some(p),
+        (None, None | Some(Device::Cpu)) => Some(cpu_peak_tflops(world.local_size)),
+        (None, Some(dev)) => dev.peak_tflops(cfg.precision),
     };
     let flops = FlopCounter::new(&cfg.model, t, peak, world.size);
     let mut writer = match (&opts.metrics, leader) {
@@ -239,6 +256,16 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     // the peak covers the whole run.
     let peak_is_steps = reset_peak_rss().is_ok();
     let every_backward = sync.reduces_every_backward();
+    // The device model at ZeRO 0 steps on its device; from here on its device weights and moments
+    // are the training state (stored back into the host copies before each checkpoint).
+    let mut device_step = match (model.device_model_mut(), zero) {
+        (Some(m), 0) => {
+            let mut s = DeviceStep::new(m, m.layout().decay_spans(), adamw)?;
+            s.load(m, &sync)?;
+            Some(s)
+        }
+        _ => None,
+    };
 
     for step in first_step..=cfg.train.steps {
         let t0 = Instant::now();
@@ -246,18 +273,24 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         // and the reducer checked that every range was reported: clearing the buffer again would
         // only fault all of its pages back in.
         if !every_backward {
-            model.zero_grad();
+            model.zero_grad()?;
         }
-        sync.begin(accum);
+        if device_step.is_none() {
+            sync.begin(accum);
+        }
         for batch in batches.iter_mut() {
             sampler.next_batch(batch)?;
         }
         // The last backward (ZeRO-2/3: every backward) communicates, overlapped bucket by bucket.
         let loss_mean = model.run(&batches, every_backward, &mut |r, g| sync.on_final(r, g))?;
         let lr = sched.lr(step - 1);
-        let (params, grads) = model.params_and_grads();
-        let outcome =
-            sync.step(&dp, &norm_groups, &norm_spans, &opt, lr, cfg.optim.grad_clip, params, grads)?;
+        let outcome = match (&mut device_step, model.device_model_mut()) {
+            (Some(s), Some(m)) => s.step(m, &dp, accum, lr, cfg.optim.grad_clip)?,
+            _ => {
+                let (params, grads) = model.params_and_grads();
+                sync.step(&dp, &norm_groups, &norm_spans, &opt, lr, cfg.optim.grad_clip, params, grads)?
+            }
+        };
         model.release_gathered()?;
         let param_wait = Duration::from_nanos(gather_wait.swap(0, Ordering::Relaxed));
         let mut loss = [loss_mean];
@@ -323,6 +356,9 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         tokens_seen += tokens_per_step as u64;
         if cfg.checkpoint.every > 0 && (step % cfg.checkpoint.every == 0 || step == cfg.train.steps) {
             let state = sampler.state();
+            if let (Some(s), Some(m)) = (&device_step, model.device_model_mut()) {
+                s.store(m, &mut sync)?;
+            }
             let dir =
                 checkpointing::save(&world_comm, &dp, cfg, adamw, &maps, model.params(), &sync, step, tokens_seen, state)?;
             progress.println(&format!("# checkpoint {}", dir.display()));

@@ -1,5 +1,6 @@
-//! The model one rank trains: the whole GPT (tensor parallelism 1), this rank's tensor-parallel
-//! shard of it ([`crate::model::Stage`] over the TP communicator), or one pipeline stage of it
+//! The model one rank trains: the whole GPT (tensor parallelism 1), the whole GPT on a device
+//! ([`DeviceGpt`]: a GPU, or bf16 numerics on the CPU), this rank's tensor-parallel shard of it
+//! ([`crate::model::Stage`] over the TP communicator), or one pipeline stage of it
 //! ([`super::pipeline::Pipeline`]). The training
 //! loop, the data-parallel reducer and the optimizer only see a flat parameter buffer, its
 //! gradients, and two span lists: which elements get weight decay, and which elements this rank
@@ -12,13 +13,17 @@ use super::pipeline::Pipeline;
 use crate::comm::Communicator;
 use crate::data::Batch;
 use crate::error::{Error, Result};
-use crate::model::{Gpt, GptConfig, ParamGate, Stage, StageInput, StageOutput, StageSpec};
+use crate::config::Precision;
+use crate::device::Device;
+use crate::model::{DeviceGpt, Gpt, GptConfig, ParamGate, ParamLayout, Stage, StageInput, StageOutput, StageSpec};
 use crate::parallel::schedule::Schedule;
 
 /// A trainable model replica.
 pub enum Replica {
     /// The whole model on this rank.
     Whole(Box<Gpt<f32>>),
+    /// The whole model on this rank's device.
+    Device(Box<DeviceGpt>),
     /// One shard of a tensor-parallel group.
     TensorParallel {
         /// The shard.
@@ -67,6 +72,8 @@ pub struct ReplicaLayout {
     /// Run the whole model through the shard executor ([`Stage`]) even without tensor
     /// parallelism: ZeRO-2/3 need its units, parameter gate and mutable gradient reports.
     pub shard_executor: bool,
+    /// Run the whole model on this device in this precision (no tensor or pipeline parallelism).
+    pub device: Option<(Device, Precision)>,
 }
 
 impl Replica {
@@ -74,6 +81,13 @@ impl Replica {
     /// `tp` has more than one member.
     pub fn new(cfg: GptConfig, b: usize, t: usize, seed: u64, l: ReplicaLayout) -> Result<Self> {
         let full = Gpt::<f32>::new(cfg, b, t, seed)?;
+        if let Some((dev, precision)) = l.device {
+            if l.tp.size() > 1 || l.pp.size() > 1 || l.shard_executor {
+                return Err(Error::Check("the device model runs neither sharded nor pipelined".into()));
+            }
+            let m = DeviceGpt::new(dev, cfg, b, t, full.params().to_vec(), precision)?;
+            return Ok(Replica::Device(Box::new(m)));
+        }
         if l.pp.size() > 1 {
             let p = Pipeline::new(
                 cfg,
@@ -131,9 +145,9 @@ impl Replica {
         for (i, b) in batches.iter().enumerate() {
             sum += self.forward(b)?;
             if every_backward || i + 1 == batches.len() {
-                self.backward(on_final)?;
+                self.backward(true, on_final)?;
             } else {
-                self.backward(&mut |_, _| {})?;
+                self.backward(false, &mut |_, _| {})?;
             }
         }
         Ok(sum / batches.len() as f64)
@@ -176,13 +190,14 @@ impl Replica {
     pub fn wte(&self) -> Option<Range<usize>> {
         match self {
             Replica::Whole(m) => Some(m.layout().wte()),
+            Replica::Device(m) => Some(m.layout().wte()),
             _ => self.stage().and_then(|s| s.layout().wte()),
         }
     }
 
     fn stage(&self) -> Option<&Stage> {
         match self {
-            Replica::Whole(_) => None,
+            Replica::Whole(_) | Replica::Device(_) => None,
             Replica::TensorParallel { stage, .. } => Some(stage),
             Replica::Pipeline(p) => Some(p.stage()),
         }
@@ -190,7 +205,7 @@ impl Replica {
 
     fn stage_mut(&mut self) -> Option<&mut Stage> {
         match self {
-            Replica::Whole(_) => None,
+            Replica::Whole(_) | Replica::Device(_) => None,
             Replica::TensorParallel { stage, .. } => Some(stage),
             Replica::Pipeline(p) => Some(p.stage_mut()),
         }
@@ -222,10 +237,27 @@ impl Replica {
         }
     }
 
+    /// The device of the device model, if this replica is one.
+    pub fn device(&self) -> Option<&Device> {
+        match self {
+            Replica::Device(m) => Some(m.device()),
+            _ => None,
+        }
+    }
+
+    /// The device model, if this replica is one.
+    pub fn device_model_mut(&mut self) -> Option<&mut DeviceGpt> {
+        match self {
+            Replica::Device(m) => Some(m),
+            _ => None,
+        }
+    }
+
     /// Parameters (flat, this rank's part).
     pub fn params(&self) -> &[f32] {
         match self {
             Replica::Whole(m) => m.params(),
+            Replica::Device(m) => m.params(),
             Replica::TensorParallel { stage, .. } => stage.params(),
             Replica::Pipeline(p) => p.stage().params(),
         }
@@ -235,24 +267,28 @@ impl Replica {
     pub fn params_and_grads(&mut self) -> (&mut [f32], &mut [f32]) {
         match self {
             Replica::Whole(m) => m.params_and_grads(),
+            Replica::Device(m) => m.params_and_grads(),
             Replica::TensorParallel { stage, .. } => stage.params_and_grads(),
             Replica::Pipeline(p) => p.stage_mut().params_and_grads(),
         }
     }
 
     /// Clears the gradients.
-    pub fn zero_grad(&mut self) {
+    pub fn zero_grad(&mut self) -> Result<()> {
         match self {
             Replica::Whole(m) => m.zero_grad(),
+            Replica::Device(m) => return m.zero_grad(),
             Replica::TensorParallel { stage, .. } => stage.zero_grad(),
             Replica::Pipeline(p) => p.stage_mut().zero_grad(),
         }
+        Ok(())
     }
 
     /// Mean loss of one micro-batch (identical on every TP rank), keeping activations for backward.
     fn forward(&mut self, batch: &Batch) -> Result<f64> {
         match self {
             Replica::Whole(m) => Ok(f64::from(m.forward(&batch.inputs, &batch.targets)?)),
+            Replica::Device(m) => m.forward(&batch.inputs, &batch.targets),
             Replica::TensorParallel { stage, tp } => {
                 match stage.forward(0, 0, StageInput::Tokens(&batch.inputs), Some(&batch.targets), &**tp)? {
                     StageOutput::Loss(l) => Ok(f64::from(l)),
@@ -265,9 +301,10 @@ impl Replica {
 
     /// Backward of the last forward, adding into the gradients; `on_final(range, values)` is called
     /// for each range as soon as it is final.
-    fn backward(&mut self, on_final: &mut dyn FnMut(Range<usize>, &mut [f32])) -> Result<()> {
+    fn backward(&mut self, report: bool, on_final: &mut dyn FnMut(Range<usize>, &mut [f32])) -> Result<()> {
         match self {
             Replica::Whole(m) => m.backward_with(on_final),
+            Replica::Device(m) => m.backward(report, on_final),
             Replica::TensorParallel { stage, tp } => {
                 stage.backward(0, 0, None, &**tp, &mut |r, g| on_final(r, g))?;
                 Ok(())
@@ -280,6 +317,7 @@ impl Replica {
     pub fn decay_spans(&self) -> Vec<(Range<usize>, bool)> {
         match self {
             Replica::Whole(m) => m.layout().decay_spans(),
+            Replica::Device(m) => m.layout().decay_spans(),
             Replica::TensorParallel { stage, .. } => stage.layout().decay_spans(),
             Replica::Pipeline(p) => p.stage().layout().decay_spans(),
         }
@@ -288,7 +326,7 @@ impl Replica {
     /// `(range, counted)` spans: whether this rank counts the elements in the global gradient norm.
     pub fn norm_spans(&self) -> Vec<(Range<usize>, bool)> {
         match self {
-            Replica::Whole(m) => vec![(0..m.params().len(), true)],
+            Replica::Whole(_) | Replica::Device(_) => vec![(0..self.params().len(), true)],
             Replica::TensorParallel { stage, tp } => stage
                 .layout()
                 .entries()
@@ -303,6 +341,7 @@ impl Replica {
     pub fn activation_elements(&self) -> usize {
         match self {
             Replica::Whole(m) => m.activation_elements(),
+            Replica::Device(m) => m.activation_elements(),
             Replica::TensorParallel { stage, .. } => stage.activation_elements(),
             Replica::Pipeline(p) => p.stage().activation_elements(),
         }
@@ -311,22 +350,8 @@ impl Replica {
     /// This rank's tensors as boxes of the global tensors.
     pub fn tensor_maps(&self) -> Vec<TensorMap> {
         let (stage, tp_rank, pp_first, pp_size) = match self {
-            Replica::Whole(m) => {
-                return m
-                    .layout()
-                    .entries()
-                    .iter()
-                    .map(|e| TensorMap {
-                        name: e.name.clone(),
-                        global_shape: e.shape.clone(),
-                        view_shape: e.shape.clone(),
-                        box_offset: vec![0; e.shape.len()],
-                        box_shape: e.shape.clone(),
-                        range: e.range(),
-                        owner: true,
-                    })
-                    .collect();
-            }
+            Replica::Whole(m) => return whole_maps(m.layout()),
+            Replica::Device(m) => return whole_maps(m.layout()),
             Replica::TensorParallel { stage, tp } => (&**stage, tp.rank(), true, 1),
             Replica::Pipeline(p) => {
                 let (tp, pp) = p.groups();
@@ -353,4 +378,21 @@ impl Replica {
     pub fn params_mut(&mut self) -> &mut [f32] {
         self.params_and_grads().0
     }
+}
+
+/// The tensors of a whole model: each its own global tensor, written by this rank.
+fn whole_maps(layout: &ParamLayout) -> Vec<TensorMap> {
+    layout
+        .entries()
+        .iter()
+        .map(|e| TensorMap {
+            name: e.name.clone(),
+            global_shape: e.shape.clone(),
+            view_shape: e.shape.clone(),
+            box_offset: vec![0; e.shape.len()],
+            box_shape: e.shape.clone(),
+            range: e.range(),
+            owner: true,
+        })
+        .collect()
 }

@@ -1,6 +1,8 @@
 //! Helpers for tests that start real rank processes with `mpirun --oversubscribe`.
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod gpu;
+
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};

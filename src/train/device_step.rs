@@ -1,0 +1,159 @@
+//! The optimizer step of the device model on its device (ZeRO 0): gradients packed into one flat
+//! buffer, averaged over the data-parallel group, clipped by their global norm, AdamW on the flat
+//! f32 master weights, and the updated weights copied back into the model's tensors. Nothing
+//! crosses to the host but the norm's block sums, so a GPU step is not bound by PCIe or by host
+//! memory bandwidth the way the host-mirror step is.
+//!
+//! Invariants: the flat buffers follow the layout table (an entry is an offset range); the
+//! device master weights and moments are the truth during training, the host copies (the model's
+//! mirror, [`DataParallel`]'s AdamW states) are refreshed by [`DeviceStep::store`] before a
+//! checkpoint and loaded by [`DeviceStep::load`] after initialisation or resume. The arithmetic is
+//! the host step's, element for element (same AdamW coefficients and order, same clip scale); only
+//! the sum of squares adds in another order on a GPU.
+
+use std::ops::Range;
+use std::time::Instant;
+
+use super::buckets::ReduceTiming;
+use super::grad_sync::{DataParallel, StepOutcome};
+use crate::comm::{Communicator, ReduceOp};
+use crate::device::ops::{self, AdamWBuffers, SUM_BLOCKS};
+use crate::device::{Device, DeviceBuffer};
+use crate::error::{Error, Result};
+use crate::model::DeviceGpt;
+use crate::optim::clip::clip_scale;
+use crate::optim::AdamWConfig;
+
+/// Flat optimizer buffers of the device model.
+pub struct DeviceStep {
+    params: DeviceBuffer,   // (P) f32 master weights
+    grads: DeviceBuffer,    // (P) f32 gradients of the step
+    m: DeviceBuffer,        // (P) first moments
+    v: DeviceBuffer,        // (P) second moments
+    partials: DeviceBuffer, // (SUM_BLOCKS) block sums of squares
+    /// (range, decay) segments of the flat buffer.
+    decay: Vec<(Range<usize>, bool)>,
+    config: AdamWConfig,
+    /// Steps taken (the next is `step + 1`).
+    step: u64,
+    n: usize,
+}
+
+impl DeviceStep {
+    /// Buffers for `model`'s parameters with weight decay on the `decay` segments.
+    pub fn new(model: &DeviceGpt, decay: Vec<(Range<usize>, bool)>, config: AdamWConfig) -> Result<Self> {
+        let dev = model.device();
+        let n = model.params().len();
+        let flat = || dev.alloc(n * 4);
+        Ok(DeviceStep {
+            params: flat()?,
+            grads: flat()?,
+            m: flat()?,
+            v: flat()?,
+            partials: dev.alloc(SUM_BLOCKS * 4)?,
+            decay,
+            config,
+            step: 0,
+            n,
+        })
+    }
+
+    /// Takes the master weights from the model's host mirror and the moments and step count from
+    /// `sync`'s AdamW states (a fresh start or a resume), sets the model's tensors from them, and
+    /// stops the model's backward from bringing gradients to the host (this step reads them on
+    /// the device).
+    pub fn load(&mut self, model: &mut DeviceGpt, sync: &DataParallel) -> Result<()> {
+        let dev = model.device();
+        dev.copy_to_device(&mut self.params, model.params())?;
+        let (m, v, step) = gather_moments(sync, self.n)?;
+        dev.copy_to_device(&mut self.m, &m)?;
+        dev.copy_to_device(&mut self.v, &v)?;
+        self.step = step;
+        model.set_host_reports(false);
+        model.unpack_params(&self.params)
+    }
+
+    /// Copies the master weights to the model's host mirror and the moments and step count into
+    /// `sync`'s AdamW states, so a checkpoint sees the training state.
+    pub fn store(&self, model: &mut DeviceGpt, sync: &mut DataParallel) -> Result<()> {
+        model.host_params_from(&self.params)?;
+        let dev = model.device();
+        let (mut m, mut v) = (vec![0f32; self.n], vec![0f32; self.n]);
+        dev.copy_to_host(&self.m, &mut m)?;
+        dev.copy_to_host(&self.v, &mut v)?;
+        for s in sync.states_mut() {
+            let r = s.range();
+            s.m.copy_from_slice(&m[r.clone()]);
+            s.v.copy_from_slice(&v[r]);
+            s.step = self.step;
+        }
+        Ok(())
+    }
+
+    /// One optimizer step from the model's device gradients summed over `micro_batches`,
+    /// averaged over them and over `dp`; clips to `max_norm` (<= 0: off) and returns the
+    /// pre-clip global norm.
+    pub fn step(
+        &mut self,
+        model: &mut DeviceGpt,
+        dp: &Communicator,
+        micro_batches: usize,
+        lr: f64,
+        max_norm: f64,
+    ) -> Result<StepOutcome> {
+        model.pack_grads(&mut self.grads)?;
+        let dev = model.device();
+        if micro_batches > 1 {
+            // The host step's staging copy multiplies by the same f32 factor.
+            ops::scale(dev, &mut self.grads, 0, self.n, 1.0 / micro_batches as f32)?;
+        }
+        let t0 = Instant::now();
+        if dp.size() > 1 {
+            average_over(dev, dp, &mut self.grads, self.n)?;
+        }
+        let comm = t0.elapsed();
+        let grad_norm = ops::sum_squares(dev, &mut self.partials, &self.grads, 0, self.n)?.sqrt();
+        let scale = clip_scale(grad_norm, max_norm);
+        if scale != 1.0 {
+            ops::scale(dev, &mut self.grads, 0, self.n, scale as f32)?;
+        }
+        self.step += 1;
+        for (span, decay) in &self.decay {
+            let bufs = AdamWBuffers { params: &mut self.params, grads: &self.grads, m: &mut self.m, v: &mut self.v };
+            ops::adamw_update(dev, bufs, span.clone(), &self.config, self.step, lr, *decay)?;
+        }
+        model.unpack_params(&self.params)?;
+        // The reduction runs after the backward, so all of it is exposed.
+        let timing = ReduceTiming { comm, exposed: comm };
+        Ok(StepOutcome { grad_norm, timing })
+    }
+}
+
+/// The flat moments and the step count of `sync`'s states (ZeRO 0: they cover every element).
+fn gather_moments(sync: &DataParallel, n: usize) -> Result<(Vec<f32>, Vec<f32>, u64)> {
+    let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
+    let mut covered = 0;
+    let mut step = None;
+    for s in sync.states() {
+        let r = s.range();
+        covered += r.len();
+        m[r.clone()].copy_from_slice(&s.m);
+        v[r].copy_from_slice(&s.v);
+        if *step.get_or_insert(s.step) != s.step {
+            return Err(Error::Check("AdamW states of one model disagree on the step count".into()));
+        }
+    }
+    if covered != n {
+        return Err(Error::Check(format!("AdamW states cover {covered} of {n} parameters: the device step needs ZeRO 0")));
+    }
+    Ok((m, v, step.unwrap_or(0)))
+}
+
+/// grads (P) = the mean of every DP rank's grads, through host memory (the device collectives'
+/// staged path does the same copy, chunked and overlapped).
+fn average_over(dev: &Device, dp: &Communicator, grads: &mut DeviceBuffer, n: usize) -> Result<()> {
+    let mut host = vec![0f32; n];
+    dev.copy_to_host(grads, &mut host)?;
+    dp.all_reduce(&mut host, ReduceOp::Avg)?;
+    dev.copy_to_device(grads, &host)
+}

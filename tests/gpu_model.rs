@@ -1,0 +1,142 @@
+//! The device model's GPU pieces against the CPU arm of the same code, on a real GPU (ignored
+//! elsewhere): the encoder, bias and fill kernels, the cuBLAS products in every transposition and
+//! operand type, and one training step of `DeviceGpt` in fp32 and bf16. Run with
+//!
+//! `cargo test --release --test gpu_model -- --ignored gpu_ --test-threads=1 --nocapture`
+//!
+//! Inputs are random each run (seed printed; `MESHTRAIN_GPU_SEED` replays), outputs are poisoned
+//! (NaN bytes) before each launch. Tolerances: kernels that add in the same order as the CPU are
+//! compared bit for bit; sums in another order (GEMMs, atomics, column sums) by relative L2
+//! error <= 1e-5 (f32 unit roundoff 6e-8 times the growth of sums of a few thousand terms).
+
+mod common;
+
+use common::gpu::{gpu, rng};
+use half::bf16;
+use meshtrain::device::gemm::{Gemm, GemmInput, Operand};
+use meshtrain::device::{ops, Device, DeviceBuffer};
+use meshtrain::model::{DeviceGpt, Gpt, GptConfig, Precision};
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
+
+fn rand_f32(r: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| r.gen_range(-1.0f32..1.0)).collect()
+}
+
+/// The same bytes on the GPU and on the CPU device.
+fn both(gpu: &Device, x: &[f32]) -> (DeviceBuffer, DeviceBuffer) {
+    (gpu.upload(x).unwrap(), Device::Cpu.upload(x).unwrap())
+}
+
+fn poisoned(dev: &Device, floats: usize) -> DeviceBuffer {
+    dev.upload(&vec![0xFFu8; floats * 4]).unwrap()
+}
+
+fn down(dev: &Device, buf: &DeviceBuffer, n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n];
+    dev.copy_to_host(buf, &mut out).unwrap();
+    out
+}
+
+fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    let num: f64 = got.iter().zip(want).map(|(&a, &b)| (f64::from(a) - f64::from(b)).powi(2)).sum();
+    let den: f64 = want.iter().map(|&b| f64::from(b).powi(2)).sum();
+    (num / den.max(1e-300)).sqrt()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_encoder_bias_and_fill_match_the_cpu_arm() {
+    let (g, cpu) = (gpu(), Device::Cpu);
+    let mut r = rng("encoder_bias_fill");
+    let (b, t, c, vp) = (3, 17, 96, 128);
+    let tokens: Vec<u32> = (0..b * t).map(|_| r.gen_range(0..vp as u32)).collect();
+    let (wte, wpe, dout) = (rand_f32(&mut r, vp * c), rand_f32(&mut r, t * c), rand_f32(&mut r, b * t * c));
+    let (tok_g, tok_c) = (g.upload(&tokens).unwrap(), cpu.upload(&tokens).unwrap());
+    let ((wte_g, wte_c), (wpe_g, wpe_c), (dout_g, dout_c)) = (both(&g, &wte), both(&g, &wpe), both(&g, &dout));
+    let mut out_g = poisoned(&g, b * t * c);
+    let mut out_c = cpu.alloc(b * t * c * 4).unwrap();
+    ops::encoder_forward(&g, &mut out_g, &tok_g, &wte_g, &wpe_g, b * t, t, c).unwrap();
+    ops::encoder_forward(&cpu, &mut out_c, &tok_c, &wte_c, &wpe_c, b * t, t, c).unwrap();
+    assert_eq!(down(&g, &out_g, b * t * c), down(&cpu, &out_c, b * t * c), "encoder forward");
+    // Backward accumulates into existing gradients.
+    let (init_te, init_pe) = (rand_f32(&mut r, vp * c), rand_f32(&mut r, t * c));
+    let ((mut dte_g, mut dte_c), (mut dpe_g, mut dpe_c)) = (both(&g, &init_te), both(&g, &init_pe));
+    ops::encoder_backward(&g, &mut dte_g, &mut dpe_g, &dout_g, &tok_g, b, t, c).unwrap();
+    ops::encoder_backward(&cpu, &mut dte_c, &mut dpe_c, &dout_c, &tok_c, b, t, c).unwrap();
+    let d = rel_l2(&down(&g, &dte_g, vp * c), &down(&cpu, &dte_c, vp * c));
+    assert!(d <= 1e-5, "encoder backward wte: {d:e}");
+    let d = rel_l2(&down(&g, &dpe_g, t * c), &down(&cpu, &dpe_c, t * c));
+    assert!(d <= 1e-5, "encoder backward wpe: {d:e}");
+    // Bias add is one addition per element: bit for bit.
+    let (n, oc) = (b * t, 3 * c);
+    let (x, bias) = (rand_f32(&mut r, n * oc), rand_f32(&mut r, oc));
+    let ((mut x_g, mut x_c), (bias_g, bias_c)) = (both(&g, &x), both(&g, &bias));
+    ops::bias_add(&g, &mut x_g, &bias_g, n, oc).unwrap();
+    ops::bias_add(&cpu, &mut x_c, &bias_c, n, oc).unwrap();
+    assert_eq!(down(&g, &x_g, n * oc), down(&cpu, &x_c, n * oc), "bias add");
+    let (mut db_g, mut db_c) = both(&g, &bias);
+    ops::bias_backward(&g, &mut db_g, &x_g, n, oc).unwrap();
+    ops::bias_backward(&cpu, &mut db_c, &x_c, n, oc).unwrap();
+    assert_eq!(down(&g, &db_g, oc), down(&cpu, &db_c, oc), "bias backward (rows summed in order)");
+    let mut z = poisoned(&g, 1000);
+    ops::fill_zero(&g, &mut z, 1000).unwrap();
+    assert!(down(&g, &z, 1000).iter().all(|&v| v == 0.0), "fill_zero");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gemm_matches_the_cpu_arm_in_every_transposition_and_type() {
+    let (g, cpu) = (gpu(), Device::Cpu);
+    let (gemm_g, gemm_c) = (Gemm::new(&g).unwrap(), Gemm::new(&cpu).unwrap());
+    let mut r = rng("gemm");
+    let (m, n, k) = (67, 129, 255);
+    for dtype in [GemmInput::F32, GemmInput::Bf16] {
+        for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
+            let (a, b, c0) = (rand_f32(&mut r, m * k), rand_f32(&mut r, k * n), rand_f32(&mut r, m * n));
+            let up = |dev: &Device, x: &[f32]| match dtype {
+                GemmInput::F32 => dev.upload(x).unwrap(),
+                GemmInput::Bf16 => dev.upload(&x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).unwrap(),
+            };
+            let mut results = Vec::new();
+            for (dev, gemm) in [(&g, &gemm_g), (&cpu, &gemm_c)] {
+                let (ab, bb) = (up(dev, &a), up(dev, &b));
+                let mut cb = dev.upload(&c0).unwrap();
+                let (oa, ob) = (Operand { buf: &ab, dtype, transposed: a_t }, Operand { buf: &bb, dtype, transposed: b_t });
+                gemm.matmul(dev, &mut cb, oa, ob, m, n, k, true).unwrap();
+                results.push(down(dev, &cb, m * n));
+            }
+            let d = rel_l2(&results[0], &results[1]);
+            assert!(d <= 1e-5, "{dtype:?} a_t={a_t} b_t={b_t}: relative L2 {d:e}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_device_model_matches_the_cpu_arm_in_fp32_and_bf16() {
+    let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 128, vocab_size: 500, max_seq_len: 64 };
+    let (b, t) = (4, 64);
+    let mut r = rng("device_model");
+    let tokens: Vec<u32> = (0..b * t).map(|_| r.gen_range(0..cfg.vocab_size as u32)).collect();
+    let targets: Vec<u32> = (0..b * t).map(|_| r.gen_range(0..cfg.vocab_size as u32)).collect();
+    let params = Gpt::<f32>::new(cfg, b, t, r.gen()).unwrap().params().to_vec();
+    for precision in [Precision::Fp32, Precision::Bf16] {
+        let mut out = Vec::new();
+        for dev in [gpu(), Device::Cpu] {
+            let mut m = DeviceGpt::new(dev, cfg, b, t, params.clone(), precision).unwrap();
+            let loss = m.forward(&tokens, &targets).unwrap();
+            m.backward(true, &mut |_, _| {}).unwrap();
+            out.push((loss, m.params_and_grads().1.to_vec()));
+        }
+        let ((lg, gg), (lc, gc)) = (&out[0], &out[1]);
+        assert!((lg - lc).abs() <= 1e-5 * lc.abs(), "{precision:?}: loss {lg} vs CPU arm {lc}");
+        // bf16: activations that differ by an ulp between the arms may round to neighbouring
+        // bf16 values (2^-8 apart) before a product, so the bound is looser than f32's.
+        let tol = if precision == Precision::Fp32 { 1e-4 } else { 1e-3 };
+        let d = rel_l2(gg, gc);
+        eprintln!("{precision:?}: loss {lg} vs {lc}, gradient relative L2 {d:e}");
+        assert!(d <= tol, "{precision:?}: gradients relative L2 {d:e}");
+    }
+}

@@ -1,5 +1,7 @@
 //! The optimizer step of the device model on its device (ZeRO 0): gradients packed into one flat
-//! buffer, averaged over the data-parallel group, clipped by their global norm, AdamW on the flat
+//! buffer, averaged over the data-parallel group by the device collectives (`comm::device`: peers'
+//! GPU memory mapped over IPC within a node, staged through pinned host memory otherwise; a CPU
+//! device reduces its host buffers), clipped by their global norm, AdamW on the flat
 //! f32 master weights, and the updated weights copied back into the model's tensors. Nothing
 //! crosses to the host but the norm's block sums, so a GPU step is not bound by PCIe or by host
 //! memory bandwidth the way the host-mirror step is.
@@ -16,9 +18,11 @@ use std::time::Instant;
 
 use super::buckets::ReduceTiming;
 use super::grad_sync::{DataParallel, StepOutcome};
-use crate::comm::{Communicator, ReduceOp};
+use crate::comm::device::{GpuCommConfig, GpuCommState};
+use crate::comm::{Communicator, DType, ReduceOp};
+use crate::device::ipc::alloc_shareable;
 use crate::device::ops::{self, AdamWBuffers, SUM_BLOCKS};
-use crate::device::{Device, DeviceBuffer};
+use crate::device::DeviceBuffer;
 use crate::error::{Error, Result};
 use crate::model::DeviceGpt;
 use crate::optim::clip::clip_scale;
@@ -27,7 +31,7 @@ use crate::optim::AdamWConfig;
 /// Flat optimizer buffers of the device model.
 pub struct DeviceStep {
     params: DeviceBuffer,   // (P) f32 master weights
-    grads: DeviceBuffer,    // (P) f32 gradients of the step
+    grads: DeviceBuffer,    // (P) f32 gradients of the step (shareable: peers map it over IPC)
     m: DeviceBuffer,        // (P) first moments
     v: DeviceBuffer,        // (P) second moments
     partials: DeviceBuffer, // (SUM_BLOCKS) block sums of squares
@@ -37,6 +41,8 @@ pub struct DeviceStep {
     /// Steps taken (the next is `step + 1`).
     step: u64,
     n: usize,
+    /// The data-parallel gradient average on device buffers (IPC within a node, staged across).
+    coll: GpuCommState,
 }
 
 impl DeviceStep {
@@ -47,7 +53,7 @@ impl DeviceStep {
         let flat = || dev.alloc(n * 4);
         Ok(DeviceStep {
             params: flat()?,
-            grads: flat()?,
+            grads: alloc_shareable(dev, n * 4)?,
             m: flat()?,
             v: flat()?,
             partials: dev.alloc(SUM_BLOCKS * 4)?,
@@ -55,6 +61,7 @@ impl DeviceStep {
             config,
             step: 0,
             n,
+            coll: GpuCommState::new(GpuCommConfig::from_env()?),
         })
     }
 
@@ -90,6 +97,11 @@ impl DeviceStep {
         Ok(())
     }
 
+    /// Unmaps the peers' gradient buffers (collective over `dp`; before the buffers are freed).
+    pub fn finish(&mut self, model: &DeviceGpt, dp: &Communicator) -> Result<()> {
+        self.coll.release_mappings(dp, model.device())
+    }
+
     /// One optimizer step from the model's device gradients summed over `micro_batches`,
     /// averaged over them and over `dp`; clips to `max_norm` (<= 0: off) and returns the
     /// pre-clip global norm.
@@ -109,7 +121,7 @@ impl DeviceStep {
         }
         let t0 = Instant::now();
         if dp.size() > 1 {
-            average_over(dev, dp, &mut self.grads, self.n)?;
+            self.coll.bind(dp, dev).all_reduce(&mut self.grads, self.n, DType::F32, ReduceOp::Avg)?;
         }
         let comm = t0.elapsed();
         let grad_norm = ops::sum_squares(dev, &mut self.partials, &self.grads, 0, self.n)?.sqrt();
@@ -147,13 +159,4 @@ fn gather_moments(sync: &DataParallel, n: usize) -> Result<(Vec<f32>, Vec<f32>, 
         return Err(Error::Check(format!("AdamW states cover {covered} of {n} parameters: the device step needs ZeRO 0")));
     }
     Ok((m, v, step.unwrap_or(0)))
-}
-
-/// grads (P) = the mean of every DP rank's grads, through host memory (the device collectives'
-/// staged path does the same copy, chunked and overlapped).
-fn average_over(dev: &Device, dp: &Communicator, grads: &mut DeviceBuffer, n: usize) -> Result<()> {
-    let mut host = vec![0f32; n];
-    dev.copy_to_host(grads, &mut host)?;
-    dp.all_reduce(&mut host, ReduceOp::Avg)?;
-    dev.copy_to_device(grads, &host)
 }

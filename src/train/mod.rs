@@ -364,6 +364,9 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             progress.println(&format!("# checkpoint {}", dir.display()));
         }
     }
+    if let (Some(s), Some(m)) = (&mut device_step, model.device_model_mut()) {
+        s.finish(m, &dp)?;
+    }
     progress.finish();
     report.tokens_per_s = if timed_s > 0.0 { tokens_per_step * timed_steps as f64 / timed_s } else { 0.0 };
     if leader {

@@ -11,7 +11,7 @@ use meshtrain::config::DeviceKind;
 use meshtrain::device::hipcc::{code_object_kernels, compile_hip_kernels, hipcc_available};
 use meshtrain::device::kernels::entry_points;
 use meshtrain::device::nvrtc::nvrtc_available;
-use meshtrain::device::{compile_cuda_kernels, Device};
+use meshtrain::device::{compile_cuda_cubin, compile_cuda_kernels, Device};
 use meshtrain::Error;
 
 fn required(var: &str) -> bool {
@@ -47,6 +47,26 @@ fn nvrtc_compiles_every_kernel_for_sm90() {
     assert!(extra.is_empty(), "PTX has kernels no launcher lists: {extra:?}");
     // No kernel spills or keeps an array in local memory (`.local` state space).
     assert!(!ptx.contains(".local"), "a kernel uses local memory");
+}
+
+/// What a device loads: a CUBIN (ELF) for the real architecture holding every entry point.
+#[test]
+fn nvrtc_builds_a_cubin_with_every_kernel_for_sm90() {
+    if !nvrtc_available() {
+        assert!(!required("MESHTRAIN_REQUIRE_NVRTC"), "MESHTRAIN_REQUIRE_NVRTC=1 but no libnvrtc");
+        eprintln!("SKIPPED nvrtc_builds_a_cubin_with_every_kernel_for_sm90: no libnvrtc");
+        return;
+    }
+    let cubin = compile_cuda_cubin("sm_90").unwrap();
+    assert_eq!(&cubin[..4], b"\x7fELF", "not an ELF image");
+    for name in entry_points() {
+        let found = cubin.windows(name.len() + 1).any(|w| &w[..name.len()] == name.as_bytes() && w[name.len()] == 0);
+        assert!(found, "kernel {name} missing from the CUBIN");
+    }
+    match compile_cuda_cubin("compute_90") {
+        Err(Error::Device(msg)) => assert!(msg.contains("compute_90"), "{msg}"),
+        other => panic!("a virtual architecture gave {:?}", other.map(|c| c.len())),
+    }
 }
 
 #[test]

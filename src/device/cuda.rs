@@ -23,7 +23,7 @@ use cudarc::driver::{
 };
 
 use super::kernels::entry_points;
-use super::nvrtc::compile_cuda_kernels;
+use super::nvrtc::{compile_cuda_cubin, Ptx};
 use super::{pick_ordinal, LaunchDims, RawArg};
 use crate::error::{Error, Result};
 
@@ -136,7 +136,7 @@ impl CudaDevice {
         let name = ctx.name().map_err(|e| driver_err("device name", e))?;
         let arch = format!("sm_{major}{minor}");
         let module = ctx
-            .load_module(compile_cuda_kernels(&arch)?)
+            .load_module(Ptx::from_binary(compile_cuda_cubin(&arch)?))
             .map_err(|e| driver_err(&format!("loading the {arch} kernels"), e))?;
         let mut functions = HashMap::new();
         for entry in entry_points() {
@@ -170,6 +170,10 @@ impl CudaDevice {
     }
 
     pub(crate) fn alloc(&self, bytes: usize) -> Result<CudaBuffer> {
+        if bytes == 0 {
+            // cuMemAlloc rejects a size of 0: an empty buffer owns nothing.
+            return Ok(CudaBuffer { memory: Memory::Borrowed, address: 0, len: 0 });
+        }
         // SAFETY: the memory is uninitialized bytes; every reader of a DeviceBuffer either
         // wrote it first or accepts arbitrary bytes (u8 has no invalid values).
         let slice = unsafe { self.stream.alloc::<u8>(bytes) }

@@ -163,6 +163,10 @@ impl Gemm {
         if m == 0 || n == 0 {
             return Ok(());
         }
+        if k == 0 {
+            // An empty sum: BLAS rejects a leading dimension of 0, and the product is zero.
+            return if accumulate { Ok(()) } else { super::ops::fill_zero(dev, c, m * n) };
+        }
         let dims = [m, n, k];
         if dims.iter().any(|&d| i32::try_from(d).is_err()) {
             return Err(Error::InvalidArgument(format!("gemm: dimensions {dims:?} exceed i32")));
@@ -278,7 +282,28 @@ mod rocblas {
         handle: Handle,
         gemm_ex: GemmExFn,
         destroy: DestroyFn,
-        _lib: Library,
+    }
+
+    /// rocBLAS, loaded once and never unloaded (unloading ROCm libraries at exit has crashed
+    /// processes): the development symlink, the runtime names of ROCm 6 and 5, then the same
+    /// under `$ROCM_PATH/lib` (default `/opt/rocm/lib`), which is often not on the loader path.
+    fn load() -> Result<&'static Library> {
+        static LIB: std::sync::OnceLock<std::result::Result<Library, String>> = std::sync::OnceLock::new();
+        let lib = LIB.get_or_init(|| {
+            let root = std::env::var("ROCM_PATH").unwrap_or_else(|_| "/opt/rocm".into());
+            let names = ["librocblas.so", "librocblas.so.4", "librocblas.so.0"];
+            let candidates = names.iter().map(|n| n.to_string()).chain(names.iter().map(|n| format!("{root}/lib/{n}")));
+            let mut tried = Vec::new();
+            for path in candidates {
+                // SAFETY: loading rocBLAS runs its initializers, which only set up the library.
+                match unsafe { Library::new(&path) } {
+                    Ok(l) => return Ok(l),
+                    Err(e) => tried.push(format!("{path}: {e}")),
+                }
+            }
+            Err(tried.join("; "))
+        });
+        lib.as_ref().map_err(|e| lib_err("not found (install ROCm's rocBLAS)", e))
     }
 
     fn lib_err(what: &str, e: impl std::fmt::Display) -> Error {
@@ -287,9 +312,7 @@ mod rocblas {
 
     impl RocBlas {
         pub(super) fn open() -> Result<Self> {
-            // SAFETY: loading rocBLAS runs its initializers, which only set up the library.
-            let lib = unsafe { Library::new("librocblas.so") }
-                .map_err(|e| lib_err("librocblas.so not found (install ROCm's rocBLAS)", e))?;
+            let lib = load()?;
             // SAFETY: the symbol types are those of rocblas.h (ROCm >= 4).
             let (create, destroy, gemm_ex) = unsafe {
                 (
@@ -304,7 +327,7 @@ mod rocblas {
             if status != 0 {
                 return Err(lib_err("create handle", format!("status {status}")));
             }
-            Ok(RocBlas { handle, gemm_ex, destroy, _lib: lib })
+            Ok(RocBlas { handle, gemm_ex, destroy })
         }
 
         /// Runs `call`; `ptrs` = (result, first operand, second operand).

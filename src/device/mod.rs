@@ -31,7 +31,7 @@ pub mod reduce_bench;
 pub use buffer::{DeviceBuffer, HostBytes};
 pub use cuda::{cuda_driver_available, CudaBuffer, CudaDevice};
 pub use hip::{HipBuffer, HipDevice};
-pub use nvrtc::compile_cuda_kernels;
+pub use nvrtc::{compile_cuda_cubin, compile_cuda_kernels};
 
 use bytemuck::Pod;
 

@@ -63,7 +63,9 @@ pub(crate) fn host_mut<'a>(op: &str, buf: &'a mut DeviceBuffer) -> Result<&'a mu
     }
 }
 
-/// Grid for a grid-stride loop over `items` work items, one per thread.
+/// Grid for a grid-stride loop over `items` work items, one per thread (at least one block:
+/// a grid of zero blocks is a launch error, and the loop bound makes the extra block idle; kernels
+/// launched one block per row return early on zero rows instead).
 pub(crate) fn stride_grid(items: usize) -> LaunchDims {
     let blocks = (items as u64).div_ceil(THREADS as u64).clamp(1, MAX_BLOCKS);
     LaunchDims::linear(blocks as u32, THREADS)
@@ -170,6 +172,9 @@ pub fn layernorm_forward(
         );
         return Ok(());
     }
+    if n == 0 {
+        return Ok(());
+    }
     let dims = LaunchDims::linear(as_u32(k, "rows", n)?, THREADS);
     let args = [
         A::Buf(out),
@@ -220,6 +225,9 @@ pub fn layernorm_backward(
             host(k, rstd)?.view::<f32>(n),
             c,
         );
+        return Ok(());
+    }
+    if n == 0 {
         return Ok(());
     }
     let ci = as_i32(k, "c", c)?;
@@ -318,6 +326,9 @@ pub fn attention_forward(
         );
         return Ok(());
     }
+    if s.b * s.nh * s.t == 0 {
+        return Ok(());
+    }
     let (dims, [t, nh, hs]) = attn_dims(k, s)?;
     dev.launch(k, dims, &[A::Buf(out), A::Buf(att), A::Buf(qkv), t, nh, hs])
 }
@@ -354,6 +365,9 @@ pub fn attention_backward(
             host(k, att)?.view::<f32>(tt),
             s,
         );
+        return Ok(());
+    }
+    if s.b * s.nh * s.t == 0 {
         return Ok(());
     }
     let (dims, [t, nh, hs]) = attn_dims(k, s)?;
@@ -403,6 +417,9 @@ pub fn cross_entropy_forward(
             v,
             vp,
         );
+        return Ok(());
+    }
+    if n == 0 {
         return Ok(());
     }
     let dims = LaunchDims::linear(as_u32(k, "rows", n)?, THREADS);

@@ -10,8 +10,9 @@
 //! device master weights and moments are the truth during training, the host copies (the model's
 //! mirror, [`DataParallel`]'s AdamW states) are refreshed by [`DeviceStep::store`] before a
 //! checkpoint and loaded by [`DeviceStep::load`] after initialisation or resume. The arithmetic is
-//! the host step's, element for element (same AdamW coefficients and order, same clip scale); only
-//! the sum of squares adds in another order on a GPU.
+//! the host step's (same AdamW coefficients and expression, same clip scale): on the CPU device
+//! element for element except the order in which the norm's squares add; on a GPU the compiler
+//! may also fuse multiply-adds, so results agree to rounding, not bit for bit.
 
 use std::ops::Range;
 use std::time::Instant;
@@ -119,11 +120,18 @@ impl DeviceStep {
             // The host step's staging copy multiplies by the same f32 factor.
             ops::scale(dev, &mut self.grads, 0, self.n, 1.0 / micro_batches as f32)?;
         }
+        // The backward and the packing are still queued: the communication time starts after them.
+        dev.synchronize()?;
         let t0 = Instant::now();
         if dp.size() > 1 {
             self.coll.bind(dp, dev).all_reduce(&mut self.grads, self.n, DType::F32, ReduceOp::Avg)?;
         }
         let comm = t0.elapsed();
+        if self.step == 0 && dp.size() > 1 {
+            let (ipc, calls) = self.coll.path_counts();
+            let path = if ipc == calls { "mapped peer memory (IPC)" } else { "staging through host memory" };
+            log::info!("data-parallel gradient average over {} ranks: {path}", dp.size());
+        }
         let grad_norm = ops::sum_squares(dev, &mut self.partials, &self.grads, 0, self.n)?.sqrt();
         let scale = clip_scale(grad_norm, max_norm);
         if scale != 1.0 {

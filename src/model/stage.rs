@@ -43,6 +43,7 @@ use super::stage_buffers::{Dims, Scratch, SlotActs};
 use super::stage_compute::{
     block_backward, block_forward, embedding_backward, head_backward, head_forward, reduce_rows,
 };
+use super::init::Initializer;
 use super::param_gate::ParamGate;
 use super::tp_comm::TpComm;
 use super::tp_layout::{ShardLayout, StageSpec};
@@ -350,6 +351,12 @@ impl Stage {
     /// Copies this shard's parameters out of a single-rank flat buffer (see [`super::Gpt`]).
     pub fn load_from_full(&mut self, full: &[f32]) -> Result<()> {
         self.layout.gather_from_full(full, &mut self.params)
+    }
+
+    /// Sets this shard's parameters from the whole model's initialisation `init`; with `only`,
+    /// just the elements of those ranges of this shard's flat buffer (others untouched).
+    pub fn init_params(&mut self, init: &Initializer, only: Option<&[Range<usize>]>) -> Result<()> {
+        self.layout.init_local(init, &mut self.params, only)
     }
 
     /// Writes this shard's parameters into a single-rank flat buffer (other elements untouched).

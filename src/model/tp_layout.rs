@@ -24,6 +24,7 @@
 
 use std::ops::Range;
 
+use super::init::Initializer;
 use super::layout::{BlockRanges, ParamLayout, TpSplit};
 use super::GptConfig;
 use crate::error::{Error, Result};
@@ -308,6 +309,25 @@ impl ShardLayout {
         Ok(())
     }
 
+    /// Sets this shard's elements of `local` to their values in the whole model's initialisation
+    /// `init`; with `only`, just the local elements inside those ranges (others untouched).
+    pub fn init_local(&self, init: &Initializer, local: &mut [f32], only: Option<&[Range<usize>]>) -> Result<()> {
+        self.check_lens("init_local", init.len(), local.len())?;
+        let everything = 0..self.total;
+        let only = only.unwrap_or(std::slice::from_ref(&everything));
+        for e in &self.entries {
+            e.for_each_run(|g, l, n| {
+                for r in only {
+                    let (a, b) = (r.start.max(l), r.end.min(l + n));
+                    if a < b {
+                        init.fill(g + (a - l)..g + (b - l), &mut local[a..b]);
+                    }
+                }
+            });
+        }
+        Ok(())
+    }
+
     /// Writes `local` over this shard's elements of a single-rank flat buffer `full` (others
     /// untouched).
     pub fn scatter_into_full(&self, local: &[f32], full: &mut [f32]) -> Result<()> {
@@ -435,6 +455,37 @@ mod tests {
         assert_eq!(lay.block_span(1).end, lay.block_span(3).start);
         assert!(lay.get("h.0.ln1.weight").is_none() && lay.get("h.2.ln1.weight").is_none());
         assert_eq!(lay.block(3).ln1_w, lay.get("h.3.ln1.weight").unwrap().range());
+    }
+
+    /// A shard initialised on its own holds exactly the whole model's initial values; initialised
+    /// over some ranges only, it holds them there and leaves every other element untouched.
+    #[test]
+    fn shards_initialise_on_their_own_as_the_whole_model_does() {
+        let c = cfg();
+        let init = Initializer::new(&c, &ParamLayout::new(&c), 9);
+        let full: Vec<f32> = super::super::init::init_params(&c, &ParamLayout::new(&c), 9);
+        let specs = [StageSpec::single(0..4, true, true), StageSpec { chunks: vec![1..2, 3..4], first: false, last: true }];
+        for spec in &specs {
+            for (rank, tp) in [(0, 1), (0, 2), (1, 2), (3, 4)] {
+                let lay = ShardLayout::new(&c, rank, tp, spec).unwrap();
+                let mut want = vec![0f32; lay.total_len()];
+                lay.gather_from_full(&full, &mut want).unwrap();
+                let mut got = vec![f32::NAN; lay.total_len()];
+                lay.init_local(&init, &mut got, None).unwrap();
+                assert_eq!(got, want, "tp rank {rank} of {tp}");
+                let n = lay.total_len();
+                let only = [1..n / 3, n / 2..n / 2 + 7];
+                let mut part = vec![f32::NAN; n];
+                lay.init_local(&init, &mut part, Some(&only)).unwrap();
+                for (i, (p, w)) in part.iter().zip(&want).enumerate() {
+                    if only.iter().any(|r| r.contains(&i)) {
+                        assert_eq!(p, w, "element {i}");
+                    } else {
+                        assert!(p.is_nan(), "element {i} outside the ranges was written");
+                    }
+                }
+            }
+        }
     }
 
     fn check_tiling(stages: &[StageSpec]) {

@@ -147,7 +147,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         device,
     };
     let zero = cfg.parallel.zero;
-    let mut model = Replica::new(cfg.model, b, t, cfg.train.seed, layout)?;
+    let mut model = Replica::new(cfg.model, b, t, layout)?;
     let n = model.params().len();
     let norm_spans = model.norm_spans();
     let units = model.units();
@@ -156,6 +156,9 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     if dp.size() > 1 {
         traffic.push(("dp_buckets", sync.bucket_stats()));
     }
+    // Each rank initialises only its part of the model; a ZeRO-3 rank only its owned shard.
+    let owned = sync.owned();
+    model.initialize(&cfg.model, cfg.train.seed, (zero == 3).then_some(&owned[..]))?;
     let gather_wait = if zero == 3 {
         let (gate, waited, stats) = sync.param_gate(&dp, &units)?;
         if dp.size() > 1 {

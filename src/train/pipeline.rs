@@ -69,12 +69,11 @@ impl StepTiming {
 }
 
 impl Pipeline {
-    /// Pipeline rank `pp.rank()` of `pp.size()` for `cfg`, loaded from the full parameters `full`;
-    /// `stages` are the block ranges of all `pp.size() * schedule.chunks()` global stages.
+    /// Pipeline rank `pp.rank()` of `pp.size()` for `cfg`, with zero parameters; `stages` are the
+    /// block ranges of all `pp.size() * schedule.chunks()` global stages.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         cfg: GptConfig,
-        full: &[f32],
         b: usize,
         t: usize,
         tp: Communicator,
@@ -97,8 +96,7 @@ impl Pipeline {
             first: r == 0,
             last: r + 1 == p,
         };
-        let mut stage = Stage::new(cfg, tp.rank(), tp.size(), spec, sequence_parallel, b, t, microbatches)?;
-        stage.load_from_full(full)?;
+        let stage = Stage::new(cfg, tp.rank(), tp.size(), spec, sequence_parallel, b, t, microbatches)?;
         let ends = r == 0 || r + 1 == p;
         let tied = if p > 1 { pp.split(ends.then_some(0), r as i64)? } else { None };
         let rows = stage.hidden_len();

@@ -15,6 +15,7 @@ use crate::data::Batch;
 use crate::error::{Error, Result};
 use crate::config::Precision;
 use crate::device::Device;
+use crate::model::init::Initializer;
 use crate::model::{DeviceGpt, Gpt, GptConfig, ParamGate, ParamLayout, Stage, StageInput, StageOutput, StageSpec};
 use crate::parallel::schedule::Schedule;
 
@@ -77,21 +78,22 @@ pub struct ReplicaLayout {
 }
 
 impl Replica {
-    /// A replica of `cfg` for (B, T) micro-batches initialized from `seed`; tensor parallel when
-    /// `tp` has more than one member.
-    pub fn new(cfg: GptConfig, b: usize, t: usize, seed: u64, l: ReplicaLayout) -> Result<Self> {
-        let full = Gpt::<f32>::new(cfg, b, t, seed)?;
+    /// A replica of `cfg` for (B, T) micro-batches with zero parameters (set them with
+    /// [`Replica::initialize`] or a checkpoint); tensor parallel when `tp` has more than one
+    /// member. No rank builds more of the model than its own part.
+    pub fn new(cfg: GptConfig, b: usize, t: usize, l: ReplicaLayout) -> Result<Self> {
+        cfg.validate()?;
+        let zeros = || vec![0f32; ParamLayout::new(&cfg).total_len()];
         if let Some((dev, precision)) = l.device {
             if l.tp.size() > 1 || l.pp.size() > 1 || l.shard_executor {
                 return Err(Error::Check("the device model runs neither sharded nor pipelined".into()));
             }
-            let m = DeviceGpt::new(dev, cfg, b, t, full.params().to_vec(), precision)?;
+            let m = DeviceGpt::new(dev, cfg, b, t, zeros(), precision)?;
             return Ok(Replica::Device(Box::new(m)));
         }
         if l.pp.size() > 1 {
             let p = Pipeline::new(
                 cfg,
-                full.params(),
                 b,
                 t,
                 l.tp,
@@ -104,11 +106,27 @@ impl Replica {
             return Ok(Replica::Pipeline(Box::new(p)));
         }
         if l.tp.size() == 1 && !l.shard_executor {
-            return Ok(Replica::Whole(Box::new(full)));
+            return Ok(Replica::Whole(Box::new(Gpt::from_params(cfg, b, t, zeros())?)));
         }
-        let mut stage = Stage::new(cfg, l.tp.rank(), l.tp.size(), StageSpec::whole(&cfg), l.sequence_parallel, b, t, 1)?;
-        stage.load_from_full(full.params())?;
+        let stage = Stage::new(cfg, l.tp.rank(), l.tp.size(), StageSpec::whole(&cfg), l.sequence_parallel, b, t, 1)?;
         Ok(Replica::TensorParallel { stage: Box::new(stage), tp: Box::new(l.tp) })
+    }
+
+    /// Sets this rank's parameters to the model's initialisation from `seed` (each element what
+    /// the whole single-rank model starts with); with `only`, just the elements of those flat
+    /// ranges (a ZeRO-3 rank's owned shard: the rest is gathered when needed and never touched
+    /// here, so it takes no memory).
+    pub fn initialize(&mut self, cfg: &GptConfig, seed: u64, only: Option<&[Range<usize>]>) -> Result<()> {
+        let init = Initializer::new(cfg, &ParamLayout::new(cfg), seed);
+        match self.stage_mut() {
+            Some(stage) => stage.init_params(&init, only),
+            None if only.is_some() => Err(Error::Check("a partial initialisation needs the shard executor".into())),
+            None => {
+                let params = self.params_mut();
+                init.fill(0..params.len(), params);
+                Ok(())
+            }
+        }
     }
 
     /// Micro-batches one call of [`Replica::run`] consumes per accumulation round.

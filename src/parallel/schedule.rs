@@ -47,6 +47,38 @@ mod sim;
 #[cfg(test)]
 mod tests;
 
+/// An action list written compactly, for tests: space-separated `F3` / `B3` (forward, backward of
+/// micro-batch 3), `A3>1` / `A3<0` (send activation 3 to rank 1, receive it from rank 0),
+/// `G3>0` / `G3<1` (the same for gradients); `F3.1` etc. name local chunk 1 (default 0).
+#[cfg(test)]
+pub(crate) fn plan(text: &str) -> Vec<Action> {
+    let num = |s: &str| s.parse::<usize>().unwrap_or_else(|_| panic!("plan: bad number in `{text}`"));
+    let unit = |s: &str| match s.split_once('.') {
+        Some((mb, chunk)) => (num(mb), num(chunk)),
+        None => (num(s), 0),
+    };
+    text.split_whitespace()
+        .map(|tok| {
+            let (kind, rest) = tok.split_at(1);
+            let (who, peer, send) = match (rest.split_once('>'), rest.split_once('<')) {
+                (Some((w, p)), _) => (w, Some(num(p)), true),
+                (_, Some((w, p))) => (w, Some(num(p)), false),
+                _ => (rest, None, false),
+            };
+            let (mb, chunk) = unit(who);
+            match (kind, peer, send) {
+                ("F", None, _) => Action::Forward { mb, chunk },
+                ("B", None, _) => Action::Backward { mb, chunk },
+                ("A", Some(to_rank), true) => Action::SendActivation { mb, chunk, to_rank },
+                ("A", Some(from_rank), false) => Action::RecvActivation { mb, chunk, from_rank },
+                ("G", Some(to_rank), true) => Action::SendGrad { mb, chunk, to_rank },
+                ("G", Some(from_rank), false) => Action::RecvGrad { mb, chunk, from_rank },
+                _ => panic!("plan: bad action `{tok}` in `{text}`"),
+            }
+        })
+        .collect()
+}
+
 use crate::config::{self, ParallelConfig};
 use crate::error::{Error, Result};
 

@@ -424,10 +424,8 @@ impl Sim<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use Action::{
-        Backward as B, Forward as F, RecvActivation as RecvA, RecvGrad as RecvG, SendActivation as SendA,
-        SendGrad as SendG,
-    };
+    use crate::parallel::schedule::plan;
+    use Action::{Backward as B, Forward as F, RecvActivation as RecvA, RecvGrad as RecvG, SendGrad as SendG};
 
     const TWO_RANKS_TWO_MB: Layout = Layout { p: 2, m: 2, v: 1 };
 
@@ -444,30 +442,12 @@ mod tests {
 
     /// Rank 0 of a 2-rank GPipe over 2 micro-batches: both forwards, then both backwards.
     fn rank0() -> Vec<Action> {
-        vec![
-            F { mb: 0, chunk: 0 },
-            SendA { mb: 0, chunk: 0, to_rank: 1 },
-            F { mb: 1, chunk: 0 },
-            SendA { mb: 1, chunk: 0, to_rank: 1 },
-            RecvG { mb: 0, chunk: 0, from_rank: 1 },
-            B { mb: 0, chunk: 0 },
-            RecvG { mb: 1, chunk: 0, from_rank: 1 },
-            B { mb: 1, chunk: 0 },
-        ]
+        plan("F0 A0>1 F1 A1>1 G0<1 B0 G1<1 B1")
     }
 
     /// Rank 1 running 1F1B: it sends gradient 0 before it receives activation 1.
     fn rank1_one_f_one_b() -> Vec<Action> {
-        vec![
-            RecvA { mb: 0, chunk: 0, from_rank: 0 },
-            F { mb: 0, chunk: 0 },
-            B { mb: 0, chunk: 0 },
-            SendG { mb: 0, chunk: 0, to_rank: 0 },
-            RecvA { mb: 1, chunk: 0, from_rank: 0 },
-            F { mb: 1, chunk: 0 },
-            B { mb: 1, chunk: 0 },
-            SendG { mb: 1, chunk: 0, to_rank: 0 },
-        ]
+        plan("A0<0 F0 B0 G0>0 A1<0 F1 B1 G1>0")
     }
 
     #[test]
@@ -475,16 +455,7 @@ mod tests {
         // Rank 0 receives gradient 0 before sending activation 1, so the facing sends of
         // `facing_sends_deadlock` meet: rank 0 F0 [0,1] F1 [1,2], both transfers at t=3 after
         // rank 1's F0 [1,2] B0 [2,3]; rank 0 B0 [3,4]; rank 1 F1 [3,4] B1 [4,5]; rank 0 B1 [5,6].
-        let fixed = vec![
-            F { mb: 0, chunk: 0 },
-            SendA { mb: 0, chunk: 0, to_rank: 1 },
-            F { mb: 1, chunk: 0 },
-            RecvG { mb: 0, chunk: 0, from_rank: 1 },
-            SendA { mb: 1, chunk: 0, to_rank: 1 },
-            B { mb: 0, chunk: 0 },
-            RecvG { mb: 1, chunk: 0, from_rank: 1 },
-            B { mb: 1, chunk: 0 },
-        ];
+        let fixed = plan("F0 A0>1 F1 G0<1 A1>1 B0 G1<1 B1");
         let report = run(&[fixed, rank1_one_f_one_b()]).unwrap();
         assert_eq!(report.makespan, 6.0);
         assert_eq!(report.busy, vec![4.0, 4.0]);

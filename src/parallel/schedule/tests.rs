@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 
 use super::*;
+use crate::parallel::schedule::plan;
 use crate::config::ParallelConfig;
 
 use Action::{
@@ -34,61 +35,17 @@ fn sweep() -> Vec<(Schedule, usize, usize)> {
 fn one_f_one_b_two_stages_three_microbatches() {
     // Unit timeline: rank 0 F0 [0,1] F1 [1,2] B0 [3,4] F2 [4,5] B1 [5,6] B2 [7,8];
     // rank 1 F0 [1,2] B0 [2,3] F1 [3,4] B1 [4,5] F2 [5,6] B2 [6,7].
-    let rank0 = vec![
-        F { mb: 0, chunk: 0 },
-        SendA { mb: 0, chunk: 0, to_rank: 1 },
-        F { mb: 1, chunk: 0 },
-        SendA { mb: 1, chunk: 0, to_rank: 1 },
-        RecvG { mb: 0, chunk: 0, from_rank: 1 },
-        B { mb: 0, chunk: 0 },
-        F { mb: 2, chunk: 0 },
-        SendA { mb: 2, chunk: 0, to_rank: 1 },
-        RecvG { mb: 1, chunk: 0, from_rank: 1 },
-        B { mb: 1, chunk: 0 },
-        RecvG { mb: 2, chunk: 0, from_rank: 1 },
-        B { mb: 2, chunk: 0 },
-    ];
+    let rank0 = plan("F0 A0>1 F1 A1>1 G0<1 B0 F2 A2>1 G1<1 B1 G2<1 B2");
     // Activation 1 arrives at t=2, before backward 0 starts at t=2: it is received first.
-    let rank1 = vec![
-        RecvA { mb: 0, chunk: 0, from_rank: 0 },
-        F { mb: 0, chunk: 0 },
-        RecvA { mb: 1, chunk: 0, from_rank: 0 },
-        B { mb: 0, chunk: 0 },
-        SendG { mb: 0, chunk: 0, to_rank: 0 },
-        F { mb: 1, chunk: 0 },
-        B { mb: 1, chunk: 0 },
-        RecvA { mb: 2, chunk: 0, from_rank: 0 },
-        SendG { mb: 1, chunk: 0, to_rank: 0 },
-        F { mb: 2, chunk: 0 },
-        B { mb: 2, chunk: 0 },
-        SendG { mb: 2, chunk: 0, to_rank: 0 },
-    ];
+    let rank1 = plan("A0<0 F0 A1<0 B0 G0>0 F1 B1 A2<0 G1>0 F2 B2 G2>0");
     assert_eq!(actions(ONE_F_ONE_B, 0, 2, 3).unwrap(), rank0);
     assert_eq!(actions(ONE_F_ONE_B, 1, 2, 3).unwrap(), rank1);
 }
 
 #[test]
 fn gpipe_two_stages_two_microbatches() {
-    let rank0 = vec![
-        F { mb: 0, chunk: 0 },
-        SendA { mb: 0, chunk: 0, to_rank: 1 },
-        F { mb: 1, chunk: 0 },
-        SendA { mb: 1, chunk: 0, to_rank: 1 },
-        RecvG { mb: 0, chunk: 0, from_rank: 1 },
-        B { mb: 0, chunk: 0 },
-        RecvG { mb: 1, chunk: 0, from_rank: 1 },
-        B { mb: 1, chunk: 0 },
-    ];
-    let rank1 = vec![
-        RecvA { mb: 0, chunk: 0, from_rank: 0 },
-        F { mb: 0, chunk: 0 },
-        RecvA { mb: 1, chunk: 0, from_rank: 0 },
-        F { mb: 1, chunk: 0 },
-        B { mb: 0, chunk: 0 },
-        SendG { mb: 0, chunk: 0, to_rank: 0 },
-        B { mb: 1, chunk: 0 },
-        SendG { mb: 1, chunk: 0, to_rank: 0 },
-    ];
+    let rank0 = plan("F0 A0>1 F1 A1>1 G0<1 B0 G1<1 B1");
+    let rank1 = plan("A0<0 F0 A1<0 F1 B0 G0>0 B1 G1>0");
     assert_eq!(actions(Schedule::GPipe, 0, 2, 2).unwrap(), rank0);
     assert_eq!(actions(Schedule::GPipe, 1, 2, 2).unwrap(), rank1);
 }
@@ -99,28 +56,7 @@ fn interleaved_two_stages_two_chunks_rank0() {
     // all forwards. Unit timeline of rank 0: F(0,c0) [0,1] F(1,c0) [1,2] F(0,c1) [2,3]
     // F(1,c1) [3,4] B(0,c1) [5,6] B(1,c1) [7,8] B(0,c0) [8,9] B(1,c0) [9,10]. At t=2 both the
     // activation (0, stage 1 -> 2) and (1, stage 0 -> 1) are due: micro-batch 0 goes first.
-    let rank0 = vec![
-        F { mb: 0, chunk: 0 },
-        SendA { mb: 0, chunk: 0, to_rank: 1 },
-        F { mb: 1, chunk: 0 },
-        RecvA { mb: 0, chunk: 1, from_rank: 1 },
-        SendA { mb: 1, chunk: 0, to_rank: 1 },
-        F { mb: 0, chunk: 1 },
-        SendA { mb: 0, chunk: 1, to_rank: 1 },
-        RecvA { mb: 1, chunk: 1, from_rank: 1 },
-        F { mb: 1, chunk: 1 },
-        SendA { mb: 1, chunk: 1, to_rank: 1 },
-        RecvG { mb: 0, chunk: 1, from_rank: 1 },
-        B { mb: 0, chunk: 1 },
-        SendG { mb: 0, chunk: 1, to_rank: 1 },
-        RecvG { mb: 1, chunk: 1, from_rank: 1 },
-        B { mb: 1, chunk: 1 },
-        RecvG { mb: 0, chunk: 0, from_rank: 1 },
-        SendG { mb: 1, chunk: 1, to_rank: 1 },
-        B { mb: 0, chunk: 0 },
-        RecvG { mb: 1, chunk: 0, from_rank: 1 },
-        B { mb: 1, chunk: 0 },
-    ];
+    let rank0 = plan("F0 A0>1 F1 A0.1<1 A1>1 F0.1 A0.1>1 A1.1<1 F1.1 A1.1>1 G0.1<1 B0.1 G0.1>1 G1.1<1 B1.1 G0<1 G1.1>1 B0 G1<1 B1");
     let interleaved = Schedule::Interleaved { virtual_stages: 2 };
     assert_eq!(actions(interleaved, 0, 2, 2).unwrap(), rank0);
     // 10 chunk-units of makespan for 8 of work: bubble 1/5 = (p-1)/(v*m+p-1).

@@ -572,7 +572,7 @@ impl RecvLink for ShmRecv {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::test_util::{drain_check, pump, stream_pair, waiter};
+    use crate::transport::test_util::{both_directions, dead_peer_reported_after_data, drain_check, pump, stream_pair, waiter};
     use std::sync::atomic::AtomicUsize;
 
     static NEXT: AtomicUsize = AtomicUsize::new(0);
@@ -618,30 +618,13 @@ mod tests {
     #[test]
     fn both_directions_at_once() {
         let ((mut ls, mut lr), (mut hs, mut hr)) = pair(1000, 2);
-        std::thread::scope(|s| {
-            s.spawn(|| pump(&mut ls, 2, 2000, &waiter(0, 30)));
-            s.spawn(|| pump(&mut hs, 3, 2000, &waiter(1, 30)));
-            s.spawn(|| drain_check(&mut lr, 3, 2000, 1000, &waiter(0, 30)));
-            drain_check(&mut hr, 2, 2000, 1000, &waiter(1, 30));
-        });
+        both_directions((&mut ls, &mut lr), (&mut hs, &mut hr), 2000, 1000);
     }
 
     #[test]
     fn dead_peer_is_reported_after_posted_data() {
-        let ((mut send, lr), (hs, mut recv)) = pair(256, 4);
-        let w = waiter(1, 60);
-        pump(&mut send, 4, 3, &w);
-        drop((send, lr));
-        drain_check(&mut recv, 4, 3, 256, &w);
-        match recv.wait(&w) {
-            Err(Error::Comm { peer: 0, cause, .. }) => {
-                assert!(cause.contains("peer process died"), "{cause}")
-            }
-            other => panic!(
-                "expected a Comm error naming peer 0, got {:?}",
-                other.map(|b| b.len())
-            ),
-        }
+        let ((send, lr), (hs, mut recv)) = pair(256, 4);
+        dead_peer_reported_after_data(send, lr, &mut recv, 3, 256, "peer process died");
         drop(hs);
     }
 

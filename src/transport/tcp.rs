@@ -355,7 +355,7 @@ impl Drop for TcpRecv {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::test_util::{drain_check, pump, stream_pair, waiter};
+    use crate::transport::test_util::{both_directions, dead_peer_reported_after_data, drain_check, pump, stream_pair, waiter};
     use crate::transport::AbortState;
 
     fn pair(chunk: usize, depth: usize) -> ((TcpSend, TcpRecv), (TcpSend, TcpRecv)) {
@@ -378,30 +378,13 @@ mod tests {
     #[test]
     fn both_directions_at_once() {
         let ((mut a_s, mut a_r), (mut b_s, mut b_r)) = pair(70_000, 2);
-        std::thread::scope(|s| {
-            s.spawn(|| pump(&mut a_s, 2, 500, &waiter(0, 30)));
-            s.spawn(|| pump(&mut b_s, 3, 500, &waiter(1, 30)));
-            s.spawn(|| drain_check(&mut a_r, 3, 500, 70_000, &waiter(0, 30)));
-            drain_check(&mut b_r, 2, 500, 70_000, &waiter(1, 30));
-        });
+        both_directions((&mut a_s, &mut a_r), (&mut b_s, &mut b_r), 500, 70_000);
     }
 
     #[test]
     fn closed_peer_is_reported_after_posted_data() {
-        let ((mut send, a_r), (b_s, mut recv)) = pair(256, 4);
-        let w = waiter(1, 60);
-        pump(&mut send, 4, 7, &w);
-        drop((send, a_r));
-        drain_check(&mut recv, 4, 7, 256, &w);
-        match recv.wait(&w) {
-            Err(Error::Comm { peer: 0, cause, .. }) => {
-                assert!(cause.contains("connection closed"), "{cause}")
-            }
-            other => panic!(
-                "expected a Comm error naming peer 0, got {:?}",
-                other.map(|b| b.len())
-            ),
-        }
+        let ((send, a_r), (b_s, mut recv)) = pair(256, 4);
+        dead_peer_reported_after_data(send, a_r, &mut recv, 7, 256, "connection closed");
         drop(b_s);
     }
 

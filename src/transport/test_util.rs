@@ -60,6 +60,44 @@ pub fn drain_check(recv: &mut dyn RecvLink, stream: u8, n: usize, max: usize, w:
     }
 }
 
+/// Both directions of a link pair at once: each side pumps `n` chunks (streams 2 and 3) while
+/// draining the other's, chunks of at most `max` bytes. `low`/`high` are the two ranks' ends.
+pub fn both_directions(
+    (ls, lr): (&mut dyn SendLink, &mut dyn RecvLink),
+    (hs, hr): (&mut dyn SendLink, &mut dyn RecvLink),
+    n: usize,
+    max: usize,
+) {
+    std::thread::scope(|s| {
+        s.spawn(|| pump(ls, 2, n, &waiter(0, 30)));
+        s.spawn(|| pump(hs, 3, n, &waiter(1, 30)));
+        s.spawn(|| drain_check(lr, 3, n, max, &waiter(0, 30)));
+        drain_check(hr, 2, n, max, &waiter(1, 30));
+    });
+}
+
+/// A peer that posts `n` chunks and goes away (its `send` end and its other end `rest` dropped):
+/// the receiver gets every posted chunk, then an error that names peer 0 and contains `cause`.
+pub fn dead_peer_reported_after_data<S: SendLink, R>(
+    mut send: S,
+    rest: R,
+    recv: &mut dyn RecvLink,
+    n: usize,
+    max: usize,
+    cause_needle: &str,
+) {
+    let w = waiter(1, 60);
+    pump(&mut send, 4, n, &w);
+    drop((send, rest));
+    drain_check(recv, 4, n, max, &w);
+    match recv.wait(&w) {
+        Err(crate::error::Error::Comm { peer: 0, cause, .. }) => {
+            assert!(cause.contains(cause_needle), "{cause}")
+        }
+        other => panic!("expected a Comm error naming peer 0, got {:?}", other.map(|b| b.len())),
+    }
+}
+
 /// Two ends of a loopback TCP connection.
 pub fn stream_pair() -> (TcpStream, TcpStream) {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");

@@ -572,7 +572,7 @@ impl RecvLink for ShmRecv {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::test_util::{both_directions, dead_peer_reported_after_data, drain_check, pump, stream_pair, waiter};
+    use crate::transport::test_util::{both_directions, dead_peer_reported_after_data, deadline_is_a_timeout, drain_check, pump, stream_pair, waiter};
     use std::sync::atomic::AtomicUsize;
 
     static NEXT: AtomicUsize = AtomicUsize::new(0);
@@ -646,18 +646,7 @@ mod tests {
     #[test]
     fn deadline_expiry_is_a_timeout() {
         let ((_ls, _lr), (_hs, mut recv)) = pair(64, 2);
-        let w = Waiter::new(
-            1,
-            "test",
-            7,
-            0,
-            Duration::from_millis(50),
-            Arc::new(Default::default()),
-        );
-        match recv.wait(&w) {
-            Err(Error::Timeout { peer: 0, seq: 7, .. }) => {}
-            other => panic!("expected Timeout, got {:?}", other.map(|b| b.len())),
-        }
+        deadline_is_a_timeout(&mut recv);
     }
 
     #[test]

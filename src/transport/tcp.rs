@@ -355,8 +355,7 @@ impl Drop for TcpRecv {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::test_util::{both_directions, dead_peer_reported_after_data, drain_check, pump, stream_pair, waiter};
-    use crate::transport::AbortState;
+    use crate::transport::test_util::{both_directions, dead_peer_reported_after_data, deadline_is_a_timeout, drain_check, pump, stream_pair, waiter};
 
     fn pair(chunk: usize, depth: usize) -> ((TcpSend, TcpRecv), (TcpSend, TcpRecv)) {
         let (a, b) = stream_pair();
@@ -410,18 +409,7 @@ mod tests {
     #[test]
     fn deadline_expiry_is_a_timeout() {
         let ((_a_s, _a_r), (_b_s, mut recv)) = pair(64, 2);
-        let w = Waiter::new(
-            1,
-            "test",
-            9,
-            0,
-            Duration::from_millis(50),
-            Arc::new(AbortState::default()),
-        );
-        match recv.wait(&w) {
-            Err(Error::Timeout { peer: 0, seq: 9, .. }) => {}
-            other => panic!("expected Timeout, got {:?}", other.map(|b| b.len())),
-        }
+        deadline_is_a_timeout(&mut recv);
     }
 
     #[test]

@@ -98,6 +98,16 @@ pub fn dead_peer_reported_after_data<S: SendLink, R>(
     }
 }
 
+/// A receive from peer 0 that nothing arrives for ends in a timeout naming the peer and the
+/// operation's sequence number once a 50 ms deadline passes.
+pub fn deadline_is_a_timeout(recv: &mut dyn RecvLink) {
+    let w = Waiter::new(1, "test", 7, 0, Duration::from_millis(50), Arc::new(AbortState::default()));
+    match recv.wait(&w) {
+        Err(crate::error::Error::Timeout { peer: 0, seq: 7, .. }) => {}
+        other => panic!("expected Timeout, got {:?}", other.map(|b| b.len())),
+    }
+}
+
 /// Two ends of a loopback TCP connection.
 pub fn stream_pair() -> (TcpStream, TcpStream) {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");

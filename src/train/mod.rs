@@ -66,9 +66,11 @@ fn uses_device_model(cfg: &JobConfig) -> Result<bool> {
         return Ok(false);
     }
     let what = "the device model (device = cuda or hip, or precision = bf16)";
-    if cfg.parallel.tp > 1 || cfg.parallel.pp > 1 {
-        let key = if cfg.parallel.tp > 1 { "parallel.tp" } else { "parallel.pp" };
-        return Err(Error::config(key, format!("{what} trains data-parallel layouts only so far (tp = pp = 1)")));
+    if cfg.parallel.pp > 1 {
+        return Err(Error::config("parallel.pp", format!("{what} trains data- and tensor-parallel layouts only so far (pp = 1)")));
+    }
+    if cfg.parallel.sequence_parallel && cfg.parallel.tp > 1 {
+        return Err(Error::config("parallel.sequence_parallel", format!("{what} runs tensor parallelism without it so far")));
     }
     if cfg.parallel.zero > 1 {
         return Err(Error::config("parallel.zero", format!("{what} supports ZeRO 0 and 1 only so far")));
@@ -259,10 +261,11 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     // the peak covers the whole run.
     let peak_is_steps = reset_peak_rss().is_ok();
     let every_backward = sync.reduces_every_backward();
-    // The device model at ZeRO 0 steps on its device; from here on its device weights and moments
-    // are the training state (stored back into the host copies before each checkpoint).
+    // The device model at ZeRO 0 without TP steps on its device; from here on its device weights
+    // and moments are the training state (stored back into the host copies before each
+    // checkpoint). Under TP it steps on the host mirrors, whose norm sums over the TP group.
     let mut device_step = match (model.device_model_mut(), zero) {
-        (Some(m), 0) => {
+        (Some(m), 0) if cfg.parallel.tp == 1 => {
             let mut s = DeviceStep::new(m, m.layout().decay_spans(), adamw)?;
             s.load(m, &sync)?;
             Some(s)
@@ -369,6 +372,9 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     }
     if let (Some(s), Some(m)) = (&mut device_step, model.device_model_mut()) {
         s.finish(m, &dp)?;
+    }
+    if let Some(m) = model.device_model_mut() {
+        m.release_collectives()?;
     }
     progress.finish();
     report.tokens_per_s = if timed_s > 0.0 { tokens_per_step * timed_steps as f64 / timed_s } else { 0.0 };

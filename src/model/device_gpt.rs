@@ -32,6 +32,7 @@ use super::vocab_parallel::real_columns;
 use super::GptConfig;
 pub use crate::config::Precision;
 use crate::device::gemm::{Gemm, GemmInput, Operand};
+use crate::device::ipc::alloc_shareable;
 use crate::device::ops_vocab::{self, VocabShard};
 use crate::device::{ops, Device, DeviceBuffer};
 use crate::error::{Error, Result};
@@ -285,22 +286,25 @@ impl DeviceGpt {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        // The buffers TP all-reduces in place, shareable so that GPUs of one node reduce them
+        // through IPC rather than staged through the host (CUDA pool memory cannot be exported).
+        let reduced = |elems: usize| if tp.is_some() { alloc_shareable(&dev, elems * 4) } else { f32_buf(&dev, elems) };
         let bufs = Bufs {
             tokens: dev.alloc(bt * 4)?,
             targets: dev.alloc(bt * 4)?,
-            encoded: f32_buf(&dev, bt * c)?,
+            encoded: reduced(bt * c)?,
             lnf: f32_buf(&dev, bt * c)?,
             lnf_mean: f32_buf(&dev, bt)?,
             lnf_rstd: f32_buf(&dev, bt)?,
             logits: f32_buf(&dev, bt * vl)?,
             losses: f32_buf(&dev, bt)?,
             lse: f32_buf(&dev, bt)?,
-            ce_max: f32_buf(&dev, if tp.is_some() { bt } else { 0 })?,
-            ce_stats: f32_buf(&dev, if tp.is_some() { 2 * bt } else { 0 })?,
-            branch: f32_buf(&dev, bt * c)?,
+            ce_max: reduced(if tp.is_some() { bt } else { 0 })?,
+            ce_stats: reduced(if tp.is_some() { 2 * bt } else { 0 })?,
+            branch: reduced(bt * c)?,
             dlogits: f32_buf(&dev, bt * vl)?,
             dres: f32_buf(&dev, bt * c)?,
-            dln: f32_buf(&dev, bt * c)?,
+            dln: reduced(bt * c)?,
             datty: f32_buf(&dev, bt * cl)?,
             dqkv: f32_buf(&dev, bt * 3 * cl)?,
             dpre: f32_buf(&dev, att)?,

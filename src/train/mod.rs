@@ -261,12 +261,11 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     // the peak covers the whole run.
     let peak_is_steps = reset_peak_rss().is_ok();
     let every_backward = sync.reduces_every_backward();
-    // The device model at ZeRO 0 without TP steps on its device; from here on its device weights
-    // and moments are the training state (stored back into the host copies before each
-    // checkpoint). Under TP it steps on the host mirrors, whose norm sums over the TP group.
+    // The device model at ZeRO 0 steps on its device; from here on its device weights and moments
+    // are the training state (stored back into the host copies before each checkpoint).
     let mut device_step = match (model.device_model_mut(), zero) {
-        (Some(m), 0) if cfg.parallel.tp == 1 => {
-            let mut s = DeviceStep::new(m, m.layout().decay_spans(), adamw)?;
+        (Some(m), 0) => {
+            let mut s = DeviceStep::new(m, m.layout().decay_spans(), &norm_spans, adamw)?;
             s.load(m, &sync)?;
             Some(s)
         }
@@ -291,7 +290,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         let loss_mean = model.run(&batches, every_backward, &mut |r, g| sync.on_final(r, g))?;
         let lr = sched.lr(step - 1);
         let outcome = match (&mut device_step, model.device_model_mut()) {
-            (Some(s), Some(m)) => s.step(m, &dp, accum, lr, cfg.optim.grad_clip)?,
+            (Some(s), Some(m)) => s.step(m, &dp, &norm_groups, accum, lr, cfg.optim.grad_clip)?,
             _ => {
                 let (params, grads) = model.params_and_grads();
                 sync.step(&dp, &norm_groups, &norm_spans, &opt, lr, cfg.optim.grad_clip, params, grads)?

@@ -357,6 +357,7 @@ impl Replica {
     pub fn norm_spans(&self) -> Vec<(Range<usize>, bool)> {
         match self {
             Replica::Whole(_) => vec![(0..self.params().len(), true)],
+            // One span without TP: the host-mirror step's norm then adds up as the device step's.
             Replica::Device(m) if m.tp_size() == 1 => vec![(0..self.params().len(), true)],
             Replica::Device(m) => shard_norm_spans(m.layout(), m.tp_rank()),
             Replica::TensorParallel { stage, tp } => shard_norm_spans(stage.layout(), tp.rank()),

@@ -23,18 +23,19 @@ extern "C" __global__ void cross_entropy_forward_f32(float *losses, float *lse, 
     }
 }
 
-// dlogits (N, Vp) += (softmax - onehot(target)) * dloss over columns 0..V of each row; a
-// grid-stride loop over the N*V real entries.
+// dlogits (N, vl) += (softmax - onehot(target)) * dloss over the `real` real columns of each row
+// of a vocabulary shard of ids start .. start + vl (the whole vocabulary: start 0, vl = Vp,
+// real = V); a grid-stride loop over the N*real real entries.
 extern "C" __global__ void cross_entropy_backward_f32(float *dlogits, const float *logits,
                                                       const float *lse, const unsigned int *targets,
-                                                      float dloss, mt_u64 n, int v, int vp) {
+                                                      float dloss, mt_u64 n, mt_u64 start, int vl,
+                                                      int real) {
     const mt_u64 stride = (mt_u64)gridDim.x * blockDim.x;
-    for (mt_u64 k = (mt_u64)blockIdx.x * blockDim.x + threadIdx.x; k < n * v; k += stride) {
-        const mt_u64 row = k / v;
-        const unsigned int j = (unsigned int)(k % v);
-        const mt_u64 at = row * vp + j;
+    for (mt_u64 k = (mt_u64)blockIdx.x * blockDim.x + threadIdx.x; k < n * real; k += stride) {
+        const mt_u64 row = k / real, j = k % real;
+        const mt_u64 at = row * vl + j;
         float d = dlogits[at] + expf(logits[at] - lse[row]) * dloss;
-        if (j == targets[row]) d -= dloss;
+        if ((mt_u64)targets[row] == start + j) d -= dloss;
         dlogits[at] = d;
     }
 }

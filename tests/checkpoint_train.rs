@@ -228,7 +228,9 @@ fn device_model_checkpoints_resume_bitwise() {
     let d = dir.path();
     // bf16 device model (on the CPU device) over two data-parallel ranks at ZeRO 0: its master
     // weights and AdamW moments live in device buffers during training and go to the checkpoint
-    // through the host copies; resuming loads them back.
+    // through the host copies; resuming loads them back. The same for a tensor-parallel pair,
+    // whose shards checkpoint through the CPU shard executor's tensor maps.
     let bf16 = ["precision=bf16".to_string()];
     resume_same_layout(d, "dev_dp2", 2, "[parallel]\ndp = 2", &bf16);
+    resume_same_layout(d, "dev_tp2", 2, "[parallel]\ntp = 2", &bf16);
 }

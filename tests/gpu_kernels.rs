@@ -19,12 +19,14 @@ use half::{bf16, f16};
 use meshtrain::comm::dtype::Reducer;
 use meshtrain::comm::{DType, ReduceOp};
 use meshtrain::device::ops::{self, AdamWBuffers};
+use meshtrain::device::ops_vocab::{self, VocabShard};
 use meshtrain::device::reduce_bench::reduce_bandwidth;
 use meshtrain::device::{Device, DeviceBuffer};
 use meshtrain::model::attention::{attention_backward, attention_forward, attention_scratch_len, AttnShape};
 use meshtrain::model::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
 use meshtrain::model::gelu::{gelu_backward, gelu_forward};
 use meshtrain::model::layernorm::{layernorm_backward, layernorm_forward};
+use meshtrain::model::vocab_parallel as vp;
 use meshtrain::model::{GptConfig, ParamLayout};
 use meshtrain::optim::adamw::{AdamW, AdamWConfig, AdamWState, DecayMask};
 use rand::Rng;
@@ -308,12 +310,79 @@ fn gpu_cross_entropy_matches_cpu_and_skips_padding() {
     assert_close("cross-entropy losses", &down_f32(&dev, &g_loss, n), &losses);
     assert_close("cross-entropy lse", &down_f32(&dev, &g_lse, n), &lse);
     let mut g_dl = dev.upload(&dl0).unwrap();
-    ops::cross_entropy_backward(&dev, &mut g_dl, &g_z, &g_lse, &g_t, dloss, n, v, vp).unwrap();
+    let whole = VocabShard { start: 0, vl: vp, real: v };
+    ops_vocab::cross_entropy_backward(&dev, &mut g_dl, &g_z, &g_lse, &g_t, dloss, n, whole).unwrap();
     let got = down_f32(&dev, &g_dl, n * vp);
     assert_close("cross-entropy dlogits", &got, &dl);
     for (row, (g, w)) in got.chunks(vp).zip(dl0.chunks(vp)).enumerate() {
         assert!(g[v..] == w[v..], "row {row}: padded columns were written");
     }
+}
+
+/// The vocabulary-parallel kernels on one shard (ids 512..1024 of V = 1000: 488 real, 24 padded)
+/// against the f64 references: shard max, sum-exp and target logit, the combined loss, the shard
+/// backward (padded columns untouched), the shard embedding and the positions, both directions.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_vocab_parallel_kernels_match_cpu() {
+    let dev = gpu();
+    let mut r = rng("gpu_vocab_parallel_kernels_match_cpu");
+    let (n, t, c, v) = (96, 32, 48, 1000);
+    let shard = VocabShard { start: 512, vl: 512, real: 488 };
+    let (start, vl, real) = (shard.start, shard.vl, shard.real);
+    let logits = rand_f32(&mut r, n * vl, 8.0); // (N, vl)
+    let targets: Vec<u32> = (0..n).map(|_| r.gen_range(0..v as u32)).collect();
+    let (g_z, g_t) = (dev.upload(&logits).unwrap(), dev.upload(&targets).unwrap());
+    let z = widen(&logits);
+    let mut max = vec![0.0; n];
+    vp::shard_max(&mut max, &z, real);
+    let mut g_max = poisoned(&dev, 4 * n);
+    ops_vocab::shard_max(&dev, &mut g_max, &g_z, n, shard).unwrap();
+    assert_close("shard max", &down_f32(&dev, &g_max, n), &max);
+    let mut stats = vec![0.0; 2 * n];
+    let (sum, target_logit) = stats.split_at_mut(n);
+    vp::shard_sum_exp(sum, target_logit, &z, &max, &targets, start, real);
+    let mut g_stats = poisoned(&dev, 8 * n);
+    ops_vocab::shard_sum_exp(&dev, &mut g_stats, &g_z, &g_max, &g_t, n, shard).unwrap();
+    assert_close("shard sum-exp | target logit", &down_f32(&dev, &g_stats, 2 * n), &stats);
+    let (mut losses, mut lse) = (vec![0.0; n], vec![0.0; n]);
+    vp::combine_shards(&mut losses, &mut lse, &max, &stats);
+    let (mut g_loss, mut g_lse) = (poisoned(&dev, 4 * n), poisoned(&dev, 4 * n));
+    ops_vocab::cross_entropy_combine(&dev, &mut g_loss, &mut g_lse, &g_max, &g_stats, n).unwrap();
+    assert_close("combined losses", &down_f32(&dev, &g_loss, n), &losses);
+    let dl0 = rand_f32(&mut r, n * vl, 1.0);
+    let dloss = 1.0 / n as f32;
+    let mut dl = widen(&dl0);
+    vp::cross_entropy_shard_backward(&mut dl, &z, &lse, &targets, dloss as f64, start, real);
+    let mut g_dl = dev.upload(&dl0).unwrap();
+    ops_vocab::cross_entropy_backward(&dev, &mut g_dl, &g_z, &g_lse, &g_t, dloss, n, shard).unwrap();
+    let got = down_f32(&dev, &g_dl, n * vl);
+    assert_close("shard dlogits", &got, &dl);
+    for (row, (g, w)) in got.chunks(vl).zip(dl0.chunks(vl)).enumerate() {
+        assert!(g[real..] == w[real..], "row {row}: padded columns were written");
+    }
+
+    let (wte, wpe) = (rand_f32(&mut r, vl * c, 1.0), rand_f32(&mut r, t * c, 1.0));
+    let tokens: Vec<u32> = (0..n).map(|_| r.gen_range(0..v as u32)).collect();
+    let mut emb = vec![0.0; n * c];
+    vp::embedding_shard_forward(&mut emb, &tokens, &widen(&wte), start, c);
+    vp::position_forward(&mut emb, &widen(&wpe), 0, t, c);
+    let (g_tok, g_wte, g_wpe) = (dev.upload(&tokens).unwrap(), dev.upload(&wte).unwrap(), dev.upload(&wpe).unwrap());
+    let mut g_emb = poisoned(&dev, 4 * n * c);
+    ops_vocab::embedding_shard_forward(&dev, &mut g_emb, &g_tok, &g_wte, (n, c), shard).unwrap();
+    ops_vocab::position_forward(&dev, &mut g_emb, &g_wpe, n, t, c).unwrap();
+    assert_close("shard embedding + positions", &down_f32(&dev, &g_emb, n * c), &emb);
+    let dout = rand_f32(&mut r, n * c, 1.0);
+    let (dwte0, dwpe0) = (rand_f32(&mut r, vl * c, 1.0), rand_f32(&mut r, t * c, 1.0));
+    let (mut dwte, mut dwpe) = (widen(&dwte0), widen(&dwpe0));
+    vp::embedding_shard_backward(&mut dwte, &widen(&dout), &tokens, start, c);
+    vp::position_backward(&mut dwpe, &widen(&dout), 0, t, c);
+    let g_dout = dev.upload(&dout).unwrap();
+    let (mut g_dwte, mut g_dwpe) = (dev.upload(&dwte0).unwrap(), dev.upload(&dwpe0).unwrap());
+    ops_vocab::embedding_shard_backward(&dev, &mut g_dwte, &g_dout, &g_tok, (n, c), shard).unwrap();
+    ops_vocab::position_backward(&dev, &mut g_dwpe, &g_dout, n / t, t, c).unwrap();
+    assert_close("shard dwte", &down_f32(&dev, &g_dwte, vl * c), &dwte);
+    assert_close("dwpe", &down_f32(&dev, &g_dwpe, t * c), &dwpe);
 }
 
 #[test]

@@ -15,7 +15,7 @@ use crate::comm::{DType, ReduceOp};
 const HEADERS: [(&str, &str); 1] = [("compat.h", include_str!("../../kernels/compat.h"))];
 
 /// Kernel files, by name.
-pub const SOURCES: [(&str, &str); 10] = [
+pub const SOURCES: [(&str, &str); 11] = [
     ("reduce.cu", include_str!("../../kernels/reduce.cu")),
     ("layernorm.cu", include_str!("../../kernels/layernorm.cu")),
     ("gelu.cu", include_str!("../../kernels/gelu.cu")),
@@ -26,10 +26,11 @@ pub const SOURCES: [(&str, &str); 10] = [
     ("residual.cu", include_str!("../../kernels/residual.cu")),
     ("encoder.cu", include_str!("../../kernels/encoder.cu")),
     ("linear.cu", include_str!("../../kernels/linear.cu")),
+    ("vocab_parallel.cu", include_str!("../../kernels/vocab_parallel.cu")),
 ];
 
 /// Entry points other than the reductions.
-const MODEL_KERNELS: [&str; 23] = [
+const MODEL_KERNELS: [&str; 29] = [
     "layernorm_forward_f32",
     "layernorm_backward_dinp_f32",
     "layernorm_backward_dparams_f32",
@@ -53,6 +54,12 @@ const MODEL_KERNELS: [&str; 23] = [
     "sum_squares_f32",
     "scale_f32",
     "copy_f32",
+    "embedding_shard_forward_f32",
+    "embedding_shard_backward_f32",
+    "position_forward_f32",
+    "shard_max_f32",
+    "shard_sum_exp_f32",
+    "cross_entropy_combine_f32",
 ];
 
 /// The whole kernel translation unit, local includes expanded once.
@@ -127,11 +134,11 @@ mod tests {
     }
 
     /// Every listed entry point is defined by name or by the reduction macros, and the list has
-    /// no duplicates (28 combine kernels, 7 avg divides, 23 model kernels).
+    /// no duplicates (28 combine kernels, 7 avg divides, 29 model kernels).
     #[test]
     fn entry_points_are_unique_and_defined() {
         let names = entry_points();
-        assert_eq!(names.len(), 28 + 7 + 23);
+        assert_eq!(names.len(), 28 + 7 + 29);
         assert_eq!(names.iter().collect::<HashSet<_>>().len(), names.len());
         let src = kernel_source();
         for n in names

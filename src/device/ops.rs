@@ -20,16 +20,16 @@ use crate::model::{cross_entropy, encoder, gelu, layernorm, residual};
 use crate::optim::adamw::{self, AdamWConfig};
 
 /// Threads per block of every launch: a multiple of both warp (32) and wavefront (64) widths.
-const THREADS: u32 = 256;
+pub(crate) const THREADS: u32 = 256;
 /// Grid cap for grid-stride kernels (plenty to fill any current GPU).
 const MAX_BLOCKS: u64 = 1 << 16;
 
-fn f32s(n: usize) -> usize {
+pub(crate) fn f32s(n: usize) -> usize {
     n * 4
 }
 
 /// Errors unless `buf` holds at least `bytes` bytes.
-fn need(kernel: &str, what: &str, buf: &DeviceBuffer, bytes: usize) -> Result<()> {
+pub(crate) fn need(kernel: &str, what: &str, buf: &DeviceBuffer, bytes: usize) -> Result<()> {
     if buf.len() < bytes {
         return Err(Error::InvalidArgument(format!(
             "{kernel}: `{what}` holds {} bytes but the shape needs {bytes}",
@@ -39,11 +39,11 @@ fn need(kernel: &str, what: &str, buf: &DeviceBuffer, bytes: usize) -> Result<()
     Ok(())
 }
 
-fn as_i32(kernel: &str, what: &str, v: usize) -> Result<i32> {
+pub(crate) fn as_i32(kernel: &str, what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::InvalidArgument(format!("{kernel}: `{what}` = {v} exceeds i32")))
 }
 
-fn as_u32(kernel: &str, what: &str, v: usize) -> Result<u32> {
+pub(crate) fn as_u32(kernel: &str, what: &str, v: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| Error::InvalidArgument(format!("{kernel}: `{what}` = {v} exceeds u32")))
 }
 
@@ -432,52 +432,6 @@ pub fn cross_entropy_forward(
         A::I32(as_i32(k, "vp", vp)?),
     ];
     dev.launch(k, dims, &args)
-}
-
-/// dlogits (N, Vp) += (softmax - onehot) * dloss over columns 0..v; padded columns untouched.
-/// Targets must be < v (the kernel trusts them, as the CPU reference does). Reference:
-/// `model::cross_entropy::cross_entropy_backward`.
-#[allow(clippy::too_many_arguments)]
-pub fn cross_entropy_backward(
-    dev: &Device,
-    dlogits: &mut DeviceBuffer,
-    logits: &DeviceBuffer,
-    lse: &DeviceBuffer,
-    targets: &DeviceBuffer,
-    dloss: f32,
-    n: usize,
-    v: usize,
-    vp: usize,
-) -> Result<()> {
-    let k = "cross_entropy_backward_f32";
-    check_vocab(k, v, vp)?;
-    need(k, "dlogits", dlogits, f32s(n * vp))?;
-    need(k, "logits", logits, f32s(n * vp))?;
-    need(k, "lse", lse, f32s(n))?;
-    need(k, "targets", targets, 4 * n)?;
-    if let Device::Cpu = dev {
-        cross_entropy::cross_entropy_backward(
-            host_mut(k, dlogits)?.view_mut::<f32>(n * vp),
-            host(k, logits)?.view::<f32>(n * vp),
-            host(k, lse)?.view::<f32>(n),
-            host(k, targets)?.view::<u32>(n),
-            dloss,
-            v,
-            vp,
-        );
-        return Ok(());
-    }
-    let args = [
-        A::Buf(dlogits),
-        A::Buf(logits),
-        A::Buf(lse),
-        A::Buf(targets),
-        A::F32(dloss),
-        A::U64(n as u64),
-        A::I32(as_i32(k, "v", v)?),
-        A::I32(as_i32(k, "vp", vp)?),
-    ];
-    dev.launch(k, stride_grid(n * v), &args)
 }
 
 fn check_vocab(k: &str, v: usize, vp: usize) -> Result<()> {

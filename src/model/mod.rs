@@ -15,6 +15,7 @@ pub mod attention;
 pub mod blas;
 pub mod cross_entropy;
 pub mod device_gpt;
+pub mod device_tp;
 pub mod encoder;
 pub mod float;
 pub mod gelu;
@@ -33,11 +34,14 @@ mod stage_buffers;
 mod stage_compute;
 #[cfg(test)]
 mod stage_tests;
+#[cfg(test)]
+mod device_tp_tests;
 pub mod tp_comm;
 pub mod tp_layout;
 pub mod vocab_parallel;
 
 pub use device_gpt::{DeviceGpt, Precision};
+pub use device_tp::DeviceTp;
 pub use float::Float;
 pub use gpt::Gpt;
 pub use layout::{ParamEntry, ParamLayout, TpSplit};

@@ -121,6 +121,16 @@ pub fn shard_sum_exp<F: Float>(
     });
 }
 
+/// lse (N) = max + ln(sum) and losses (N) = lse - target logit, from the group's row max (N) and
+/// the group sums `stats` (2N: [`shard_sum_exp`]'s sum, then its target logit).
+pub fn combine_shards<F: Float>(losses: &mut [F], lse: &mut [F], max: &[F], stats: &[F]) {
+    let (sum, target_logit) = stats.split_at(max.len());
+    for (i, (loss, l)) in losses.iter_mut().zip(lse.iter_mut()).enumerate() {
+        *l = max[i] + sum[i].ln();
+        *loss = *l - target_logit[i];
+    }
+}
+
 /// dlogits (N, Vl) += (softmax - onehot(targets)) * dloss on the real columns; padded untouched.
 /// `lse` (N) is the global log-sum-exp of each row.
 pub fn cross_entropy_shard_backward<F: Float>(

@@ -1,7 +1,9 @@
 //! The optimizer step of the device model on its device (ZeRO 0): gradients packed into one flat
 //! buffer, averaged over the data-parallel group by the device collectives (`comm::device`: peers'
 //! GPU memory mapped over IPC within a node, staged through pinned host memory otherwise; a CPU
-//! device reduces its host buffers), clipped by their global norm, AdamW on the flat
+//! device reduces its host buffers), clipped by their global norm (under tensor parallelism the
+//! squares of the elements this rank counts, summed over the TP group: a replicated tensor is
+//! counted once), AdamW on the flat
 //! f32 master weights, and the updated weights copied back into the model's tensors. Nothing
 //! crosses to the host but the norm's block sums, so a GPU step is not bound by PCIe or by host
 //! memory bandwidth the way the host-mirror step is.
@@ -38,6 +40,8 @@ pub struct DeviceStep {
     partials: DeviceBuffer, // (SUM_BLOCKS) block sums of squares
     /// (range, decay) segments of the flat buffer.
     decay: Vec<(Range<usize>, bool)>,
+    /// Ranges whose squares this rank adds to the global norm (maximal runs).
+    counted: Vec<Range<usize>>,
     config: AdamWConfig,
     /// Steps taken (the next is `step + 1`).
     step: u64,
@@ -47,8 +51,14 @@ pub struct DeviceStep {
 }
 
 impl DeviceStep {
-    /// Buffers for `model`'s parameters with weight decay on the `decay` segments.
-    pub fn new(model: &DeviceGpt, decay: Vec<(Range<usize>, bool)>, config: AdamWConfig) -> Result<Self> {
+    /// Buffers for `model`'s parameters with weight decay on the `decay` segments, counting the
+    /// `(range, counted)` spans `norm` in the gradient norm.
+    pub fn new(
+        model: &DeviceGpt,
+        decay: Vec<(Range<usize>, bool)>,
+        norm: &[(Range<usize>, bool)],
+        config: AdamWConfig,
+    ) -> Result<Self> {
         let dev = model.device();
         let n = model.params().len();
         let flat = || dev.alloc(n * 4);
@@ -59,6 +69,7 @@ impl DeviceStep {
             v: flat()?,
             partials: dev.alloc(SUM_BLOCKS * 4)?,
             decay,
+            counted: counted_runs(norm),
             config,
             step: 0,
             n,
@@ -105,11 +116,12 @@ impl DeviceStep {
 
     /// One optimizer step from the model's device gradients summed over `micro_batches`,
     /// averaged over them and over `dp`; clips to `max_norm` (<= 0: off) and returns the
-    /// pre-clip global norm.
+    /// pre-clip global norm, whose partial sums of squares are added over `groups` (the TP group).
     pub fn step(
         &mut self,
         model: &mut DeviceGpt,
         dp: &Communicator,
+        groups: &[&Communicator],
         micro_batches: usize,
         lr: f64,
         max_norm: f64,
@@ -132,7 +144,14 @@ impl DeviceStep {
             let path = if ipc == calls { "mapped peer memory (IPC)" } else { "staging through host memory" };
             log::info!("data-parallel gradient average over {} ranks: {path}", dp.size());
         }
-        let grad_norm = ops::sum_squares(dev, &mut self.partials, &self.grads, 0, self.n)?.sqrt();
+        let mut sq = [0.0f64];
+        for r in &self.counted {
+            sq[0] += ops::sum_squares(dev, &mut self.partials, &self.grads, r.start, r.len())?;
+        }
+        for g in groups {
+            g.all_reduce(&mut sq, ReduceOp::Sum)?;
+        }
+        let grad_norm = sq[0].sqrt();
         let scale = clip_scale(grad_norm, max_norm);
         if scale != 1.0 {
             ops::scale(dev, &mut self.grads, 0, self.n, scale as f32)?;
@@ -147,6 +166,19 @@ impl DeviceStep {
         let timing = ReduceTiming { comm, exposed: comm };
         Ok(StepOutcome { grad_norm, timing })
     }
+}
+
+/// The counted ranges of `(range, counted)` spans, adjacent ones merged (one range on a rank that
+/// counts everything, so the norm adds up as over the whole buffer).
+fn counted_runs(spans: &[(Range<usize>, bool)]) -> Vec<Range<usize>> {
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    for (r, _) in spans.iter().filter(|(_, c)| *c) {
+        match runs.last_mut() {
+            Some(last) if last.end == r.start => last.end = r.end,
+            _ => runs.push(r.clone()),
+        }
+    }
+    runs
 }
 
 /// The flat moments and the step count of `sync`'s states (ZeRO 0: they cover every element).

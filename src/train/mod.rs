@@ -66,9 +66,11 @@ fn uses_device_model(cfg: &JobConfig) -> Result<bool> {
         return Ok(false);
     }
     let what = "the device model (device = cuda or hip, or precision = bf16)";
-    if cfg.parallel.tp > 1 || cfg.parallel.pp > 1 {
-        let key = if cfg.parallel.tp > 1 { "parallel.tp" } else { "parallel.pp" };
-        return Err(Error::config(key, format!("{what} trains data-parallel layouts only so far (tp = pp = 1)")));
+    if cfg.parallel.pp > 1 {
+        return Err(Error::config("parallel.pp", format!("{what} trains data- and tensor-parallel layouts only so far (pp = 1)")));
+    }
+    if cfg.parallel.sequence_parallel && cfg.parallel.tp > 1 {
+        return Err(Error::config("parallel.sequence_parallel", format!("{what} runs tensor parallelism without it so far")));
     }
     if cfg.parallel.zero > 1 {
         return Err(Error::config("parallel.zero", format!("{what} supports ZeRO 0 and 1 only so far")));
@@ -263,7 +265,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     // are the training state (stored back into the host copies before each checkpoint).
     let mut device_step = match (model.device_model_mut(), zero) {
         (Some(m), 0) => {
-            let mut s = DeviceStep::new(m, m.layout().decay_spans(), adamw)?;
+            let mut s = DeviceStep::new(m, m.layout().decay_spans(), &norm_spans, adamw)?;
             s.load(m, &sync)?;
             Some(s)
         }
@@ -288,7 +290,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         let loss_mean = model.run(&batches, every_backward, &mut |r, g| sync.on_final(r, g))?;
         let lr = sched.lr(step - 1);
         let outcome = match (&mut device_step, model.device_model_mut()) {
-            (Some(s), Some(m)) => s.step(m, &dp, accum, lr, cfg.optim.grad_clip)?,
+            (Some(s), Some(m)) => s.step(m, &dp, &norm_groups, accum, lr, cfg.optim.grad_clip)?,
             _ => {
                 let (params, grads) = model.params_and_grads();
                 sync.step(&dp, &norm_groups, &norm_spans, &opt, lr, cfg.optim.grad_clip, params, grads)?
@@ -369,6 +371,9 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     }
     if let (Some(s), Some(m)) = (&mut device_step, model.device_model_mut()) {
         s.finish(m, &dp)?;
+    }
+    if let Some(m) = model.device_model_mut() {
+        m.release_collectives()?;
     }
     progress.finish();
     report.tokens_per_s = if timed_s > 0.0 { tokens_per_step * timed_steps as f64 / timed_s } else { 0.0 };

@@ -1,5 +1,6 @@
-//! The model one rank trains: the whole GPT (tensor parallelism 1), the whole GPT on a device
-//! ([`DeviceGpt`]: a GPU, or bf16 numerics on the CPU), this rank's tensor-parallel shard of it
+//! The model one rank trains: the whole GPT (tensor parallelism 1), the whole GPT or this rank's
+//! tensor-parallel shard of it on a device ([`DeviceGpt`]: a GPU, or bf16 numerics on the CPU;
+//! the same [`ShardLayout`] as the CPU shard executor), this rank's tensor-parallel shard of it
 //! ([`crate::model::Stage`] over the TP communicator), or one pipeline stage of it
 //! ([`super::pipeline::Pipeline`]). The training
 //! loop, the data-parallel reducer and the optimizer only see a flat parameter buffer, its
@@ -16,14 +17,16 @@ use crate::error::{Error, Result};
 use crate::config::Precision;
 use crate::device::Device;
 use crate::model::init::Initializer;
-use crate::model::{DeviceGpt, Gpt, GptConfig, ParamGate, ParamLayout, Stage, StageInput, StageOutput, StageSpec};
+use crate::model::{
+    DeviceGpt, DeviceTp, Gpt, GptConfig, ParamGate, ParamLayout, ShardLayout, Stage, StageInput, StageOutput, StageSpec,
+};
 use crate::parallel::schedule::Schedule;
 
 /// A trainable model replica.
 pub enum Replica {
     /// The whole model on this rank.
     Whole(Box<Gpt<f32>>),
-    /// The whole model on this rank's device.
+    /// The whole model, or this rank's tensor-parallel shard of it, on this rank's device.
     Device(Box<DeviceGpt>),
     /// One shard of a tensor-parallel group.
     TensorParallel {
@@ -73,7 +76,7 @@ pub struct ReplicaLayout {
     /// Run the whole model through the shard executor ([`Stage`]) even without tensor
     /// parallelism: ZeRO-2/3 need its units, parameter gate and mutable gradient reports.
     pub shard_executor: bool,
-    /// Run the whole model on this device in this precision (no tensor or pipeline parallelism).
+    /// Run the model (tensor parallel over `tp`, no pipeline) on this device in this precision.
     pub device: Option<(Device, Precision)>,
 }
 
@@ -85,10 +88,13 @@ impl Replica {
         cfg.validate()?;
         let zeros = || vec![0f32; ParamLayout::new(&cfg).total_len()];
         if let Some((dev, precision)) = l.device {
-            if l.tp.size() > 1 || l.pp.size() > 1 || l.shard_executor {
-                return Err(Error::Check("the device model runs neither sharded nor pipelined".into()));
+            if l.pp.size() > 1 || l.shard_executor || l.sequence_parallel {
+                return Err(Error::Check("the device model runs neither pipelined, ZeRO-2/3 nor sequence parallel".into()));
             }
-            let m = DeviceGpt::new(dev, cfg, b, t, zeros(), precision)?;
+            let tp = if l.tp.size() > 1 { Some(DeviceTp::new(l.tp)?) } else { None };
+            let (rank, size) = tp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
+            let params = vec![0f32; ShardLayout::new(&cfg, rank, size, &StageSpec::whole(&cfg))?.total_len()];
+            let m = DeviceGpt::with_tp(dev, cfg, b, t, params, precision, tp)?;
             return Ok(Replica::Device(Box::new(m)));
         }
         if l.pp.size() > 1 {
@@ -118,6 +124,12 @@ impl Replica {
     /// here, so it takes no memory).
     pub fn initialize(&mut self, cfg: &GptConfig, seed: u64, only: Option<&[Range<usize>]>) -> Result<()> {
         let init = Initializer::new(cfg, &ParamLayout::new(cfg), seed);
+        if let Replica::Device(m) = self {
+            return match only {
+                Some(_) => Err(Error::Check("the device model initialises its whole shard".into())),
+                None => m.init_params(&init),
+            };
+        }
         match self.stage_mut() {
             Some(stage) => stage.init_params(&init, only),
             None if only.is_some() => Err(Error::Check("a partial initialisation needs the shard executor".into())),
@@ -208,7 +220,7 @@ impl Replica {
     pub fn wte(&self) -> Option<Range<usize>> {
         match self {
             Replica::Whole(m) => Some(m.layout().wte()),
-            Replica::Device(m) => Some(m.layout().wte()),
+            Replica::Device(m) => m.layout().wte(),
             _ => self.stage().and_then(|s| s.layout().wte()),
         }
     }
@@ -344,13 +356,11 @@ impl Replica {
     /// `(range, counted)` spans: whether this rank counts the elements in the global gradient norm.
     pub fn norm_spans(&self) -> Vec<(Range<usize>, bool)> {
         match self {
-            Replica::Whole(_) | Replica::Device(_) => vec![(0..self.params().len(), true)],
-            Replica::TensorParallel { stage, tp } => stage
-                .layout()
-                .entries()
-                .iter()
-                .map(|e| (e.offset..e.offset + e.len, !e.replicated_over_tp || tp.rank() == 0))
-                .collect(),
+            Replica::Whole(_) => vec![(0..self.params().len(), true)],
+            // One span without TP: the host-mirror step's norm then adds up as the device step's.
+            Replica::Device(m) if m.tp_size() == 1 => vec![(0..self.params().len(), true)],
+            Replica::Device(m) => shard_norm_spans(m.layout(), m.tp_rank()),
+            Replica::TensorParallel { stage, tp } => shard_norm_spans(stage.layout(), tp.rank()),
             Replica::Pipeline(p) => p.norm_spans(),
         }
     }
@@ -367,17 +377,16 @@ impl Replica {
 
     /// This rank's tensors as boxes of the global tensors.
     pub fn tensor_maps(&self) -> Vec<TensorMap> {
-        let (stage, tp_rank, pp_first, pp_size) = match self {
+        let (layout, tp_rank, pp_first, pp_size) = match self {
             Replica::Whole(m) => return whole_maps(m.layout()),
-            Replica::Device(m) => return whole_maps(m.layout()),
-            Replica::TensorParallel { stage, tp } => (&**stage, tp.rank(), true, 1),
+            Replica::Device(m) => (m.layout(), m.tp_rank(), true, 1),
+            Replica::TensorParallel { stage, tp } => (stage.layout(), tp.rank(), true, 1),
             Replica::Pipeline(p) => {
                 let (tp, pp) = p.groups();
-                (p.stage(), tp.rank(), pp.rank() == 0, pp.size())
+                (p.stage().layout(), tp.rank(), pp.rank() == 0, pp.size())
             }
         };
-        stage
-            .layout()
+        layout
             .entries()
             .iter()
             .map(|e| TensorMap {
@@ -396,6 +405,12 @@ impl Replica {
     pub fn params_mut(&mut self) -> &mut [f32] {
         self.params_and_grads().0
     }
+}
+
+/// `(range, counted)` spans of a TP shard's flat buffer: a tensor replicated over the TP group is
+/// counted by TP rank 0 only, so the norm summed over the group counts every parameter once.
+fn shard_norm_spans(layout: &ShardLayout, tp_rank: usize) -> Vec<(Range<usize>, bool)> {
+    layout.entries().iter().map(|e| (e.range(), !e.replicated_over_tp || tp_rank == 0)).collect()
 }
 
 /// The tensors of a whole model: each its own global tensor, written by this rank.

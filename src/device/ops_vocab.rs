@@ -1,0 +1,276 @@
+//! Launchers of the vocabulary-parallel kernels (`kernels/vocab_parallel.cu`, and the
+//! cross-entropy backward of `kernels/cross_entropy.cu`, whose whole vocabulary is one shard): the
+//! embedding and cross-entropy of a tensor-parallel rank that holds one shard of `wte`'s rows, so
+//! that no rank ever holds all Vp logits of a position. The collectives between them (a sum after the
+//! embedding, a max and a sum inside the loss) are the caller's.
+//!
+//! As in [`super::ops`], every launcher checks each buffer against the elements the kernel
+//! touches, and on the CPU device runs the reference of `model::vocab_parallel` instead.
+
+use super::ops::{as_i32, as_u32, f32s, host, host_mut, need, stride_grid, THREADS};
+use super::{Device, DeviceBuffer, KernelArg as A, LaunchDims};
+use crate::error::{Error, Result};
+use crate::model::vocab_parallel;
+
+/// One rank's shard of the vocabulary: ids `start .. start + vl`, of which the first `real`
+/// are real (below V), the rest padding.
+#[derive(Debug, Clone, Copy)]
+pub struct VocabShard {
+    /// First id of the shard.
+    pub start: usize,
+    /// Ids (rows of the `wte` shard, logit columns) in the shard.
+    pub vl: usize,
+    /// Real ids among them.
+    pub real: usize,
+}
+
+impl VocabShard {
+    fn check(&self, k: &str) -> Result<()> {
+        if self.real > self.vl {
+            return Err(Error::InvalidArgument(format!("{k}: {} real ids in a shard of {}", self.real, self.vl)));
+        }
+        Ok(())
+    }
+}
+
+/// out (N, C) = wte_shard (vl, C) rows of the in-shard `tokens` (N, u32), zero rows for the
+/// others. Reference: `vocab_parallel::embedding_shard_forward`.
+pub fn embedding_shard_forward(
+    dev: &Device,
+    out: &mut DeviceBuffer,
+    tokens: &DeviceBuffer,
+    wte: &DeviceBuffer,
+    (n, c): (usize, usize),
+    v: VocabShard,
+) -> Result<()> {
+    let k = "embedding_shard_forward_f32";
+    need(k, "out", out, f32s(n * c))?;
+    need(k, "tokens", tokens, 4 * n)?;
+    need(k, "wte", wte, f32s(v.vl * c))?;
+    if let Device::Cpu = dev {
+        vocab_parallel::embedding_shard_forward(
+            host_mut(k, out)?.view_mut::<f32>(n * c),
+            host(k, tokens)?.view::<u32>(n),
+            host(k, wte)?.view::<f32>(v.vl * c),
+            v.start,
+            c,
+        );
+        return Ok(());
+    }
+    let args = [
+        A::Buf(out),
+        A::Buf(tokens),
+        A::Buf(wte),
+        A::U64((n * c) as u64),
+        A::I32(as_i32(k, "c", c)?),
+        A::U64(v.start as u64),
+        A::I32(as_i32(k, "vl", v.vl)?),
+    ];
+    dev.launch(k, stride_grid(n * c), &args)
+}
+
+/// dwte_shard (vl, C) += rows of dout (N, C) whose `tokens` (N) lie in the shard. Reference:
+/// `vocab_parallel::embedding_shard_backward`.
+pub fn embedding_shard_backward(
+    dev: &Device,
+    dwte: &mut DeviceBuffer,
+    dout: &DeviceBuffer,
+    tokens: &DeviceBuffer,
+    (n, c): (usize, usize),
+    v: VocabShard,
+) -> Result<()> {
+    let k = "embedding_shard_backward_f32";
+    need(k, "dwte", dwte, f32s(v.vl * c))?;
+    need(k, "dout", dout, f32s(n * c))?;
+    need(k, "tokens", tokens, 4 * n)?;
+    if let Device::Cpu = dev {
+        vocab_parallel::embedding_shard_backward(
+            host_mut(k, dwte)?.view_mut::<f32>(v.vl * c),
+            host(k, dout)?.view::<f32>(n * c),
+            host(k, tokens)?.view::<u32>(n),
+            v.start,
+            c,
+        );
+        return Ok(());
+    }
+    let args = [
+        A::Buf(dwte),
+        A::Buf(dout),
+        A::Buf(tokens),
+        A::U64((n * c) as u64),
+        A::I32(as_i32(k, "c", c)?),
+        A::U64(v.start as u64),
+        A::I32(as_i32(k, "vl", v.vl)?),
+    ];
+    dev.launch(k, stride_grid(n * c), &args)
+}
+
+/// out (B*T, C) += wpe (>= T, C) row `i % t` of each row `i`. Reference:
+/// `vocab_parallel::position_forward`.
+pub fn position_forward(dev: &Device, out: &mut DeviceBuffer, wpe: &DeviceBuffer, bt: usize, t: usize, c: usize) -> Result<()> {
+    let k = "position_forward_f32";
+    need(k, "out", out, f32s(bt * c))?;
+    need(k, "wpe", wpe, f32s(t * c))?;
+    if let Device::Cpu = dev {
+        let wpe = host(k, wpe)?.view::<f32>(t * c);
+        vocab_parallel::position_forward(host_mut(k, out)?.view_mut::<f32>(bt * c), wpe, 0, t, c);
+        return Ok(());
+    }
+    let args = [A::Buf(out), A::Buf(wpe), A::U64((bt * c) as u64), A::I32(as_i32(k, "t", t)?), A::I32(as_i32(k, "c", c)?)];
+    dev.launch(k, stride_grid(bt * c), &args)
+}
+
+/// dwpe (>= T, C) += dout (B*T, C) summed over the batch at each position (the wpe half of
+/// `encoder_backward`). Reference: `vocab_parallel::position_backward`.
+pub fn position_backward(dev: &Device, dwpe: &mut DeviceBuffer, dout: &DeviceBuffer, b: usize, t: usize, c: usize) -> Result<()> {
+    let k = "encoder_backward_wpe_f32";
+    need(k, "dwpe", dwpe, f32s(t * c))?;
+    need(k, "dout", dout, f32s(b * t * c))?;
+    if let Device::Cpu = dev {
+        let dout = host(k, dout)?.view::<f32>(b * t * c);
+        vocab_parallel::position_backward(host_mut(k, dwpe)?.view_mut::<f32>(t * c), dout, 0, t, c);
+        return Ok(());
+    }
+    let args = [
+        A::Buf(dwpe),
+        A::Buf(dout),
+        A::I32(as_i32(k, "b", b)?),
+        A::I32(as_i32(k, "t", t)?),
+        A::I32(as_i32(k, "c", c)?),
+    ];
+    dev.launch(k, stride_grid(t * c), &args)
+}
+
+/// max (N) = maximum of each logits (N, vl) row over its real columns (-inf if none).
+/// Reference: `vocab_parallel::shard_max`.
+pub fn shard_max(dev: &Device, max: &mut DeviceBuffer, logits: &DeviceBuffer, n: usize, v: VocabShard) -> Result<()> {
+    let k = "shard_max_f32";
+    v.check(k)?;
+    need(k, "max", max, f32s(n))?;
+    need(k, "logits", logits, f32s(n * v.vl))?;
+    if let Device::Cpu = dev {
+        let logits = host(k, logits)?.view::<f32>(n * v.vl);
+        vocab_parallel::shard_max(host_mut(k, max)?.view_mut::<f32>(n), logits, v.real);
+        return Ok(());
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let args = [A::Buf(max), A::Buf(logits), A::I32(as_i32(k, "vl", v.vl)?), A::I32(as_i32(k, "real", v.real)?)];
+    dev.launch(k, LaunchDims::linear(as_u32(k, "rows", n)?, THREADS), &args)
+}
+
+/// stats (2N) = [Σ exp(z - max) over the real columns (N) | the target's logit when it is in the
+/// shard, else 0 (N)] from logits (N, vl), the group's row max (N) and targets (N). Reference:
+/// `vocab_parallel::shard_sum_exp`.
+pub fn shard_sum_exp(
+    dev: &Device,
+    stats: &mut DeviceBuffer,
+    logits: &DeviceBuffer,
+    max: &DeviceBuffer,
+    targets: &DeviceBuffer,
+    n: usize,
+    v: VocabShard,
+) -> Result<()> {
+    let k = "shard_sum_exp_f32";
+    v.check(k)?;
+    need(k, "stats", stats, f32s(2 * n))?;
+    need(k, "logits", logits, f32s(n * v.vl))?;
+    need(k, "max", max, f32s(n))?;
+    need(k, "targets", targets, 4 * n)?;
+    if let Device::Cpu = dev {
+        let (sum, target_logit) = host_mut(k, stats)?.view_mut::<f32>(2 * n).split_at_mut(n);
+        let (logits, max) = (host(k, logits)?.view::<f32>(n * v.vl), host(k, max)?.view::<f32>(n));
+        let targets = host(k, targets)?.view::<u32>(n);
+        vocab_parallel::shard_sum_exp(sum, target_logit, logits, max, targets, v.start, v.real);
+        return Ok(());
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let args = [
+        A::Buf(stats),
+        A::Buf(logits),
+        A::Buf(max),
+        A::Buf(targets),
+        A::U64(n as u64),
+        A::U64(v.start as u64),
+        A::I32(as_i32(k, "vl", v.vl)?),
+        A::I32(as_i32(k, "real", v.real)?),
+    ];
+    dev.launch(k, LaunchDims::linear(as_u32(k, "rows", n)?, THREADS), &args)
+}
+
+/// lse (N) = max + ln(sum) and losses (N) = lse - target logit from the group's max (N) and
+/// summed stats (2N, as [`shard_sum_exp`] lays them out). Reference:
+/// `vocab_parallel::combine_shards`.
+pub fn cross_entropy_combine(
+    dev: &Device,
+    losses: &mut DeviceBuffer,
+    lse: &mut DeviceBuffer,
+    max: &DeviceBuffer,
+    stats: &DeviceBuffer,
+    n: usize,
+) -> Result<()> {
+    let k = "cross_entropy_combine_f32";
+    need(k, "losses", losses, f32s(n))?;
+    need(k, "lse", lse, f32s(n))?;
+    need(k, "max", max, f32s(n))?;
+    need(k, "stats", stats, f32s(2 * n))?;
+    if let Device::Cpu = dev {
+        let (max, stats) = (host(k, max)?.view::<f32>(n), host(k, stats)?.view::<f32>(2 * n));
+        let lse = host_mut(k, lse)?.view_mut::<f32>(n);
+        vocab_parallel::combine_shards(host_mut(k, losses)?.view_mut::<f32>(n), lse, max, stats);
+        return Ok(());
+    }
+    let args = [A::Buf(losses), A::Buf(lse), A::Buf(max), A::Buf(stats), A::U64(n as u64)];
+    dev.launch(k, stride_grid(n), &args)
+}
+
+/// dlogits (N, vl) += (softmax - onehot(targets)) * dloss over the real columns, padding
+/// untouched, with the global log-sum-exp `lse` (N); the whole vocabulary is the shard
+/// `{ start: 0, vl: Vp, real: V }`. Targets must be < V (the kernel trusts them, as the CPU
+/// reference does). Reference: `vocab_parallel::cross_entropy_shard_backward` (with one shard,
+/// the arithmetic of `model::cross_entropy::cross_entropy_backward`).
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_backward(
+    dev: &Device,
+    dlogits: &mut DeviceBuffer,
+    logits: &DeviceBuffer,
+    lse: &DeviceBuffer,
+    targets: &DeviceBuffer,
+    dloss: f32,
+    n: usize,
+    v: VocabShard,
+) -> Result<()> {
+    let k = "cross_entropy_backward_f32";
+    v.check(k)?;
+    need(k, "dlogits", dlogits, f32s(n * v.vl))?;
+    need(k, "logits", logits, f32s(n * v.vl))?;
+    need(k, "lse", lse, f32s(n))?;
+    need(k, "targets", targets, 4 * n)?;
+    if let Device::Cpu = dev {
+        vocab_parallel::cross_entropy_shard_backward(
+            host_mut(k, dlogits)?.view_mut::<f32>(n * v.vl),
+            host(k, logits)?.view::<f32>(n * v.vl),
+            host(k, lse)?.view::<f32>(n),
+            host(k, targets)?.view::<u32>(n),
+            dloss,
+            v.start,
+            v.real,
+        );
+        return Ok(());
+    }
+    let args = [
+        A::Buf(dlogits),
+        A::Buf(logits),
+        A::Buf(lse),
+        A::Buf(targets),
+        A::F32(dloss),
+        A::U64(n as u64),
+        A::U64(v.start as u64),
+        A::I32(as_i32(k, "vl", v.vl)?),
+        A::I32(as_i32(k, "real", v.real)?),
+    ];
+    dev.launch(k, stride_grid(n * v.real), &args)
+}

@@ -171,19 +171,21 @@ impl Gemm {
         if dims.iter().any(|&d| i32::try_from(d).is_err()) {
             return Err(Error::InvalidArgument(format!("gemm: dimensions {dims:?} exceed i32")));
         }
+        // A BLAS library's call: the result, then b's storage first and a's second.
+        let blas_call = |c: &DeviceBuffer| -> Result<((u64, u64, u64), ColMajor)> {
+            let ptr = |buf: &DeviceBuffer| buf.device_address(dev, "gemm", 0);
+            Ok(((ptr(c)?, ptr(b.buf)?, ptr(a.buf)?), ColMajor::new(&a, &b, m, n, k, accumulate)))
+        };
+        let shape = || format!("{m}x{k} by {k}x{n}");
         match &self.imp {
             Imp::Cpu => cpu_matmul(c, a, b, m, n, k, accumulate),
-            Imp::Cuda(_) | Imp::Hip(_) => {
-                let ptr = |buf: &DeviceBuffer| buf.device_address(dev, "gemm", 0);
-                // The column-major call's operands: b's storage first, a's second.
-                let ptrs = (ptr(c)?, ptr(b.buf)?, ptr(a.buf)?);
-                let call = ColMajor::new(&a, &b, m, n, k, accumulate);
-                let shape = || format!("{m}x{k} by {k}x{n}");
-                match &self.imp {
-                    Imp::Cuda(blas) => cublas_gemm(blas, ptrs, &call, shape),
-                    Imp::Hip(blas) => blas.gemm(ptrs, &call, shape),
-                    Imp::Cpu => unreachable!("matched above"),
-                }
+            Imp::Cuda(blas) => {
+                let (ptrs, call) = blas_call(c)?;
+                cublas_gemm(blas, ptrs, &call, shape)
+            }
+            Imp::Hip(blas) => {
+                let (ptrs, call) = blas_call(c)?;
+                blas.gemm(ptrs, &call, shape)
             }
         }
     }

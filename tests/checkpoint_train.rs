@@ -229,8 +229,11 @@ fn device_model_checkpoints_resume_bitwise() {
     // bf16 device model (on the CPU device) over two data-parallel ranks at ZeRO 0: its master
     // weights and AdamW moments live in device buffers during training and go to the checkpoint
     // through the host copies; resuming loads them back. The same for a tensor-parallel pair,
-    // whose shards checkpoint through the CPU shard executor's tensor maps.
+    // whose shards checkpoint through the CPU shard executor's tensor maps, and for an
+    // interleaved pipeline pair (two chunks each over four blocks, the tied embedding on both).
     let bf16 = ["precision=bf16".to_string()];
     resume_same_layout(d, "dev_dp2", 2, "[parallel]\ndp = 2", &bf16);
     resume_same_layout(d, "dev_tp2", 2, "[parallel]\ntp = 2", &bf16);
+    let pipeline = "[parallel]\npp = 2\nschedule = \"interleaved\"\nvirtual_stages = 2\nmicrobatches = 2";
+    resume_same_layout(d, "dev_pp2", 2, pipeline, &["precision=bf16".to_string(), "model.n_layer=4".to_string()]);
 }

@@ -16,149 +16,35 @@
 //! the optimizer's span lists are shared with it) and runs the Megatron split of `stage.rs`
 //! without sequence parallelism; without a group the layout is the whole model's (one shard).
 //!
+//! Pipeline parallelism: like the CPU [`super::Stage`], the model may be one pipeline stage
+//! ([`StageSpec`]: chunks of blocks, the embedding on the first stage, the head on the last) with
+//! one activation slot per micro-batch in flight ([`DeviceGpt::forward_stage`],
+//! [`DeviceGpt::backward_stage`]); hidden states enter and leave through host memory, where the
+//! pipeline's point-to-point transfers pick them up.
+//!
 //! Invariants: parameters, gradients and their bf16 copies are one device buffer per layout
 //! entry (`layout.entries()` order); host mirrors of the flat parameters and gradients are what
 //! the optimizer, the data-parallel reducer and checkpoints see: the parameters go up before a
 //! forward whenever the host copy may have changed (any mutable access), the gradients come down
-//! after the backward that reports them. Activations are sized for (B, T) once.
+//! when reported ([`DeviceGpt::report_grads`]). Activations are sized for (B, T) once; a slot's
+//! backward needs a forward of that slot since its last backward.
 
 use std::collections::HashMap;
 use std::ops::Range;
 
 use super::attention::AttnShape;
+use super::device_acts::{ActDims, Scratch, SlotActs};
+use super::device_linear::{Linear, Weight};
 use super::device_tp::{self, tp_sum, DeviceTp, Embed, LossBufs};
+use super::stage::{StageInput, StageOutput};
 use super::tp_layout::{ShardLayout, StageSpec};
 use super::vocab_parallel::real_columns;
 use super::GptConfig;
+use crate::comm::{Communicator, ReduceOp};
 pub use crate::config::Precision;
-use crate::device::gemm::{Gemm, GemmInput, Operand};
-use crate::device::ipc::alloc_shareable;
 use crate::device::ops_vocab::{self, VocabShard};
 use crate::device::{ops, Device, DeviceBuffer};
 use crate::error::{Error, Result};
-
-/// Activations of one block, kept from forward for backward.
-struct BlockActs {
-    ln1: DeviceBuffer,       // (B*T, C)
-    ln1_mean: DeviceBuffer,  // (B*T)
-    ln1_rstd: DeviceBuffer,  // (B*T)
-    qkv: DeviceBuffer,       // (B*T, 3Cl) with Cl = C/tp: this rank's heads
-    atty: DeviceBuffer,      // (B*T, Cl)
-    att: DeviceBuffer,       // (B, NH/tp, T, T)
-    residual2: DeviceBuffer, // (B*T, C)
-    ln2: DeviceBuffer,       // (B*T, C)
-    ln2_mean: DeviceBuffer,  // (B*T)
-    ln2_rstd: DeviceBuffer,  // (B*T)
-    fch: DeviceBuffer,       // (B*T, H) with H = 4C/tp
-    fch_gelu: DeviceBuffer,  // (B*T, H)
-    residual3: DeviceBuffer, // (B*T, C)
-}
-
-/// Activations outside the blocks, and the backward's scratch.
-struct Bufs {
-    tokens: DeviceBuffer,   // (B*T) u32
-    targets: DeviceBuffer,  // (B*T) u32
-    encoded: DeviceBuffer,  // (B*T, C)
-    lnf: DeviceBuffer,      // (B*T, C)
-    lnf_mean: DeviceBuffer, // (B*T)
-    lnf_rstd: DeviceBuffer, // (B*T)
-    logits: DeviceBuffer,   // (B*T, Vl) with Vl = Vp/tp
-    losses: DeviceBuffer,   // (B*T)
-    lse: DeviceBuffer,      // (B*T)
-    ce_max: DeviceBuffer,   // (B*T) under TP: the group's row max (else empty)
-    ce_stats: DeviceBuffer, // (2*B*T) under TP: the group's sum-exp | target logit (else empty)
-    branch: DeviceBuffer,   // (B*T, C) sub-block output before the residual add
-    dlogits: DeviceBuffer,  // (B*T, Vl)
-    dres: DeviceBuffer,     // (B*T, C) gradient of the residual stream
-    dln: DeviceBuffer,      // (B*T, C) gradient of a LayerNorm output
-    datty: DeviceBuffer,    // (B*T, Cl)
-    dqkv: DeviceBuffer,     // (B*T, 3Cl)
-    dpre: DeviceBuffer,     // (B, NH/tp, T, T)
-    dfch_gelu: DeviceBuffer, // (B*T, H)
-    dfch: DeviceBuffer,     // (B*T, H)
-}
-
-/// Matrix products of fully connected layers in the chosen precision, with the bf16 scratch.
-struct Linear {
-    gemm: Gemm,
-    bf16: bool,
-    x16: DeviceBuffer, // (B*T * max(C, 3Cl, H, Vl)) bf16: the activation or gradient operand
-    y16: DeviceBuffer, // (B*T * max(C, H)) bf16: the second activation operand of a weight gradient
-}
-
-/// A parameter as a product reads it: f32, and its bf16 copy under mixed precision.
-#[derive(Clone, Copy)]
-struct Weight<'a> {
-    f32: &'a DeviceBuffer,
-    bf16: Option<&'a DeviceBuffer>,
-}
-
-impl Linear {
-    fn weight_operand<'a>(&self, w: Weight<'a>) -> Result<Operand<'a>> {
-        Ok(match (self.bf16, w.bf16) {
-            (false, _) => Operand::t(w.f32, GemmInput::F32),
-            (true, Some(b)) => Operand::t(b, GemmInput::Bf16),
-            (true, None) => return Err(Error::Check("a bf16 product without the weight's bf16 copy".into())),
-        })
-    }
-
-    /// out (N, OC) = inp (N, C) · W (OC, C)ᵀ (+ bias (OC)).
-    #[allow(clippy::too_many_arguments)]
-    fn forward(
-        &mut self,
-        dev: &Device,
-        out: &mut DeviceBuffer,
-        inp: &DeviceBuffer,
-        w: Weight,
-        bias: Option<&DeviceBuffer>,
-        n: usize,
-        c: usize,
-        oc: usize,
-    ) -> Result<()> {
-        let a = if self.bf16 {
-            ops::cast_f32_to_bf16(dev, &mut self.x16, inp, n * c)?;
-            Operand::plain(&self.x16, GemmInput::Bf16)
-        } else {
-            Operand::plain(inp, GemmInput::F32)
-        };
-        self.gemm.matmul(dev, out, a, self.weight_operand(w)?, n, oc, c, false)?;
-        match bias {
-            Some(b) => ops::bias_add(dev, out, b, n, oc),
-            None => Ok(()),
-        }
-    }
-
-    /// dinp (N, C) = dout (N, OC) · W (OC, C) (overwritten); dW (OC, C) += doutᵀ · inp (N, C);
-    /// dbias (OC) += column sums of dout.
-    #[allow(clippy::too_many_arguments)]
-    fn backward(
-        &mut self,
-        dev: &Device,
-        dinp: &mut DeviceBuffer,
-        dw: &mut DeviceBuffer,
-        dbias: Option<&mut DeviceBuffer>,
-        dout: &DeviceBuffer,
-        inp: &DeviceBuffer,
-        w: Weight,
-        (n, c, oc): (usize, usize, usize),
-    ) -> Result<()> {
-        if let Some(db) = dbias {
-            ops::bias_backward(dev, db, dout, n, oc)?;
-        }
-        let (g, x) = if self.bf16 {
-            ops::cast_f32_to_bf16(dev, &mut self.x16, dout, n * oc)?;
-            ops::cast_f32_to_bf16(dev, &mut self.y16, inp, n * c)?;
-            (Operand::plain(&self.x16, GemmInput::Bf16), Operand::plain(&self.y16, GemmInput::Bf16))
-        } else {
-            (Operand::plain(dout, GemmInput::F32), Operand::plain(inp, GemmInput::F32))
-        };
-        let mut w_plain = self.weight_operand(w)?;
-        w_plain.transposed = false;
-        self.gemm.matmul(dev, dinp, g, w_plain, n, c, oc, false)?;
-        let g_t = Operand { transposed: true, ..g };
-        self.gemm.matmul(dev, dw, g_t, x, oc, c, n, true)
-    }
-}
 
 /// This rank's share of the model's widths.
 #[derive(Debug, Clone, Copy)]
@@ -173,17 +59,28 @@ struct Widths {
     vocab: VocabShard,
 }
 
-/// Entry indices of the tensors outside the blocks.
+/// Entry indices of the tensors outside the blocks that this stage holds.
 #[derive(Debug, Clone, Copy)]
 struct Ends {
-    wte: usize,
-    wpe: usize,
-    lnf_w: usize,
-    lnf_b: usize,
+    /// The first and the last stage (embedding and tied head).
+    wte: Option<usize>,
+    /// The first stage.
+    wpe: Option<usize>,
+    /// The last stage: weight and bias.
+    lnf: Option<(usize, usize)>,
 }
 
-/// A GPT-2 model (or one tensor-parallel shard of it) on a device, trained through host mirrors
-/// of its flat buffers.
+/// One chunk of blocks with its activation slots.
+struct Chunk {
+    /// Global indices of the chunk's blocks.
+    layers: Range<usize>,
+    embeds: bool,
+    ends: bool,
+    slots: Vec<SlotActs>,
+}
+
+/// A GPT-2 model (or one tensor-parallel shard and/or pipeline stage of it) on a device, trained
+/// through host mirrors of its flat buffers or a device-resident optimizer.
 pub struct DeviceGpt {
     dev: Device,
     config: GptConfig,
@@ -203,17 +100,14 @@ pub struct DeviceGpt {
     host_grads: Vec<f32>,
     /// The host parameters may differ from the device's.
     params_stale: bool,
-    /// A backward asked to report brings the gradients to the host mirror (off when a
+    /// [`DeviceGpt::report_grads`] brings the gradients to the host mirror (off when a
     /// device-resident optimizer reads the device gradients).
     host_reports: bool,
-    blocks: Vec<BlockActs>,
-    bufs: Bufs,
+    chunks: Vec<Chunk>,
+    s: Scratch,
     linear: Linear,
-    forward_done: bool,
-}
-
-fn f32_buf(dev: &Device, elems: usize) -> Result<DeviceBuffer> {
-    dev.alloc(elems * 4)
+    /// Host staging of a hidden state or its gradient (B*T, C) for the pipeline.
+    hidden: Vec<f32>,
 }
 
 impl DeviceGpt {
@@ -233,12 +127,31 @@ impl DeviceGpt {
         precision: Precision,
         tp: Option<DeviceTp>,
     ) -> Result<Self> {
+        Self::stage(dev, config, (b, t), params, precision, tp, StageSpec::whole(&config), 1)
+    }
+
+    /// Pipeline stage `spec` of the TP shard (see [`DeviceGpt::with_tp`]) with `slots` activation
+    /// slots per chunk (micro-batches in flight).
+    #[allow(clippy::too_many_arguments)]
+    pub fn stage(
+        dev: Device,
+        config: GptConfig,
+        (b, t): (usize, usize),
+        params: Vec<f32>,
+        precision: Precision,
+        tp: Option<DeviceTp>,
+        spec: StageSpec,
+        slots: usize,
+    ) -> Result<Self> {
         config.validate()?;
         if b == 0 || t == 0 || t > config.max_seq_len {
             return Err(Error::config("train.seq_len", format!("B={b}, T={t} must be positive with T <= {}", config.max_seq_len)));
         }
+        if slots == 0 || spec.chunks.is_empty() {
+            return Err(Error::InvalidArgument("a device stage needs at least one chunk and one slot".into()));
+        }
         let (tp_rank, tp_size) = tp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
-        let layout = ShardLayout::new(&config, tp_rank, tp_size, &StageSpec::whole(&config))?;
+        let layout = ShardLayout::new(&config, tp_rank, tp_size, &spec)?;
         if params.len() != layout.total_len() {
             return Err(Error::InvalidArgument(format!(
                 "parameter buffer has {} elements, the layout needs {}",
@@ -251,73 +164,38 @@ impl DeviceGpt {
         let vl = config.padded_vocab_size() / tp_size;
         let vocab = VocabShard { start: tp_rank * vl, vl, real: real_columns(tp_rank * vl, vl, config.vocab_size) };
         let w = Widths { cl: c / tp_size, hl: 4 * c / tp_size, nhl: config.n_head / tp_size, vocab };
-        let (cl, hl) = (w.cl, w.hl);
-        let att = b * w.nhl * t * t;
         let index: HashMap<usize, usize> = layout.entries().iter().enumerate().map(|(i, e)| (e.offset, i)).collect();
-        let at = |name: &str| {
-            let e = layout.get(name).ok_or_else(|| Error::Check(format!("the whole-model shard lacks `{name}`")))?;
-            Ok::<usize, Error>(index[&e.offset])
+        let at = |name: &str| layout.get(name).map(|e| index[&e.offset]);
+        let ends = Ends {
+            wte: at("wte"),
+            wpe: at("wpe"),
+            lnf: at("lnf.weight").zip(at("lnf.bias")),
         };
-        let ends = Ends { wte: at("wte")?, wpe: at("wpe")?, lnf_w: at("lnf.weight")?, lnf_b: at("lnf.bias")? };
+        let consistent = ends.wte.is_some() == (spec.first || spec.last)
+            && ends.wpe.is_some() == spec.first
+            && ends.lnf.is_some() == spec.last;
+        if !consistent {
+            return Err(Error::Check(format!("the shard layout's end tensors do not match the stage {spec:?}")));
+        }
         let mut p = Vec::new();
         let mut g = Vec::new();
         let mut p16 = Vec::new();
         for e in layout.entries() {
-            p.push(f32_buf(&dev, e.len)?);
-            g.push(f32_buf(&dev, e.len)?);
+            p.push(dev.alloc(e.len * 4)?);
+            g.push(dev.alloc(e.len * 4)?);
             p16.push(if bf16 && e.local_shape.len() == 2 { Some(dev.alloc(e.len * 2)?) } else { None });
         }
-        let blocks = (0..config.n_layer)
-            .map(|_| {
-                Ok(BlockActs {
-                    ln1: f32_buf(&dev, bt * c)?,
-                    ln1_mean: f32_buf(&dev, bt)?,
-                    ln1_rstd: f32_buf(&dev, bt)?,
-                    qkv: f32_buf(&dev, bt * 3 * cl)?,
-                    atty: f32_buf(&dev, bt * cl)?,
-                    att: f32_buf(&dev, att)?,
-                    residual2: f32_buf(&dev, bt * c)?,
-                    ln2: f32_buf(&dev, bt * c)?,
-                    ln2_mean: f32_buf(&dev, bt)?,
-                    ln2_rstd: f32_buf(&dev, bt)?,
-                    fch: f32_buf(&dev, bt * hl)?,
-                    fch_gelu: f32_buf(&dev, bt * hl)?,
-                    residual3: f32_buf(&dev, bt * c)?,
-                })
+        let d = ActDims { bt, c, cl: w.cl, hl: w.hl, vl, att: b * w.nhl * t * t, tp: tp.is_some() };
+        let chunks = (0..spec.chunks.len())
+            .map(|k| {
+                let (layers, embeds, ends) = (spec.chunks[k].clone(), spec.embeds(k), spec.ends(k));
+                let slots = (0..slots).map(|_| SlotActs::new(&dev, &d, layers.len(), embeds, ends)).collect::<Result<_>>()?;
+                Ok(Chunk { layers, embeds, ends, slots })
             })
             .collect::<Result<Vec<_>>>()?;
-        // The buffers TP all-reduces in place, shareable so that GPUs of one node reduce them
-        // through IPC rather than staged through the host (CUDA pool memory cannot be exported).
-        let reduced = |elems: usize| if tp.is_some() { alloc_shareable(&dev, elems * 4) } else { f32_buf(&dev, elems) };
-        let bufs = Bufs {
-            tokens: dev.alloc(bt * 4)?,
-            targets: dev.alloc(bt * 4)?,
-            encoded: reduced(bt * c)?,
-            lnf: f32_buf(&dev, bt * c)?,
-            lnf_mean: f32_buf(&dev, bt)?,
-            lnf_rstd: f32_buf(&dev, bt)?,
-            logits: f32_buf(&dev, bt * vl)?,
-            losses: f32_buf(&dev, bt)?,
-            lse: f32_buf(&dev, bt)?,
-            ce_max: reduced(if tp.is_some() { bt } else { 0 })?,
-            ce_stats: reduced(if tp.is_some() { 2 * bt } else { 0 })?,
-            branch: reduced(bt * c)?,
-            dlogits: f32_buf(&dev, bt * vl)?,
-            dres: f32_buf(&dev, bt * c)?,
-            dln: reduced(bt * c)?,
-            datty: f32_buf(&dev, bt * cl)?,
-            dqkv: f32_buf(&dev, bt * 3 * cl)?,
-            dpre: f32_buf(&dev, att)?,
-            dfch_gelu: f32_buf(&dev, bt * hl)?,
-            dfch: f32_buf(&dev, bt * hl)?,
-        };
-        let scratch16 = |elems: usize| if bf16 { dev.alloc(elems * 2) } else { dev.alloc(0) };
-        let linear = Linear {
-            gemm: Gemm::new(&dev)?,
-            bf16,
-            x16: scratch16(bt * c.max(3 * cl).max(hl).max(vl))?,
-            y16: scratch16(bt * c.max(hl))?,
-        };
+        let head_vl = if spec.last { vl } else { 0 };
+        let s = Scratch::new(&dev, &d, spec.last)?;
+        let linear = Linear::new(&dev, bf16, bt * c.max(3 * w.cl).max(w.hl).max(head_vl), bt * c.max(w.hl))?;
         let n = params.len();
         let mut model = DeviceGpt {
             dev,
@@ -336,10 +214,10 @@ impl DeviceGpt {
             host_grads: vec![0.0; n],
             params_stale: true,
             host_reports: true,
-            blocks,
-            bufs,
+            chunks,
+            s,
             linear,
-            forward_done: false,
+            hidden: vec![0.0; bt * c],
         };
         model.zero_grad()?;
         Ok(model)
@@ -363,6 +241,11 @@ impl DeviceGpt {
     /// Members of its tensor-parallel group (1 without one).
     pub fn tp_size(&self) -> usize {
         self.tp.as_ref().map_or(1, DeviceTp::size)
+    }
+
+    /// Elements of a hidden state exchanged with neighbouring stages: (B*T, C).
+    pub fn hidden_len(&self) -> usize {
+        self.hidden.len()
     }
 
     /// Sets the shard's parameters from the whole model's initialisation `init` (see
@@ -394,18 +277,19 @@ impl DeviceGpt {
 
     /// Device elements of the activations and scratch, in f32 units (for the memory estimate).
     pub fn activation_elements(&self) -> usize {
-        let (bt, c) = (self.b * self.t, self.config.n_embd);
+        let d = self.dims();
+        let slots: usize = self
+            .chunks
+            .iter()
+            .map(|k| k.slots.len() * SlotActs::elements(&d, k.layers.len(), k.embeds, k.ends))
+            .sum();
+        slots + Scratch::elements(&d, self.ends.lnf.is_some()) + self.linear.scratch_elements()
+    }
+
+    fn dims(&self) -> ActDims {
         let Widths { cl, hl, nhl, vocab } = self.w;
-        let att = self.b * nhl * self.t * self.t;
-        // Per block: ln1, residual2, ln2, residual3 (C each), atty and qkv (4 Cl), fch and
-        // fch_gelu (H each), four (B*T) statistics, the attention matrix.
-        let block = bt * (4 * c + 4 * cl + 2 * hl) + 4 * bt + att;
-        // Outside: encoded, lnf, branch, dres, dln (C each), datty and dqkv (4 Cl), dfch_gelu and
-        // dfch (H each); logits and dlogits; six (B*T) and the TP loss statistics; dpre.
-        let ce = if self.tp.is_some() { 3 * bt } else { 0 };
-        let rest = bt * (5 * c + 4 * cl + 2 * hl) + 2 * bt * vocab.vl + 6 * bt + ce + att;
-        let bf16_scratch = if self.linear.bf16 { bt * (c.max(3 * cl).max(hl).max(vocab.vl) + c.max(hl)) / 2 } else { 0 };
-        self.config.n_layer * block + rest + bf16_scratch
+        let (b, t) = (self.b, self.t);
+        ActDims { bt: b * t, c: self.config.n_embd, cl, hl, vl: vocab.vl, att: b * nhl * t * t, tp: self.tp.is_some() }
     }
 
     /// Clears the gradients (device and host mirror).
@@ -450,7 +334,7 @@ impl DeviceGpt {
         Ok(())
     }
 
-    /// Whether a reporting backward brings the gradients to the host mirror (default on).
+    /// Whether [`DeviceGpt::report_grads`] brings the gradients to the host mirror (default on).
     pub fn set_host_reports(&mut self, on: bool) {
         self.host_reports = on;
     }
@@ -461,16 +345,129 @@ impl DeviceGpt {
         self.dev.copy_to_host(flat, &mut self.host_params)
     }
 
+    /// With host reports on, copies the device gradients into the host mirror and hands them to
+    /// `on_final(0..n, grads)`; without, does nothing (the optimizer reads the device).
+    pub fn report_grads(&mut self, on_final: &mut dyn FnMut(Range<usize>, &mut [f32])) -> Result<()> {
+        if !self.host_reports {
+            return Ok(());
+        }
+        for (i, e) in self.layout.entries().iter().enumerate() {
+            self.dev.copy_to_host(&self.grads[i], &mut self.host_grads[e.range()])?;
+        }
+        let n = self.host_grads.len();
+        on_final(0..n, &mut self.host_grads);
+        Ok(())
+    }
+
+    /// Sums the tied embedding's device gradient over `tied` (the first and the last pipeline
+    /// stage), staged through host memory; no-op on a stage without `wte`.
+    pub fn sum_tied_grads(&mut self, tied: &Communicator) -> Result<()> {
+        let Some(wte) = self.ends.wte else { return Ok(()) };
+        let mut g = vec![0f32; self.layout.entries()[wte].len];
+        self.dev.copy_to_host(&self.grads[wte], &mut g)?;
+        tied.all_reduce(&mut g, ReduceOp::Sum)?;
+        self.dev.copy_to_device(&mut self.grads[wte], &g)
+    }
+
     fn entry(&self, r: &Range<usize>) -> usize {
         *self.index.get(&r.start).expect("every layout range starts an entry")
     }
 
-    /// Mean cross-entropy of `tokens` (B, T) against `targets` (B, T), keeping activations.
+    /// Mean cross-entropy of `tokens` (B, T) against `targets` (B, T), keeping activations (the
+    /// whole model: one chunk that embeds and ends).
     pub fn forward(&mut self, tokens: &[u32], targets: &[u32]) -> Result<f64> {
+        self.forward_chunk(0, 0, StageInput::Tokens(tokens), Some(targets))?
+            .ok_or_else(|| Error::InvalidArgument("forward: this device model is a pipeline stage without the loss".into()))
+    }
+
+    /// Adds d(mean loss)/d(params) of the last forward into the device gradients; with
+    /// `report`, then reports them ([`DeviceGpt::report_grads`]). Replicated tensors get the same
+    /// gradient on every TP rank (their inputs are identical), so no gradient is reduced over TP.
+    pub fn backward(&mut self, report: bool, on_final: &mut dyn FnMut(Range<usize>, &mut [f32])) -> Result<()> {
+        if self.backward_chunk(0, 0, false)? {
+            return Err(Error::InvalidArgument("backward: this device model is a pipeline stage".into()));
+        }
+        if report {
+            self.report_grads(on_final)?;
+        }
+        Ok(())
+    }
+
+    /// Runs chunk `chunk` on one micro-batch into `slot` (see [`super::Stage::forward`]): the
+    /// embedding chunk takes tokens, the others the previous stage's hidden state (B*T, C); the
+    /// model's last chunk takes `targets` and returns the mean loss, the others their output.
+    pub fn forward_stage(
+        &mut self,
+        chunk: usize,
+        slot: usize,
+        input: StageInput<'_>,
+        targets: Option<&[u32]>,
+    ) -> Result<StageOutput<'_>> {
+        match self.forward_chunk(chunk, slot, input, targets)? {
+            Some(loss) => Ok(StageOutput::Loss(loss as f32)),
+            None => {
+                let out = self.chunks[chunk].slots[slot].output();
+                self.dev.copy_to_host(out, &mut self.hidden)?;
+                Ok(StageOutput::Hidden(&self.hidden))
+            }
+        }
+    }
+
+    /// Accumulates the gradients of `slot`'s micro-batch through chunk `chunk` (see
+    /// [`super::Stage::backward`]): `grad_output` is d(hidden output) (B*T, C), None on the
+    /// model's last chunk. Returns d(hidden input) for the previous stage (None when embedding).
+    pub fn backward_stage(&mut self, chunk: usize, slot: usize, grad_output: Option<&[f32]>) -> Result<Option<&[f32]>> {
+        let (bt, c) = (self.b * self.t, self.config.n_embd);
+        if let Some(g) = grad_output {
+            check_len("backward: grad_output", g.len(), bt * c)?;
+            self.dev.copy_to_device(&mut self.s.dres, g)?;
+        }
+        if self.backward_chunk(chunk, slot, grad_output.is_some())? {
+            self.dev.copy_to_host(&self.s.dres, &mut self.hidden)?;
+            return Ok(Some(&self.hidden));
+        }
+        Ok(None)
+    }
+
+    /// Checks a call on (`chunk`, `slot`).
+    fn check_slot(&self, op: &str, chunk: usize, slot: usize) -> Result<()> {
+        let Some(k) = self.chunks.get(chunk) else {
+            return Err(Error::InvalidArgument(format!("{op}: chunk {chunk} but the stage has {}", self.chunks.len())));
+        };
+        if slot >= k.slots.len() {
+            return Err(Error::InvalidArgument(format!("{op}: slot {slot} but the stage has {}", k.slots.len())));
+        }
+        Ok(())
+    }
+
+    /// The forward of [`DeviceGpt::forward_stage`]; returns the loss on the model's last chunk.
+    fn forward_chunk(&mut self, ci: usize, si: usize, input: StageInput<'_>, targets: Option<&[u32]>) -> Result<Option<f64>> {
+        self.check_slot("forward", ci, si)?;
         let (b, t, c) = (self.b, self.t, self.config.n_embd);
-        let bt = b * t;
-        let v = self.config.vocab_size;
-        for (what, ids) in [("tokens", tokens), ("targets", targets)] {
+        let (bt, v) = (b * t, self.config.vocab_size);
+        let (embeds, ends) = (self.chunks[ci].embeds, self.chunks[ci].ends);
+        if ends != targets.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "forward: targets must be given exactly to the model's last chunk (chunk {ci} is {}the last)",
+                if ends { "" } else { "not " }
+            )));
+        }
+        let ids = match input {
+            StageInput::Tokens(tokens) if embeds => Some(tokens),
+            StageInput::Hidden(h) if !embeds => {
+                check_len("forward: hidden input", h.len(), bt * c)?;
+                None
+            }
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "forward: chunk {ci} {} the tokens, so it takes {}",
+                    if embeds { "embeds" } else { "does not embed" },
+                    if embeds { "tokens" } else { "a hidden state" }
+                )))
+            }
+        };
+        for (what, ids) in [("tokens", ids), ("targets", targets)] {
+            let Some(ids) = ids else { continue };
             if ids.len() != bt {
                 return Err(Error::InvalidArgument(format!("forward: {what} has {} ids, expected B*T = {bt}", ids.len())));
             }
@@ -481,43 +478,61 @@ impl DeviceGpt {
         if self.params_stale {
             self.upload_params()?;
         }
-        let dev = &self.dev;
-        dev.copy_to_device(&mut self.bufs.tokens, tokens)?;
-        dev.copy_to_device(&mut self.bufs.targets, targets)?;
-        let Ends { wte, wpe, lnf_w, lnf_b } = self.ends;
-        let (s, p, vocab) = (&mut self.bufs, &self.params, self.w.vocab);
-        match &mut self.tp {
-            None => ops::encoder_forward(dev, &mut s.encoded, &s.tokens, &p[wte], &p[wpe], bt, t, c)?,
-            Some(g) => {
-                let e = Embed { tokens: &s.tokens, wte: &p[wte], wpe: &p[wpe] };
-                device_tp::embed_forward(dev, g, &mut s.encoded, e, (b, t, c), vocab)?;
+        let (dev, p, vocab) = (&self.dev, &self.params, self.w.vocab);
+        let a = &mut self.chunks[ci].slots[si];
+        a.forward_done = false;
+        match (input, &mut self.tp) {
+            (StageInput::Hidden(h), _) => dev.copy_to_device(&mut a.input, h)?,
+            (StageInput::Tokens(tokens), tp) => {
+                dev.copy_to_device(&mut a.tokens, tokens)?;
+                let (wte, wpe) = (self.ends.wte.expect("checked"), self.ends.wpe.expect("checked"));
+                match tp {
+                    None => ops::encoder_forward(dev, &mut a.input, &a.tokens, &p[wte], &p[wpe], bt, t, c)?,
+                    Some(g) => {
+                        let e = Embed { tokens: &a.tokens, wte: &p[wte], wpe: &p[wpe] };
+                        device_tp::embed_forward(dev, g, &mut a.input, e, (b, t, c), vocab)?;
+                    }
+                }
             }
         }
-        for l in 0..self.config.n_layer {
-            self.block_forward(l)?;
+        for li in 0..self.chunks[ci].layers.len() {
+            self.block_forward(ci, si, li)?;
         }
-        let (dev, s, p) = (&self.dev, &mut self.bufs, &self.params);
-        let last = &self.blocks[self.config.n_layer - 1].residual3;
-        ops::layernorm_forward(dev, &mut s.lnf, &mut s.lnf_mean, &mut s.lnf_rstd, last, &p[lnf_w], &p[lnf_b], bt, c)?;
+        self.chunks[ci].slots[si].forward_done = true;
+        match targets {
+            Some(tg) => self.head_forward(ci, si, tg).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Final LayerNorm, tied head and loss of `slot` on the model's last chunk `ci`.
+    fn head_forward(&mut self, ci: usize, si: usize, targets: &[u32]) -> Result<f64> {
+        let (bt, c, v) = (self.b * self.t, self.config.n_embd, self.config.vocab_size);
+        let (dev, p, vocab) = (&self.dev, &self.params, self.w.vocab);
+        let (wte, (lnf_w, lnf_b)) = (self.ends.wte.expect("a last stage"), self.ends.lnf.expect("a last stage"));
+        let SlotActs { input, blocks, head, .. } = &mut self.chunks[ci].slots[si];
+        let x = blocks.last().map_or(&*input, |blk| &blk.residual3); // (B*T, C)
+        let h = head.as_mut().expect("the last chunk keeps the head's activations");
+        dev.copy_to_device(&mut h.targets, targets)?;
+        ops::layernorm_forward(dev, &mut h.lnf, &mut h.lnf_mean, &mut h.lnf_rstd, x, &p[lnf_w], &p[lnf_b], bt, c)?;
         let w = Weight { f32: &p[wte], bf16: self.params16[wte].as_ref() };
-        self.linear.forward(dev, &mut s.logits, &s.lnf, w, None, bt, c, vocab.vl)?;
+        self.linear.forward(dev, &mut h.logits, &h.lnf, w, None, bt, c, vocab.vl)?;
         match &mut self.tp {
-            None => ops::cross_entropy_forward(dev, &mut s.losses, &mut s.lse, &s.logits, &s.targets, bt, v, vocab.vl)?,
+            None => ops::cross_entropy_forward(dev, &mut h.losses, &mut h.lse, &h.logits, &h.targets, bt, v, vocab.vl)?,
             Some(g) => {
                 let l = LossBufs {
-                    logits: &s.logits,
-                    targets: &s.targets,
-                    losses: &mut s.losses,
-                    lse: &mut s.lse,
-                    max: &mut s.ce_max,
-                    stats: &mut s.ce_stats,
+                    logits: &h.logits,
+                    targets: &h.targets,
+                    losses: &mut h.losses,
+                    lse: &mut h.lse,
+                    max: &mut h.ce_max,
+                    stats: &mut h.ce_stats,
                 };
                 device_tp::loss_forward(dev, g, l, bt, vocab)?;
             }
         }
         let mut losses = vec![0f32; bt];
-        dev.copy_to_host(&s.losses, &mut losses)?;
-        self.forward_done = true;
+        dev.copy_to_host(&h.losses, &mut losses)?;
         Ok(losses.iter().map(|&l| f64::from(l)).sum::<f64>() / bt as f64)
     }
 
@@ -536,19 +551,22 @@ impl DeviceGpt {
         AttnShape { b: self.b, t: self.t, nh: self.w.nhl, hs: self.config.head_dim() }
     }
 
-    /// Block `l`: column-parallel qkv and fc (this rank's heads and hidden units), row-parallel
-    /// projections whose partial outputs are summed over TP before the bias is added once.
-    fn block_forward(&mut self, l: usize) -> Result<()> {
+    /// Block `li` of chunk `ci` on `slot`: column-parallel qkv and fc (this rank's heads and
+    /// hidden units), row-parallel projections whose partial outputs are summed over TP before
+    /// the bias is added once.
+    fn block_forward(&mut self, ci: usize, si: usize, li: usize) -> Result<()> {
         let (bt, c) = (self.b * self.t, self.config.n_embd);
         let Widths { cl, hl, .. } = self.w;
         let shape = self.attn_shape();
+        let l = self.chunks[ci].layers.start + li;
         let [ln1_w, ln1_b, qkv_w, qkv_b, ap_w, ap_b, ln2_w, ln2_b, fc_w, fc_b, mp_w, mp_b] = self.block_entries(l);
         let (p, p16, dev, tp) = (&self.params, &self.params16, &self.dev, &mut self.tp);
         let w = |i: usize| Weight { f32: &p[i], bf16: p16[i].as_ref() };
-        let (done, rest) = self.blocks.split_at_mut(l);
-        let x = if l == 0 { &self.bufs.encoded } else { &done[l - 1].residual3 }; // (B*T, C)
+        let slot = &mut self.chunks[ci].slots[si];
+        let (done, rest) = slot.blocks.split_at_mut(li);
+        let x = if li == 0 { &slot.input } else { &done[li - 1].residual3 }; // (B*T, C)
         let a = &mut rest[0];
-        let branch = &mut self.bufs.branch;
+        let branch = &mut self.s.branch;
         ops::layernorm_forward(dev, &mut a.ln1, &mut a.ln1_mean, &mut a.ln1_rstd, x, &p[ln1_w], &p[ln1_b], bt, c)?;
         self.linear.forward(dev, &mut a.qkv, &a.ln1, w(qkv_w), Some(&p[qkv_b]), bt, c, 3 * cl)?;
         ops::attention_forward(dev, &mut a.atty, &mut a.att, &a.qkv, shape)?;
@@ -565,62 +583,74 @@ impl DeviceGpt {
         ops::residual_forward(dev, &mut a.residual3, &a.residual2, branch, bt * c)
     }
 
-    /// Adds d(mean loss)/d(params) of the last forward into the device gradients; with
-    /// `report` (and host reports on), brings all gradients to the host mirror afterwards and
-    /// hands them to `on_final(0..n, grads)`. Replicated tensors get the same gradient on every
-    /// TP rank (their inputs are identical), so no gradient is reduced over TP.
-    pub fn backward(&mut self, report: bool, on_final: &mut dyn FnMut(Range<usize>, &mut [f32])) -> Result<()> {
-        if !self.forward_done {
-            return Err(Error::InvalidArgument("backward called without a forward since the last backward".into()));
+    /// The backward of [`DeviceGpt::backward_stage`] with d(chunk output) already in `s.dres`
+    /// when `given`; returns whether d(chunk input) is left in `s.dres`.
+    fn backward_chunk(&mut self, ci: usize, si: usize, given: bool) -> Result<bool> {
+        self.check_slot("backward", ci, si)?;
+        let (embeds, ends) = (self.chunks[ci].embeds, self.chunks[ci].ends);
+        if ends == given {
+            return Err(Error::InvalidArgument(format!(
+                "backward: grad_output must be given exactly to chunks other than the model's last (chunk {ci} is {}the last)",
+                if ends { "" } else { "not " }
+            )));
         }
-        self.forward_done = false;
+        if !self.chunks[ci].slots[si].forward_done {
+            return Err(Error::InvalidArgument(format!("backward called without a forward of slot {si} of chunk {ci} since its last backward")));
+        }
+        self.chunks[ci].slots[si].forward_done = false;
+        if ends {
+            self.head_backward(ci, si)?;
+        }
+        for li in (0..self.chunks[ci].layers.len()).rev() {
+            self.block_backward(ci, si, li)?;
+        }
+        if !embeds {
+            return Ok(true);
+        }
         let (b, t, c) = (self.b, self.t, self.config.n_embd);
-        let (bt, nl, vocab) = (b * t, self.config.n_layer, self.w.vocab);
-        let Ends { wte, wpe, lnf_w, lnf_b } = self.ends;
-        {
-            let (dev, s, p, g) = (&self.dev, &mut self.bufs, &self.params, &mut self.grads);
-            ops::fill_zero(dev, &mut s.dlogits, bt * vocab.vl)?;
-            let dloss = (1.0 / bt as f64) as f32;
-            ops_vocab::cross_entropy_backward(dev, &mut s.dlogits, &s.logits, &s.lse, &s.targets, dloss, bt, vocab)?;
-            let w = Weight { f32: &p[wte], bf16: self.params16[wte].as_ref() };
-            self.linear.backward(dev, &mut s.dln, &mut g[wte], None, &s.dlogits, &s.lnf, w, (bt, c, vocab.vl))?;
-            tp_sum(&mut self.tp, dev, &mut s.dln, bt * c)?;
-            ops::fill_zero(dev, &mut s.dres, bt * c)?;
-            let (gw, gb) = pair(g, lnf_w, lnf_b);
-            let last = &self.blocks[nl - 1].residual3;
-            ops::layernorm_backward(dev, &mut s.dres, gw, gb, &s.dln, last, &p[lnf_w], &s.lnf_mean, &s.lnf_rstd, bt, c)?;
-        }
-        for l in (0..nl).rev() {
-            self.block_backward(l)?;
-        }
-        let (dev, s, g) = (&self.dev, &self.bufs, &mut self.grads);
+        let (wte, wpe) = (self.ends.wte.expect("a first stage"), self.ends.wpe.expect("a first stage"));
+        let (dev, s, g, a) = (&self.dev, &self.s, &mut self.grads, &self.chunks[ci].slots[si]);
         let (gte, gpe) = pair(g, wte, wpe);
         match self.tp {
-            None => ops::encoder_backward(dev, gte, gpe, &s.dres, &s.tokens, b, t, c)?,
-            Some(_) => device_tp::embed_backward(dev, gte, gpe, &s.dres, &s.tokens, (b, t, c), vocab)?,
+            None => ops::encoder_backward(dev, gte, gpe, &s.dres, &a.tokens, b, t, c)?,
+            Some(_) => device_tp::embed_backward(dev, gte, gpe, &s.dres, &a.tokens, (b, t, c), self.w.vocab)?,
         }
-        if report && self.host_reports {
-            for (i, e) in self.layout.entries().iter().enumerate() {
-                dev.copy_to_host(&self.grads[i], &mut self.host_grads[e.range()])?;
-            }
-            let n = self.host_grads.len();
-            on_final(0..n, &mut self.host_grads);
-        }
-        Ok(())
+        Ok(false)
     }
 
-    /// Backward of block `l`: `dres` holds d(block output) on entry, d(block input) on exit. The
-    /// input gradients of the column-parallel products are partial sums over this rank's heads
-    /// and hidden units, summed over TP before the LayerNorm backward.
-    fn block_backward(&mut self, l: usize) -> Result<()> {
+    /// Loss, head and final LayerNorm backward of `slot`: leaves d(chunk output) in `s.dres`.
+    fn head_backward(&mut self, ci: usize, si: usize) -> Result<()> {
+        let (bt, c, vocab) = (self.b * self.t, self.config.n_embd, self.w.vocab);
+        let (wte, (lnf_w, lnf_b)) = (self.ends.wte.expect("a last stage"), self.ends.lnf.expect("a last stage"));
+        let (dev, s, p, g) = (&self.dev, &mut self.s, &self.params, &mut self.grads);
+        let SlotActs { input, blocks, head, .. } = &self.chunks[ci].slots[si];
+        let x = blocks.last().map_or(input, |blk| &blk.residual3); // (B*T, C)
+        let h = head.as_ref().expect("the last chunk keeps the head's activations");
+        ops::fill_zero(dev, &mut s.dlogits, bt * vocab.vl)?;
+        let dloss = (1.0 / bt as f64) as f32;
+        ops_vocab::cross_entropy_backward(dev, &mut s.dlogits, &h.logits, &h.lse, &h.targets, dloss, bt, vocab)?;
+        let w = Weight { f32: &p[wte], bf16: self.params16[wte].as_ref() };
+        self.linear.backward(dev, &mut s.dln, &mut g[wte], None, &s.dlogits, &h.lnf, w, (bt, c, vocab.vl))?;
+        tp_sum(&mut self.tp, dev, &mut s.dln, bt * c)?;
+        ops::fill_zero(dev, &mut s.dres, bt * c)?;
+        let (gw, gb) = pair(g, lnf_w, lnf_b);
+        ops::layernorm_backward(dev, &mut s.dres, gw, gb, &s.dln, x, &p[lnf_w], &h.lnf_mean, &h.lnf_rstd, bt, c)
+    }
+
+    /// Backward of block `li` of chunk `ci` on `slot`: `dres` holds d(block output) on entry,
+    /// d(block input) on exit. The input gradients of the column-parallel products are partial
+    /// sums over this rank's heads and hidden units, summed over TP before the LayerNorm backward.
+    fn block_backward(&mut self, ci: usize, si: usize, li: usize) -> Result<()> {
         let (bt, c) = (self.b * self.t, self.config.n_embd);
         let Widths { cl, hl, .. } = self.w;
         let shape = self.attn_shape();
+        let l = self.chunks[ci].layers.start + li;
         let [ln1_w, ln1_b, qkv_w, qkv_b, ap_w, ap_b, ln2_w, ln2_b, fc_w, fc_b, mp_w, mp_b] = self.block_entries(l);
-        let (p, p16, dev, g, s, tp) = (&self.params, &self.params16, &self.dev, &mut self.grads, &mut self.bufs, &mut self.tp);
+        let (p, p16, dev, g, s, tp) = (&self.params, &self.params16, &self.dev, &mut self.grads, &mut self.s, &mut self.tp);
         let w = |i: usize| Weight { f32: &p[i], bf16: p16[i].as_ref() };
-        let x = if l == 0 { &s.encoded } else { &self.blocks[l - 1].residual3 }; // (B*T, C)
-        let a = &self.blocks[l];
+        let slot = &self.chunks[ci].slots[si];
+        let x = if li == 0 { &slot.input } else { &slot.blocks[li - 1].residual3 }; // (B*T, C)
+        let a = &slot.blocks[li];
         // MLP: d(residual2) = dres + d through ln2 of the MLP branch.
         let (gw, gb) = pair(g, mp_w, mp_b);
         self.linear.backward(dev, &mut s.dfch_gelu, gw, Some(gb), &s.dres, &a.fch_gelu, w(mp_w), (bt, hl, c))?;
@@ -642,6 +672,13 @@ impl DeviceGpt {
         let (gw, gb) = pair(g, ln1_w, ln1_b);
         ops::layernorm_backward(dev, &mut s.dres, gw, gb, &s.dln, x, &p[ln1_w], &a.ln1_mean, &a.ln1_rstd, bt, c)
     }
+}
+
+fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
+    if got != want {
+        return Err(Error::InvalidArgument(format!("{what} has {got} elements, expected {want}")));
+    }
+    Ok(())
 }
 
 /// Two distinct entries of `bufs`, both mutable (`i < j`, as layout order always gives here).

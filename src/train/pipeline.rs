@@ -3,7 +3,9 @@
 //! action list that [`crate::parallel::schedule::actions`] gives for (schedule, rank, stages,
 //! micro-batches), moving activations and their gradients with point-to-point calls on the
 //! pipeline communicator. Chunk `c` of pipeline rank `r` is global stage `c * p + r`; the global
-//! stages' block ranges come from [`crate::parallel::stage_split`].
+//! stages' block ranges come from [`crate::parallel::stage_split`]. The stage runs on the CPU shard
+//! executor ([`Stage`]) or as the device model ([`DeviceGpt`]: a GPU, or bf16 numerics on the
+//! CPU); either way hidden states and their gradients cross between stages as host buffers.
 //!
 //! Invariants: every rank reads the same micro-batches (the first stage needs the tokens, the last
 //! the targets); micro-batch `mb` lives in slot `mb` of each chunk from its forward to its
@@ -20,13 +22,55 @@ use serde_json::{json, Value};
 use crate::comm::{Communicator, ReduceOp};
 use crate::data::Batch;
 use crate::error::{Error, Result};
-use crate::model::{GptConfig, Stage, StageInput, StageOutput, StageSpec};
+use crate::config::Precision;
+use crate::device::Device;
+use crate::model::{DeviceGpt, DeviceTp, GptConfig, ShardLayout, Stage, StageInput, StageOutput, StageSpec};
 use crate::parallel::schedule::{actions, simulate_ranks, Action, Delivery, Schedule};
+
+/// What runs a pipeline rank's chunks.
+pub enum StageExec {
+    /// The CPU shard executor, with its tensor-parallel communicator.
+    Host { stage: Box<Stage>, tp: Box<Communicator> },
+    /// The device model (its TP group inside).
+    Device(Box<DeviceGpt>),
+}
+
+impl StageExec {
+    fn forward(&mut self, chunk: usize, slot: usize, input: StageInput<'_>, targets: Option<&[u32]>) -> Result<StageOutput<'_>> {
+        match self {
+            StageExec::Host { stage, tp } => stage.forward(chunk, slot, input, targets, &**tp),
+            StageExec::Device(m) => m.forward_stage(chunk, slot, input, targets),
+        }
+    }
+
+    fn backward(&mut self, chunk: usize, slot: usize, grad_output: Option<&[f32]>) -> Result<Option<&[f32]>> {
+        match self {
+            StageExec::Host { stage, tp } => stage.backward(chunk, slot, grad_output, &**tp, &mut |_, _| {}),
+            StageExec::Device(m) => m.backward_stage(chunk, slot, grad_output),
+        }
+    }
+
+    /// The parameter layout of this rank's shard.
+    pub fn layout(&self) -> &ShardLayout {
+        match self {
+            StageExec::Host { stage, .. } => stage.layout(),
+            StageExec::Device(m) => m.layout(),
+        }
+    }
+
+    fn hidden_len(&self) -> usize {
+        match self {
+            StageExec::Host { stage, .. } => stage.hidden_len(),
+            StageExec::Device(m) => m.hidden_len(),
+        }
+    }
+}
 
 /// One pipeline rank of one tensor-parallel rank, with its message buffers.
 pub struct Pipeline {
-    stage: Stage,
-    tp: Communicator,
+    exec: StageExec,
+    spec: StageSpec,
+    tp_rank: usize,
     pp: Communicator,
     /// The first and last stage (holders of the tied embedding); absent on middle stages.
     tied: Option<Communicator>,
@@ -70,7 +114,8 @@ impl StepTiming {
 
 impl Pipeline {
     /// Pipeline rank `pp.rank()` of `pp.size()` for `cfg`, with zero parameters; `stages` are the
-    /// block ranges of all `pp.size() * schedule.chunks()` global stages.
+    /// block ranges of all `pp.size() * schedule.chunks()` global stages. With `device`, the
+    /// stage is the device model on that device in that precision (sequence parallelism off).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         cfg: GptConfig,
@@ -82,6 +127,7 @@ impl Pipeline {
         schedule: Schedule,
         microbatches: usize,
         stages: &[Range<usize>],
+        device: Option<(Device, Precision)>,
     ) -> Result<Self> {
         let (r, p, v) = (pp.rank(), pp.size(), schedule.chunks());
         if stages.len() != p * v {
@@ -96,14 +142,27 @@ impl Pipeline {
             first: r == 0,
             last: r + 1 == p,
         };
-        let stage = Stage::new(cfg, tp.rank(), tp.size(), spec, sequence_parallel, b, t, microbatches)?;
+        let tp_rank = tp.rank();
+        let exec = match device {
+            None => {
+                let stage = Stage::new(cfg, tp.rank(), tp.size(), spec.clone(), sequence_parallel, b, t, microbatches)?;
+                StageExec::Host { stage: Box::new(stage), tp: Box::new(tp) }
+            }
+            Some((dev, precision)) => {
+                let group = if tp.size() > 1 { Some(DeviceTp::new(tp)?) } else { None };
+                let n = ShardLayout::new(&cfg, tp_rank, group.as_ref().map_or(1, DeviceTp::size), &spec)?.total_len();
+                let m = DeviceGpt::stage(dev, cfg, (b, t), vec![0f32; n], precision, group, spec.clone(), microbatches)?;
+                StageExec::Device(Box::new(m))
+            }
+        };
         let ends = r == 0 || r + 1 == p;
         let tied = if p > 1 { pp.split(ends.then_some(0), r as i64)? } else { None };
-        let rows = stage.hidden_len();
+        let rows = exec.hidden_len();
         let bufs = || (0..microbatches * v).map(|_| vec![0f32; rows]).collect::<Vec<_>>();
         Ok(Pipeline {
-            stage,
-            tp,
+            exec,
+            spec,
+            tp_rank,
             pp,
             tied,
             schedule,
@@ -122,19 +181,19 @@ impl Pipeline {
         self.microbatches
     }
 
-    /// The stage.
-    pub fn stage(&self) -> &Stage {
-        &self.stage
+    /// What runs the stage.
+    pub fn exec(&self) -> &StageExec {
+        &self.exec
     }
 
-    /// The stage, mutable.
-    pub fn stage_mut(&mut self) -> &mut Stage {
-        &mut self.stage
+    /// What runs the stage, mutable.
+    pub fn exec_mut(&mut self) -> &mut StageExec {
+        &mut self.exec
     }
 
-    /// The tensor-parallel and pipeline communicators.
-    pub fn groups(&self) -> (&Communicator, &Communicator) {
-        (&self.tp, &self.pp)
+    /// This rank's (TP rank, pipeline rank, pipeline size).
+    pub fn position(&self) -> (usize, usize, usize) {
+        (self.tp_rank, self.pp.rank(), self.pp.size())
     }
 
     /// Starts the timing of a new optimizer step (its rounds add up until the next call).
@@ -157,7 +216,7 @@ impl Pipeline {
             )));
         }
         let (rank, p, v) = (self.pp.rank(), self.pp.size(), self.schedule.chunks());
-        let Pipeline { stage, tp, pp, list, act_in, act_out, grad_in, grad_out, timing, .. } = self;
+        let Pipeline { exec, spec, pp, list, act_in, act_out, grad_in, grad_out, timing, .. } = self;
         let mut loss = 0.0f64;
         let (start, mut fwd, mut bwd) = (Instant::now(), Duration::ZERO, Duration::ZERO);
         for &a in list.iter() {
@@ -168,14 +227,13 @@ impl Pipeline {
                 }
                 Action::Forward { mb, chunk } => {
                     let k = mb * v + chunk;
-                    let spec = stage.spec();
                     let input = if spec.embeds(chunk) {
                         StageInput::Tokens(&batches[mb].inputs)
                     } else {
                         StageInput::Hidden(&act_in[k])
                     };
                     let targets = spec.ends(chunk).then_some(&batches[mb].targets[..]);
-                    match stage.forward(chunk, mb, input, targets, tp)? {
+                    match exec.forward(chunk, mb, input, targets)? {
                         StageOutput::Loss(l) => loss += f64::from(l),
                         StageOutput::Hidden(h) => act_out[k].copy_from_slice(h),
                     }
@@ -189,8 +247,8 @@ impl Pipeline {
                 }
                 Action::Backward { mb, chunk } => {
                     let k = mb * v + chunk;
-                    let go = if stage.spec().ends(chunk) { None } else { Some(&grad_in[k][..]) };
-                    if let Some(d) = stage.backward(chunk, mb, go, tp, &mut |_, _| {})? {
+                    let go = if spec.ends(chunk) { None } else { Some(&grad_in[k][..]) };
+                    if let Some(d) = exec.backward(chunk, mb, go)? {
                         grad_out[k].copy_from_slice(d);
                     }
                     bwd += t0.elapsed();
@@ -248,12 +306,25 @@ impl Pipeline {
         ])
     }
 
-    /// Sums the tied embedding's gradient between the first and the last stage.
-    pub fn sync_tied_grads(&mut self) -> Result<()> {
-        if let (Some(tied), Some(wte)) = (&self.tied, self.stage.layout().wte()) {
-            tied.all_reduce(&mut self.stage.grads_mut()[wte], ReduceOp::Sum)?;
+    /// Sums the tied embedding's gradient between the first and the last stage, then hands the
+    /// gradients to `on_final(0..n, grads)` (the device model: if it reports to the host).
+    pub fn report_grads(&mut self, on_final: &mut dyn FnMut(Range<usize>, &mut [f32])) -> Result<()> {
+        match (&mut self.exec, &self.tied) {
+            (StageExec::Host { stage, .. }, tied) => {
+                if let (Some(tied), Some(wte)) = (tied, stage.layout().wte()) {
+                    tied.all_reduce(&mut stage.grads_mut()[wte], ReduceOp::Sum)?;
+                }
+                let g = stage.grads_mut();
+                on_final(0..g.len(), g);
+                Ok(())
+            }
+            (StageExec::Device(m), tied) => {
+                if let Some(tied) = tied {
+                    m.sum_tied_grads(tied)?;
+                }
+                m.report_grads(on_final)
+            }
         }
-        Ok(())
     }
 
     /// Loss of one batch, forward only, passed stage to stage (on every rank).
@@ -261,7 +332,7 @@ impl Pipeline {
         let (r, p) = (self.pp.rank(), self.pp.size());
         let v = self.schedule.chunks();
         let last = p * v - 1;
-        let Pipeline { stage, tp, pp, act_in, act_out, .. } = self;
+        let Pipeline { exec, pp, act_in, act_out, .. } = self;
         let mut loss = [0.0f64];
         // Slot 0 of each chunk; message buffers 0 * v + chunk.
         for chunk in 0..v {
@@ -271,7 +342,7 @@ impl Pipeline {
             }
             let input =
                 if g == 0 { StageInput::Tokens(&batch.inputs) } else { StageInput::Hidden(&act_in[chunk]) };
-            match stage.forward(chunk, 0, input, (g == last).then_some(&batch.targets[..]), tp)? {
+            match exec.forward(chunk, 0, input, (g == last).then_some(&batch.targets[..]))? {
                 StageOutput::Loss(l) => loss[0] = f64::from(l),
                 StageOutput::Hidden(h) => act_out[chunk].copy_from_slice(h),
             }
@@ -287,12 +358,12 @@ impl Pipeline {
     /// by TP rank 0, and the tied embedding by the first stage only.
     pub fn norm_spans(&self) -> Vec<(Range<usize>, bool)> {
         let first = self.is_first();
-        self.stage
+        self.exec
             .layout()
             .entries()
             .iter()
             .map(|e| {
-                let tp_ok = !e.replicated_over_tp || self.tp.rank() == 0;
+                let tp_ok = !e.replicated_over_tp || self.tp_rank == 0;
                 let pp_ok = e.name != "wte" || first;
                 (e.offset..e.offset + e.len, tp_ok && pp_ok)
             })

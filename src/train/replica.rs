@@ -10,7 +10,7 @@
 
 use std::ops::Range;
 
-use super::pipeline::Pipeline;
+use super::pipeline::{Pipeline, StageExec};
 use crate::comm::Communicator;
 use crate::data::Batch;
 use crate::error::{Error, Result};
@@ -76,7 +76,8 @@ pub struct ReplicaLayout {
     /// Run the whole model through the shard executor ([`Stage`]) even without tensor
     /// parallelism: ZeRO-2/3 need its units, parameter gate and mutable gradient reports.
     pub shard_executor: bool,
-    /// Run the model (tensor parallel over `tp`, no pipeline) on this device in this precision.
+    /// Run the device model (tensor parallel over `tp`, possibly pipelined) on this device in
+    /// this precision.
     pub device: Option<(Device, Precision)>,
 }
 
@@ -87,15 +88,8 @@ impl Replica {
     pub fn new(cfg: GptConfig, b: usize, t: usize, l: ReplicaLayout) -> Result<Self> {
         cfg.validate()?;
         let zeros = || vec![0f32; ParamLayout::new(&cfg).total_len()];
-        if let Some((dev, precision)) = l.device {
-            if l.pp.size() > 1 || l.shard_executor || l.sequence_parallel {
-                return Err(Error::Check("the device model runs neither pipelined, ZeRO-2/3 nor sequence parallel".into()));
-            }
-            let tp = if l.tp.size() > 1 { Some(DeviceTp::new(l.tp)?) } else { None };
-            let (rank, size) = tp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
-            let params = vec![0f32; ShardLayout::new(&cfg, rank, size, &StageSpec::whole(&cfg))?.total_len()];
-            let m = DeviceGpt::with_tp(dev, cfg, b, t, params, precision, tp)?;
-            return Ok(Replica::Device(Box::new(m)));
+        if l.device.is_some() && (l.shard_executor || l.sequence_parallel) {
+            return Err(Error::Check("the device model runs neither ZeRO-2/3 nor sequence parallel".into()));
         }
         if l.pp.size() > 1 {
             let p = Pipeline::new(
@@ -108,8 +102,16 @@ impl Replica {
                 l.schedule,
                 l.microbatches,
                 &l.stage_layers,
+                l.device,
             )?;
             return Ok(Replica::Pipeline(Box::new(p)));
+        }
+        if let Some((dev, precision)) = l.device {
+            let tp = if l.tp.size() > 1 { Some(DeviceTp::new(l.tp)?) } else { None };
+            let (rank, size) = tp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
+            let params = vec![0f32; ShardLayout::new(&cfg, rank, size, &StageSpec::whole(&cfg))?.total_len()];
+            let m = DeviceGpt::with_tp(dev, cfg, b, t, params, precision, tp)?;
+            return Ok(Replica::Device(Box::new(m)));
         }
         if l.tp.size() == 1 && !l.shard_executor {
             return Ok(Replica::Whole(Box::new(Gpt::from_params(cfg, b, t, zeros())?)));
@@ -124,7 +126,7 @@ impl Replica {
     /// here, so it takes no memory).
     pub fn initialize(&mut self, cfg: &GptConfig, seed: u64, only: Option<&[Range<usize>]>) -> Result<()> {
         let init = Initializer::new(cfg, &ParamLayout::new(cfg), seed);
-        if let Replica::Device(m) = self {
+        if let Some(m) = self.device_model_mut() {
             return match only {
                 Some(_) => Err(Error::Check("the device model initialises its whole shard".into())),
                 None => m.init_params(&init),
@@ -165,9 +167,7 @@ impl Replica {
             for (i, round) in batches.chunks(p.microbatches()).enumerate() {
                 sum += p.run(round)?;
                 if every_backward || i + 1 == rounds {
-                    p.sync_tied_grads()?;
-                    let g = p.stage_mut().grads_mut();
-                    on_final(0..g.len(), g);
+                    p.report_grads(on_final)?;
                 }
             }
             return Ok(sum / batches.len() as f64);
@@ -221,7 +221,8 @@ impl Replica {
         match self {
             Replica::Whole(m) => Some(m.layout().wte()),
             Replica::Device(m) => m.layout().wte(),
-            _ => self.stage().and_then(|s| s.layout().wte()),
+            Replica::TensorParallel { stage, .. } => stage.layout().wte(),
+            Replica::Pipeline(p) => p.exec().layout().wte(),
         }
     }
 
@@ -229,7 +230,10 @@ impl Replica {
         match self {
             Replica::Whole(_) | Replica::Device(_) => None,
             Replica::TensorParallel { stage, .. } => Some(stage),
-            Replica::Pipeline(p) => Some(p.stage()),
+            Replica::Pipeline(p) => match p.exec() {
+                StageExec::Host { stage, .. } => Some(stage),
+                StageExec::Device(_) => None,
+            },
         }
     }
 
@@ -237,7 +241,10 @@ impl Replica {
         match self {
             Replica::Whole(_) | Replica::Device(_) => None,
             Replica::TensorParallel { stage, .. } => Some(stage),
-            Replica::Pipeline(p) => Some(p.stage_mut()),
+            Replica::Pipeline(p) => match p.exec_mut() {
+                StageExec::Host { stage, .. } => Some(stage),
+                StageExec::Device(_) => None,
+            },
         }
     }
 
@@ -269,16 +276,29 @@ impl Replica {
 
     /// The device of the device model, if this replica is one.
     pub fn device(&self) -> Option<&Device> {
+        self.device_model().map(DeviceGpt::device)
+    }
+
+    /// The device model (whole, a TP shard or a pipeline stage), if this replica is one.
+    pub fn device_model(&self) -> Option<&DeviceGpt> {
         match self {
-            Replica::Device(m) => Some(m.device()),
+            Replica::Device(m) => Some(m),
+            Replica::Pipeline(p) => match p.exec() {
+                StageExec::Device(m) => Some(m),
+                StageExec::Host { .. } => None,
+            },
             _ => None,
         }
     }
 
-    /// The device model, if this replica is one.
+    /// The device model, mutable.
     pub fn device_model_mut(&mut self) -> Option<&mut DeviceGpt> {
         match self {
             Replica::Device(m) => Some(m),
+            Replica::Pipeline(p) => match p.exec_mut() {
+                StageExec::Device(m) => Some(m),
+                StageExec::Host { .. } => None,
+            },
             _ => None,
         }
     }
@@ -289,7 +309,10 @@ impl Replica {
             Replica::Whole(m) => m.params(),
             Replica::Device(m) => m.params(),
             Replica::TensorParallel { stage, .. } => stage.params(),
-            Replica::Pipeline(p) => p.stage().params(),
+            Replica::Pipeline(p) => match p.exec() {
+                StageExec::Host { stage, .. } => stage.params(),
+                StageExec::Device(m) => m.params(),
+            },
         }
     }
 
@@ -299,7 +322,10 @@ impl Replica {
             Replica::Whole(m) => m.params_and_grads(),
             Replica::Device(m) => m.params_and_grads(),
             Replica::TensorParallel { stage, .. } => stage.params_and_grads(),
-            Replica::Pipeline(p) => p.stage_mut().params_and_grads(),
+            Replica::Pipeline(p) => match p.exec_mut() {
+                StageExec::Host { stage, .. } => stage.params_and_grads(),
+                StageExec::Device(m) => m.params_and_grads(),
+            },
         }
     }
 
@@ -309,7 +335,10 @@ impl Replica {
             Replica::Whole(m) => m.zero_grad(),
             Replica::Device(m) => return m.zero_grad(),
             Replica::TensorParallel { stage, .. } => stage.zero_grad(),
-            Replica::Pipeline(p) => p.stage_mut().zero_grad(),
+            Replica::Pipeline(p) => match p.exec_mut() {
+                StageExec::Host { stage, .. } => stage.zero_grad(),
+                StageExec::Device(m) => return m.zero_grad(),
+            },
         }
         Ok(())
     }
@@ -349,7 +378,7 @@ impl Replica {
             Replica::Whole(m) => m.layout().decay_spans(),
             Replica::Device(m) => m.layout().decay_spans(),
             Replica::TensorParallel { stage, .. } => stage.layout().decay_spans(),
-            Replica::Pipeline(p) => p.stage().layout().decay_spans(),
+            Replica::Pipeline(p) => p.exec().layout().decay_spans(),
         }
     }
 
@@ -371,7 +400,10 @@ impl Replica {
             Replica::Whole(m) => m.activation_elements(),
             Replica::Device(m) => m.activation_elements(),
             Replica::TensorParallel { stage, .. } => stage.activation_elements(),
-            Replica::Pipeline(p) => p.stage().activation_elements(),
+            Replica::Pipeline(p) => match p.exec() {
+                StageExec::Host { stage, .. } => stage.activation_elements(),
+                StageExec::Device(m) => m.activation_elements(),
+            },
         }
     }
 
@@ -382,8 +414,8 @@ impl Replica {
             Replica::Device(m) => (m.layout(), m.tp_rank(), true, 1),
             Replica::TensorParallel { stage, tp } => (stage.layout(), tp.rank(), true, 1),
             Replica::Pipeline(p) => {
-                let (tp, pp) = p.groups();
-                (p.stage().layout(), tp.rank(), pp.rank() == 0, pp.size())
+                let (tp_rank, pp_rank, pp_size) = p.position();
+                (p.exec().layout(), tp_rank, pp_rank == 0, pp_size)
             }
         };
         layout

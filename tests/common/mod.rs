@@ -174,6 +174,7 @@ pub fn assert_params_close(
     assert_eq!(got.len(), want.len(), "{what}: tensor counts differ");
     let (mut diff_all, mut norm_all) = (0f64, 0f64);
     let mut compared = 0;
+    let mut worst = (0f64, String::new());
     for (a, b) in got.iter().zip(want) {
         assert_eq!((&a.0, &a.1), (&b.0, &b.1), "{what}: tensor tables differ");
         if !a.0.starts_with("model/") {
@@ -188,6 +189,9 @@ pub fn assert_params_close(
             let e = (diff / norm.max(1e-30)).sqrt();
             let bound = PER_TENSOR_SLACK * rel;
             assert!(e <= bound, "{what}: {}[{r:?}] relative L2 difference {e:.3e} > {bound:e}", a.0);
+            if e > worst.0 {
+                worst = (e, a.0.clone());
+            }
             diff_all += diff;
             norm_all += norm;
         }
@@ -196,6 +200,8 @@ pub fn assert_params_close(
     assert!(compared > 0, "{what}: no model tensors to compare");
     let e = (diff_all / norm_all.max(1e-30)).sqrt();
     assert!(e <= rel, "{what}: whole-model relative L2 difference {e:.3e} > {rel:e}");
+    // What was measured, for the notes (shown with --nocapture).
+    eprintln!("{what}: parameters within {e:.2e} over the model, worst tensor {} {:.2e}", worst.1, worst.0);
 }
 
 /// Whether this machine lets one process read another's memory (`process_vm_readv`; seccomp

@@ -1,0 +1,101 @@
+//! Fully connected layers of the device model: matrix products through the device's BLAS
+//! (`device::gemm`) in the chosen precision. Under bf16 the activation (and, for weight
+//! gradients, the output-gradient) operands are cast to bf16 scratch right before the product and
+//! the weights come as the model's bf16 copies; accumulation and outputs stay f32.
+
+use crate::device::gemm::{Gemm, GemmInput, Operand};
+use crate::device::{ops, Device, DeviceBuffer};
+use crate::error::{Error, Result};
+
+/// Matrix products of fully connected layers in the chosen precision, with the bf16 scratch.
+pub(super) struct Linear {
+    gemm: Gemm,
+    bf16: bool,
+    x16: DeviceBuffer, // (B*T * max(C, 3Cl, H, Vl)) bf16: the activation or gradient operand
+    y16: DeviceBuffer, // (B*T * max(C, H)) bf16: the second activation operand of a weight gradient
+}
+
+/// A parameter as a product reads it: f32, and its bf16 copy under mixed precision.
+#[derive(Clone, Copy)]
+pub(super) struct Weight<'a> {
+    pub f32: &'a DeviceBuffer,
+    pub bf16: Option<&'a DeviceBuffer>,
+}
+
+impl Linear {
+    /// Products on `dev`; under `bf16`, with scratch for `x16` and `y16` bf16 operand elements.
+    pub(super) fn new(dev: &Device, bf16: bool, x16: usize, y16: usize) -> Result<Self> {
+        let scratch = |elems: usize| dev.alloc(if bf16 { elems * 2 } else { 0 });
+        Ok(Linear { gemm: Gemm::new(dev)?, bf16, x16: scratch(x16)?, y16: scratch(y16)? })
+    }
+
+    /// bf16 scratch elements held (for the memory estimate).
+    pub(super) fn scratch_elements(&self) -> usize {
+        (self.x16.len() + self.y16.len()) / 4
+    }
+
+    fn weight_operand<'a>(&self, w: Weight<'a>) -> Result<Operand<'a>> {
+        Ok(match (self.bf16, w.bf16) {
+            (false, _) => Operand::t(w.f32, GemmInput::F32),
+            (true, Some(b)) => Operand::t(b, GemmInput::Bf16),
+            (true, None) => return Err(Error::Check("a bf16 product without the weight's bf16 copy".into())),
+        })
+    }
+
+    /// out (N, OC) = inp (N, C) · W (OC, C)ᵀ (+ bias (OC)).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn forward(
+        &mut self,
+        dev: &Device,
+        out: &mut DeviceBuffer,
+        inp: &DeviceBuffer,
+        w: Weight,
+        bias: Option<&DeviceBuffer>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) -> Result<()> {
+        let a = if self.bf16 {
+            ops::cast_f32_to_bf16(dev, &mut self.x16, inp, n * c)?;
+            Operand::plain(&self.x16, GemmInput::Bf16)
+        } else {
+            Operand::plain(inp, GemmInput::F32)
+        };
+        self.gemm.matmul(dev, out, a, self.weight_operand(w)?, n, oc, c, false)?;
+        match bias {
+            Some(b) => ops::bias_add(dev, out, b, n, oc),
+            None => Ok(()),
+        }
+    }
+
+    /// dinp (N, C) = dout (N, OC) · W (OC, C) (overwritten); dW (OC, C) += doutᵀ · inp (N, C);
+    /// dbias (OC) += column sums of dout.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn backward(
+        &mut self,
+        dev: &Device,
+        dinp: &mut DeviceBuffer,
+        dw: &mut DeviceBuffer,
+        dbias: Option<&mut DeviceBuffer>,
+        dout: &DeviceBuffer,
+        inp: &DeviceBuffer,
+        w: Weight,
+        (n, c, oc): (usize, usize, usize),
+    ) -> Result<()> {
+        if let Some(db) = dbias {
+            ops::bias_backward(dev, db, dout, n, oc)?;
+        }
+        let (g, x) = if self.bf16 {
+            ops::cast_f32_to_bf16(dev, &mut self.x16, dout, n * oc)?;
+            ops::cast_f32_to_bf16(dev, &mut self.y16, inp, n * c)?;
+            (Operand::plain(&self.x16, GemmInput::Bf16), Operand::plain(&self.y16, GemmInput::Bf16))
+        } else {
+            (Operand::plain(dout, GemmInput::F32), Operand::plain(inp, GemmInput::F32))
+        };
+        let mut w_plain = self.weight_operand(w)?;
+        w_plain.transposed = false;
+        self.gemm.matmul(dev, dinp, g, w_plain, n, c, oc, false)?;
+        let g_t = Operand { transposed: true, ..g };
+        self.gemm.matmul(dev, dw, g_t, x, oc, c, n, true)
+    }
+}

@@ -12,14 +12,16 @@ extern "C" __global__ void encoder_forward_f32(float *out, const unsigned int *t
     }
 }
 
-// dwpe (maxT, C) += sum over the batch of dout (B*T, C); one thread per (t, c) element of
-// positions 0..t, summing the B rows in order (deterministic).
-extern "C" __global__ void encoder_backward_wpe_f32(float *dwpe, const float *dout, int b, int t,
-                                                    int c) {
+// dwpe (maxT, C) += dout (rows, C) summed over the rows at each position, the rows being global
+// rows row0.. of the (B*T) batch (all of them, or a sequence-parallel rank's block); one thread
+// per (t, c) element of positions 0..t, summing its rows in order (deterministic).
+extern "C" __global__ void encoder_backward_wpe_f32(float *dwpe, const float *dout, mt_u64 rows, mt_u64 row0,
+                                                    int t, int c) {
     const mt_u64 n = (mt_u64)t * c, stride = (mt_u64)gridDim.x * blockDim.x;
     for (mt_u64 i = (mt_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const mt_u64 pos = i / c, col = i % c;
         float acc = 0.0f;
-        for (int bi = 0; bi < b; bi++) acc += dout[(mt_u64)bi * n + i];
+        for (mt_u64 r = (pos + t - row0 % t) % t; r < rows; r += t) acc += dout[r * c + col];
         dwpe[i] += acc;
     }
 }

@@ -31,11 +31,14 @@ extern "C" __global__ void embedding_shard_backward_f32(float *dwte, const float
     }
 }
 
-// out (N, C) += wpe (maxT, C) row (i % t) of each row i; one thread per element.
-extern "C" __global__ void position_forward_f32(float *out, const float *wpe, mt_u64 n, int t, int c) {
+// out (N, C) += wpe (maxT, C) row ((row0 + i) % t) of each row i: the rows are global rows
+// row0.. of the (B*T) batch (a sequence-parallel rank holds a block of them); one thread per
+// element.
+extern "C" __global__ void position_forward_f32(float *out, const float *wpe, mt_u64 n, mt_u64 row0, int t,
+                                                int c) {
     const mt_u64 stride = (mt_u64)gridDim.x * blockDim.x;
     for (mt_u64 i = (mt_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const mt_u64 row = i / c, col = i % c;
+        const mt_u64 row = row0 + i / c, col = i % c;
         out[i] += wpe[(row % t) * c + col];
     }
 }

@@ -366,21 +366,22 @@ fn gpu_vocab_parallel_kernels_match_cpu() {
     let tokens: Vec<u32> = (0..n).map(|_| r.gen_range(0..v as u32)).collect();
     let mut emb = vec![0.0; n * c];
     vp::embedding_shard_forward(&mut emb, &tokens, &widen(&wte), start, c);
-    vp::position_forward(&mut emb, &widen(&wpe), 0, t, c);
+    // Rows starting at global row 5, as a sequence-parallel rank's block does.
+    vp::position_forward(&mut emb, &widen(&wpe), 5, t, c);
     let (g_tok, g_wte, g_wpe) = (dev.upload(&tokens).unwrap(), dev.upload(&wte).unwrap(), dev.upload(&wpe).unwrap());
     let mut g_emb = poisoned(&dev, 4 * n * c);
     ops_vocab::embedding_shard_forward(&dev, &mut g_emb, &g_tok, &g_wte, (n, c), shard).unwrap();
-    ops_vocab::position_forward(&dev, &mut g_emb, &g_wpe, n, t, c).unwrap();
+    ops_vocab::position_forward(&dev, &mut g_emb, &g_wpe, n, 5, t, c).unwrap();
     assert_close("shard embedding + positions", &down_f32(&dev, &g_emb, n * c), &emb);
     let dout = rand_f32(&mut r, n * c, 1.0);
     let (dwte0, dwpe0) = (rand_f32(&mut r, vl * c, 1.0), rand_f32(&mut r, t * c, 1.0));
     let (mut dwte, mut dwpe) = (widen(&dwte0), widen(&dwpe0));
     vp::embedding_shard_backward(&mut dwte, &widen(&dout), &tokens, start, c);
-    vp::position_backward(&mut dwpe, &widen(&dout), 0, t, c);
+    vp::position_backward(&mut dwpe, &widen(&dout), 5, t, c);
     let g_dout = dev.upload(&dout).unwrap();
     let (mut g_dwte, mut g_dwpe) = (dev.upload(&dwte0).unwrap(), dev.upload(&dwpe0).unwrap());
     ops_vocab::embedding_shard_backward(&dev, &mut g_dwte, &g_dout, &g_tok, (n, c), shard).unwrap();
-    ops_vocab::position_backward(&dev, &mut g_dwpe, &g_dout, n / t, t, c).unwrap();
+    ops_vocab::position_backward(&dev, &mut g_dwpe, &g_dout, n, 5, t, c).unwrap();
     assert_close("shard dwte", &down_f32(&dev, &g_dwte, vl * c), &dwte);
     assert_close("dwpe", &down_f32(&dev, &g_dwpe, t * c), &dwpe);
 }

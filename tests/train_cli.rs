@@ -304,11 +304,11 @@ fn bf16_device_model_trains_data_parallel_and_tracks_fp32() {
     }
 }
 
-/// The device model tensor parallel (Megatron without SP: column-parallel qkv and fc,
-/// row-parallel projections summed over TP, vocab-parallel embedding and loss) through
-/// `meshtrain train` with `precision = "bf16"` on the CPU arm: TP 2, TP 4 and TP 2 x DP 2 with the
-/// device step (ZeRO 0: the norm's squares summed over TP, replicated tensors counted once) and
-/// TP 2 with the host-mirror step (ZeRO 1) follow the bf16 single-rank trajectory within the
+/// The device model tensor parallel (Megatron: column-parallel qkv and fc, row-parallel
+/// projections summed over TP, vocab-parallel embedding and loss; with and without sequence
+/// parallelism) through `meshtrain train` with `precision = "bf16"` on the CPU arm: TP 2, TP 4 and
+/// TP 2 x DP 2 with the device step (ZeRO 0: the norm's squares summed over TP, replicated tensors
+/// counted once) and TP 2 at ZeRO 1 follow the bf16 single-rank trajectory within the
 /// tolerances of the bf16 data-parallel layouts
 /// above (losses 1e-4, parameters 1e-2), for the same reason: the shards' products sum over
 /// fewer columns and the partial sums are added over TP, a different f32 order, and an
@@ -323,9 +323,11 @@ fn bf16_device_model_trains_tensor_parallel() {
     let d = dir.path();
     let single = job(d, "single.toml", "");
     let bf16 = trajectory(d, "bf16", 1, &single, &["train.grad_accum=4".into(), "precision=bf16".into()]);
-    for (tp, dp, zero, accum) in [(2, 1, 0, 4), (4, 1, 0, 4), (2, 2, 0, 2), (2, 1, 1, 4)] {
-        let name = format!("bf16_tp{tp}dp{dp}z{zero}");
-        let path = job(d, &format!("{name}.toml"), &format!("[parallel]\ntp = {tp}\ndp = {dp}\nzero = {zero}"));
+    let layouts = [(2, 1, 0, 4, false), (4, 1, 0, 4, false), (2, 2, 0, 2, false), (2, 1, 1, 4, false), (2, 1, 0, 4, true), (4, 1, 0, 4, true), (2, 2, 0, 2, true)];
+    for (tp, dp, zero, accum, sp) in layouts {
+        let name = format!("bf16_tp{tp}dp{dp}z{zero}{}", if sp { "sp" } else { "" });
+        let keys = format!("[parallel]\ntp = {tp}\ndp = {dp}\nzero = {zero}\nsequence_parallel = {sp}");
+        let path = job(d, &format!("{name}.toml"), &keys);
         let got = trajectory(d, &name, tp * dp, &path, &[format!("train.grad_accum={accum}"), "precision=bf16".into()]);
         assert_follows_within(&got, &bf16, (1e-4, 1e-2), &name);
     }
@@ -356,13 +358,15 @@ fn bf16_device_model_trains_pipeline_parallel() {
         (1, 2, 2, 1, "interleaved", 2, 1),
     ];
     check_pipeline_layouts(d, "bf16_", &bf16, &layouts, &sets, (1e-4, 1e-2));
+    // Sequence parallel stages exchange their held rows.
+    let sp = [&sets[..], &["parallel.sequence_parallel=true".to_string()]].concat();
+    check_pipeline_layouts(d, "bf16_sp_", &bf16, &[(2, 2, 1, 0, "1f1b", 4, 1)], &sp, (1e-4, 1e-2));
 }
 
 #[test]
 fn device_model_layouts_it_cannot_run_and_missing_gpus_are_clean_errors() {
     let dir = tempfile::tempdir().unwrap();
     let mut cases: Vec<(&[&str], &str)> = vec![
-        (&["parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
         (&["parallel.zero=2"], "parallel.zero"),
     ];
     if !meshtrain::device::cuda_driver_available() {

@@ -632,7 +632,7 @@ pub fn encoder_backward(
         return Ok(());
     }
     let ci = A::I32(as_i32(k, "c", c)?);
-    let wpe_args = [A::Buf(dwpe), A::Buf(dout), A::I32(as_i32(k, "b", b)?), A::I32(as_i32(k, "t", t)?), ci];
+    let wpe_args = [A::Buf(dwpe), A::Buf(dout), A::U64(bt as u64), A::U64(0), A::I32(as_i32(k, "t", t)?), ci];
     dev.launch("encoder_backward_wpe_f32", stride_grid(t * c), &wpe_args)?;
     let args = [A::Buf(dwte), A::Buf(dout), A::Buf(tokens), A::U64((bt * c) as u64), ci];
     dev.launch(k, stride_grid(bt * c), &args)

@@ -105,39 +105,53 @@ pub fn embedding_shard_backward(
     dev.launch(k, stride_grid(n * c), &args)
 }
 
-/// out (B*T, C) += wpe (>= T, C) row `i % t` of each row `i`. Reference:
-/// `vocab_parallel::position_forward`.
-pub fn position_forward(dev: &Device, out: &mut DeviceBuffer, wpe: &DeviceBuffer, bt: usize, t: usize, c: usize) -> Result<()> {
+/// out (rows, C) += wpe (>= T, C) row `(row0 + i) % t` of each row `i` (the rows are global rows
+/// `row0..` of the batch). Reference: `vocab_parallel::position_forward`.
+#[allow(clippy::too_many_arguments)]
+pub fn position_forward(
+    dev: &Device,
+    out: &mut DeviceBuffer,
+    wpe: &DeviceBuffer,
+    rows: usize,
+    row0: usize,
+    t: usize,
+    c: usize,
+) -> Result<()> {
     let k = "position_forward_f32";
-    need(k, "out", out, f32s(bt * c))?;
+    need(k, "out", out, f32s(rows * c))?;
     need(k, "wpe", wpe, f32s(t * c))?;
     if let Device::Cpu = dev {
         let wpe = host(k, wpe)?.view::<f32>(t * c);
-        vocab_parallel::position_forward(host_mut(k, out)?.view_mut::<f32>(bt * c), wpe, 0, t, c);
+        vocab_parallel::position_forward(host_mut(k, out)?.view_mut::<f32>(rows * c), wpe, row0, t, c);
         return Ok(());
     }
-    let args = [A::Buf(out), A::Buf(wpe), A::U64((bt * c) as u64), A::I32(as_i32(k, "t", t)?), A::I32(as_i32(k, "c", c)?)];
-    dev.launch(k, stride_grid(bt * c), &args)
+    let (t_arg, c_arg) = (A::I32(as_i32(k, "t", t)?), A::I32(as_i32(k, "c", c)?));
+    let args = [A::Buf(out), A::Buf(wpe), A::U64((rows * c) as u64), A::U64(row0 as u64), t_arg, c_arg];
+    dev.launch(k, stride_grid(rows * c), &args)
 }
 
-/// dwpe (>= T, C) += dout (B*T, C) summed over the batch at each position (the wpe half of
-/// `encoder_backward`). Reference: `vocab_parallel::position_backward`.
-pub fn position_backward(dev: &Device, dwpe: &mut DeviceBuffer, dout: &DeviceBuffer, b: usize, t: usize, c: usize) -> Result<()> {
+/// dwpe (>= T, C) += dout (rows, C) summed at each position (the rows are global rows `row0..` of
+/// the batch; the wpe half of `encoder_backward`). Reference: `vocab_parallel::position_backward`.
+#[allow(clippy::too_many_arguments)]
+pub fn position_backward(
+    dev: &Device,
+    dwpe: &mut DeviceBuffer,
+    dout: &DeviceBuffer,
+    rows: usize,
+    row0: usize,
+    t: usize,
+    c: usize,
+) -> Result<()> {
     let k = "encoder_backward_wpe_f32";
     need(k, "dwpe", dwpe, f32s(t * c))?;
-    need(k, "dout", dout, f32s(b * t * c))?;
+    need(k, "dout", dout, f32s(rows * c))?;
     if let Device::Cpu = dev {
-        let dout = host(k, dout)?.view::<f32>(b * t * c);
-        vocab_parallel::position_backward(host_mut(k, dwpe)?.view_mut::<f32>(t * c), dout, 0, t, c);
+        let dout = host(k, dout)?.view::<f32>(rows * c);
+        vocab_parallel::position_backward(host_mut(k, dwpe)?.view_mut::<f32>(t * c), dout, row0, t, c);
         return Ok(());
     }
-    let args = [
-        A::Buf(dwpe),
-        A::Buf(dout),
-        A::I32(as_i32(k, "b", b)?),
-        A::I32(as_i32(k, "t", t)?),
-        A::I32(as_i32(k, "c", c)?),
-    ];
+    let (t_arg, c_arg) = (A::I32(as_i32(k, "t", t)?), A::I32(as_i32(k, "c", c)?));
+    let args = [A::Buf(dwpe), A::Buf(dout), A::U64(rows as u64), A::U64(row0 as u64), t_arg, c_arg];
     dev.launch(k, stride_grid(t * c), &args)
 }
 

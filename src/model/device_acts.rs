@@ -4,6 +4,7 @@
 //! input, every block's saved activations and, on the model's last chunk, the head's), so a
 //! pipeline can hold several micro-batches between their forward and backward, in any order; the
 //! scratch is shared by every backward and fully rewritten before it is read. Shapes: B*T rows,
+//! R = rows of the residual stream held here (B*T/tp with sequence parallelism, else B*T),
 //! C = n_embd, Cl = C/tp (this rank's heads), H = 4C/tp, Vl = Vp/tp (this rank's vocabulary rows).
 
 use crate::device::ipc::alloc_shareable;
@@ -14,6 +15,10 @@ use crate::error::Result;
 #[derive(Debug, Clone, Copy)]
 pub(super) struct ActDims {
     pub bt: usize,
+    /// Rows of the residual stream held here (R).
+    pub rows: usize,
+    /// Sequence parallelism: the residual stream is split into row blocks over TP.
+    pub sp: bool,
     pub c: usize,
     pub cl: usize,
     pub hl: usize,
@@ -31,7 +36,7 @@ impl ActDims {
         dev.alloc(elems * 4)
     }
 
-    /// A buffer the TP group reduces in place.
+    /// A buffer the TP group reduces in place or reads from (the input of a collective).
     fn reduced(&self, dev: &Device, elems: usize) -> Result<DeviceBuffer> {
         if self.tp {
             alloc_shareable(dev, elems * 4)
@@ -43,54 +48,54 @@ impl ActDims {
 
 /// Activations of one block, kept from forward for backward.
 pub(super) struct BlockActs {
-    pub ln1: DeviceBuffer,       // (B*T, C)
-    pub ln1_mean: DeviceBuffer,  // (B*T)
-    pub ln1_rstd: DeviceBuffer,  // (B*T)
+    pub ln1: DeviceBuffer,       // (B*T, C) all rows (gathered under SP)
+    pub ln1_mean: DeviceBuffer,  // (R)
+    pub ln1_rstd: DeviceBuffer,  // (R)
     pub qkv: DeviceBuffer,       // (B*T, 3Cl)
     pub atty: DeviceBuffer,      // (B*T, Cl)
     pub att: DeviceBuffer,       // (B, NH/tp, T, T)
-    pub residual2: DeviceBuffer, // (B*T, C)
-    pub ln2: DeviceBuffer,       // (B*T, C)
-    pub ln2_mean: DeviceBuffer,  // (B*T)
-    pub ln2_rstd: DeviceBuffer,  // (B*T)
+    pub residual2: DeviceBuffer, // (R, C)
+    pub ln2: DeviceBuffer,       // (B*T, C) all rows (gathered under SP)
+    pub ln2_mean: DeviceBuffer,  // (R)
+    pub ln2_rstd: DeviceBuffer,  // (R)
     pub fch: DeviceBuffer,       // (B*T, H)
     pub fch_gelu: DeviceBuffer,  // (B*T, H)
-    pub residual3: DeviceBuffer, // (B*T, C)
+    pub residual3: DeviceBuffer, // (R, C)
 }
 
 impl BlockActs {
     fn new(dev: &Device, d: &ActDims) -> Result<Self> {
         let f = |n: usize| ActDims::f32(dev, n);
-        let (bt, c) = (d.bt, d.c);
+        let (bt, r, c) = (d.bt, d.rows, d.c);
         Ok(BlockActs {
             ln1: f(bt * c)?,
-            ln1_mean: f(bt)?,
-            ln1_rstd: f(bt)?,
+            ln1_mean: f(r)?,
+            ln1_rstd: f(r)?,
             qkv: f(bt * 3 * d.cl)?,
             atty: f(bt * d.cl)?,
             att: f(d.att)?,
-            residual2: f(bt * c)?,
+            residual2: f(r * c)?,
             ln2: f(bt * c)?,
-            ln2_mean: f(bt)?,
-            ln2_rstd: f(bt)?,
+            ln2_mean: f(r)?,
+            ln2_rstd: f(r)?,
             fch: f(bt * d.hl)?,
             fch_gelu: f(bt * d.hl)?,
-            residual3: f(bt * c)?,
+            residual3: f(r * c)?,
         })
     }
 
     /// f32 elements of one block's activations.
     fn elements(d: &ActDims) -> usize {
-        d.bt * (4 * d.c + 4 * d.cl + 2 * d.hl) + 4 * d.bt + d.att
+        d.bt * (2 * d.c + 4 * d.cl + 2 * d.hl) + d.rows * (2 * d.c + 4) + d.att
     }
 }
 
 /// The head's activations (the model's last chunk only).
 pub(super) struct HeadActs {
     pub targets: DeviceBuffer,  // (B*T) u32
-    pub lnf: DeviceBuffer,      // (B*T, C)
-    pub lnf_mean: DeviceBuffer, // (B*T)
-    pub lnf_rstd: DeviceBuffer, // (B*T)
+    pub lnf: DeviceBuffer,      // (B*T, C) all rows (gathered under SP)
+    pub lnf_mean: DeviceBuffer, // (R)
+    pub lnf_rstd: DeviceBuffer, // (R)
     pub logits: DeviceBuffer,   // (B*T, Vl)
     pub losses: DeviceBuffer,   // (B*T)
     pub lse: DeviceBuffer,      // (B*T)
@@ -105,8 +110,8 @@ impl HeadActs {
         Ok(HeadActs {
             targets: dev.alloc(bt * 4)?,
             lnf: f(bt * d.c)?,
-            lnf_mean: f(bt)?,
-            lnf_rstd: f(bt)?,
+            lnf_mean: f(d.rows)?,
+            lnf_rstd: f(d.rows)?,
             logits: f(bt * d.vl)?,
             losses: f(bt)?,
             lse: f(bt)?,
@@ -117,7 +122,7 @@ impl HeadActs {
 
     fn elements(d: &ActDims) -> usize {
         let ce = if d.tp { 3 * d.bt } else { 0 };
-        d.bt * (d.c + d.vl) + 5 * d.bt + ce
+        d.bt * (d.c + d.vl) + 3 * d.bt + 2 * d.rows + ce
     }
 }
 
@@ -125,7 +130,7 @@ impl HeadActs {
 pub(super) struct SlotActs {
     /// Token ids (B*T) u32: read by the embedding's backward (embedding chunk; else empty).
     pub tokens: DeviceBuffer,
-    /// Input of the chunk's first block (B*T, C): the embedding output or the received hidden.
+    /// Input of the chunk's first block (R, C): the embedding output or the received hidden.
     pub input: DeviceBuffer,
     /// One per block of the chunk.
     pub blocks: Vec<BlockActs>,
@@ -139,8 +144,8 @@ impl SlotActs {
     pub(super) fn new(dev: &Device, d: &ActDims, blocks: usize, embeds: bool, ends: bool) -> Result<Self> {
         Ok(SlotActs {
             tokens: dev.alloc(if embeds { d.bt * 4 } else { 0 })?,
-            // The embedding's output is summed over TP in place.
-            input: if embeds { d.reduced(dev, d.bt * d.c)? } else { ActDims::f32(dev, d.bt * d.c)? },
+            // Without SP the embedding's output is summed over TP in place.
+            input: if embeds && !d.sp { d.reduced(dev, d.rows * d.c)? } else { ActDims::f32(dev, d.rows * d.c)? },
             blocks: (0..blocks).map(|_| BlockActs::new(dev, d)).collect::<Result<_>>()?,
             head: if ends { Some(HeadActs::new(dev, d)?) } else { None },
             forward_done: false,
@@ -151,47 +156,69 @@ impl SlotActs {
     pub(super) fn elements(d: &ActDims, blocks: usize, embeds: bool, ends: bool) -> usize {
         let ids = if embeds { d.bt } else { 0 };
         let head = if ends { HeadActs::elements(d) } else { 0 };
-        ids + d.bt * d.c + blocks * BlockActs::elements(d) + head
+        ids + d.rows * d.c + blocks * BlockActs::elements(d) + head
     }
 
-    /// The chunk's output (B*T, C): the last block's residual stream (the input without blocks).
+    /// The chunk's output (R, C): the last block's residual stream (the input without blocks).
     pub(super) fn output(&self) -> &DeviceBuffer {
         self.blocks.last().map_or(&self.input, |b| &b.residual3)
     }
 }
 
-/// Backward scratch shared by every slot (each buffer is written before it is read).
+/// Scratch shared by every slot (each buffer is written before it is read). The sequence-parallel
+/// buffers are empty without SP.
 pub(super) struct Scratch {
-    pub branch: DeviceBuffer,    // (B*T, C) sub-block output before the residual add
+    pub branch: DeviceBuffer,    // (R, C) sub-block output before the residual add
     pub dlogits: DeviceBuffer,   // (B*T, Vl) (a model's last chunk only, else empty)
-    pub dres: DeviceBuffer,      // (B*T, C) gradient of the residual stream
-    pub dln: DeviceBuffer,       // (B*T, C) gradient of a LayerNorm output
+    pub dres: DeviceBuffer,      // (R, C) gradient of the residual stream
+    pub dln: DeviceBuffer,       // (R, C) gradient of a LayerNorm output
     pub datty: DeviceBuffer,     // (B*T, Cl)
     pub dqkv: DeviceBuffer,      // (B*T, 3Cl)
     pub dpre: DeviceBuffer,      // (B, NH/tp, T, T)
     pub dfch_gelu: DeviceBuffer, // (B*T, H)
     pub dfch: DeviceBuffer,      // (B*T, H)
+    /// SP: a LayerNorm's output on the held rows before the gather (R, C).
+    pub ln: DeviceBuffer,
+    /// SP: a rank's partial product over its shard before the reduce-scatter (B*T, C).
+    pub partial: DeviceBuffer,
+    /// SP: d(residual stream) gathered over all rows (B*T, C).
+    pub full: DeviceBuffer,
+    /// SP: one micro-batch's replicated-tensor gradients packed for one TP all-reduce:
+    /// max(6C for a block, T*C for wpe).
+    pub repl: DeviceBuffer,
+    /// SP: the six (C) replicated-gradient parts of a block (ln1 w, b, attn.proj b, ln2 w, b,
+    /// mlp.proj b; the final LayerNorm uses the first two).
+    pub parts: Vec<DeviceBuffer>,
 }
 
 impl Scratch {
-    pub(super) fn new(dev: &Device, d: &ActDims, head: bool) -> Result<Self> {
+    pub(super) fn new(dev: &Device, d: &ActDims, head: bool, t: usize) -> Result<Self> {
         let f = |n: usize| ActDims::f32(dev, n);
-        let (bt, c) = (d.bt, d.c);
+        let (bt, r, c) = (d.bt, d.rows, d.c);
+        let sp = |n: usize| if d.sp { n } else { 0 };
         Ok(Scratch {
-            branch: d.reduced(dev, bt * c)?,
+            branch: if d.sp { f(r * c)? } else { d.reduced(dev, bt * c)? },
             dlogits: f(if head { bt * d.vl } else { 0 })?,
-            dres: f(bt * c)?,
-            dln: d.reduced(dev, bt * c)?,
+            // Under SP d(residual) is gathered (read by the peers); else d(LayerNorm output) is
+            // summed over TP in place.
+            dres: if d.sp { d.reduced(dev, r * c)? } else { f(r * c)? },
+            dln: if d.sp { f(r * c)? } else { d.reduced(dev, bt * c)? },
             datty: f(bt * d.cl)?,
             dqkv: f(bt * 3 * d.cl)?,
             dpre: f(d.att)?,
             dfch_gelu: f(bt * d.hl)?,
             dfch: f(bt * d.hl)?,
+            ln: d.reduced(dev, sp(r * c))?,
+            partial: d.reduced(dev, sp(bt * c))?,
+            full: f(sp(bt * c))?,
+            repl: d.reduced(dev, sp((6 * c).max(t * c)))?,
+            parts: (0..sp(6)).map(|_| f(c)).collect::<Result<_>>()?,
         })
     }
 
-    pub(super) fn elements(d: &ActDims, head: bool) -> usize {
+    pub(super) fn elements(d: &ActDims, head: bool, t: usize) -> usize {
         let dlogits = if head { d.bt * d.vl } else { 0 };
-        d.bt * (3 * d.c + 4 * d.cl + 2 * d.hl) + dlogits + d.att
+        let sp = if d.sp { d.rows * d.c + 2 * d.bt * d.c + (6 * d.c).max(t * d.c) + 6 * d.c } else { 0 };
+        d.rows * 3 * d.c + d.bt * (4 * d.cl + 2 * d.hl) + dlogits + d.att + sp
     }
 }

@@ -13,8 +13,9 @@
 //!
 //! Tensor parallelism (`device_tp.rs`): with a [`DeviceTp`] group the model holds the TP rank's
 //! shard of [`ShardLayout`] (the CPU shard executor's layout, so checkpoints, initialisation and
-//! the optimizer's span lists are shared with it) and runs the Megatron split of `stage.rs`
-//! without sequence parallelism; without a group the layout is the whole model's (one shard).
+//! the optimizer's span lists are shared with it) and runs the Megatron split of `stage.rs`, with
+//! or without sequence parallelism (`device_gpt/layers.rs`); without a group the layout is the
+//! whole model's (one shard).
 //!
 //! Pipeline parallelism: like the CPU [`super::Stage`], the model may be one pipeline stage
 //! ([`StageSpec`]: chunks of blocks, the embedding on the first stage, the head on the last) with
@@ -34,17 +35,20 @@ use std::ops::Range;
 
 use super::attention::AttnShape;
 use super::device_acts::{ActDims, Scratch, SlotActs};
-use super::device_linear::{Linear, Weight};
-use super::device_tp::{self, tp_sum, DeviceTp, Embed, LossBufs};
+use super::device_linear::Linear;
+use super::device_tp::DeviceTp;
 use super::stage::{StageInput, StageOutput};
 use super::tp_layout::{ShardLayout, StageSpec};
 use super::vocab_parallel::real_columns;
 use super::GptConfig;
 use crate::comm::{Communicator, ReduceOp};
 pub use crate::config::Precision;
-use crate::device::ops_vocab::{self, VocabShard};
+use crate::device::ops_vocab::VocabShard;
 use crate::device::{ops, Device, DeviceBuffer};
 use crate::error::{Error, Result};
+use layers::Rows;
+
+mod layers;
 
 /// This rank's share of the model's widths.
 #[derive(Debug, Clone, Copy)]
@@ -90,6 +94,8 @@ pub struct DeviceGpt {
     ends: Ends,
     b: usize,
     t: usize,
+    /// The residual-stream rows this rank holds (all B*T without sequence parallelism).
+    rows: Rows,
     /// Per layout entry.
     params: Vec<DeviceBuffer>,
     grads: Vec<DeviceBuffer>,
@@ -106,7 +112,7 @@ pub struct DeviceGpt {
     chunks: Vec<Chunk>,
     s: Scratch,
     linear: Linear,
-    /// Host staging of a hidden state or its gradient (B*T, C) for the pipeline.
+    /// Host staging of a hidden state or its gradient (R, C) for the pipeline.
     hidden: Vec<f32>,
 }
 
@@ -127,11 +133,11 @@ impl DeviceGpt {
         precision: Precision,
         tp: Option<DeviceTp>,
     ) -> Result<Self> {
-        Self::stage(dev, config, (b, t), params, precision, tp, StageSpec::whole(&config), 1)
+        Self::stage(dev, config, (b, t), params, precision, (tp, false), StageSpec::whole(&config), 1)
     }
 
-    /// Pipeline stage `spec` of the TP shard (see [`DeviceGpt::with_tp`]) with `slots` activation
-    /// slots per chunk (micro-batches in flight).
+    /// Pipeline stage `spec` of the TP shard (see [`DeviceGpt::with_tp`]), sequence parallel over
+    /// the group with `sp`, with `slots` activation slots per chunk (micro-batches in flight).
     #[allow(clippy::too_many_arguments)]
     pub fn stage(
         dev: Device,
@@ -139,7 +145,7 @@ impl DeviceGpt {
         (b, t): (usize, usize),
         params: Vec<f32>,
         precision: Precision,
-        tp: Option<DeviceTp>,
+        (tp, sp): (Option<DeviceTp>, bool),
         spec: StageSpec,
         slots: usize,
     ) -> Result<Self> {
@@ -161,6 +167,12 @@ impl DeviceGpt {
         }
         let bf16 = precision == Precision::Bf16;
         let (bt, c) = (b * t, config.n_embd);
+        let sp = sp && tp_size > 1;
+        if sp && bt % tp_size != 0 {
+            return Err(Error::config("parallel.sequence_parallel", format!("B*T = {bt} rows do not split over tp = {tp_size}")));
+        }
+        let r = if sp { bt / tp_size } else { bt };
+        let rows = Rows { bt, rows: r, row0: if sp { tp_rank * r } else { 0 }, sp };
         let vl = config.padded_vocab_size() / tp_size;
         let vocab = VocabShard { start: tp_rank * vl, vl, real: real_columns(tp_rank * vl, vl, config.vocab_size) };
         let w = Widths { cl: c / tp_size, hl: 4 * c / tp_size, nhl: config.n_head / tp_size, vocab };
@@ -185,7 +197,7 @@ impl DeviceGpt {
             g.push(dev.alloc(e.len * 4)?);
             p16.push(if bf16 && e.local_shape.len() == 2 { Some(dev.alloc(e.len * 2)?) } else { None });
         }
-        let d = ActDims { bt, c, cl: w.cl, hl: w.hl, vl, att: b * w.nhl * t * t, tp: tp.is_some() };
+        let d = ActDims { bt, rows: r, sp, c, cl: w.cl, hl: w.hl, vl, att: b * w.nhl * t * t, tp: tp.is_some() };
         let chunks = (0..spec.chunks.len())
             .map(|k| {
                 let (layers, embeds, ends) = (spec.chunks[k].clone(), spec.embeds(k), spec.ends(k));
@@ -194,7 +206,7 @@ impl DeviceGpt {
             })
             .collect::<Result<Vec<_>>>()?;
         let head_vl = if spec.last { vl } else { 0 };
-        let s = Scratch::new(&dev, &d, spec.last)?;
+        let s = Scratch::new(&dev, &d, spec.last, t)?;
         let linear = Linear::new(&dev, bf16, bt * c.max(3 * w.cl).max(w.hl).max(head_vl), bt * c.max(w.hl))?;
         let n = params.len();
         let mut model = DeviceGpt {
@@ -206,6 +218,7 @@ impl DeviceGpt {
             ends,
             b,
             t,
+            rows,
             params: p,
             grads: g,
             params16: p16,
@@ -217,7 +230,7 @@ impl DeviceGpt {
             chunks,
             s,
             linear,
-            hidden: vec![0.0; bt * c],
+            hidden: vec![0.0; r * c],
         };
         model.zero_grad()?;
         Ok(model)
@@ -243,7 +256,7 @@ impl DeviceGpt {
         self.tp.as_ref().map_or(1, DeviceTp::size)
     }
 
-    /// Elements of a hidden state exchanged with neighbouring stages: (B*T, C).
+    /// Elements of a hidden state exchanged with neighbouring stages: (R, C).
     pub fn hidden_len(&self) -> usize {
         self.hidden.len()
     }
@@ -283,13 +296,13 @@ impl DeviceGpt {
             .iter()
             .map(|k| k.slots.len() * SlotActs::elements(&d, k.layers.len(), k.embeds, k.ends))
             .sum();
-        slots + Scratch::elements(&d, self.ends.lnf.is_some()) + self.linear.scratch_elements()
+        slots + Scratch::elements(&d, self.ends.lnf.is_some(), self.t) + self.linear.scratch_elements()
     }
 
     fn dims(&self) -> ActDims {
         let Widths { cl, hl, nhl, vocab } = self.w;
-        let (b, t) = (self.b, self.t);
-        ActDims { bt: b * t, c: self.config.n_embd, cl, hl, vl: vocab.vl, att: b * nhl * t * t, tp: self.tp.is_some() }
+        let (b, t, Rows { bt, rows, sp, .. }) = (self.b, self.t, self.rows);
+        ActDims { bt, rows, sp, c: self.config.n_embd, cl, hl, vl: vocab.vl, att: b * nhl * t * t, tp: self.tp.is_some() }
     }
 
     /// Clears the gradients (device and host mirror).
@@ -417,9 +430,8 @@ impl DeviceGpt {
     /// [`super::Stage::backward`]): `grad_output` is d(hidden output) (B*T, C), None on the
     /// model's last chunk. Returns d(hidden input) for the previous stage (None when embedding).
     pub fn backward_stage(&mut self, chunk: usize, slot: usize, grad_output: Option<&[f32]>) -> Result<Option<&[f32]>> {
-        let (bt, c) = (self.b * self.t, self.config.n_embd);
         if let Some(g) = grad_output {
-            check_len("backward: grad_output", g.len(), bt * c)?;
+            check_len("backward: grad_output", g.len(), self.hidden.len())?;
             self.dev.copy_to_device(&mut self.s.dres, g)?;
         }
         if self.backward_chunk(chunk, slot, grad_output.is_some())? {
@@ -443,8 +455,7 @@ impl DeviceGpt {
     /// The forward of [`DeviceGpt::forward_stage`]; returns the loss on the model's last chunk.
     fn forward_chunk(&mut self, ci: usize, si: usize, input: StageInput<'_>, targets: Option<&[u32]>) -> Result<Option<f64>> {
         self.check_slot("forward", ci, si)?;
-        let (b, t, c) = (self.b, self.t, self.config.n_embd);
-        let (bt, v) = (b * t, self.config.vocab_size);
+        let (bt, c, v) = (self.rows.bt, self.config.n_embd, self.config.vocab_size);
         let (embeds, ends) = (self.chunks[ci].embeds, self.chunks[ci].ends);
         if ends != targets.is_some() {
             return Err(Error::InvalidArgument(format!(
@@ -455,7 +466,7 @@ impl DeviceGpt {
         let ids = match input {
             StageInput::Tokens(tokens) if embeds => Some(tokens),
             StageInput::Hidden(h) if !embeds => {
-                check_len("forward: hidden input", h.len(), bt * c)?;
+                check_len("forward: hidden input", h.len(), self.rows.rows * c)?;
                 None
             }
             _ => {
@@ -478,21 +489,13 @@ impl DeviceGpt {
         if self.params_stale {
             self.upload_params()?;
         }
-        let (dev, p, vocab) = (&self.dev, &self.params, self.w.vocab);
         let a = &mut self.chunks[ci].slots[si];
         a.forward_done = false;
-        match (input, &mut self.tp) {
-            (StageInput::Hidden(h), _) => dev.copy_to_device(&mut a.input, h)?,
-            (StageInput::Tokens(tokens), tp) => {
-                dev.copy_to_device(&mut a.tokens, tokens)?;
-                let (wte, wpe) = (self.ends.wte.expect("checked"), self.ends.wpe.expect("checked"));
-                match tp {
-                    None => ops::encoder_forward(dev, &mut a.input, &a.tokens, &p[wte], &p[wpe], bt, t, c)?,
-                    Some(g) => {
-                        let e = Embed { tokens: &a.tokens, wte: &p[wte], wpe: &p[wpe] };
-                        device_tp::embed_forward(dev, g, &mut a.input, e, (b, t, c), vocab)?;
-                    }
-                }
+        match input {
+            StageInput::Hidden(h) => self.dev.copy_to_device(&mut a.input, h)?,
+            StageInput::Tokens(tokens) => {
+                self.dev.copy_to_device(&mut a.tokens, tokens)?;
+                self.embed_forward(ci, si)?;
             }
         }
         for li in 0..self.chunks[ci].layers.len() {
@@ -503,37 +506,6 @@ impl DeviceGpt {
             Some(tg) => self.head_forward(ci, si, tg).map(Some),
             None => Ok(None),
         }
-    }
-
-    /// Final LayerNorm, tied head and loss of `slot` on the model's last chunk `ci`.
-    fn head_forward(&mut self, ci: usize, si: usize, targets: &[u32]) -> Result<f64> {
-        let (bt, c, v) = (self.b * self.t, self.config.n_embd, self.config.vocab_size);
-        let (dev, p, vocab) = (&self.dev, &self.params, self.w.vocab);
-        let (wte, (lnf_w, lnf_b)) = (self.ends.wte.expect("a last stage"), self.ends.lnf.expect("a last stage"));
-        let SlotActs { input, blocks, head, .. } = &mut self.chunks[ci].slots[si];
-        let x = blocks.last().map_or(&*input, |blk| &blk.residual3); // (B*T, C)
-        let h = head.as_mut().expect("the last chunk keeps the head's activations");
-        dev.copy_to_device(&mut h.targets, targets)?;
-        ops::layernorm_forward(dev, &mut h.lnf, &mut h.lnf_mean, &mut h.lnf_rstd, x, &p[lnf_w], &p[lnf_b], bt, c)?;
-        let w = Weight { f32: &p[wte], bf16: self.params16[wte].as_ref() };
-        self.linear.forward(dev, &mut h.logits, &h.lnf, w, None, bt, c, vocab.vl)?;
-        match &mut self.tp {
-            None => ops::cross_entropy_forward(dev, &mut h.losses, &mut h.lse, &h.logits, &h.targets, bt, v, vocab.vl)?,
-            Some(g) => {
-                let l = LossBufs {
-                    logits: &h.logits,
-                    targets: &h.targets,
-                    losses: &mut h.losses,
-                    lse: &mut h.lse,
-                    max: &mut h.ce_max,
-                    stats: &mut h.ce_stats,
-                };
-                device_tp::loss_forward(dev, g, l, bt, vocab)?;
-            }
-        }
-        let mut losses = vec![0f32; bt];
-        dev.copy_to_host(&h.losses, &mut losses)?;
-        Ok(losses.iter().map(|&l| f64::from(l)).sum::<f64>() / bt as f64)
     }
 
     /// Entry indices of block `l`'s tensors: ln1 w, b; qkv w, b; attn.proj w, b; ln2 w, b;
@@ -549,38 +521,6 @@ impl DeviceGpt {
 
     fn attn_shape(&self) -> AttnShape {
         AttnShape { b: self.b, t: self.t, nh: self.w.nhl, hs: self.config.head_dim() }
-    }
-
-    /// Block `li` of chunk `ci` on `slot`: column-parallel qkv and fc (this rank's heads and
-    /// hidden units), row-parallel projections whose partial outputs are summed over TP before
-    /// the bias is added once.
-    fn block_forward(&mut self, ci: usize, si: usize, li: usize) -> Result<()> {
-        let (bt, c) = (self.b * self.t, self.config.n_embd);
-        let Widths { cl, hl, .. } = self.w;
-        let shape = self.attn_shape();
-        let l = self.chunks[ci].layers.start + li;
-        let [ln1_w, ln1_b, qkv_w, qkv_b, ap_w, ap_b, ln2_w, ln2_b, fc_w, fc_b, mp_w, mp_b] = self.block_entries(l);
-        let (p, p16, dev, tp) = (&self.params, &self.params16, &self.dev, &mut self.tp);
-        let w = |i: usize| Weight { f32: &p[i], bf16: p16[i].as_ref() };
-        let slot = &mut self.chunks[ci].slots[si];
-        let (done, rest) = slot.blocks.split_at_mut(li);
-        let x = if li == 0 { &slot.input } else { &done[li - 1].residual3 }; // (B*T, C)
-        let a = &mut rest[0];
-        let branch = &mut self.s.branch;
-        ops::layernorm_forward(dev, &mut a.ln1, &mut a.ln1_mean, &mut a.ln1_rstd, x, &p[ln1_w], &p[ln1_b], bt, c)?;
-        self.linear.forward(dev, &mut a.qkv, &a.ln1, w(qkv_w), Some(&p[qkv_b]), bt, c, 3 * cl)?;
-        ops::attention_forward(dev, &mut a.atty, &mut a.att, &a.qkv, shape)?;
-        self.linear.forward(dev, branch, &a.atty, w(ap_w), None, bt, cl, c)?;
-        tp_sum(tp, dev, branch, bt * c)?;
-        ops::bias_add(dev, branch, &p[ap_b], bt, c)?;
-        ops::residual_forward(dev, &mut a.residual2, x, branch, bt * c)?;
-        ops::layernorm_forward(dev, &mut a.ln2, &mut a.ln2_mean, &mut a.ln2_rstd, &a.residual2, &p[ln2_w], &p[ln2_b], bt, c)?;
-        self.linear.forward(dev, &mut a.fch, &a.ln2, w(fc_w), Some(&p[fc_b]), bt, c, hl)?;
-        ops::gelu_forward(dev, &mut a.fch_gelu, &a.fch, bt * hl)?;
-        self.linear.forward(dev, branch, &a.fch_gelu, w(mp_w), None, bt, hl, c)?;
-        tp_sum(tp, dev, branch, bt * c)?;
-        ops::bias_add(dev, branch, &p[mp_b], bt, c)?;
-        ops::residual_forward(dev, &mut a.residual3, &a.residual2, branch, bt * c)
     }
 
     /// The backward of [`DeviceGpt::backward_stage`] with d(chunk output) already in `s.dres`
@@ -607,70 +547,8 @@ impl DeviceGpt {
         if !embeds {
             return Ok(true);
         }
-        let (b, t, c) = (self.b, self.t, self.config.n_embd);
-        let (wte, wpe) = (self.ends.wte.expect("a first stage"), self.ends.wpe.expect("a first stage"));
-        let (dev, s, g, a) = (&self.dev, &self.s, &mut self.grads, &self.chunks[ci].slots[si]);
-        let (gte, gpe) = pair(g, wte, wpe);
-        match self.tp {
-            None => ops::encoder_backward(dev, gte, gpe, &s.dres, &a.tokens, b, t, c)?,
-            Some(_) => device_tp::embed_backward(dev, gte, gpe, &s.dres, &a.tokens, (b, t, c), self.w.vocab)?,
-        }
+        self.embed_backward(ci, si)?;
         Ok(false)
-    }
-
-    /// Loss, head and final LayerNorm backward of `slot`: leaves d(chunk output) in `s.dres`.
-    fn head_backward(&mut self, ci: usize, si: usize) -> Result<()> {
-        let (bt, c, vocab) = (self.b * self.t, self.config.n_embd, self.w.vocab);
-        let (wte, (lnf_w, lnf_b)) = (self.ends.wte.expect("a last stage"), self.ends.lnf.expect("a last stage"));
-        let (dev, s, p, g) = (&self.dev, &mut self.s, &self.params, &mut self.grads);
-        let SlotActs { input, blocks, head, .. } = &self.chunks[ci].slots[si];
-        let x = blocks.last().map_or(input, |blk| &blk.residual3); // (B*T, C)
-        let h = head.as_ref().expect("the last chunk keeps the head's activations");
-        ops::fill_zero(dev, &mut s.dlogits, bt * vocab.vl)?;
-        let dloss = (1.0 / bt as f64) as f32;
-        ops_vocab::cross_entropy_backward(dev, &mut s.dlogits, &h.logits, &h.lse, &h.targets, dloss, bt, vocab)?;
-        let w = Weight { f32: &p[wte], bf16: self.params16[wte].as_ref() };
-        self.linear.backward(dev, &mut s.dln, &mut g[wte], None, &s.dlogits, &h.lnf, w, (bt, c, vocab.vl))?;
-        tp_sum(&mut self.tp, dev, &mut s.dln, bt * c)?;
-        ops::fill_zero(dev, &mut s.dres, bt * c)?;
-        let (gw, gb) = pair(g, lnf_w, lnf_b);
-        ops::layernorm_backward(dev, &mut s.dres, gw, gb, &s.dln, x, &p[lnf_w], &h.lnf_mean, &h.lnf_rstd, bt, c)
-    }
-
-    /// Backward of block `li` of chunk `ci` on `slot`: `dres` holds d(block output) on entry,
-    /// d(block input) on exit. The input gradients of the column-parallel products are partial
-    /// sums over this rank's heads and hidden units, summed over TP before the LayerNorm backward.
-    fn block_backward(&mut self, ci: usize, si: usize, li: usize) -> Result<()> {
-        let (bt, c) = (self.b * self.t, self.config.n_embd);
-        let Widths { cl, hl, .. } = self.w;
-        let shape = self.attn_shape();
-        let l = self.chunks[ci].layers.start + li;
-        let [ln1_w, ln1_b, qkv_w, qkv_b, ap_w, ap_b, ln2_w, ln2_b, fc_w, fc_b, mp_w, mp_b] = self.block_entries(l);
-        let (p, p16, dev, g, s, tp) = (&self.params, &self.params16, &self.dev, &mut self.grads, &mut self.s, &mut self.tp);
-        let w = |i: usize| Weight { f32: &p[i], bf16: p16[i].as_ref() };
-        let slot = &self.chunks[ci].slots[si];
-        let x = if li == 0 { &slot.input } else { &slot.blocks[li - 1].residual3 }; // (B*T, C)
-        let a = &slot.blocks[li];
-        // MLP: d(residual2) = dres + d through ln2 of the MLP branch.
-        let (gw, gb) = pair(g, mp_w, mp_b);
-        self.linear.backward(dev, &mut s.dfch_gelu, gw, Some(gb), &s.dres, &a.fch_gelu, w(mp_w), (bt, hl, c))?;
-        ops::fill_zero(dev, &mut s.dfch, bt * hl)?;
-        ops::gelu_backward(dev, &mut s.dfch, &a.fch, &s.dfch_gelu, bt * hl)?;
-        let (gw, gb) = pair(g, fc_w, fc_b);
-        self.linear.backward(dev, &mut s.dln, gw, Some(gb), &s.dfch, &a.ln2, w(fc_w), (bt, c, hl))?;
-        tp_sum(tp, dev, &mut s.dln, bt * c)?;
-        let (gw, gb) = pair(g, ln2_w, ln2_b);
-        ops::layernorm_backward(dev, &mut s.dres, gw, gb, &s.dln, &a.residual2, &p[ln2_w], &a.ln2_mean, &a.ln2_rstd, bt, c)?;
-        // Attention: d(block input) = d(residual2) + d through ln1 of the attention branch.
-        let (gw, gb) = pair(g, ap_w, ap_b);
-        self.linear.backward(dev, &mut s.datty, gw, Some(gb), &s.dres, &a.atty, w(ap_w), (bt, cl, c))?;
-        ops::fill_zero(dev, &mut s.dqkv, bt * 3 * cl)?;
-        ops::attention_backward(dev, &mut s.dqkv, &mut s.dpre, &s.datty, &a.qkv, &a.att, shape)?;
-        let (gw, gb) = pair(g, qkv_w, qkv_b);
-        self.linear.backward(dev, &mut s.dln, gw, Some(gb), &s.dqkv, &a.ln1, w(qkv_w), (bt, c, 3 * cl))?;
-        tp_sum(tp, dev, &mut s.dln, bt * c)?;
-        let (gw, gb) = pair(g, ln1_w, ln1_b);
-        ops::layernorm_backward(dev, &mut s.dres, gw, gb, &s.dln, x, &p[ln1_w], &a.ln1_mean, &a.ln1_rstd, bt, c)
     }
 }
 

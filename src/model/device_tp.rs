@@ -1,14 +1,17 @@
 //! Tensor parallelism of the device model ([`super::DeviceGpt`]): its TP group with the device
 //! collectives, and the vocabulary-parallel ends (embedding and loss) of a rank that holds one
 //! shard of `wte`'s rows. The layout and the placement of the collectives are those of the CPU
-//! shard executor (`stage.rs`, Megatron without sequence parallelism): column-parallel qkv and fc,
+//! shard executor (`stage.rs`): column-parallel qkv and fc,
 //! row-parallel projections whose partial (B*T, C) outputs are summed over TP before the bias is
 //! added once, replicated LayerNorms, a vocab-parallel embedding summed over TP and a
-//! cross-entropy that combines per-shard maxima and sums (never gathering full logits).
+//! cross-entropy that combines per-shard maxima and sums (never gathering full logits). With
+//! sequence parallelism the sums become reduce-scatters of row blocks and the LayerNorm outputs
+//! are all-gathered (`device_gpt/layers.rs`).
 //!
 //! Invariant: every member of the group receives bitwise the same result from each collective
-//! (the device collectives reduce each element once and copy it), so every activation entering a
-//! replicated tensor is identical on all members and replicated gradients need no reduction.
+//! (the device collectives reduce each element once and copy it), so without sequence
+//! parallelism every activation entering a replicated tensor is identical on all members and
+//! replicated gradients need no reduction; with it they are summed over the group.
 
 use crate::comm::device::{GpuCommConfig, GpuCommState};
 use crate::comm::{Communicator, DType, ReduceOp};
@@ -48,6 +51,17 @@ impl DeviceTp {
         self.state.bind(&self.comm, dev).all_reduce(buf, n, DType::F32, ReduceOp::Max)
     }
 
+    /// `full` (`n_full` f32) gets every member's `local` block of rows, member `r`'s at block `r`.
+    pub fn gather_rows(&mut self, dev: &Device, local: &DeviceBuffer, full: &mut DeviceBuffer, n_full: usize) -> Result<()> {
+        self.state.bind(&self.comm, dev).all_gather_into(local, full, n_full, DType::F32)
+    }
+
+    /// `local` gets this member's block of rows of the group's element-wise sum of `full`
+    /// (`n_full` f32).
+    pub fn scatter_rows(&mut self, dev: &Device, full: &DeviceBuffer, local: &mut DeviceBuffer, n_full: usize) -> Result<()> {
+        self.state.bind(&self.comm, dev).reduce_scatter_into(full, local, n_full, DType::F32, ReduceOp::Sum)
+    }
+
     /// Closes the peer mappings the collectives cached (collective; before buffers are freed).
     pub fn release(&mut self, dev: &Device) -> Result<()> {
         self.state.release_mappings(&self.comm, dev)
@@ -82,7 +96,7 @@ pub(super) fn embed_forward(
     let bt = b * t;
     ops_vocab::embedding_shard_forward(dev, out, e.tokens, e.wte, (bt, c), shard)?;
     tp.sum(dev, out, bt * c)?;
-    ops_vocab::position_forward(dev, out, e.wpe, bt, t, c)
+    ops_vocab::position_forward(dev, out, e.wpe, bt, 0, t, c)
 }
 
 /// dwte_shard += the rows of dout (B*T, C, identical on every rank) of in-shard tokens;
@@ -97,7 +111,7 @@ pub(super) fn embed_backward(
     (b, t, c): (usize, usize, usize),
     shard: VocabShard,
 ) -> Result<()> {
-    ops_vocab::position_backward(dev, dwpe, dout, b, t, c)?;
+    ops_vocab::position_backward(dev, dwpe, dout, b * t, 0, t, c)?;
     ops_vocab::embedding_shard_backward(dev, dwte, dout, tokens, (b * t, c), shard)
 }
 

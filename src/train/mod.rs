@@ -66,9 +66,6 @@ fn uses_device_model(cfg: &JobConfig) -> Result<bool> {
         return Ok(false);
     }
     let what = "the device model (device = cuda or hip, or precision = bf16)";
-    if cfg.parallel.sequence_parallel && cfg.parallel.tp > 1 {
-        return Err(Error::config("parallel.sequence_parallel", format!("{what} runs tensor parallelism without it so far")));
-    }
     if cfg.parallel.zero > 1 {
         return Err(Error::config("parallel.zero", format!("{what} supports ZeRO 0 and 1 only so far")));
     }

@@ -115,7 +115,7 @@ impl StepTiming {
 impl Pipeline {
     /// Pipeline rank `pp.rank()` of `pp.size()` for `cfg`, with zero parameters; `stages` are the
     /// block ranges of all `pp.size() * schedule.chunks()` global stages. With `device`, the
-    /// stage is the device model on that device in that precision (sequence parallelism off).
+    /// stage is the device model on that device in that precision.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         cfg: GptConfig,
@@ -151,7 +151,7 @@ impl Pipeline {
             Some((dev, precision)) => {
                 let group = if tp.size() > 1 { Some(DeviceTp::new(tp)?) } else { None };
                 let n = ShardLayout::new(&cfg, tp_rank, group.as_ref().map_or(1, DeviceTp::size), &spec)?.total_len();
-                let m = DeviceGpt::stage(dev, cfg, (b, t), vec![0f32; n], precision, group, spec.clone(), microbatches)?;
+                let m = DeviceGpt::stage(dev, cfg, (b, t), vec![0f32; n], precision, (group, sequence_parallel), spec.clone(), microbatches)?;
                 StageExec::Device(Box::new(m))
             }
         };

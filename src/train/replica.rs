@@ -88,8 +88,8 @@ impl Replica {
     pub fn new(cfg: GptConfig, b: usize, t: usize, l: ReplicaLayout) -> Result<Self> {
         cfg.validate()?;
         let zeros = || vec![0f32; ParamLayout::new(&cfg).total_len()];
-        if l.device.is_some() && (l.shard_executor || l.sequence_parallel) {
-            return Err(Error::Check("the device model runs neither ZeRO-2/3 nor sequence parallel".into()));
+        if l.device.is_some() && l.shard_executor {
+            return Err(Error::Check("the device model does not run ZeRO-2/3".into()));
         }
         if l.pp.size() > 1 {
             let p = Pipeline::new(
@@ -109,8 +109,9 @@ impl Replica {
         if let Some((dev, precision)) = l.device {
             let tp = if l.tp.size() > 1 { Some(DeviceTp::new(l.tp)?) } else { None };
             let (rank, size) = tp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
-            let params = vec![0f32; ShardLayout::new(&cfg, rank, size, &StageSpec::whole(&cfg))?.total_len()];
-            let m = DeviceGpt::with_tp(dev, cfg, b, t, params, precision, tp)?;
+            let spec = StageSpec::whole(&cfg);
+            let params = vec![0f32; ShardLayout::new(&cfg, rank, size, &spec)?.total_len()];
+            let m = DeviceGpt::stage(dev, cfg, (b, t), params, precision, (tp, l.sequence_parallel), spec, 1)?;
             return Ok(Replica::Device(Box::new(m)));
         }
         if l.tp.size() == 1 && !l.shard_executor {

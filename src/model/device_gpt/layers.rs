@@ -1,0 +1,340 @@
+//! The layers of [`DeviceGpt`] on one activation slot, with their tensor-parallel collectives:
+//! embedding, block and head, forward and backward.
+//!
+//! Without sequence parallelism every TP rank holds all B*T rows of the residual stream: the
+//! row-parallel products' partial outputs and the column-parallel products' partial input
+//! gradients are all-reduced in place, and replicated tensors (LayerNorms, row-parallel biases,
+//! `wpe`) get identical gradients on every rank. With sequence parallelism (`sp`) rank `r` holds
+//! rows `r*R..` (R = B*T/tp): LayerNorms, residual adds, biases and `wpe` work on those rows; a
+//! LayerNorm's output is all-gathered before the column-parallel product that reads it, the
+//! row-parallel sums become reduce-scatters, d(residual) is all-gathered before the row-parallel
+//! backward, and the replicated tensors' gradients of each micro-batch are computed into scratch,
+//! summed over TP in one all-reduce and only then added to the accumulated gradients (summing the
+//! accumulated buffer would multiply earlier micro-batches by tp). This is the CPU stage's
+//! placement (`stage_compute.rs`), so both give the same values.
+
+use super::{pair, DeviceGpt, Widths};
+use crate::device::ops_vocab;
+use crate::device::{ops, Device, DeviceBuffer};
+use crate::error::Result;
+use crate::model::device_acts::{Scratch, SlotActs};
+use crate::model::device_linear::{Linear, Weight};
+use crate::model::device_tp::{self, tp_sum, DeviceTp, Embed, LossBufs};
+
+/// The rows of the residual stream this rank holds.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Rows {
+    /// B*T.
+    pub bt: usize,
+    /// Held rows (R): B*T/tp under SP, else B*T.
+    pub rows: usize,
+    /// Global index of the first held row.
+    pub row0: usize,
+    /// Sequence parallelism on (only with a TP group).
+    pub sp: bool,
+}
+
+/// The TP group of a sequence-parallel model.
+fn group(tp: &mut Option<DeviceTp>) -> &mut DeviceTp {
+    tp.as_mut().expect("sequence parallelism runs in a TP group")
+}
+
+/// LayerNorm of the held rows `x` (R, C) into `full` (B*T, C): directly without SP, else into
+/// `s.ln` and all-gathered.
+#[allow(clippy::too_many_arguments)]
+fn norm_gathered(
+    dev: &Device,
+    tp: &mut Option<DeviceTp>,
+    rows: Rows,
+    s: &mut Scratch,
+    full: &mut DeviceBuffer,
+    (mean, rstd): (&mut DeviceBuffer, &mut DeviceBuffer),
+    x: &DeviceBuffer,
+    (w, b): (&DeviceBuffer, &DeviceBuffer),
+    c: usize,
+) -> Result<()> {
+    if !rows.sp {
+        return ops::layernorm_forward(dev, full, mean, rstd, x, w, b, rows.rows, c);
+    }
+    ops::layernorm_forward(dev, &mut s.ln, mean, rstd, x, w, b, rows.rows, c)?;
+    group(tp).gather_rows(dev, &s.ln, full, rows.bt * c)
+}
+
+/// `s.branch` (R, C) = the held rows of the TP sum of inp (B*T, K) · W (C, K)ᵀ, plus the bias.
+#[allow(clippy::too_many_arguments)]
+fn row_parallel_forward(
+    dev: &Device,
+    tp: &mut Option<DeviceTp>,
+    linear: &mut Linear,
+    rows: Rows,
+    s: &mut Scratch,
+    inp: &DeviceBuffer,
+    (w, bias): (Weight, &DeviceBuffer),
+    (k, c): (usize, usize),
+) -> Result<()> {
+    let bt = rows.bt;
+    if rows.sp {
+        linear.forward(dev, &mut s.partial, inp, w, None, bt, k, c)?;
+        group(tp).scatter_rows(dev, &s.partial, &mut s.branch, bt * c)?;
+    } else {
+        linear.forward(dev, &mut s.branch, inp, w, None, bt, k, c)?;
+        tp_sum(tp, dev, &mut s.branch, bt * c)?;
+    }
+    ops::bias_add(dev, &mut s.branch, bias, rows.rows, c)
+}
+
+/// `s.dln` (R, C) = the held rows of the TP sum of a column-parallel product's input gradient
+/// (B*T, C), which went to `s.partial` under SP and to `s.dln` otherwise.
+fn sum_input_grad(dev: &Device, tp: &mut Option<DeviceTp>, rows: Rows, s: &mut Scratch, c: usize) -> Result<()> {
+    match rows.sp {
+        true => group(tp).scatter_rows(dev, &s.partial, &mut s.dln, rows.bt * c),
+        false => tp_sum(tp, dev, &mut s.dln, rows.bt * c),
+    }
+}
+
+/// SP: sums the first `k` replicated-gradient parts (C each) over TP in one all-reduce and adds
+/// part `i` into the gradient entry `entries[i]`.
+fn add_replicated(
+    dev: &Device,
+    tp: &mut Option<DeviceTp>,
+    s: &mut Scratch,
+    grads: &mut [DeviceBuffer],
+    entries: &[usize],
+    c: usize,
+) -> Result<()> {
+    let k = entries.len();
+    for (i, part) in s.parts[..k].iter().enumerate() {
+        ops::copy(dev, &mut s.repl, i * c, part, 0, c)?;
+    }
+    group(tp).sum(dev, &mut s.repl, k * c)?;
+    for (i, &e) in entries.iter().enumerate() {
+        ops::copy(dev, &mut s.parts[i], 0, &s.repl, i * c, c)?;
+        ops::bias_add(dev, &mut grads[e], &s.parts[i], 1, c)?;
+    }
+    Ok(())
+}
+
+impl DeviceGpt {
+    /// The embedding of the tokens in `slot.tokens` into `slot.input` (R, C).
+    pub(super) fn embed_forward(&mut self, ci: usize, si: usize) -> Result<()> {
+        let (b, t, c) = (self.b, self.t, self.config.n_embd);
+        let (dev, p, vocab, rows) = (&self.dev, &self.params, self.w.vocab, self.rows);
+        let (wte, wpe) = (self.ends.wte.expect("a first stage"), self.ends.wpe.expect("a first stage"));
+        let a = &mut self.chunks[ci].slots[si];
+        match &mut self.tp {
+            None => ops::encoder_forward(dev, &mut a.input, &a.tokens, &p[wte], &p[wpe], b * t, t, c),
+            Some(g) if rows.sp => {
+                let s = &mut self.s;
+                ops_vocab::embedding_shard_forward(dev, &mut s.partial, &a.tokens, &p[wte], (b * t, c), vocab)?;
+                g.scatter_rows(dev, &s.partial, &mut a.input, b * t * c)?;
+                ops_vocab::position_forward(dev, &mut a.input, &p[wpe], rows.rows, rows.row0, t, c)
+            }
+            Some(g) => {
+                let e = Embed { tokens: &a.tokens, wte: &p[wte], wpe: &p[wpe] };
+                device_tp::embed_forward(dev, g, &mut a.input, e, (b, t, c), vocab)
+            }
+        }
+    }
+
+    /// Block `li` of chunk `ci` on `slot`: column-parallel qkv and fc (this rank's heads and
+    /// hidden units), row-parallel projections summed over TP before the bias is added once.
+    pub(super) fn block_forward(&mut self, ci: usize, si: usize, li: usize) -> Result<()> {
+        let c = self.config.n_embd;
+        let (rows, bt, r) = (self.rows, self.rows.bt, self.rows.rows);
+        let Widths { cl, hl, .. } = self.w;
+        let shape = self.attn_shape();
+        let l = self.chunks[ci].layers.start + li;
+        let [ln1_w, ln1_b, qkv_w, qkv_b, ap_w, ap_b, ln2_w, ln2_b, fc_w, fc_b, mp_w, mp_b] = self.block_entries(l);
+        let (p, p16, dev, tp, s) = (&self.params, &self.params16, &self.dev, &mut self.tp, &mut self.s);
+        let w = |i: usize| Weight { f32: &p[i], bf16: p16[i].as_ref() };
+        let slot = &mut self.chunks[ci].slots[si];
+        let (done, rest) = slot.blocks.split_at_mut(li);
+        let x = if li == 0 { &slot.input } else { &done[li - 1].residual3 }; // (R, C)
+        let a = &mut rest[0];
+        let linear = &mut self.linear;
+        norm_gathered(dev, tp, rows, s, &mut a.ln1, (&mut a.ln1_mean, &mut a.ln1_rstd), x, (&p[ln1_w], &p[ln1_b]), c)?;
+        linear.forward(dev, &mut a.qkv, &a.ln1, w(qkv_w), Some(&p[qkv_b]), bt, c, 3 * cl)?;
+        ops::attention_forward(dev, &mut a.atty, &mut a.att, &a.qkv, shape)?;
+        row_parallel_forward(dev, tp, linear, rows, s, &a.atty, (w(ap_w), &p[ap_b]), (cl, c))?;
+        ops::residual_forward(dev, &mut a.residual2, x, &s.branch, r * c)?;
+        let stats = (&mut a.ln2_mean, &mut a.ln2_rstd);
+        norm_gathered(dev, tp, rows, s, &mut a.ln2, stats, &a.residual2, (&p[ln2_w], &p[ln2_b]), c)?;
+        linear.forward(dev, &mut a.fch, &a.ln2, w(fc_w), Some(&p[fc_b]), bt, c, hl)?;
+        ops::gelu_forward(dev, &mut a.fch_gelu, &a.fch, bt * hl)?;
+        row_parallel_forward(dev, tp, linear, rows, s, &a.fch_gelu, (w(mp_w), &p[mp_b]), (hl, c))?;
+        ops::residual_forward(dev, &mut a.residual3, &a.residual2, &s.branch, r * c)
+    }
+
+    /// Final LayerNorm, tied head and loss of `slot` on the model's last chunk `ci`.
+    pub(super) fn head_forward(&mut self, ci: usize, si: usize, targets: &[u32]) -> Result<f64> {
+        let (c, v, rows) = (self.config.n_embd, self.config.vocab_size, self.rows);
+        let bt = rows.bt;
+        let (dev, p, vocab, s) = (&self.dev, &self.params, self.w.vocab, &mut self.s);
+        let (wte, (lnf_w, lnf_b)) = (self.ends.wte.expect("a last stage"), self.ends.lnf.expect("a last stage"));
+        let SlotActs { input, blocks, head, .. } = &mut self.chunks[ci].slots[si];
+        let x = blocks.last().map_or(&*input, |blk| &blk.residual3); // (R, C)
+        let h = head.as_mut().expect("the last chunk keeps the head's activations");
+        dev.copy_to_device(&mut h.targets, targets)?;
+        let stats = (&mut h.lnf_mean, &mut h.lnf_rstd);
+        norm_gathered(dev, &mut self.tp, rows, s, &mut h.lnf, stats, x, (&p[lnf_w], &p[lnf_b]), c)?;
+        let w = Weight { f32: &p[wte], bf16: self.params16[wte].as_ref() };
+        self.linear.forward(dev, &mut h.logits, &h.lnf, w, None, bt, c, vocab.vl)?;
+        match &mut self.tp {
+            None => ops::cross_entropy_forward(dev, &mut h.losses, &mut h.lse, &h.logits, &h.targets, bt, v, vocab.vl)?,
+            Some(g) => {
+                let l = LossBufs {
+                    logits: &h.logits,
+                    targets: &h.targets,
+                    losses: &mut h.losses,
+                    lse: &mut h.lse,
+                    max: &mut h.ce_max,
+                    stats: &mut h.ce_stats,
+                };
+                device_tp::loss_forward(dev, g, l, bt, vocab)?;
+            }
+        }
+        let mut losses = vec![0f32; bt];
+        dev.copy_to_host(&h.losses, &mut losses)?;
+        Ok(losses.iter().map(|&l| f64::from(l)).sum::<f64>() / bt as f64)
+    }
+
+    /// Loss, head and final LayerNorm backward of `slot`: leaves d(chunk output) (R, C) in
+    /// `s.dres`.
+    pub(super) fn head_backward(&mut self, ci: usize, si: usize) -> Result<()> {
+        let (c, vocab, rows) = (self.config.n_embd, self.w.vocab, self.rows);
+        let bt = rows.bt;
+        let (wte, (lnf_w, lnf_b)) = (self.ends.wte.expect("a last stage"), self.ends.lnf.expect("a last stage"));
+        let (dev, s, p, g, tp) = (&self.dev, &mut self.s, &self.params, &mut self.grads, &mut self.tp);
+        let SlotActs { input, blocks, head, .. } = &self.chunks[ci].slots[si];
+        let x = blocks.last().map_or(input, |blk| &blk.residual3); // (R, C)
+        let h = head.as_ref().expect("the last chunk keeps the head's activations");
+        ops::fill_zero(dev, &mut s.dlogits, bt * vocab.vl)?;
+        let dloss = (1.0 / bt as f64) as f32;
+        ops_vocab::cross_entropy_backward(dev, &mut s.dlogits, &h.logits, &h.lse, &h.targets, dloss, bt, vocab)?;
+        let w = Weight { f32: &p[wte], bf16: self.params16[wte].as_ref() };
+        let dinp = if rows.sp { &mut s.partial } else { &mut s.dln };
+        self.linear.backward(dev, dinp, &mut g[wte], None, &s.dlogits, &h.lnf, w, (bt, c, vocab.vl))?;
+        sum_input_grad(dev, tp, rows, s, c)?;
+        ops::fill_zero(dev, &mut s.dres, rows.rows * c)?;
+        let (mean, rstd) = (&h.lnf_mean, &h.lnf_rstd);
+        if !rows.sp {
+            let (gw, gb) = pair(g, lnf_w, lnf_b);
+            return ops::layernorm_backward(dev, &mut s.dres, gw, gb, &s.dln, x, &p[lnf_w], mean, rstd, rows.rows, c);
+        }
+        let [gw, gb] = &mut s.parts[..2] else { unreachable!("two parts") };
+        ops::fill_zero(dev, gw, c)?;
+        ops::fill_zero(dev, gb, c)?;
+        ops::layernorm_backward(dev, &mut s.dres, gw, gb, &s.dln, x, &p[lnf_w], mean, rstd, rows.rows, c)?;
+        add_replicated(dev, tp, s, g, &[lnf_w, lnf_b], c)
+    }
+
+    /// Backward of block `li` of chunk `ci` on `slot`: `s.dres` holds d(block output) (R, C) on
+    /// entry, d(block input) on exit. The column-parallel products' input gradients are partial
+    /// sums over this rank's heads and hidden units, summed over TP before the LayerNorm backward.
+    pub(super) fn block_backward(&mut self, ci: usize, si: usize, li: usize) -> Result<()> {
+        let c = self.config.n_embd;
+        let (rows, bt, r) = (self.rows, self.rows.bt, self.rows.rows);
+        let Widths { cl, hl, .. } = self.w;
+        let shape = self.attn_shape();
+        let l = self.chunks[ci].layers.start + li;
+        let [ln1_w, ln1_b, qkv_w, qkv_b, ap_w, ap_b, ln2_w, ln2_b, fc_w, fc_b, mp_w, mp_b] = self.block_entries(l);
+        let (p, p16, dev, g, s, tp) = (&self.params, &self.params16, &self.dev, &mut self.grads, &mut self.s, &mut self.tp);
+        let w = |i: usize| Weight { f32: &p[i], bf16: p16[i].as_ref() };
+        let slot = &self.chunks[ci].slots[si];
+        let x = if li == 0 { &slot.input } else { &slot.blocks[li - 1].residual3 }; // (R, C)
+        let a = &slot.blocks[li];
+        let linear = &mut self.linear;
+        // Under SP the replicated gradients of this micro-batch go to the parts (ln1 w, b,
+        // attn.proj b, ln2 w, b, mlp.proj b) and d(residual) is gathered before each
+        // row-parallel backward; otherwise straight into the gradients and read in place.
+        if rows.sp {
+            for part in &mut s.parts {
+                ops::fill_zero(dev, part, c)?;
+            }
+        }
+        // MLP: d(residual2) = dres + d through ln2 of the MLP branch.
+        if rows.sp {
+            ops::bias_backward(dev, &mut s.parts[5], &s.dres, r, c)?;
+            group(tp).gather_rows(dev, &s.dres, &mut s.full, bt * c)?;
+            linear.backward(dev, &mut s.dfch_gelu, &mut g[mp_w], None, &s.full, &a.fch_gelu, w(mp_w), (bt, hl, c))?;
+        } else {
+            let (gw, gb) = pair(g, mp_w, mp_b);
+            linear.backward(dev, &mut s.dfch_gelu, gw, Some(gb), &s.dres, &a.fch_gelu, w(mp_w), (bt, hl, c))?;
+        }
+        ops::fill_zero(dev, &mut s.dfch, bt * hl)?;
+        ops::gelu_backward(dev, &mut s.dfch, &a.fch, &s.dfch_gelu, bt * hl)?;
+        let (gw, gb) = pair(g, fc_w, fc_b);
+        let dinp = if rows.sp { &mut s.partial } else { &mut s.dln };
+        linear.backward(dev, dinp, gw, Some(gb), &s.dfch, &a.ln2, w(fc_w), (bt, c, hl))?;
+        sum_input_grad(dev, tp, rows, s, c)?;
+        let stats = (&a.ln2_mean, &a.ln2_rstd);
+        ln_backward(dev, rows, s, g, (ln2_w, ln2_b), (3, 4), &a.residual2, &p[ln2_w], stats, c)?;
+        // Attention: d(block input) = d(residual2) + d through ln1 of the attention branch.
+        if rows.sp {
+            ops::bias_backward(dev, &mut s.parts[2], &s.dres, r, c)?;
+            group(tp).gather_rows(dev, &s.dres, &mut s.full, bt * c)?;
+            linear.backward(dev, &mut s.datty, &mut g[ap_w], None, &s.full, &a.atty, w(ap_w), (bt, cl, c))?;
+        } else {
+            let (gw, gb) = pair(g, ap_w, ap_b);
+            linear.backward(dev, &mut s.datty, gw, Some(gb), &s.dres, &a.atty, w(ap_w), (bt, cl, c))?;
+        }
+        ops::fill_zero(dev, &mut s.dqkv, bt * 3 * cl)?;
+        ops::attention_backward(dev, &mut s.dqkv, &mut s.dpre, &s.datty, &a.qkv, &a.att, shape)?;
+        let (gw, gb) = pair(g, qkv_w, qkv_b);
+        let dinp = if rows.sp { &mut s.partial } else { &mut s.dln };
+        linear.backward(dev, dinp, gw, Some(gb), &s.dqkv, &a.ln1, w(qkv_w), (bt, c, 3 * cl))?;
+        sum_input_grad(dev, tp, rows, s, c)?;
+        let stats = (&a.ln1_mean, &a.ln1_rstd);
+        ln_backward(dev, rows, s, g, (ln1_w, ln1_b), (0, 1), x, &p[ln1_w], stats, c)?;
+        if rows.sp {
+            add_replicated(dev, tp, s, g, &[ln1_w, ln1_b, ap_b, ln2_w, ln2_b, mp_b], c)?;
+        }
+        Ok(())
+    }
+
+    /// Backward of the embedding from d(block 0 input) (R, C) in `s.dres`.
+    pub(super) fn embed_backward(&mut self, ci: usize, si: usize) -> Result<()> {
+        let (b, t, c, rows) = (self.b, self.t, self.config.n_embd, self.rows);
+        let (wte, wpe) = (self.ends.wte.expect("a first stage"), self.ends.wpe.expect("a first stage"));
+        let (dev, s, g, a) = (&self.dev, &mut self.s, &mut self.grads, &self.chunks[ci].slots[si]);
+        if rows.sp {
+            ops::fill_zero(dev, &mut s.repl, t * c)?;
+            ops_vocab::position_backward(dev, &mut s.repl, &s.dres, rows.rows, rows.row0, t, c)?;
+            let tp = group(&mut self.tp);
+            tp.sum(dev, &mut s.repl, t * c)?;
+            ops::bias_add(dev, &mut g[wpe], &s.repl, 1, t * c)?;
+            tp.gather_rows(dev, &s.dres, &mut s.full, rows.bt * c)?;
+            return ops_vocab::embedding_shard_backward(dev, &mut g[wte], &s.full, &a.tokens, (rows.bt, c), self.w.vocab);
+        }
+        let (gte, gpe) = pair(g, wte, wpe);
+        match self.tp {
+            None => ops::encoder_backward(dev, gte, gpe, &s.dres, &a.tokens, b, t, c),
+            Some(_) => device_tp::embed_backward(dev, gte, gpe, &s.dres, &a.tokens, (b, t, c), self.w.vocab),
+        }
+    }
+}
+
+/// LayerNorm backward on the held rows: d(input) added into `s.dres`, the weight and bias
+/// gradients into the entries `(w, b)` (no SP) or into `s.parts[parts]` (SP).
+#[allow(clippy::too_many_arguments)]
+fn ln_backward(
+    dev: &Device,
+    rows: Rows,
+    s: &mut Scratch,
+    grads: &mut [DeviceBuffer],
+    (w, b): (usize, usize),
+    parts: (usize, usize),
+    x: &DeviceBuffer,
+    weight: &DeviceBuffer,
+    (mean, rstd): (&DeviceBuffer, &DeviceBuffer),
+    c: usize,
+) -> Result<()> {
+    let (gw, gb) = match rows.sp {
+        true => {
+            let (lo, hi) = s.parts.split_at_mut(parts.1);
+            (&mut lo[parts.0], &mut hi[0])
+        }
+        false => pair(grads, w, b),
+    };
+    ops::layernorm_backward(dev, &mut s.dres, gw, gb, &s.dln, x, weight, mean, rstd, rows.rows, c)
+}

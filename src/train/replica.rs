@@ -151,12 +151,14 @@ impl Replica {
 
     /// Forward and backward of every batch, adding into the gradients; `on_final(range, values)`
     /// reports gradients as they become final, in the last backward only or (`every_backward`)
-    /// in each (a pipeline reports once per round). Returns the mean loss.
+    /// in each (a pipeline reports once per round); the device model calls `after_backward`
+    /// after each backward instead (its device step reduces there). Returns the mean loss.
     pub fn run(
         &mut self,
         batches: &[Batch],
         every_backward: bool,
         on_final: &mut dyn FnMut(Range<usize>, &mut [f32]),
+        after_backward: &mut dyn FnMut(&mut DeviceGpt) -> Result<()>,
     ) -> Result<f64> {
         let mut sum = 0.0;
         if let Replica::Pipeline(p) = self {
@@ -178,6 +180,9 @@ impl Replica {
                 self.backward(true, on_final)?;
             } else {
                 self.backward(false, &mut |_, _| {})?;
+            }
+            if let Replica::Device(m) = self {
+                after_backward(m)?;
             }
         }
         Ok(sum / batches.len() as f64)

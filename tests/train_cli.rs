@@ -7,34 +7,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-/// A tiny-model job on synthetic data with the given extra TOML lines.
-fn job(dir: &Path, name: &str, extra: &str) -> std::path::PathBuf {
-    let path = dir.join(name);
-    let text = format!(
-        r#"device = "cpu"
-[model]
-size = "tiny"
-[data]
-source = "synthetic"
-shuffle = true
-seed = 3
-[train]
-steps = 20
-micro_batch = 4
-seq_len = 32
-seed = 7
-eval_every = 0
-log_every = 10
-[optim]
-lr = 2e-3
-warmup_steps = 5
-grad_clip = 1.0
-{extra}
-"#
-    );
-    std::fs::write(&path, text).unwrap();
-    path
-}
+use common::tiny_job as job;
 
 
 
@@ -291,8 +264,9 @@ fn bf16_device_model_trains_data_parallel_and_tracks_fp32() {
     assert_close(&bf16.losses, &fp32.losses, 1e-2, "bf16 vs fp32");
     let differs = bf16.losses.iter().zip(&fp32.losses).any(|(a, b)| a != b);
     assert!(differs, "bf16 left no trace on the losses: did it run in fp32?");
-    // ZeRO 1 on one rank steps on host mirrors, ZeRO 0 on the device: the same arithmetic up to
-    // the order in which the gradient norm adds up.
+    // ZeRO 1 on one rank steps on its device shards (one rank: the whole model, bucket by
+    // bucket), ZeRO 0 on the flat device buffers: the same arithmetic up to the order in which
+    // the gradient norm adds up.
     let host_step = trajectory(d, "bf16_host", 1, &single, &["train.grad_accum=4".into(), "precision=bf16".into(), "parallel.zero=1".into()]);
     assert_follows(&host_step, &bf16, "bf16 host step vs device step");
     for (np, accum, zero) in [(2, 2, 0), (4, 1, 1)] {
@@ -308,7 +282,7 @@ fn bf16_device_model_trains_data_parallel_and_tracks_fp32() {
 /// projections summed over TP, vocab-parallel embedding and loss; with and without sequence
 /// parallelism) through `meshtrain train` with `precision = "bf16"` on the CPU arm: TP 2, TP 4 and
 /// TP 2 x DP 2 with the device step (ZeRO 0: the norm's squares summed over TP, replicated tensors
-/// counted once) and TP 2 at ZeRO 1 follow the bf16 single-rank trajectory within the
+/// counted once) and TP 2 with the sharded device step (ZeRO 1) follow the bf16 single-rank trajectory within the
 /// tolerances of the bf16 data-parallel layouts
 /// above (losses 1e-4, parameters 1e-2), for the same reason: the shards' products sum over
 /// fewer columns and the partial sums are added over TP, a different f32 order, and an
@@ -356,6 +330,7 @@ fn bf16_device_model_trains_pipeline_parallel() {
         (2, 2, 1, 0, "1f1b", 4, 1),
         (1, 2, 2, 0, "1f1b", 2, 1),
         (1, 2, 2, 1, "interleaved", 2, 1),
+        (1, 2, 2, 2, "1f1b", 2, 1),
     ];
     check_pipeline_layouts(d, "bf16_", &bf16, &layouts, &sets, (1e-4, 1e-2));
     // Sequence parallel stages exchange their held rows.
@@ -367,7 +342,7 @@ fn bf16_device_model_trains_pipeline_parallel() {
 fn device_model_layouts_it_cannot_run_and_missing_gpus_are_clean_errors() {
     let dir = tempfile::tempdir().unwrap();
     let mut cases: Vec<(&[&str], &str)> = vec![
-        (&["parallel.zero=2"], "parallel.zero"),
+        (&["parallel.zero=3"], "ZeRO 0-2"),
     ];
     if !meshtrain::device::cuda_driver_available() {
         cases.push((&["parallel.tp=1"], "no CUDA driver"));

@@ -565,3 +565,56 @@ fn pair(bufs: &mut [DeviceBuffer], i: usize, j: usize) -> (&mut DeviceBuffer, &m
     let (lo, hi) = bufs.split_at_mut(j);
     (&mut lo[i], &mut hi[0])
 }
+
+/// Flat-range access to the per-entry device buffers, for an optimizer that holds only a shard of
+/// the flat buffer and moves it bucket by bucket (`train::device_zero`).
+impl DeviceGpt {
+    /// The parts of the layout entries inside the flat range `r`: (entry index, flat sub-range).
+    fn entry_parts(&self, r: Range<usize>) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
+        self.layout.entries().iter().enumerate().filter_map(move |(i, e)| {
+            let (lo, hi) = (e.offset.max(r.start), (e.offset + e.len).min(r.end));
+            (lo < hi).then_some((i, lo..hi))
+        })
+    }
+
+    /// Copies the device gradients of the flat range `r` into `dst` (`r.len()` elements from 0).
+    pub fn pack_grads_range(&self, r: Range<usize>, dst: &mut DeviceBuffer) -> Result<()> {
+        for (i, p) in self.entry_parts(r.clone()) {
+            let e = &self.layout.entries()[i];
+            ops::copy(&self.dev, dst, p.start - r.start, &self.grads[i], p.start - e.offset, p.len())?;
+        }
+        Ok(())
+    }
+
+    /// Sets the device parameters of the flat range `r` from `src` (`r.len()` elements from 0);
+    /// the bf16 copies follow in [`DeviceGpt::refresh_params16`] once every range is set.
+    pub fn unpack_params_range(&mut self, r: Range<usize>, src: &DeviceBuffer) -> Result<()> {
+        let parts: Vec<_> = self.entry_parts(r.clone()).collect();
+        for (i, p) in parts {
+            let off = p.start - self.layout.entries()[i].offset;
+            ops::copy(&self.dev, &mut self.params[i], off, src, p.start - r.start, p.len())?;
+        }
+        Ok(())
+    }
+
+    /// Casts every entry's bf16 copy from its device parameters after [`DeviceGpt::unpack_params_range`]
+    /// set all of them; the device parameters are then the model's (as after `unpack_params`).
+    pub fn refresh_params16(&mut self) -> Result<()> {
+        for (i, e) in self.layout.entries().iter().enumerate() {
+            if let Some(p16) = &mut self.params16[i] {
+                ops::cast_f32_to_bf16(&self.dev, p16, &self.params[i], e.len)?;
+            }
+        }
+        self.params_stale = false;
+        Ok(())
+    }
+
+    /// Brings the device parameters into the host mirror (for checkpoints of an optimizer that
+    /// keeps no flat copy of them).
+    pub fn host_params_from_device(&mut self) -> Result<()> {
+        for (i, e) in self.layout.entries().iter().enumerate() {
+            self.dev.copy_to_host(&self.params[i], &mut self.host_params[e.range()])?;
+        }
+        Ok(())
+    }
+}

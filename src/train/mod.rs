@@ -11,6 +11,7 @@ mod buckets;
 mod checkpointing;
 mod comm_worker;
 mod device_step;
+mod device_zero;
 mod grad_sync;
 mod memory_estimate;
 mod param_gather;
@@ -30,6 +31,7 @@ use crate::data::{open_source, Batch, Sampler, Split};
 use crate::error::{Error, Result};
 use crate::memory::{peak_rss_bytes, reset_peak_rss, rss_bytes};
 use crate::metrics::{FlopCounter, MetricsWriter, Progress, StepRecord};
+use crate::model::DeviceGpt;
 use crate::device::{bind_cpu_threads, cpu_peak_tflops, Device};
 use crate::parallel::grid::{Grid, GridShape};
 use crate::parallel::schedule::Schedule;
@@ -66,8 +68,8 @@ fn uses_device_model(cfg: &JobConfig) -> Result<bool> {
         return Ok(false);
     }
     let what = "the device model (device = cuda or hip, or precision = bf16)";
-    if cfg.parallel.zero > 1 {
-        return Err(Error::config("parallel.zero", format!("{what} supports ZeRO 0 and 1 only so far")));
+    if cfg.parallel.zero > 2 {
+        return Err(Error::config("parallel.zero", format!("{what} supports ZeRO 0-2 only so far (not ZeRO-3's sharded parameters)")));
     }
     Ok(true)
 }
@@ -139,7 +141,8 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         schedule,
         microbatches: cfg.parallel.microbatches,
         stage_layers,
-        shard_executor: cfg.parallel.zero >= 2,
+        // The device model shards its optimizer state itself (`device_zero.rs`).
+        shard_executor: cfg.parallel.zero >= 2 && !device_model,
         device,
     };
     let zero = cfg.parallel.zero;
@@ -255,15 +258,19 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     // the peak covers the whole run.
     let peak_is_steps = reset_peak_rss().is_ok();
     let every_backward = sync.reduces_every_backward();
-    // The device model at ZeRO 0 steps on its device; from here on its device weights and moments
-    // are the training state (stored back into the host copies before each checkpoint).
-    let mut device_step = match (model.device_model_mut(), zero) {
-        (Some(m), 0) => {
-            let mut s = DeviceStep::new(m, m.layout().decay_spans(), &norm_spans, adamw)?;
+    // The device model steps on its device (ZeRO 1/2: on its shard of the state); from here on
+    // its device weights and moments are the training state (stored back into the host copies
+    // before each checkpoint).
+    let mut device_step = match model.device_model_mut() {
+        Some(m) => {
+            let mut s = DeviceStep::new(m, &sync, m.layout().decay_spans(), &norm_spans, adamw)?;
             s.load(m, &sync)?;
+            if leader {
+                println!("# device optimizer state per rank (ZeRO {zero}): {:.2} MB", s.device_bytes() as f64 / 1e6);
+            }
             Some(s)
         }
-        _ => None,
+        None => None,
     };
 
     for step in first_step..=cfg.train.steps {
@@ -280,8 +287,12 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         for batch in batches.iter_mut() {
             sampler.next_batch(batch)?;
         }
-        // The last backward (ZeRO-2/3: every backward) communicates, overlapped bucket by bucket.
-        let loss_mean = model.run(&batches, every_backward, &mut |r, g| sync.on_final(r, g))?;
+        // The last backward (ZeRO-2/3: every backward) communicates, overlapped bucket by bucket
+        // (the device step: after the backward, on the device).
+        let round = model.round();
+        let mut after_backward =
+            |m: &mut DeviceGpt| device_step.as_mut().map_or(Ok(()), |s| s.after_backward(m, &dp, (accum, round)));
+        let loss_mean = model.run(&batches, every_backward, &mut |r, g| sync.on_final(r, g), &mut after_backward)?;
         let lr = sched.lr(step - 1);
         let outcome = match (&mut device_step, model.device_model_mut()) {
             (Some(s), Some(m)) => s.step(m, &dp, &norm_groups, accum, lr, cfg.optim.grad_clip)?,

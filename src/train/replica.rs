@@ -89,7 +89,7 @@ impl Replica {
         cfg.validate()?;
         let zeros = || vec![0f32; ParamLayout::new(&cfg).total_len()];
         if l.device.is_some() && l.shard_executor {
-            return Err(Error::Check("the device model does not run ZeRO-2/3".into()));
+            return Err(Error::Check("the device model runs without the CPU shard executor".into()));
         }
         if l.pp.size() > 1 {
             let p = Pipeline::new(
@@ -154,12 +154,15 @@ impl Replica {
 
     /// Forward and backward of every batch, adding into the gradients; `on_final(range, values)`
     /// reports gradients as they become final, in the last backward only or (`every_backward`)
-    /// in each (a pipeline reports once per round). Returns the mean loss.
+    /// in each (a pipeline reports once per round); the device model then calls `after_backward`
+    /// (its device step reduces there at ZeRO 2; a pipeline once per reporting round, after the
+    /// tied embedding's gradient is summed). Returns the mean loss.
     pub fn run(
         &mut self,
         batches: &[Batch],
         every_backward: bool,
         on_final: &mut dyn FnMut(Range<usize>, &mut [f32]),
+        after_backward: &mut dyn FnMut(&mut DeviceGpt) -> Result<()>,
     ) -> Result<f64> {
         let mut sum = 0.0;
         if let Replica::Pipeline(p) = self {
@@ -169,6 +172,9 @@ impl Replica {
                 sum += p.run(round)?;
                 if every_backward || i + 1 == rounds {
                     p.report_grads(on_final)?;
+                    if let StageExec::Device(m) = p.exec_mut() {
+                        after_backward(m)?;
+                    }
                 }
             }
             return Ok(sum / batches.len() as f64);
@@ -179,6 +185,9 @@ impl Replica {
                 self.backward(true, on_final)?;
             } else {
                 self.backward(false, &mut |_, _| {})?;
+            }
+            if let Replica::Device(m) = self {
+                after_backward(m)?;
             }
         }
         Ok(sum / batches.len() as f64)

@@ -118,6 +118,36 @@ pub fn shm_files(prefix: &str) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// A tiny-model job on synthetic data (20 steps, (B, T) = (4, 32)) written to `dir/name`, with the
+/// given extra TOML lines at the end.
+pub fn tiny_job(dir: &std::path::Path, name: &str, extra: &str) -> PathBuf {
+    let path = dir.join(name);
+    let text = format!(
+        r#"device = "cpu"
+[model]
+size = "tiny"
+[data]
+source = "synthetic"
+shuffle = true
+seed = 3
+[train]
+steps = 20
+micro_batch = 4
+seq_len = 32
+seed = 7
+eval_every = 0
+log_every = 10
+[optim]
+lr = 2e-3
+warmup_steps = 5
+grad_clip = 1.0
+{extra}
+"#
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
 /// Runs `meshtrain train JOB --metrics METRICS [--set ...]` on `np` ranks and asserts success.
 pub fn train(np: usize, job: &std::path::Path, metrics: &std::path::Path, sets: &[String]) -> Finished {
     let mut cmd = mpirun(np);

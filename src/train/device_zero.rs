@@ -1,0 +1,339 @@
+//! The sharded optimizer state of the device step (ZeRO 1 and 2), on the device: so that a GPU
+//! rank holds a 1/N share of the master weights, AdamW moments and reduced gradients instead of
+//! all of them, and nothing but the norm's partial sums crosses to the host.
+//!
+//! A rank's shard is exactly [`DataParallel`]'s: block `dp_rank` of every gradient bucket, so
+//! the per-bucket AdamW states that checkpoints save per rank are the host copies of this state
+//! ([`DeviceShards::store`], [`DeviceShards::load`]). Per bucket, in the buckets' readiness order,
+//! the model's device gradients of the bucket are packed into one bucket-sized staging buffer,
+//! scaled by 1/micro-batches and reduce-scattered (average over DP) into the bucket's gradient
+//! shard: ZeRO-1 once per step after the last backward, ZeRO-2 after every micro-batch's backward,
+//! summing into the shard, the model's gradients then zeroed for the next micro-batch. The step
+//! adds the squares of the shard's counted elements (summed over DP by the caller's step and over
+//! the TP group), clips, runs AdamW on the shard, and all-gathers each bucket's updated master
+//! weights through the staging buffer into the model's tensors.
+//!
+//! Device memory per rank (f32; Ψ parameters on the rank, N data-parallel ranks): master weights,
+//! gradient shard, m and v, 4Ψ/N bytes each, plus one bucket of staging and one bucket block of
+//! receive buffer; no full-length flat buffer (the model's own per-tensor parameters and
+//! gradients are all that is whole).
+//!
+//! Invariants: the shard ranges are `sync.owned()`, bucket by bucket; the arithmetic is
+//! [`DataParallel::step`]'s at ZeRO 1/2 (staging scaled by the same f32 factor, the same average,
+//! reports summed into the shard in the same order, the norm's f64 partials added per (bucket,
+//! counted span) in the same order, the same clip factor and AdamW): on the CPU device the result
+//! is the host step's bit for bit; on a GPU the kernels may fuse multiply-adds and the norm's block
+//! sums differ, so results agree to rounding.
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use super::grad_sync::DataParallel;
+use crate::comm::device::GpuCommState;
+use crate::comm::{Communicator, DType, ReduceOp};
+use crate::device::ipc::alloc_shareable;
+use crate::device::ops::{self, AdamWBuffers};
+use crate::device::DeviceBuffer;
+use crate::error::{Error, Result};
+use crate::model::DeviceGpt;
+use crate::optim::AdamWConfig;
+
+/// One bucket's shard on the device.
+struct Shard {
+    /// The bucket (flat range of the model's buffer).
+    bucket: Range<usize>,
+    /// This rank's block of it (flat range; `DataParallel`'s state range).
+    own: Range<usize>,
+    params: DeviceBuffer, // (own.len) f32 master weights (shareable: the all-gather reads it)
+    grads: DeviceBuffer,  // (own.len) reduced gradients, summed over the step's micro-batches
+    m: DeviceBuffer,      // (own.len) first moments
+    v: DeviceBuffer,      // (own.len) second moments
+    /// (range, decay) segments, relative to `own`.
+    decay: Vec<(Range<usize>, bool)>,
+    /// Ranges this rank counts in the norm, relative to `own`, in `norm` span order.
+    counted: Vec<Range<usize>>,
+}
+
+/// The device optimizer state of one rank at ZeRO 1 or 2.
+pub struct DeviceShards {
+    shards: Vec<Shard>,
+    stage: DeviceBuffer, // (largest bucket) f32: a bucket's gradients to reduce, then its gathered weights (shareable)
+    recv: DeviceBuffer,  // (largest block) f32: a later micro-batch's reduced block before it is added
+    /// ZeRO-2: reduce after every backward.
+    every_backward: bool,
+    /// Micro-batches reduced into the shards this step.
+    reduced: usize,
+    /// Time spent in the reductions this step.
+    comm: Duration,
+}
+
+/// The part of `span` inside `own`, relative to `own.start`.
+fn local(own: &Range<usize>, span: &Range<usize>) -> Option<Range<usize>> {
+    let (lo, hi) = (span.start.max(own.start), span.end.min(own.end));
+    (lo < hi).then_some(lo - own.start..hi - own.start)
+}
+
+impl DeviceShards {
+    /// Device buffers for `sync`'s shard of `model`'s parameters (`sync` at ZeRO 1 or 2), with
+    /// weight decay on the `decay` segments, counting the `(range, counted)` spans `norm`.
+    pub fn new(model: &DeviceGpt, sync: &DataParallel, decay: &[(Range<usize>, bool)], norm: &[(Range<usize>, bool)]) -> Result<Self> {
+        let dev = model.device();
+        // Shareable buffers are at least one element (an empty block has nothing to export).
+        let shareable = |elems: usize| alloc_shareable(dev, elems.max(1) * 4);
+        let mut shards = Vec::new();
+        for (bucket, state) in sync.bucket_ranges().iter().zip(sync.states()) {
+            let own = state.range();
+            let n = own.len();
+            shards.push(Shard {
+                bucket: bucket.clone(),
+                params: shareable(n)?,
+                grads: dev.alloc(n * 4)?,
+                m: dev.alloc(n * 4)?,
+                v: dev.alloc(n * 4)?,
+                decay: decay.iter().filter_map(|(r, d)| Some((local(&own, r)?, *d))).collect(),
+                counted: norm.iter().filter(|(_, c)| *c).filter_map(|(r, _)| local(&own, r)).collect(),
+                own,
+            });
+        }
+        let bucket = shards.iter().map(|s| s.bucket.len()).max().unwrap_or(0);
+        let block = shards.iter().map(|s| s.own.len()).max().unwrap_or(0);
+        Ok(DeviceShards {
+            shards,
+            stage: shareable(bucket)?,
+            recv: dev.alloc(block * 4)?,
+            every_backward: sync.reduces_every_backward(),
+            reduced: 0,
+            comm: Duration::ZERO,
+        })
+    }
+
+    /// Device bytes of the optimizer state and its staging (4 shard-sized buffers, one bucket,
+    /// one block).
+    pub fn device_bytes(&self) -> usize {
+        let shard: usize = self.shards.iter().map(|s| s.own.len()).sum();
+        16 * shard + self.stage.len() + self.recv.len()
+    }
+
+    /// Takes the master weights from the model's host mirror (whole on every rank at ZeRO <= 2)
+    /// and the moments from `sync`'s AdamW states; returns their step count. The model uploads
+    /// its host parameters before its next forward.
+    pub fn load(&mut self, model: &DeviceGpt, sync: &DataParallel) -> Result<u64> {
+        let dev = model.device();
+        let mut step = None;
+        for (s, state) in self.shards.iter_mut().zip(sync.states()) {
+            if state.range() != s.own || *step.get_or_insert(state.step) != state.step {
+                return Err(Error::Check("AdamW states do not match the device shards".into()));
+            }
+            dev.copy_to_device(&mut s.params, &model.params()[s.own.clone()])?;
+            dev.copy_to_device(&mut s.m, &state.m)?;
+            dev.copy_to_device(&mut s.v, &state.v)?;
+        }
+        Ok(step.unwrap_or(0))
+    }
+
+    /// Copies the model's device parameters (every rank's updated shards, gathered) to its host
+    /// mirror and the moments into `sync`'s AdamW states at step count `step`.
+    pub fn store(&self, model: &mut DeviceGpt, sync: &mut DataParallel, step: u64) -> Result<()> {
+        model.host_params_from_device()?;
+        let dev = model.device();
+        for (s, state) in self.shards.iter().zip(sync.states_mut()) {
+            dev.copy_to_host(&s.m, &mut state.m)?;
+            dev.copy_to_host(&s.v, &mut state.v)?;
+            state.step = step;
+        }
+        Ok(())
+    }
+
+    /// After a backward holding `covered` of the step's `micro_batches`: at ZeRO-2 reduces their
+    /// gradients into the shards and zeroes the model's gradients for the next (ZeRO-1 waits for
+    /// the step).
+    pub fn after_backward(
+        &mut self,
+        model: &mut DeviceGpt,
+        dp: &Communicator,
+        coll: &mut GpuCommState,
+        (micro_batches, covered): (usize, usize),
+    ) -> Result<()> {
+        if self.every_backward {
+            self.reduce(model, dp, coll, micro_batches, covered)?;
+            model.zero_grad()?;
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatters the model's device gradients, scaled by 1/`micro_batches`, bucket by
+    /// bucket into the shards (the first reduction of a step sets them, later ones add).
+    /// `covered` micro-batches' gradients are in the model.
+    fn reduce(&mut self, model: &DeviceGpt, dp: &Communicator, coll: &mut GpuCommState, micro_batches: usize, covered: usize) -> Result<()> {
+        let dev = model.device();
+        let first = self.reduced == 0;
+        for s in &mut self.shards {
+            let n = s.bucket.len();
+            model.pack_grads_range(s.bucket.clone(), &mut self.stage)?;
+            // The host reducer's staging copy multiplies by the same f32 factor.
+            ops::scale(dev, &mut self.stage, 0, n, 1.0 / micro_batches.max(1) as f32)?;
+            // The packing is still queued: the communication time starts after it.
+            dev.synchronize()?;
+            let t0 = Instant::now();
+            let out = if first { &mut s.grads } else { &mut self.recv };
+            if dp.size() > 1 {
+                coll.bind(dp, dev).reduce_scatter_into(&self.stage, out, n, DType::F32, ReduceOp::Avg)?;
+            } else {
+                ops::copy(dev, out, 0, &self.stage, 0, n)?;
+            }
+            if !first {
+                ops::reduce_into(dev, DType::F32, ReduceOp::Sum, &mut s.grads, &self.recv, s.own.len())?;
+            }
+            dev.synchronize()?;
+            self.comm += t0.elapsed();
+        }
+        self.reduced += covered;
+        Ok(())
+    }
+
+    /// Finishes the step's reduction (ZeRO-1: the only one) and returns this rank's sum of the
+    /// squares of its counted shard elements, summed over `dp`, and the reduction time.
+    pub fn reduce_and_square(
+        &mut self,
+        model: &DeviceGpt,
+        dp: &Communicator,
+        coll: &mut GpuCommState,
+        partials: &mut DeviceBuffer,
+        micro_batches: usize,
+    ) -> Result<(f64, Duration)> {
+        if !self.every_backward {
+            self.reduce(model, dp, coll, micro_batches, micro_batches)?;
+        }
+        if self.reduced != micro_batches {
+            return Err(Error::Check(format!("{} micro-batches reduced in a step of {micro_batches}", self.reduced)));
+        }
+        let dev = model.device();
+        let mut sq = [0.0f64];
+        for s in &self.shards {
+            for r in &s.counted {
+                sq[0] += ops::sum_squares(dev, partials, &s.grads, r.start, r.len())?;
+            }
+        }
+        dp.all_reduce(&mut sq, ReduceOp::Sum)?;
+        let comm = std::mem::take(&mut self.comm);
+        self.reduced = 0;
+        Ok((sq[0], comm))
+    }
+
+    /// Scales the shards' gradients by `scale`, applies AdamW step `step` at `lr`, and gathers the
+    /// updated weights over `dp` into the model's tensors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn update(
+        &mut self,
+        model: &mut DeviceGpt,
+        dp: &Communicator,
+        coll: &mut GpuCommState,
+        scale: f64,
+        config: &AdamWConfig,
+        step: u64,
+        lr: f64,
+    ) -> Result<()> {
+        for s in &mut self.shards {
+            // The device is borrowed from the model until the gather; the unpack writes the model.
+            let dev = model.device();
+            if scale != 1.0 {
+                ops::scale(dev, &mut s.grads, 0, s.own.len(), scale as f32)?;
+            }
+            for (span, decay) in &s.decay {
+                let bufs = AdamWBuffers { params: &mut s.params, grads: &s.grads, m: &mut s.m, v: &mut s.v };
+                ops::adamw_update(dev, bufs, span.clone(), config, step, lr, *decay)?;
+            }
+            if dp.size() > 1 {
+                coll.bind(dp, dev).all_gather_into(&s.params, &mut self.stage, s.bucket.len(), DType::F32)?;
+                model.unpack_params_range(s.bucket.clone(), &self.stage)?;
+            } else {
+                model.unpack_params_range(s.bucket.clone(), &s.params)?;
+            }
+        }
+        model.refresh_params16()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::device_step::DeviceStep;
+    use super::*;
+    use crate::comm::testing::run_ranks;
+    use crate::comm::CommConfig;
+    use crate::device::Device;
+    use crate::model::{Gpt, GptConfig, Precision};
+    use crate::optim::{AdamW, DecayMask};
+
+    const B: usize = 2;
+    const T: usize = 16;
+
+    /// Tokens of micro-batch `k` of step `step` on data-parallel rank `rank`.
+    fn batch(step: usize, rank: usize, k: usize) -> Vec<u32> {
+        (0..B * T).map(|i| ((i * 7 + rank * 13 + k * 5 + step * 31) % 256) as u32).collect()
+    }
+
+    /// Three bf16 steps of two micro-batches on each of two ranks, once through the host-mirror
+    /// step ([`DataParallel::step`] on the device model's host copies, as the device model ran at
+    /// ZeRO 1 before the device shards) and once through the device shards: the parameters,
+    /// moments, step counts and gradient norms are bit for bit the same on the CPU device, with
+    /// clipping active and buckets that cut tensors apart.
+    #[test]
+    fn device_shards_step_exactly_as_the_host_mirror_step() {
+        for zero in [1u8, 2] {
+            let results = run_ranks(2, CommConfig::default(), move |c| {
+                let cfg = GptConfig::named("tiny").unwrap();
+                let init = Gpt::<f32>::new(cfg, B, T, 7).unwrap().params().to_vec();
+                let n = init.len();
+                let new_model = || DeviceGpt::new(Device::Cpu, cfg, B, T, init.clone(), Precision::Bf16).unwrap();
+                let (mut host, mut dev) = (new_model(), new_model());
+                let decay = host.layout().decay_spans();
+                let norm = vec![(0..n, true)];
+                let adamw = AdamWConfig::default();
+                let opt = AdamW::new(adamw, DecayMask::from_spans(decay.clone()));
+                let (bucket, units) = (5000, [norm[0].0.clone()]);
+                let mut host_sync = DataParallel::new(&c, &units, zero, bucket).unwrap();
+                let mut dev_sync = DataParallel::new(&c, &units, zero, bucket).unwrap();
+                assert!(dev_sync.buckets() > 3);
+                let mut step = DeviceStep::new(&dev, &dev_sync, decay, &norm, adamw).unwrap();
+                step.load(&mut dev, &dev_sync).unwrap();
+                let (accum, lr, max_norm) = (2, 1e-3, 0.5);
+                for s in 0..3 {
+                    host.zero_grad().unwrap();
+                    dev.zero_grad().unwrap();
+                    host_sync.begin(accum);
+                    for k in 0..accum {
+                        let tokens = batch(s, c.rank(), k);
+                        host.forward(&tokens, &tokens).unwrap();
+                        let report = zero == 2 || k + 1 == accum;
+                        host.backward(report, &mut |r, g| host_sync.on_final(r, g)).unwrap();
+                        if zero == 2 {
+                            host.zero_grad().unwrap();
+                        }
+                        dev.forward(&tokens, &tokens).unwrap();
+                        dev.backward(true, &mut |_, _| panic!("the device step reads the device gradients")).unwrap();
+                        step.after_backward(&mut dev, &c, (accum, 1)).unwrap();
+                    }
+                    let (params, grads) = host.params_and_grads();
+                    let want = host_sync.step(&c, &[], &norm, &opt, lr, max_norm, params, grads).unwrap();
+                    let got = step.step(&mut dev, &c, &[], accum, lr, max_norm).unwrap();
+                    assert!(want.grad_norm > max_norm, "clipping is exercised");
+                    assert_eq!(got.grad_norm.to_bits(), want.grad_norm.to_bits(), "ZeRO {zero} step {s}");
+                }
+                step.store(&mut dev, &mut dev_sync).unwrap();
+                let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same(dev.params(), host.params()), "ZeRO {zero}: parameters differ");
+                for (d, h) in dev_sync.states().iter().zip(host_sync.states()) {
+                    assert_eq!((d.range(), d.step), (h.range(), h.step));
+                    assert!(same(&d.m, &h.m) && same(&d.v, &h.v), "ZeRO {zero}: moments of {:?} differ", d.range());
+                }
+                // The state is a shard: 4 shard-sized buffers, one bucket and one block of staging.
+                let shard = dev_sync.state_len();
+                assert!(shard < n / 2 + dev_sync.buckets());
+                assert_eq!(step.device_bytes(), 16 * shard + 4 * bucket + 4 * bucket.div_ceil(2));
+                step.finish(&dev, &c).unwrap();
+                dev.params().to_vec()
+            });
+            assert_eq!(results[0], results[1], "ZeRO {zero}: ranks disagree");
+        }
+    }
+}

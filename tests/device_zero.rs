@@ -1,8 +1,9 @@
 //! The device model's optimizer state sharded on its device (ZeRO 1 and 2,
-//! `src/train/device_zero.rs`) through `meshtrain train` on the CPU device with bf16 numerics:
-//! data-parallel layouts follow the single-rank bf16 trajectory within the tolerances of the bf16
-//! ZeRO-0 layouts (`tests/train_cli.rs`), and a ZeRO-2 run resumed from its checkpoint continues
-//! bit for bit. (That the sharded step is the host-mirror step's arithmetic bit for bit is a unit
+//! `src/train/device_zero.rs`) and its parameters too (ZeRO-3, `src/model/device_gpt/shards.rs`)
+//! through `meshtrain train` on the CPU device with bf16 numerics: data-parallel layouts follow
+//! the single-rank bf16 trajectory within the tolerances of the bf16 ZeRO-0 layouts
+//! (`tests/train_cli.rs`), and ZeRO-2 and ZeRO-3 runs resumed from their checkpoints continue bit
+//! for bit. (That the sharded step is the host-mirror step's arithmetic bit for bit is a unit
 //! test in `device_zero.rs`.)
 
 mod common;
@@ -47,9 +48,10 @@ fn params_rel_l2(got: &Run, want: &Run) -> f64 {
     (diff / norm).sqrt()
 }
 
-/// DP2 at ZeRO 1 and 2 (two micro-batches per rank, so ZeRO-2 reduces and accumulates twice per
-/// step) and TP2 x DP2 at ZeRO 2 (the norm counts a TP-replicated tensor once, shard by shard)
-/// follow the single-rank bf16 run with four micro-batches: losses within 1e-4 and final
+/// DP2 at ZeRO 1, 2 and 3 (two micro-batches per rank, so ZeRO-2/3 reduce and accumulate twice
+/// per step; ZeRO-3 gathers every unit's parameters from the shards before each use), TP2 x DP2 at
+/// ZeRO 2 and 3 (the norm counts a TP-replicated tensor once, shard by shard) and PP2 x DP2 at
+/// ZeRO 3 (each stage gathers its own units; one reduction per pipeline round) follow the single-rank bf16 run with four micro-batches: losses within 1e-4 and final
 /// parameters within 1e-2 (the bounds of the bf16 ZeRO-0 layouts, for the same reason: a
 /// different f32 summation order can move an activation to the neighbouring bf16 value, and AdamW
 /// turns rounding in near-zero gradients into steps of ~lr). ZeRO 1 and 0 on the same ranks
@@ -61,9 +63,16 @@ fn sharded_device_steps_follow_the_single_rank_trajectory() {
     let accum = |k: usize| vec![format!("train.grad_accum={k}")];
     let single = run(d, "single", 1, "", &accum(4));
     let z0 = run(d, "dp2z0", 2, "dp = 2", &accum(2));
-    let layouts = [("dp2z1", 2, "dp = 2\nzero = 1"), ("dp2z2", 2, "dp = 2\nzero = 2"), ("tp2dp2z2", 4, "tp = 2\ndp = 2\nzero = 2")];
-    for (name, np, parallel) in layouts {
-        let got = run(d, name, np, parallel, &accum(2));
+    let layouts = [
+        ("dp2z1", 2, "dp = 2\nzero = 1", 2),
+        ("dp2z2", 2, "dp = 2\nzero = 2", 2),
+        ("tp2dp2z2", 4, "tp = 2\ndp = 2\nzero = 2", 2),
+        ("dp2z3", 2, "dp = 2\nzero = 3", 2),
+        ("tp2dp2z3", 4, "tp = 2\ndp = 2\nzero = 3", 2),
+        ("pp2dp2z3", 4, "pp = 2\ndp = 2\nzero = 3\nmicrobatches = 2", 1),
+    ];
+    for (name, np, parallel, k) in layouts {
+        let got = run(d, name, np, parallel, &accum(k));
         let (loss, params) = (max_loss_diff(&got, &single), params_rel_l2(&got, &single));
         eprintln!("{name} vs single rank: losses {loss:.2e}, parameters {params:.2e}; vs DP2 ZeRO 0: losses {:.2e}, parameters {:.2e}", max_loss_diff(&got, &z0), params_rel_l2(&got, &z0));
         assert!(loss <= 1e-4, "{name}: losses differ by {loss:e} from the single rank");
@@ -71,25 +80,28 @@ fn sharded_device_steps_follow_the_single_rank_trajectory() {
     }
 }
 
-/// DP2 at ZeRO 2 (two micro-batches per rank), resumed from its step-10 checkpoint: the master
-/// weights and moments went to the checkpoint from the device shards and come back into them,
-/// so the losses and the final parameters are the uninterrupted run's, bit for bit.
+/// DP2 at ZeRO 2 and 3 (two micro-batches per rank), resumed from the step-10 checkpoint: the
+/// master weights and moments went to the checkpoint from the device shards (ZeRO-3: each rank
+/// writes its owned blocks) and come back into them, so the losses and the final parameters are
+/// the uninterrupted run's, bit for bit.
 #[test]
-fn zero2_device_checkpoints_resume_bitwise() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    let parallel = "dp = 2\nzero = 2";
-    let sets = vec!["train.grad_accum=2".to_string()];
-    let full = run(d, "full", 2, parallel, &sets);
-    let ckpt = d.join("full_ckpt/step_00000010");
-    let resumed_sets = [sets[0].clone(), format!("checkpoint.resume={:?}", ckpt.display().to_string())];
-    let resumed = run(d, "resumed", 2, parallel, &resumed_sets);
-    assert_eq!(resumed.losses.len(), 10);
-    for (g, w) in resumed.losses.iter().zip(&full.losses[10..]) {
-        assert_eq!((g.0, g.1.to_bits()), (w.0, w.1.to_bits()), "step {}: {} vs {}", g.0, g.1, w.1);
-    }
-    for (a, b) in resumed.params.iter().zip(&full.params) {
-        assert_eq!(a.0, b.0);
-        assert!(a.2.iter().zip(&b.2).all(|(x, y)| x.to_bits() == y.to_bits()), "{} differs", a.0);
+fn zero2_and_zero3_device_checkpoints_resume_bitwise() {
+    for zero in [2, 3] {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let parallel = format!("dp = 2\nzero = {zero}");
+        let sets = vec!["train.grad_accum=2".to_string()];
+        let full = run(d, "full", 2, &parallel, &sets);
+        let ckpt = d.join("full_ckpt/step_00000010");
+        let resumed_sets = [sets[0].clone(), format!("checkpoint.resume={:?}", ckpt.display().to_string())];
+        let resumed = run(d, "resumed", 2, &parallel, &resumed_sets);
+        assert_eq!(resumed.losses.len(), 10);
+        for (g, w) in resumed.losses.iter().zip(&full.losses[10..]) {
+            assert_eq!((g.0, g.1.to_bits()), (w.0, w.1.to_bits()), "ZeRO {zero} step {}: {} vs {}", g.0, g.1, w.1);
+        }
+        for (a, b) in resumed.params.iter().zip(&full.params) {
+            assert_eq!(a.0, b.0);
+            assert!(a.2.iter().zip(&b.2).all(|(x, y)| x.to_bits() == y.to_bits()), "ZeRO {zero}: {} differs", a.0);
+        }
     }
 }

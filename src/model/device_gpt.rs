@@ -47,8 +47,10 @@ use crate::device::ops_vocab::VocabShard;
 use crate::device::{ops, Device, DeviceBuffer};
 use crate::error::{Error, Result};
 use layers::Rows;
+use shards::{ParamShards, Use};
 
 mod layers;
+mod shards;
 
 /// This rank's share of the model's widths.
 #[derive(Debug, Clone, Copy)]
@@ -96,7 +98,7 @@ pub struct DeviceGpt {
     t: usize,
     /// The residual-stream rows this rank holds (all B*T without sequence parallelism).
     rows: Rows,
-    /// Per layout entry.
+    /// Per layout entry (allocated when first set; under ZeRO-3 only while its unit is gathered).
     params: Vec<DeviceBuffer>,
     grads: Vec<DeviceBuffer>,
     params16: Vec<Option<DeviceBuffer>>,
@@ -114,6 +116,8 @@ pub struct DeviceGpt {
     linear: Linear,
     /// Host staging of a hidden state or its gradient (R, C) for the pipeline.
     hidden: Vec<f32>,
+    /// ZeRO-3: this rank's blocks of the parameters, gathered unit by unit on use.
+    shards: Option<ParamShards>,
 }
 
 impl DeviceGpt {
@@ -193,9 +197,9 @@ impl DeviceGpt {
         let mut g = Vec::new();
         let mut p16 = Vec::new();
         for e in layout.entries() {
-            p.push(dev.alloc(e.len * 4)?);
+            p.push(dev.alloc(0)?);
             g.push(dev.alloc(e.len * 4)?);
-            p16.push(if bf16 && e.local_shape.len() == 2 { Some(dev.alloc(e.len * 2)?) } else { None });
+            p16.push(if bf16 && e.local_shape.len() == 2 { Some(dev.alloc(0)?) } else { None });
         }
         let d = ActDims { bt, rows: r, sp, c, cl: w.cl, hl: w.hl, vl, att: b * w.nhl * t * t, tp: tp.is_some() };
         let chunks = (0..spec.chunks.len())
@@ -231,6 +235,7 @@ impl DeviceGpt {
             s,
             linear,
             hidden: vec![0.0; r * c],
+            shards: None,
         };
         model.zero_grad()?;
         Ok(model)
@@ -314,8 +319,24 @@ impl DeviceGpt {
         Ok(())
     }
 
+    /// Allocates entry `i`'s parameters and bf16 copy if they are not.
+    fn ensure_entry(&mut self, i: usize) -> Result<()> {
+        let len = self.layout.entries()[i].len;
+        if self.params[i].len() != len * 4 {
+            self.params[i] = self.dev.alloc(len * 4)?;
+        }
+        if let Some(p16) = &mut self.params16[i] {
+            if p16.len() != len * 2 {
+                *p16 = self.dev.alloc(len * 2)?;
+            }
+        }
+        Ok(())
+    }
+
     fn upload_params(&mut self) -> Result<()> {
-        for (i, e) in self.layout.entries().iter().enumerate() {
+        for i in 0..self.params.len() {
+            self.ensure_entry(i)?;
+            let e = &self.layout.entries()[i];
             self.dev.copy_to_device(&mut self.params[i], &self.host_params[e.range()])?;
             if let Some(p16) = &mut self.params16[i] {
                 ops::cast_f32_to_bf16(&self.dev, p16, &self.params[i], e.len)?;
@@ -337,7 +358,9 @@ impl DeviceGpt {
     /// weights of a device-resident optimizer; the host mirror is left as it was (see
     /// [`DeviceGpt::host_params_from`]).
     pub fn unpack_params(&mut self, flat: &DeviceBuffer) -> Result<()> {
-        for (i, e) in self.layout.entries().iter().enumerate() {
+        for i in 0..self.params.len() {
+            self.ensure_entry(i)?;
+            let e = &self.layout.entries()[i];
             ops::copy(&self.dev, &mut self.params[i], 0, flat, e.offset, e.len)?;
             if let Some(p16) = &mut self.params16[i] {
                 ops::cast_f32_to_bf16(&self.dev, p16, &self.params[i], e.len)?;
@@ -486,7 +509,7 @@ impl DeviceGpt {
                 return Err(Error::InvalidArgument(format!("forward: {what}[{i}] = {id} is outside the vocabulary ({v})")));
             }
         }
-        if self.params_stale {
+        if self.params_stale && self.shards.is_none() {
             self.upload_params()?;
         }
         let a = &mut self.chunks[ci].slots[si];
@@ -495,15 +518,20 @@ impl DeviceGpt {
             StageInput::Hidden(h) => self.dev.copy_to_device(&mut a.input, h)?,
             StageInput::Tokens(tokens) => {
                 self.dev.copy_to_device(&mut a.tokens, tokens)?;
+                self.acquire(Use::Embedding)?;
                 self.embed_forward(ci, si)?;
             }
         }
         for li in 0..self.chunks[ci].layers.len() {
+            self.acquire(Use::Block(self.chunks[ci].layers.start + li))?;
             self.block_forward(ci, si, li)?;
         }
         self.chunks[ci].slots[si].forward_done = true;
         match targets {
-            Some(tg) => self.head_forward(ci, si, tg).map(Some),
+            Some(tg) => {
+                self.acquire(Use::Head)?;
+                self.head_forward(ci, si, tg).map(Some)
+            }
             None => Ok(None),
         }
     }
@@ -539,9 +567,11 @@ impl DeviceGpt {
         }
         self.chunks[ci].slots[si].forward_done = false;
         if ends {
+            self.acquire(Use::Head)?;
             self.head_backward(ci, si)?;
         }
         for li in (0..self.chunks[ci].layers.len()).rev() {
+            self.acquire(Use::Block(self.chunks[ci].layers.start + li))?;
             self.block_backward(ci, si, li)?;
         }
         if !embeds {
@@ -564,57 +594,4 @@ fn pair(bufs: &mut [DeviceBuffer], i: usize, j: usize) -> (&mut DeviceBuffer, &m
     assert!(i < j, "pair: entry {i} must precede entry {j}");
     let (lo, hi) = bufs.split_at_mut(j);
     (&mut lo[i], &mut hi[0])
-}
-
-/// Flat-range access to the per-entry device buffers, for an optimizer that holds only a shard of
-/// the flat buffer and moves it bucket by bucket (`train::device_zero`).
-impl DeviceGpt {
-    /// The parts of the layout entries inside the flat range `r`: (entry index, flat sub-range).
-    fn entry_parts(&self, r: Range<usize>) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
-        self.layout.entries().iter().enumerate().filter_map(move |(i, e)| {
-            let (lo, hi) = (e.offset.max(r.start), (e.offset + e.len).min(r.end));
-            (lo < hi).then_some((i, lo..hi))
-        })
-    }
-
-    /// Copies the device gradients of the flat range `r` into `dst` (`r.len()` elements from 0).
-    pub fn pack_grads_range(&self, r: Range<usize>, dst: &mut DeviceBuffer) -> Result<()> {
-        for (i, p) in self.entry_parts(r.clone()) {
-            let e = &self.layout.entries()[i];
-            ops::copy(&self.dev, dst, p.start - r.start, &self.grads[i], p.start - e.offset, p.len())?;
-        }
-        Ok(())
-    }
-
-    /// Sets the device parameters of the flat range `r` from `src` (`r.len()` elements from 0);
-    /// the bf16 copies follow in [`DeviceGpt::refresh_params16`] once every range is set.
-    pub fn unpack_params_range(&mut self, r: Range<usize>, src: &DeviceBuffer) -> Result<()> {
-        let parts: Vec<_> = self.entry_parts(r.clone()).collect();
-        for (i, p) in parts {
-            let off = p.start - self.layout.entries()[i].offset;
-            ops::copy(&self.dev, &mut self.params[i], off, src, p.start - r.start, p.len())?;
-        }
-        Ok(())
-    }
-
-    /// Casts every entry's bf16 copy from its device parameters after [`DeviceGpt::unpack_params_range`]
-    /// set all of them; the device parameters are then the model's (as after `unpack_params`).
-    pub fn refresh_params16(&mut self) -> Result<()> {
-        for (i, e) in self.layout.entries().iter().enumerate() {
-            if let Some(p16) = &mut self.params16[i] {
-                ops::cast_f32_to_bf16(&self.dev, p16, &self.params[i], e.len)?;
-            }
-        }
-        self.params_stale = false;
-        Ok(())
-    }
-
-    /// Brings the device parameters into the host mirror (for checkpoints of an optimizer that
-    /// keeps no flat copy of them).
-    pub fn host_params_from_device(&mut self) -> Result<()> {
-        for (i, e) in self.layout.entries().iter().enumerate() {
-            self.dev.copy_to_host(&self.params[i], &mut self.host_params[e.range()])?;
-        }
-        Ok(())
-    }
 }

@@ -89,8 +89,8 @@ impl DeviceStep {
                     n,
                 })
             }
-            1 | 2 => State::Sharded(DeviceShards::new(model, sync, &decay, norm)?),
-            z => return Err(Error::config("parallel.zero", format!("the device step runs ZeRO 0-2, not {z}"))),
+            1..=3 => State::Sharded(DeviceShards::new(model, sync, &decay, norm)?),
+            z => return Err(Error::config("parallel.zero", format!("the device step runs ZeRO 0-3, not {z}"))),
         };
         Ok(DeviceStep {
             state,

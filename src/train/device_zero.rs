@@ -1,4 +1,4 @@
-//! The sharded optimizer state of the device step (ZeRO 1 and 2), on the device: so that a GPU
+//! The sharded optimizer state of the device step (ZeRO 1, 2 and 3), on the device: so that a GPU
 //! rank holds a 1/N share of the master weights, AdamW moments and reduced gradients instead of
 //! all of them, and nothing but the norm's partial sums crosses to the host.
 //!
@@ -11,7 +11,9 @@
 //! summing into the shard, the model's gradients then zeroed for the next micro-batch. The step
 //! adds the squares of the shard's counted elements (summed over DP by the caller's step and over
 //! the TP group), clips, runs AdamW on the shard, and all-gathers each bucket's updated master
-//! weights through the staging buffer into the model's tensors.
+//! weights through the staging buffer into the model's tensors; at ZeRO-3 it copies them into the
+//! model's parameter shards instead, which the model gathers unit by unit when it reads them
+//! (`model::device_gpt::shards`).
 //!
 //! Device memory per rank (f32; Ψ parameters on the rank, N data-parallel ranks): master weights,
 //! gradient shard, m and v, 4Ψ/N bytes each, plus one bucket of staging and one bucket block of
@@ -59,8 +61,11 @@ pub struct DeviceShards {
     shards: Vec<Shard>,
     stage: DeviceBuffer, // (largest bucket) f32: a bucket's gradients to reduce, then its gathered weights (shareable)
     recv: DeviceBuffer,  // (largest block) f32: a later micro-batch's reduced block before it is added
-    /// ZeRO-2: reduce after every backward.
+    /// ZeRO-2/3: reduce after every backward.
     every_backward: bool,
+    /// ZeRO-3: the model keeps only parameter shards (set from the master weights, never
+    /// all-gathered here).
+    sharded_params: bool,
     /// Micro-batches reduced into the shards this step.
     reduced: usize,
     /// Time spent in the reductions this step.
@@ -102,6 +107,7 @@ impl DeviceShards {
             stage: shareable(bucket)?,
             recv: dev.alloc(block * 4)?,
             every_backward: sync.reduces_every_backward(),
+            sharded_params: sync.zero == 3,
             reduced: 0,
             comm: Duration::ZERO,
         })
@@ -114,19 +120,23 @@ impl DeviceShards {
         16 * shard + self.stage.len() + self.recv.len()
     }
 
-    /// Takes the master weights from the model's host mirror (whole on every rank at ZeRO <= 2)
-    /// and the moments from `sync`'s AdamW states; returns their step count. The model uploads
-    /// its host parameters before its next forward.
-    pub fn load(&mut self, model: &DeviceGpt, sync: &DataParallel) -> Result<u64> {
-        let dev = model.device();
+    /// Takes the master weights from the model's host mirror (whole on every rank at ZeRO <= 2,
+    /// the owned ranges at ZeRO-3) and the moments from `sync`'s AdamW states; returns their step
+    /// count. The model uploads its host parameters before its next forward (ZeRO-3: takes the
+    /// master weights as its parameter shards).
+    pub fn load(&mut self, model: &mut DeviceGpt, sync: &DataParallel) -> Result<u64> {
         let mut step = None;
-        for (s, state) in self.shards.iter_mut().zip(sync.states()) {
+        for (k, (s, state)) in self.shards.iter_mut().zip(sync.states()).enumerate() {
             if state.range() != s.own || *step.get_or_insert(state.step) != state.step {
                 return Err(Error::Check("AdamW states do not match the device shards".into()));
             }
+            let dev = model.device();
             dev.copy_to_device(&mut s.params, &model.params()[s.own.clone()])?;
             dev.copy_to_device(&mut s.m, &state.m)?;
             dev.copy_to_device(&mut s.v, &state.v)?;
+            if self.sharded_params {
+                model.set_param_shard(k, &s.params)?;
+            }
         }
         Ok(step.unwrap_or(0))
     }
@@ -134,7 +144,14 @@ impl DeviceShards {
     /// Copies the model's device parameters (every rank's updated shards, gathered) to its host
     /// mirror and the moments into `sync`'s AdamW states at step count `step`.
     pub fn store(&self, model: &mut DeviceGpt, sync: &mut DataParallel, step: u64) -> Result<()> {
-        model.host_params_from_device()?;
+        if self.sharded_params {
+            // ZeRO-3 checkpoints write each rank's owned ranges only.
+            for s in &self.shards {
+                model.host_params_range_from(s.own.clone(), &s.params)?;
+            }
+        } else {
+            model.host_params_from_device()?;
+        }
         let dev = model.device();
         for (s, state) in self.shards.iter().zip(sync.states_mut()) {
             dev.copy_to_host(&s.m, &mut state.m)?;
@@ -233,7 +250,7 @@ impl DeviceShards {
         step: u64,
         lr: f64,
     ) -> Result<()> {
-        for s in &mut self.shards {
+        for (k, s) in self.shards.iter_mut().enumerate() {
             // The device is borrowed from the model until the gather; the unpack writes the model.
             let dev = model.device();
             if scale != 1.0 {
@@ -243,14 +260,19 @@ impl DeviceShards {
                 let bufs = AdamWBuffers { params: &mut s.params, grads: &s.grads, m: &mut s.m, v: &mut s.v };
                 ops::adamw_update(dev, bufs, span.clone(), config, step, lr, *decay)?;
             }
-            if dp.size() > 1 {
+            if self.sharded_params {
+                model.set_param_shard(k, &s.params)?;
+            } else if dp.size() > 1 {
                 coll.bind(dp, dev).all_gather_into(&s.params, &mut self.stage, s.bucket.len(), DType::F32)?;
                 model.unpack_params_range(s.bucket.clone(), &self.stage)?;
             } else {
                 model.unpack_params_range(s.bucket.clone(), &s.params)?;
             }
         }
-        model.refresh_params16()
+        match self.sharded_params {
+            true => Ok(()),
+            false => model.refresh_params16(),
+        }
     }
 }
 

@@ -8,6 +8,8 @@
 //! micro-batches, so both follow the same trajectory up to float summation order.
 
 mod buckets;
+#[cfg(test)]
+pub(crate) use buckets::plan_buckets;
 mod checkpointing;
 mod comm_worker;
 mod device_step;
@@ -28,7 +30,7 @@ use crate::comm::stats::CommStats;
 use crate::comm::{Communicator, ReduceOp};
 use crate::config::{DeviceKind, JobConfig, Precision};
 use crate::data::{open_source, Batch, Sampler, Split};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::memory::{peak_rss_bytes, reset_peak_rss, rss_bytes};
 use crate::metrics::{FlopCounter, MetricsWriter, Progress, StepRecord};
 use crate::model::DeviceGpt;
@@ -61,17 +63,9 @@ pub struct TrainReport {
     pub tokens_per_s: f64,
 }
 
-/// Whether the job trains the device model (a GPU, or bf16 numerics on the CPU); rejects the
-/// layouts it cannot run yet, naming the key.
-fn uses_device_model(cfg: &JobConfig) -> Result<bool> {
-    if cfg.device == DeviceKind::Cpu && cfg.precision == Precision::Fp32 {
-        return Ok(false);
-    }
-    let what = "the device model (device = cuda or hip, or precision = bf16)";
-    if cfg.parallel.zero > 2 {
-        return Err(Error::config("parallel.zero", format!("{what} supports ZeRO 0-2 only so far (not ZeRO-3's sharded parameters)")));
-    }
-    Ok(true)
+/// Whether the job trains the device model (a GPU, or bf16 numerics on the CPU).
+fn uses_device_model(cfg: &JobConfig) -> bool {
+    cfg.device != DeviceKind::Cpu || cfg.precision != Precision::Fp32
 }
 
 /// Mean validation loss over `batches` micro-batches on every rank, averaged over the group.
@@ -88,7 +82,7 @@ fn evaluate(model: &mut Replica, batch: &mut Batch, sampler: &mut Sampler, batch
 
 /// Trains `cfg` on this world (every rank calls it).
 pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<TrainReport> {
-    let device_model = uses_device_model(cfg)?;
+    let device_model = uses_device_model(cfg);
     cfg.validate_world(world.size)?;
     let device = match device_model {
         true => Some((Device::open(cfg.device, world.local_rank)?, cfg.precision)),
@@ -158,7 +152,13 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     // Each rank initialises only its part of the model; a ZeRO-3 rank only its owned shard.
     let owned = sync.owned();
     model.initialize(&cfg.model, cfg.train.seed, (zero == 3).then_some(&owned[..]))?;
-    let gather_wait = if zero == 3 {
+    let gather_wait = if let (3, Some(m)) = (zero, model.device_model_mut()) {
+        // The device model keeps its blocks of the parameters on its device and gathers units
+        // on its own communicator (ZeRO-3's gathers and the gradient reductions interleave).
+        let gathers = dp.split(Some(0), dp.rank() as i64)?.expect("every rank joins");
+        m.shard_params(gathers, sync.bucket_ranges(), &owned)?;
+        Arc::new(AtomicU64::new(0))
+    } else if zero == 3 {
         let (gate, waited, stats) = sync.param_gate(&dp, &units)?;
         if dp.size() > 1 {
             traffic.push(("dp_params", stats));
@@ -378,6 +378,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         s.finish(m, &dp)?;
     }
     if let Some(m) = model.device_model_mut() {
+        m.release_param_shards()?;
         m.release_collectives()?;
     }
     progress.finish();

@@ -128,10 +128,8 @@ impl Replica {
     pub fn initialize(&mut self, cfg: &GptConfig, seed: u64, only: Option<&[Range<usize>]>) -> Result<()> {
         let init = Initializer::new(cfg, &ParamLayout::new(cfg), seed);
         if let Some(m) = self.device_model_mut() {
-            return match only {
-                Some(_) => Err(Error::Check("the device model initialises its whole shard".into())),
-                None => m.init_params(&init),
-            };
+            // The host mirror is whole (at ZeRO-3 the device keeps only the owned blocks).
+            return m.init_params(&init);
         }
         match self.stage_mut() {
             Some(stage) => stage.init_params(&init, only),
@@ -194,11 +192,12 @@ impl Replica {
     }
 
     /// The parameter units of the flat buffer (ZeRO-3 gathers them one by one): the shard
-    /// executor's units, or the whole buffer as one.
+    /// executor's or the device model's units, or the whole buffer as one.
     pub fn units(&self) -> Vec<Range<usize>> {
-        match self.stage() {
-            Some(s) => s.units(),
-            None => std::iter::once(0..self.params().len()).collect(),
+        match (self.stage(), self.device_model()) {
+            (Some(s), _) => s.units(),
+            (None, Some(m)) => m.units(),
+            (None, None) => std::iter::once(0..self.params().len()).collect(),
         }
     }
 

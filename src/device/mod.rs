@@ -137,6 +137,10 @@ impl Device {
     pub fn copy_to_device<T: Pod>(&self, dst: &mut DeviceBuffer, host: &[T]) -> Result<()> {
         let src: &[u8] = bytemuck::cast_slice(host);
         buffer::check_len("copy_to_device", dst.len(), src.len())?;
+        if src.is_empty() {
+            // An empty buffer may have no device address: nothing to copy, nothing to call.
+            return Ok(());
+        }
         match (self, dst) {
             (Device::Cpu, DeviceBuffer::Host(d)) => {
                 d.bytes_mut()[..src.len()].copy_from_slice(src);
@@ -152,6 +156,9 @@ impl Device {
     pub fn copy_to_host<T: Pod>(&self, src: &DeviceBuffer, host: &mut [T]) -> Result<()> {
         let dst: &mut [u8] = bytemuck::cast_slice_mut(host);
         buffer::check_len("copy_to_host", src.len(), dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
         match (self, src) {
             (Device::Cpu, DeviceBuffer::Host(s)) => {
                 dst.copy_from_slice(&s.bytes()[..dst.len()]);
@@ -166,6 +173,9 @@ impl Device {
     /// Copies all of `src` into the start of `dst`, on the device (queued, like a launch).
     pub fn copy_on_device(&self, dst: &mut DeviceBuffer, src: &DeviceBuffer) -> Result<()> {
         buffer::check_len("copy_on_device", dst.len(), src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
         match (self, dst, src) {
             (Device::Cpu, DeviceBuffer::Host(d), DeviceBuffer::Host(s)) => {
                 d.bytes_mut()[..s.bytes().len()].copy_from_slice(s.bytes());

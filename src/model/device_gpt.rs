@@ -417,8 +417,9 @@ impl DeviceGpt {
     }
 
     /// Adds d(mean loss)/d(params) of the last forward into the device gradients; with
-    /// `report`, then reports them ([`DeviceGpt::report_grads`]). Replicated tensors get the same
-    /// gradient on every TP rank (their inputs are identical), so no gradient is reduced over TP.
+    /// `report`, then reports them ([`DeviceGpt::report_grads`]). Without sequence parallelism
+    /// replicated tensors get the same gradient on every TP rank (their inputs are identical);
+    /// with it their per-micro-batch gradients are summed over TP (`device_gpt/layers.rs`).
     pub fn backward(&mut self, report: bool, on_final: &mut dyn FnMut(Range<usize>, &mut [f32])) -> Result<()> {
         if self.backward_chunk(0, 0, false)? {
             return Err(Error::InvalidArgument("backward: this device model is a pipeline stage".into()));

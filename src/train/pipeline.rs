@@ -8,8 +8,9 @@
 //! CPU); either way hidden states and their gradients cross between stages as host buffers.
 //!
 //! Invariants: every rank reads the same micro-batches (the first stage needs the tokens, the last
-//! the targets); micro-batch `mb` lives in slot `mb` of each chunk from its forward to its
-//! backward, and its messages in buffer `mb * v + chunk`; the loss is computed on the model's last
+//! the targets); micro-batch `mb` lives in one activation slot of each chunk from its forward to
+//! its backward (slots are reused once free, so a stage holds as many as the schedule keeps in
+//! flight: p - rank under 1F1B, all m under GPipe), and its messages in buffer `mb * v + chunk`; the loss is computed on the model's last
 //! chunk and summed over the pipeline group, so every rank reports it; the tied embedding exists
 //! on the first and the last pipeline rank, starts equal on both, and its gradient is summed
 //! between them before the data-parallel reduction, so both copies stay equal.
@@ -78,6 +79,8 @@ pub struct Pipeline {
     microbatches: usize,
     /// This rank's actions for one round.
     list: Vec<Action>,
+    /// The activation slot of (micro-batch `mb`, chunk `c`) at `mb * v + c`.
+    slot: Vec<usize>,
     /// Received activations, one per (micro-batch, chunk): (rows, C).
     act_in: Vec<Vec<f32>>,
     /// Activations to send, one per (micro-batch, chunk).
@@ -137,6 +140,7 @@ impl Pipeline {
             ));
         }
         let list = actions(schedule, r, p, microbatches)?;
+        let (slot, slots) = assign_slots(&list, microbatches, v);
         let spec = StageSpec {
             chunks: (0..v).map(|c| stages[c * p + r].clone()).collect(),
             first: r == 0,
@@ -145,13 +149,13 @@ impl Pipeline {
         let tp_rank = tp.rank();
         let exec = match device {
             None => {
-                let stage = Stage::new(cfg, tp.rank(), tp.size(), spec.clone(), sequence_parallel, b, t, microbatches)?;
+                let stage = Stage::new(cfg, tp.rank(), tp.size(), spec.clone(), sequence_parallel, b, t, slots)?;
                 StageExec::Host { stage: Box::new(stage), tp: Box::new(tp) }
             }
             Some((dev, precision)) => {
                 let group = if tp.size() > 1 { Some(DeviceTp::new(tp)?) } else { None };
                 let n = ShardLayout::new(&cfg, tp_rank, group.as_ref().map_or(1, DeviceTp::size), &spec)?.total_len();
-                let m = DeviceGpt::stage(dev, cfg, (b, t), vec![0f32; n], precision, (group, sequence_parallel), spec.clone(), microbatches)?;
+                let m = DeviceGpt::stage(dev, cfg, (b, t), vec![0f32; n], precision, (group, sequence_parallel), spec.clone(), slots)?;
                 StageExec::Device(Box::new(m))
             }
         };
@@ -168,6 +172,7 @@ impl Pipeline {
             schedule,
             microbatches,
             list,
+            slot,
             act_in: bufs(),
             act_out: bufs(),
             grad_in: bufs(),
@@ -216,7 +221,7 @@ impl Pipeline {
             )));
         }
         let (rank, p, v) = (self.pp.rank(), self.pp.size(), self.schedule.chunks());
-        let Pipeline { exec, spec, pp, list, act_in, act_out, grad_in, grad_out, timing, .. } = self;
+        let Pipeline { exec, spec, pp, list, slot, act_in, act_out, grad_in, grad_out, timing, .. } = self;
         let mut loss = 0.0f64;
         let (start, mut fwd, mut bwd) = (Instant::now(), Duration::ZERO, Duration::ZERO);
         for &a in list.iter() {
@@ -233,7 +238,7 @@ impl Pipeline {
                         StageInput::Hidden(&act_in[k])
                     };
                     let targets = spec.ends(chunk).then_some(&batches[mb].targets[..]);
-                    match exec.forward(chunk, mb, input, targets)? {
+                    match exec.forward(chunk, slot[k], input, targets)? {
                         StageOutput::Loss(l) => loss += f64::from(l),
                         StageOutput::Hidden(h) => act_out[k].copy_from_slice(h),
                     }
@@ -248,7 +253,7 @@ impl Pipeline {
                 Action::Backward { mb, chunk } => {
                     let k = mb * v + chunk;
                     let go = if spec.ends(chunk) { None } else { Some(&grad_in[k][..]) };
-                    if let Some(d) = exec.backward(chunk, mb, go)? {
+                    if let Some(d) = exec.backward(chunk, slot[k], go)? {
                         grad_out[k].copy_from_slice(d);
                     }
                     bwd += t0.elapsed();
@@ -368,5 +373,64 @@ impl Pipeline {
                 (e.offset..e.offset + e.len, tp_ok && pp_ok)
             })
             .collect()
+    }
+}
+
+/// A static slot for every (micro-batch, chunk) of one round of `list`: a forward takes a free
+/// slot of its chunk (or a new one), the backward frees it. Returns the slots by `mb * v + chunk`
+/// and the most any chunk needs (at least one: evaluation uses slot 0).
+fn assign_slots(list: &[Action], microbatches: usize, v: usize) -> (Vec<usize>, usize) {
+    let mut slot = vec![0; microbatches * v];
+    let mut free: Vec<Vec<usize>> = vec![Vec::new(); v];
+    let mut used = vec![0; v];
+    for a in list {
+        match *a {
+            Action::Forward { mb, chunk } => {
+                slot[mb * v + chunk] = free[chunk].pop().unwrap_or_else(|| {
+                    used[chunk] += 1;
+                    used[chunk] - 1
+                });
+            }
+            Action::Backward { mb, chunk } => free[chunk].push(slot[mb * v + chunk]),
+            _ => {}
+        }
+    }
+    (slot, used.into_iter().max().unwrap_or(0).max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 1F1B keeps p - rank micro-batches in flight, GPipe all of them, interleaved 1F1B a bounded
+    /// number per chunk; a slot is never shared by two micro-batches in flight at once.
+    #[test]
+    fn slots_follow_the_schedules_in_flight_count() {
+        let (p, m) = (4, 8);
+        for rank in 0..p {
+            let (_, n) = assign_slots(&actions(Schedule::OneFOneB, rank, p, m).unwrap(), m, 1);
+            assert_eq!(n, p - rank, "1F1B rank {rank}");
+            let (_, n) = assign_slots(&actions(Schedule::GPipe, rank, p, m).unwrap(), m, 1);
+            assert_eq!(n, m, "GPipe rank {rank}");
+        }
+        let interleaved = |m: usize| actions(Schedule::Interleaved { virtual_stages: 2 }, 0, p, m).unwrap();
+        let (_, n32) = assign_slots(&interleaved(32), 32, 2);
+        let (m, list) = (16, interleaved(16));
+        let (slot, n) = assign_slots(&list, m, 2);
+        assert!(n < m && n == n32, "interleaved rank 0 needs {n} slots at m = 16, {n32} at m = 32");
+        let mut holder = vec![vec![None; n]; 2];
+        for a in &list {
+            match *a {
+                Action::Forward { mb, chunk } => {
+                    let s = &mut holder[chunk][slot[mb * 2 + chunk]];
+                    assert!(s.is_none(), "slot of chunk {chunk} taken twice");
+                    *s = Some(mb);
+                }
+                Action::Backward { mb, chunk } => {
+                    assert_eq!(holder[chunk][slot[mb * 2 + chunk]].take(), Some(mb));
+                }
+                _ => {}
+            }
+        }
     }
 }

@@ -5,7 +5,9 @@
 #   bash benches/gpu_run.sh [OUT]
 # 1. kernels, cuBLAS products and the device model against the CPU (tests/gpu_kernels.rs,
 #    tests/gpu_model.rs), with the reduction-bandwidth report (reduce kernels vs a D2D copy);
-# 2. device collectives among 2, 3 and 4 ranks sharing the GPU (tests/gpu_collectives.rs);
+# 2. device collectives among 2, 3 and 4 ranks sharing the GPU (tests/gpu_collectives.rs), and
+#    the device model's layouts (TP2 + SP, PP2, DP2 at ZeRO 0 and 3) on 2 ranks sharing it
+#    against the CPU arm (tests/gpu_layouts.rs);
 # 3. d12 bf16 training at T=1024 (jobs/d12_gpu.toml) and the PyTorch eager baseline on the same
 #    model (benches/torch_gpt2.py): tokens/s, TFLOP/s and MFU of both in summary.txt.
 # Steps run even when an earlier one fails; each one's exit code is in summary.txt.
@@ -28,6 +30,7 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 step build cargo build --release --tests --bins
 step gpu_tests cargo test --release --test gpu_kernels --test gpu_model -- --ignored gpu_ --test-threads=1 --nocapture
 step gpu_collectives cargo test --release --test gpu_collectives -- --ignored gpu_coll_ --test-threads=1 --nocapture
+step gpu_layouts cargo test --release --test gpu_layouts -- --ignored gpu_ --test-threads=1 --nocapture
 step meshtrain_d12 target/release/meshtrain train jobs/d12_gpu.toml --metrics "$out/meshtrain_d12.jsonl"
 step torch_d12 python3 benches/torch_gpt2.py --size d12 --batch 8 --seq-len 1024 --steps 30 --peak-tflops 989
 {

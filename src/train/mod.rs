@@ -149,7 +149,8 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     if dp.size() > 1 {
         traffic.push(("dp_buckets", sync.bucket_stats()));
     }
-    // Each rank initialises only its part of the model; a ZeRO-3 rank only its owned shard.
+    // Each rank initialises only its part of the model; a ZeRO-3 rank only its owned shard (the
+    // device model its whole host mirror, from which its device keeps the owned blocks).
     let owned = sync.owned();
     model.initialize(&cfg.model, cfg.train.seed, (zero == 3).then_some(&owned[..]))?;
     let gather_wait = if let (3, Some(m)) = (zero, model.device_model_mut()) {
@@ -258,7 +259,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     // the peak covers the whole run.
     let peak_is_steps = reset_peak_rss().is_ok();
     let every_backward = sync.reduces_every_backward();
-    // The device model steps on its device (ZeRO 1/2: on its shard of the state); from here on
+    // The device model steps on its device (ZeRO 1-3: on its shard of the state); from here on
     // its device weights and moments are the training state (stored back into the host copies
     // before each checkpoint).
     let mut device_step = match model.device_model_mut() {

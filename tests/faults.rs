@@ -84,7 +84,9 @@ fn killed_rank_over_tcp() {
 #[test]
 fn strangers_are_rejected_and_the_job_completes() {
     let mut cmd = common::mpirun(3);
-    cmd.args(["bench", "all_reduce", "--min", "1M", "--max", "1M", "--warmup", "2", "--iters", "1500"])
+    // Long enough (about 10 s on an idle 2-core VM, 0.17 ms per call) that every stranger below
+    // reaches the running job: with 1500 calls a fast machine finished before the last connected.
+    cmd.args(["bench", "all_reduce", "--min", "1M", "--max", "1M", "--warmup", "2", "--iters", "60000"])
         .env("RUST_LOG", "info")
         .env("MESHTRAIN_TIMEOUT", "60");
     let mut child = common::spawn(cmd);

@@ -118,7 +118,12 @@ pub struct DeviceGpt {
     hidden: Vec<f32>,
     /// ZeRO-3: this rank's blocks of the parameters, gathered unit by unit on use.
     shards: Option<ParamShards>,
+    /// Gradients are freed once reduced and allocated again when written (ZeRO-2/3).
+    release_grads: bool,
 }
+
+/// Receives a unit's final gradients (a flat range) during [`DeviceGpt::backward_reducing`].
+pub type GradSink<'a> = dyn FnMut(&DeviceGpt, Range<usize>) -> Result<()> + 'a;
 
 impl DeviceGpt {
     /// The whole model with flat parameters `params` (layout order) on `dev`, for (B, T) batches.
@@ -236,6 +241,7 @@ impl DeviceGpt {
             linear,
             hidden: vec![0.0; r * c],
             shards: None,
+            release_grads: false,
         };
         model.zero_grad()?;
         Ok(model)
@@ -313,7 +319,9 @@ impl DeviceGpt {
     /// Clears the gradients (device and host mirror).
     pub fn zero_grad(&mut self) -> Result<()> {
         for (g, e) in self.grads.iter_mut().zip(self.layout.entries()) {
-            ops::fill_zero(&self.dev, g, e.len)?;
+            if !g.is_empty() {
+                ops::fill_zero(&self.dev, g, e.len)?;
+            }
         }
         self.host_grads.fill(0.0);
         Ok(())
@@ -421,13 +429,30 @@ impl DeviceGpt {
     /// replicated tensors get the same gradient on every TP rank (their inputs are identical);
     /// with it their per-micro-batch gradients are summed over TP (`device_gpt/layers.rs`).
     pub fn backward(&mut self, report: bool, on_final: &mut dyn FnMut(Range<usize>, &mut [f32])) -> Result<()> {
-        if self.backward_chunk(0, 0, false)? {
+        if self.backward_chunk(0, 0, false, None)? {
             return Err(Error::InvalidArgument("backward: this device model is a pipeline stage".into()));
         }
         if report {
             self.report_grads(on_final)?;
         }
         Ok(())
+    }
+
+    /// The backward of the whole model handing each unit's gradients to `sink` as soon as they
+    /// are final (the final LayerNorm, each block in reverse, then `wte` and `wpe`); with
+    /// [`DeviceGpt::set_grad_release`] they are freed right after, so besides the unit being
+    /// computed only `wte` (written by the head and the embedding) holds gradients.
+    pub fn backward_reducing(&mut self, sink: &mut GradSink) -> Result<()> {
+        if self.backward_chunk(0, 0, false, Some(sink))? {
+            return Err(Error::InvalidArgument("backward: this device model is a pipeline stage".into()));
+        }
+        Ok(())
+    }
+
+    /// Whether the model is whole (one chunk with the embedding and the head: not a pipeline
+    /// stage).
+    pub fn is_whole(&self) -> bool {
+        self.chunks.len() == 1 && self.chunks[0].embeds && self.chunks[0].ends
     }
 
     /// Runs chunk `chunk` on one micro-batch into `slot` (see [`super::Stage::forward`]): the
@@ -458,7 +483,7 @@ impl DeviceGpt {
             check_len("backward: grad_output", g.len(), self.hidden.len())?;
             self.dev.copy_to_device(&mut self.s.dres, g)?;
         }
-        if self.backward_chunk(chunk, slot, grad_output.is_some())? {
+        if self.backward_chunk(chunk, slot, grad_output.is_some(), None)? {
             self.dev.copy_to_host(&self.s.dres, &mut self.hidden)?;
             return Ok(Some(&self.hidden));
         }
@@ -553,8 +578,9 @@ impl DeviceGpt {
     }
 
     /// The backward of [`DeviceGpt::backward_stage`] with d(chunk output) already in `s.dres`
-    /// when `given`; returns whether d(chunk input) is left in `s.dres`.
-    fn backward_chunk(&mut self, ci: usize, si: usize, given: bool) -> Result<bool> {
+    /// when `given`, handing each unit's final gradients to `sink` if given; returns whether
+    /// d(chunk input) is left in `s.dres`.
+    fn backward_chunk(&mut self, ci: usize, si: usize, given: bool, mut sink: Option<&mut GradSink>) -> Result<bool> {
         self.check_slot("backward", ci, si)?;
         let (embeds, ends) = (self.chunks[ci].embeds, self.chunks[ci].ends);
         if ends == given {
@@ -569,16 +595,31 @@ impl DeviceGpt {
         self.chunks[ci].slots[si].forward_done = false;
         if ends {
             self.acquire(Use::Head)?;
+            self.ensure_grads(Use::Head)?;
             self.head_backward(ci, si)?;
+            if let Some(sink) = sink.as_deref_mut() {
+                // `wte` also gets the embedding's gradient when this chunk embeds.
+                let ranges = self.use_ranges(Use::Head);
+                self.grads_final(&ranges[..if embeds { 1 } else { ranges.len() }], sink)?;
+            }
         }
         for li in (0..self.chunks[ci].layers.len()).rev() {
-            self.acquire(Use::Block(self.chunks[ci].layers.start + li))?;
+            let l = self.chunks[ci].layers.start + li;
+            self.acquire(Use::Block(l))?;
+            self.ensure_grads(Use::Block(l))?;
             self.block_backward(ci, si, li)?;
+            if let Some(sink) = sink.as_deref_mut() {
+                self.grads_final(&self.use_ranges(Use::Block(l)), sink)?;
+            }
         }
         if !embeds {
             return Ok(true);
         }
+        self.ensure_grads(Use::Embedding)?;
         self.embed_backward(ci, si)?;
+        if let Some(sink) = sink {
+            self.grads_final(&self.use_ranges(Use::Embedding), sink)?;
+        }
         Ok(false)
     }
 }

@@ -168,6 +168,15 @@ impl DeviceStep {
         }
     }
 
+    /// During a backward that hands each unit's gradients over as they become final
+    /// ([`DeviceGpt::backward_reducing`], ZeRO-2/3 on a whole model): reduces the unit `unit`.
+    pub fn reduce_unit(&mut self, model: &DeviceGpt, dp: &Communicator, micro_batches: usize, unit: Range<usize>) -> Result<()> {
+        match &mut self.state {
+            State::Sharded(s) if s.per_unit() => s.reduce_unit(model, dp, &mut self.coll, micro_batches, unit),
+            _ => Err(Error::Check("a unit's gradients reached a device step that reduces them whole".into())),
+        }
+    }
+
     /// One optimizer step from the model's device gradients summed over `micro_batches` (ZeRO-2:
     /// already reduced into the shards), averaged over them and over `dp`; clips to `max_norm`
     /// (<= 0: off) and returns the pre-clip global norm, whose partial sums of squares are added

@@ -54,6 +54,8 @@ struct Shard {
     decay: Vec<(Range<usize>, bool)>,
     /// Ranges this rank counts in the norm, relative to `own`, in `norm` span order.
     counted: Vec<Range<usize>>,
+    /// No reduction reached `grads` yet this step (the next one sets it, later ones add).
+    fresh: bool,
 }
 
 /// The device optimizer state of one rank at ZeRO 1 or 2.
@@ -63,6 +65,9 @@ pub struct DeviceShards {
     recv: DeviceBuffer,  // (largest block) f32: a later micro-batch's reduced block before it is added
     /// ZeRO-2/3: reduce after every backward.
     every_backward: bool,
+    /// ZeRO-2/3 on a whole model: each unit's buckets are reduced during the backward, as soon
+    /// as the unit's gradients are final, and the model frees those gradients.
+    per_unit: bool,
     /// ZeRO-3: the model keeps only parameter shards (set from the master weights, never
     /// all-gathered here).
     sharded_params: bool,
@@ -97,6 +102,7 @@ impl DeviceShards {
                 v: dev.alloc(n * 4)?,
                 decay: decay.iter().filter_map(|(r, d)| Some((local(&own, r)?, *d))).collect(),
                 counted: norm.iter().filter(|(_, c)| *c).filter_map(|(r, _)| local(&own, r)).collect(),
+                fresh: true,
                 own,
             });
         }
@@ -107,6 +113,7 @@ impl DeviceShards {
             stage: shareable(bucket)?,
             recv: dev.alloc(block * 4)?,
             every_backward: sync.reduces_every_backward(),
+            per_unit: sync.reduces_every_backward() && model.is_whole(),
             sharded_params: sync.zero == 3,
             reduced: 0,
             comm: Duration::ZERO,
@@ -137,6 +144,9 @@ impl DeviceShards {
             if self.sharded_params {
                 model.set_param_shard(k, &s.params)?;
             }
+        }
+        if self.per_unit {
+            model.set_grad_release()?;
         }
         Ok(step.unwrap_or(0))
     }
@@ -171,20 +181,50 @@ impl DeviceShards {
         coll: &mut GpuCommState,
         (micro_batches, covered): (usize, usize),
     ) -> Result<()> {
-        if self.every_backward {
+        if self.per_unit {
+            // The backward reduced every unit as it finished ([`DeviceShards::reduce_unit`]).
+            self.reduced += covered;
+        } else if self.every_backward {
             self.reduce(model, dp, coll, micro_batches, covered)?;
             model.zero_grad()?;
         }
         Ok(())
     }
 
+    /// Whether the backward hands each unit's gradients to [`DeviceShards::reduce_unit`].
+    pub fn per_unit(&self) -> bool {
+        self.per_unit
+    }
+
+    /// Reduces the buckets inside the flat range `unit` (a unit whose gradients for this
+    /// micro-batch are final) into the shards.
+    pub fn reduce_unit(&mut self, model: &DeviceGpt, dp: &Communicator, coll: &mut GpuCommState, micro_batches: usize, unit: Range<usize>) -> Result<()> {
+        let inside = |s: &Shard| unit.start <= s.bucket.start && s.bucket.end <= unit.end;
+        self.reduce_shards(model, dp, coll, micro_batches, &inside)
+    }
+
     /// Reduce-scatters the model's device gradients, scaled by 1/`micro_batches`, bucket by
     /// bucket into the shards (the first reduction of a step sets them, later ones add).
     /// `covered` micro-batches' gradients are in the model.
     fn reduce(&mut self, model: &DeviceGpt, dp: &Communicator, coll: &mut GpuCommState, micro_batches: usize, covered: usize) -> Result<()> {
+        self.reduce_shards(model, dp, coll, micro_batches, &|_| true)?;
+        self.reduced += covered;
+        Ok(())
+    }
+
+    /// Reduce-scatters the model's gradients of the buckets `which` selects, scaled by
+    /// 1/`micro_batches`, into their shards.
+    fn reduce_shards(
+        &mut self,
+        model: &DeviceGpt,
+        dp: &Communicator,
+        coll: &mut GpuCommState,
+        micro_batches: usize,
+        which: &dyn Fn(&Shard) -> bool,
+    ) -> Result<()> {
         let dev = model.device();
-        let first = self.reduced == 0;
-        for s in &mut self.shards {
+        for s in self.shards.iter_mut().filter(|s| which(s)) {
+            let first = std::mem::replace(&mut s.fresh, false);
             let n = s.bucket.len();
             model.pack_grads_range(s.bucket.clone(), &mut self.stage)?;
             // The host reducer's staging copy multiplies by the same f32 factor.
@@ -204,7 +244,6 @@ impl DeviceShards {
             dev.synchronize()?;
             self.comm += t0.elapsed();
         }
-        self.reduced += covered;
         Ok(())
     }
 
@@ -221,8 +260,8 @@ impl DeviceShards {
         if !self.every_backward {
             self.reduce(model, dp, coll, micro_batches, micro_batches)?;
         }
-        if self.reduced != micro_batches {
-            return Err(Error::Check(format!("{} micro-batches reduced in a step of {micro_batches}", self.reduced)));
+        if self.reduced != micro_batches || self.shards.iter().any(|s| s.fresh) {
+            return Err(Error::Check(format!("{} micro-batches reduced in a step of {micro_batches}, or a bucket never", self.reduced)));
         }
         let dev = model.device();
         let mut sq = [0.0f64];
@@ -234,6 +273,9 @@ impl DeviceShards {
         dp.all_reduce(&mut sq, ReduceOp::Sum)?;
         let comm = std::mem::take(&mut self.comm);
         self.reduced = 0;
+        for s in &mut self.shards {
+            s.fresh = true;
+        }
         Ok((sq[0], comm))
     }
 
@@ -298,7 +340,8 @@ mod tests {
     /// step ([`DataParallel::step`] on the device model's host copies, as the device model ran at
     /// ZeRO 1 before the device shards) and once through the device shards: the parameters,
     /// moments, step counts and gradient norms are bit for bit the same on the CPU device, with
-    /// clipping active and buckets that cut tensors apart.
+    /// clipping active and buckets that cut tensors apart; at ZeRO 2 the model hands each unit's
+    /// gradients to the step as soon as they are final and frees them.
     #[test]
     fn device_shards_step_exactly_as_the_host_mirror_step() {
         for zero in [1u8, 2] {
@@ -312,7 +355,9 @@ mod tests {
                 let norm = vec![(0..n, true)];
                 let adamw = AdamWConfig::default();
                 let opt = AdamW::new(adamw, DecayMask::from_spans(decay.clone()));
-                let (bucket, units) = (5000, [norm[0].0.clone()]);
+                // The model's units, as the trainer plans buckets (inside them: ZeRO-2 reduces unit by
+                // unit during the backward).
+                let (bucket, units) = (5000, dev.units());
                 let mut host_sync = DataParallel::new(&c, &units, zero, bucket).unwrap();
                 let mut dev_sync = DataParallel::new(&c, &units, zero, bucket).unwrap();
                 assert!(dev_sync.buckets() > 3);
@@ -332,7 +377,12 @@ mod tests {
                             host.zero_grad().unwrap();
                         }
                         dev.forward(&tokens, &tokens).unwrap();
-                        dev.backward(true, &mut |_, _| panic!("the device step reads the device gradients")).unwrap();
+                        if zero == 2 {
+                            // Each unit reduced as soon as its gradients are final, then freed.
+                            dev.backward_reducing(&mut |m, unit| step.reduce_unit(m, &c, accum, unit)).unwrap();
+                        } else {
+                            dev.backward(true, &mut |_, _| panic!("the device step reads the device gradients")).unwrap();
+                        }
                         step.after_backward(&mut dev, &c, (accum, 1)).unwrap();
                     }
                     let (params, grads) = host.params_and_grads();

@@ -62,9 +62,10 @@ impl DataParallel {
         let thread_comm = dp.split(Some(0), dp.rank() as i64)?.expect("every rank joins color 0");
         let bucket_stats = thread_comm.stats();
         let n = units.last().map_or(0, |u| u.end);
-        // ZeRO-3 gathers parameters bucket by bucket, so its buckets must not straddle units.
+        // ZeRO-3 gathers parameters bucket by bucket and the device model at ZeRO-2/3 reduces
+        // gradients unit by unit as they become final, so those buckets must not straddle units.
         let whole = 0..n;
-        let buckets = if zero == 3 { plan_buckets(units, bucket_elems) } else { plan_buckets(std::slice::from_ref(&whole), bucket_elems) };
+        let buckets = if zero >= 2 { plan_buckets(units, bucket_elems) } else { plan_buckets(std::slice::from_ref(&whole), bucket_elems) };
         let reduction = if zero == 0 { Reduction::AllReduce } else { Reduction::ReduceScatter };
         let reducer = OverlapReducer::new(thread_comm, buckets, reduction);
         let states = (0..reducer.buckets().len())

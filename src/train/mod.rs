@@ -33,7 +33,6 @@ use crate::data::{open_source, Batch, Sampler, Split};
 use crate::error::Result;
 use crate::memory::{peak_rss_bytes, reset_peak_rss, rss_bytes};
 use crate::metrics::{FlopCounter, MetricsWriter, Progress, StepRecord};
-use crate::model::DeviceGpt;
 use crate::device::{bind_cpu_threads, cpu_peak_tflops, Device};
 use crate::parallel::grid::{Grid, GridShape};
 use crate::parallel::schedule::Schedule;
@@ -43,7 +42,7 @@ use crate::optim::{AdamW, AdamWConfig, DecayMask, LrSchedule};
 use device_step::DeviceStep;
 pub use grad_sync::DataParallel;
 pub use memory_estimate::{MemoryEstimate, MemoryInputs};
-pub use replica::{Replica, ReplicaLayout};
+pub use replica::{DeviceEvent, Replica, ReplicaLayout};
 
 /// Options of one run that are not part of the job config.
 #[derive(Debug, Clone, Default)]
@@ -291,9 +290,12 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         // The last backward (ZeRO-2/3: every backward) communicates, overlapped bucket by bucket
         // (the device step: after the backward, on the device).
         let round = model.round();
-        let mut after_backward =
-            |m: &mut DeviceGpt| device_step.as_mut().map_or(Ok(()), |s| s.after_backward(m, &dp, (accum, round)));
-        let loss_mean = model.run(&batches, every_backward, &mut |r, g| sync.on_final(r, g), &mut after_backward)?;
+        let mut device_events = |e: DeviceEvent| match (device_step.as_mut(), e) {
+            (Some(s), DeviceEvent::UnitFinal(m, unit)) => s.reduce_unit(m, &dp, accum, unit),
+            (Some(s), DeviceEvent::BackwardDone(m)) => s.after_backward(m, &dp, (accum, round)),
+            (None, _) => Ok(()),
+        };
+        let loss_mean = model.run(&batches, every_backward, &mut |r, g| sync.on_final(r, g), &mut device_events)?;
         let lr = sched.lr(step - 1);
         let outcome = match (&mut device_step, model.device_model_mut()) {
             (Some(s), Some(m)) => s.step(m, &dp, &norm_groups, accum, lr, cfg.optim.grad_clip)?,

@@ -39,6 +39,15 @@ pub enum Replica {
     Pipeline(Box<Pipeline>),
 }
 
+/// What the device model tells the trainer's device step during [`Replica::run`].
+pub enum DeviceEvent<'a> {
+    /// A unit's gradients (a flat range) are final for this micro-batch (a whole model whose
+    /// gradients are freed once reduced: ZeRO-2/3): reduce them now.
+    UnitFinal(&'a DeviceGpt, Range<usize>),
+    /// A backward finished (a pipeline: a reporting round, after the tied embedding's sum).
+    BackwardDone(&'a mut DeviceGpt),
+}
+
 /// One tensor of this rank's flat buffer as a box of the global tensor (for checkpoints).
 #[derive(Debug, Clone)]
 pub struct TensorMap {
@@ -152,15 +161,16 @@ impl Replica {
 
     /// Forward and backward of every batch, adding into the gradients; `on_final(range, values)`
     /// reports gradients as they become final, in the last backward only or (`every_backward`)
-    /// in each (a pipeline reports once per round); the device model then calls `after_backward`
-    /// (its device step reduces there at ZeRO 2; a pipeline once per reporting round, after the
-    /// tied embedding's gradient is summed). Returns the mean loss.
+    /// in each (a pipeline reports once per round); the device model tells `device` when a
+    /// backward is done (its device step reduces there at ZeRO 2/3; a pipeline once per reporting
+    /// round, after the tied embedding's gradient is summed) or, when it frees reduced gradients,
+    /// each unit as it becomes final. Returns the mean loss.
     pub fn run(
         &mut self,
         batches: &[Batch],
         every_backward: bool,
         on_final: &mut dyn FnMut(Range<usize>, &mut [f32]),
-        after_backward: &mut dyn FnMut(&mut DeviceGpt) -> Result<()>,
+        device: &mut dyn FnMut(DeviceEvent) -> Result<()>,
     ) -> Result<f64> {
         let mut sum = 0.0;
         if let Replica::Pipeline(p) = self {
@@ -171,7 +181,7 @@ impl Replica {
                 if every_backward || i + 1 == rounds {
                     p.report_grads(on_final)?;
                     if let StageExec::Device(m) = p.exec_mut() {
-                        after_backward(m)?;
+                        device(DeviceEvent::BackwardDone(m))?;
                     }
                 }
             }
@@ -179,13 +189,15 @@ impl Replica {
         }
         for (i, b) in batches.iter().enumerate() {
             sum += self.forward(b)?;
-            if every_backward || i + 1 == batches.len() {
-                self.backward(true, on_final)?;
-            } else {
-                self.backward(false, &mut |_, _| {})?;
+            match self {
+                Replica::Device(m) if m.releases_grads() => {
+                    m.backward_reducing(&mut |m, unit| device(DeviceEvent::UnitFinal(m, unit)))?
+                }
+                _ if every_backward || i + 1 == batches.len() => self.backward(true, on_final)?,
+                _ => self.backward(false, &mut |_, _| {})?,
             }
             if let Replica::Device(m) = self {
-                after_backward(m)?;
+                device(DeviceEvent::BackwardDone(m))?;
             }
         }
         Ok(sum / batches.len() as f64)

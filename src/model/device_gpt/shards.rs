@@ -14,7 +14,7 @@
 
 use std::ops::Range;
 
-use super::DeviceGpt;
+use super::{DeviceGpt, GradSink};
 use crate::comm::device::{GpuCommConfig, GpuCommState};
 use crate::comm::{Communicator, DType};
 use crate::device::ipc::alloc_shareable;
@@ -164,15 +164,73 @@ impl DeviceGpt {
         }
     }
 
-    /// Makes the units `what` reads resident (ZeRO-3; a no-op otherwise), releasing the others.
-    pub(super) fn acquire(&mut self, what: Use) -> Result<()> {
-        let Some(z) = &self.shards else { return Ok(()) };
+    /// The units (flat ranges) `what` reads.
+    pub(super) fn use_ranges(&self, what: Use) -> Vec<Range<usize>> {
         let l = &self.layout;
-        let ranges: Vec<Range<usize>> = match what {
+        match what {
             Use::Embedding => [l.wte(), l.wpe()].into_iter().flatten().collect(),
             Use::Block(b) => vec![l.block_span(b)],
             Use::Head => l.lnf().map(|(w, b)| w.start..b.end).into_iter().chain(l.wte()).collect(),
-        };
+        }
+    }
+
+    /// With [`DeviceGpt::set_grad_release`]: allocates (zeroed) the gradients of the units
+    /// `what` writes that are not allocated.
+    pub(super) fn ensure_grads(&mut self, what: Use) -> Result<()> {
+        if !self.release_grads {
+            return Ok(());
+        }
+        for r in self.use_ranges(what) {
+            let parts: Vec<(usize, Range<usize>)> = entry_parts(&self.layout, r).collect();
+            for (i, _) in parts {
+                let len = self.layout.entries()[i].len;
+                if self.grads[i].len() != len * 4 {
+                    self.grads[i] = self.dev.alloc(len * 4)?;
+                    ops::fill_zero(&self.dev, &mut self.grads[i], len)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands the final gradients of the units `ranges` to `sink` (which reduces them) and, with
+    /// [`DeviceGpt::set_grad_release`], frees them.
+    pub(super) fn grads_final(&mut self, ranges: &[Range<usize>], sink: &mut GradSink) -> Result<()> {
+        for r in ranges {
+            sink(self, r.clone())?;
+            if self.release_grads {
+                let parts: Vec<(usize, Range<usize>)> = entry_parts(&self.layout, r.clone()).collect();
+                for (i, _) in parts {
+                    self.grads[i] = self.dev.alloc(0)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees every gradient from now on once it is handed to the sink of
+    /// [`DeviceGpt::backward_reducing`] (ZeRO-2/3 on the whole model: only the units in use hold
+    /// gradients), and frees them all now.
+    pub fn set_grad_release(&mut self) -> Result<()> {
+        self.release_grads = true;
+        for g in &mut self.grads {
+            *g = self.dev.alloc(0)?;
+        }
+        Ok(())
+    }
+
+    /// Whether gradients are freed once handed over (see [`DeviceGpt::set_grad_release`]).
+    pub fn releases_grads(&self) -> bool {
+        self.release_grads
+    }
+
+    /// Makes the units `what` reads resident (ZeRO-3; a no-op otherwise), releasing the others.
+    pub(super) fn acquire(&mut self, what: Use) -> Result<()> {
+        if self.shards.is_none() {
+            return Ok(());
+        }
+        let ranges = self.use_ranges(what);
+        let Some(z) = &self.shards else { return Ok(()) };
         let wanted: Vec<usize> = ranges.iter().filter_map(|r| z.units.iter().position(|u| u == r)).collect();
         if wanted.len() != ranges.len() {
             return Err(Error::Check(format!("{what:?} reads parameters outside this stage's units")));
@@ -264,9 +322,10 @@ mod tests {
     /// Two data-parallel ranks, each keeping only its block of every bucket (buckets cut tensors
     /// apart): one bf16 forward and backward give the unsharded model's loss and gradients bit for
     /// bit (the gathered units hold exactly the parameters), and between uses only the units of
-    /// the layer last run hold device parameters.
+    /// the layer last run hold device parameters; with gradient release each unit's gradients are
+    /// handed over when final (the unsharded values) and freed.
     #[test]
-    fn sharded_parameters_gather_exactly_and_free_the_rest() {
+    fn sharded_parameters_and_released_gradients_are_exact_and_freed() {
         run_ranks(2, CommConfig::default(), |c| {
             let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 64, max_seq_len: T };
             let init = Gpt::<f32>::new(cfg, B, T, 3).unwrap().params().to_vec();
@@ -301,6 +360,32 @@ mod tests {
             assert_eq!(resident(&sharded), 12);
             let (gw, gs) = (whole.params_and_grads().1.to_vec(), sharded.params_and_grads().1.to_vec());
             assert!(gw.iter().zip(&gs).all(|(a, b)| a.to_bits() == b.to_bits()), "gradients differ");
+            // Gradients released unit by unit: each unit handed over when final, with the whole
+            // model's values, and freed after; nothing is left once the backward ends.
+            whole.zero_grad().unwrap();
+            whole.forward(&tokens, &targets).unwrap();
+            whole.backward(true, &mut |_, _| {}).unwrap();
+            let gw = whole.params_and_grads().1.to_vec();
+            sharded.set_grad_release().unwrap();
+            sharded.forward(&tokens, &targets).unwrap();
+            let mut seen: Vec<(Range<usize>, Vec<f32>)> = Vec::new();
+            sharded
+                .backward_reducing(&mut |m, r| {
+                    let mut buf = Device::Cpu.alloc(r.len() * 4)?;
+                    m.pack_grads_range(r.clone(), &mut buf)?;
+                    let mut host = vec![0f32; r.len()];
+                    Device::Cpu.copy_to_host(&buf, &mut host)?;
+                    seen.push((r, host));
+                    Ok(())
+                })
+                .unwrap();
+            assert!(sharded.grads.iter().all(|g| g.is_empty()), "gradients left allocated");
+            let u = sharded.units();
+            let order: Vec<Range<usize>> = seen.iter().map(|(r, _)| r.clone()).collect();
+            assert_eq!(order, vec![u[4].clone(), u[3].clone(), u[2].clone(), u[0].clone(), u[1].clone()], "lnf, blocks down, wte, wpe");
+            for (r, g) in &seen {
+                assert!(g.iter().zip(&gw[r.clone()]).all(|(a, b)| a.to_bits() == b.to_bits()), "gradients of {r:?} differ");
+            }
             sharded.release_param_shards().unwrap();
         });
     }

@@ -22,6 +22,14 @@
 
 // Largest block any kernel is launched with (the launcher in src/device/ops.rs uses 256).
 #define MT_MAX_BLOCK 1024
+
+// Column sums over the rows of an (N, C) matrix (bias and LayerNorm parameter gradients) run in
+// blocks of (MT_COL_TILE, MT_ROW_LANES) threads, one block per MT_COL_TILE columns: thread (x, y)
+// adds rows y, y + MT_ROW_LANES, ... of its column in order, then a column's MT_ROW_LANES partial
+// sums are added in lane order, so the result does not depend on scheduling. Must match
+// COL_TILE / ROW_LANES in src/device/ops.rs.
+#define MT_COL_TILE 64
+#define MT_ROW_LANES 16
 #define MT_MAX_WARPS (MT_MAX_BLOCK / MT_WARP_SIZE)
 
 typedef unsigned long long mt_u64;

@@ -54,21 +54,35 @@ extern "C" __global__ void layernorm_backward_dinp_f32(float *dinp, const float 
     }
 }
 
-// dweight (C) += sum_rows xhat * dout, dbias (C) += sum_rows dout. Grid: ceil(C / block) blocks,
-// one thread per channel; consecutive threads read consecutive channels of a row (coalesced).
+// dweight (C) += sum_rows xhat * dout, dbias (C) += sum_rows dout, tiled as compat.h describes
+// (each row of a tile is read coalesced). Grid: ceil(C / MT_COL_TILE) blocks of
+// (MT_COL_TILE, MT_ROW_LANES) threads.
 extern "C" __global__ void layernorm_backward_dparams_f32(float *dweight, float *dbias,
                                                          const float *dout, const float *inp,
                                                          const float *mean, const float *rstd,
                                                          int n, int c) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= c) return;
+    __shared__ float part_w[MT_ROW_LANES][MT_COL_TILE + 1];
+    __shared__ float part_b[MT_ROW_LANES][MT_COL_TILE + 1];
+    const int i = blockIdx.x * MT_COL_TILE + threadIdx.x;
     float dw = 0.0f, db = 0.0f;
-    for (int row = 0; row < n; row++) {
-        const mt_u64 at = (mt_u64)row * c + i;
-        const float dyi = dout[at];
-        db += dyi;
-        dw += (inp[at] - mean[row]) * rstd[row] * dyi;
+    if (i < c) {
+        for (int row = threadIdx.y; row < n; row += MT_ROW_LANES) {
+            const mt_u64 at = (mt_u64)row * c + i;
+            const float dyi = dout[at];
+            db += dyi;
+            dw += (inp[at] - mean[row]) * rstd[row] * dyi;
+        }
     }
-    dweight[i] += dw;
-    dbias[i] += db;
+    part_w[threadIdx.y][threadIdx.x] = dw;
+    part_b[threadIdx.y][threadIdx.x] = db;
+    __syncthreads();
+    if (threadIdx.y == 0 && i < c) {
+        float sw = 0.0f, sb = 0.0f;
+        for (int y = 0; y < MT_ROW_LANES; y++) {
+            sw += part_w[y][threadIdx.x];
+            sb += part_b[y][threadIdx.x];
+        }
+        dweight[i] += sw;
+        dbias[i] += sb;
+    }
 }

@@ -9,14 +9,21 @@ extern "C" __global__ void bias_add_f32(float *out, const float *bias, mt_u64 n,
         out[i] += bias[i % oc];
 }
 
-// dbias (OC) += column sums of dout (N, OC): one thread per column, rows summed in order
-// (neighbouring threads read neighbouring columns, so each row is read coalesced).
+// dbias (OC) += column sums of dout (N, OC), tiled as compat.h describes (each row of a tile is
+// read coalesced). Grid: ceil(OC / MT_COL_TILE) blocks of (MT_COL_TILE, MT_ROW_LANES) threads.
 extern "C" __global__ void bias_backward_f32(float *dbias, const float *dout, int n, int oc) {
-    const int col = blockIdx.x * blockDim.x + threadIdx.x;
-    if (col >= oc) return;
+    __shared__ float part[MT_ROW_LANES][MT_COL_TILE + 1];
+    const int col = blockIdx.x * MT_COL_TILE + threadIdx.x;
     float acc = 0.0f;
-    for (int r = 0; r < n; r++) acc += dout[(mt_u64)r * oc + col];
-    dbias[col] += acc;
+    if (col < oc)
+        for (int r = threadIdx.y; r < n; r += MT_ROW_LANES) acc += dout[(mt_u64)r * oc + col];
+    part[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < oc) {
+        float sum = 0.0f;
+        for (int y = 0; y < MT_ROW_LANES; y++) sum += part[y][threadIdx.x];
+        dbias[col] += sum;
+    }
 }
 
 // out (N) = 0.

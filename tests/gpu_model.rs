@@ -6,7 +6,7 @@
 //!
 //! Inputs are random each run (seed printed; `MESHTRAIN_GPU_SEED` replays), outputs are poisoned
 //! (NaN bytes) before each launch. Tolerances: kernels that add in the same order as the CPU are
-//! compared bit for bit; sums in another order (GEMMs, atomics, column sums) by relative L2
+//! compared bit for bit; sums in another order (GEMMs, atomics, tiled column sums) by relative L2
 //! error <= 1e-5 (f32 unit roundoff 6e-8 times the growth of sums of a few thousand terms).
 
 mod common;
@@ -79,7 +79,9 @@ fn gpu_encoder_bias_and_fill_match_the_cpu_arm() {
     let (mut db_g, mut db_c) = both(&g, &bias);
     ops::bias_backward(&g, &mut db_g, &x_g, n, oc).unwrap();
     ops::bias_backward(&cpu, &mut db_c, &x_c, n, oc).unwrap();
-    assert_eq!(down(&g, &db_g, oc), down(&cpu, &db_c, oc), "bias backward (rows summed in order)");
+    // Column sums in row-lane tiles (kernels/compat.h): another order than the CPU's.
+    let d = rel_l2(&down(&g, &db_g, oc), &down(&cpu, &db_c, oc));
+    assert!(d <= 1e-5, "bias backward: {d:e}");
     let mut z = poisoned(&g, 1000);
     ops::fill_zero(&g, &mut z, 1000).unwrap();
     assert!(down(&g, &z, 1000).iter().all(|&v| v == 0.0), "fill_zero");

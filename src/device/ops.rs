@@ -21,6 +21,18 @@ use crate::optim::adamw::{self, AdamWConfig};
 
 /// Threads per block of every launch: a multiple of both warp (32) and wavefront (64) widths.
 pub(crate) const THREADS: u32 = 256;
+
+/// Columns per block and row lanes per column of the column-sum kernels (`MT_COL_TILE`,
+/// `MT_ROW_LANES` in kernels/compat.h).
+const COL_TILE: u32 = 64;
+const ROW_LANES: u32 = 16;
+
+/// The launch of a column-sum kernel over `cols` columns: one (COL_TILE, ROW_LANES) block per
+/// COL_TILE columns.
+fn column_tiles(k: &str, cols: usize) -> Result<LaunchDims> {
+    let blocks = as_u32(k, "columns", cols.div_ceil(COL_TILE as usize))?.max(1);
+    Ok(LaunchDims { grid: (blocks, 1, 1), block: (COL_TILE, ROW_LANES, 1), shared_bytes: 0 })
+}
 /// Grid cap for grid-stride kernels (plenty to fill any current GPU).
 const MAX_BLOCKS: u64 = 1 << 16;
 
@@ -243,7 +255,7 @@ pub fn layernorm_backward(
     ];
     dev.launch(k, rows, &args)?;
     let k = "layernorm_backward_dparams_f32";
-    let cols = LaunchDims::linear(as_u32(k, "c", c.div_ceil(THREADS as usize))?, THREADS);
+    let cols = column_tiles(k, c)?;
     let args = [
         A::Buf(dweight),
         A::Buf(dbias),
@@ -667,7 +679,7 @@ pub fn bias_backward(dev: &Device, dbias: &mut DeviceBuffer, dout: &DeviceBuffer
         }
         return Ok(());
     }
-    let dims = LaunchDims::linear(as_u32(k, "oc", oc.div_ceil(THREADS as usize))?.max(1), THREADS);
+    let dims = column_tiles(k, oc)?;
     let args = [A::Buf(dbias), A::Buf(dout), A::I32(as_i32(k, "n", n)?), A::I32(as_i32(k, "oc", oc)?)];
     dev.launch(k, dims, &args)
 }

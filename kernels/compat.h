@@ -20,7 +20,8 @@
 #define MT_FULL_LANE_MASK 0xffffffffu
 #endif
 
-// Largest block any kernel is launched with (the launcher in src/device/ops.rs uses 256).
+// Largest block any kernel is launched with (src/device/ops.rs launches 256 threads, the
+// column-sum kernels MT_COL_TILE x MT_ROW_LANES = 1024).
 #define MT_MAX_BLOCK 1024
 
 // Column sums over the rows of an (N, C) matrix (bias and LayerNorm parameter gradients) run in

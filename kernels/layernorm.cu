@@ -1,9 +1,9 @@
 // layernorm.cu: LayerNorm forward/backward over rows of C channels, eps = 1e-5, f32
 // (src/model/layernorm.rs is the reference; same two-pass mean/variance, same saved mean/rstd).
 //
-// Forward and the input gradient run one block per row; the parameter gradients run one thread
-// per channel looping over rows in order, so there are no atomics and every result is
-// deterministic run to run.
+// Forward and the input gradient run one block per row; the parameter gradients sum columns in
+// tiles with the row lanes added in a fixed order (compat.h), so there are no atomics and every
+// result is deterministic run to run.
 #include "compat.h"
 
 #define MT_LN_EPS 1e-5f
@@ -57,10 +57,9 @@ extern "C" __global__ void layernorm_backward_dinp_f32(float *dinp, const float 
 // dweight (C) += sum_rows xhat * dout, dbias (C) += sum_rows dout, tiled as compat.h describes
 // (each row of a tile is read coalesced). Grid: ceil(C / MT_COL_TILE) blocks of
 // (MT_COL_TILE, MT_ROW_LANES) threads.
-extern "C" __global__ void layernorm_backward_dparams_f32(float *dweight, float *dbias,
-                                                         const float *dout, const float *inp,
-                                                         const float *mean, const float *rstd,
-                                                         int n, int c) {
+extern "C" __global__ void __launch_bounds__(MT_COL_TILE * MT_ROW_LANES) layernorm_backward_dparams_f32(
+    float *dweight, float *dbias, const float *dout, const float *inp, const float *mean, const float *rstd, int n,
+    int c) {
     __shared__ float part_w[MT_ROW_LANES][MT_COL_TILE + 1];
     __shared__ float part_b[MT_ROW_LANES][MT_COL_TILE + 1];
     const int i = blockIdx.x * MT_COL_TILE + threadIdx.x;

@@ -11,7 +11,8 @@ extern "C" __global__ void bias_add_f32(float *out, const float *bias, mt_u64 n,
 
 // dbias (OC) += column sums of dout (N, OC), tiled as compat.h describes (each row of a tile is
 // read coalesced). Grid: ceil(OC / MT_COL_TILE) blocks of (MT_COL_TILE, MT_ROW_LANES) threads.
-extern "C" __global__ void bias_backward_f32(float *dbias, const float *dout, int n, int oc) {
+extern "C" __global__ void __launch_bounds__(MT_COL_TILE * MT_ROW_LANES) bias_backward_f32(float *dbias, const float *dout,
+                                                                                          int n, int oc) {
     __shared__ float part[MT_ROW_LANES][MT_COL_TILE + 1];
     const int col = blockIdx.x * MT_COL_TILE + threadIdx.x;
     float acc = 0.0f;

@@ -19,7 +19,7 @@ use crate::model::attention::{self, AttnShape};
 use crate::model::{cross_entropy, encoder, gelu, layernorm, residual};
 use crate::optim::adamw::{self, AdamWConfig};
 
-/// Threads per block of every launch: a multiple of both warp (32) and wavefront (64) widths.
+/// Threads per block of the 1-D launches: a multiple of both warp (32) and wavefront (64) widths.
 pub(crate) const THREADS: u32 = 256;
 
 /// Columns per block and row lanes per column of the column-sum kernels (`MT_COL_TILE`,

@@ -138,6 +138,10 @@ struct SelftestArgs {
     /// staged path per MESHTRAIN_GPU_IPC; `cpu` runs them on the CPU arm).
     #[arg(long)]
     device: Option<String>,
+    /// Test only: make member 1 call a mismatched collective (op, count, dtype, root, reduce)
+    /// and expect every rank to fail naming both calls.
+    #[arg(long, hide = true)]
+    mismatch: Option<String>,
 }
 
 #[derive(Args)]
@@ -299,6 +303,9 @@ fn selftest(world: &World, args: &SelftestArgs) -> Result<()> {
         return selftest_device(world, args, kind);
     }
     let comm = world.communicator()?;
+    if let Some(case) = &args.mismatch {
+        return selftest::mismatch(&comm, case);
+    }
     let mut fails = selftest::check_all(&comm, &args.counts, &ReduceOp::ALL)?;
     if args.large > 0 {
         fails.extend(selftest::check_all(&comm, &[args.large], &[ReduceOp::Sum])?);

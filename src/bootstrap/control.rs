@@ -1,7 +1,18 @@
 //! The control channel: one authenticated TCP stream from every rank to rank 0, used to exchange
-//! listener addresses at start, to spread a job-wide abort, and to leave together at the end.
+//! listener addresses at start, to spread a job-wide abort, to decide which rank failed, and to
+//! leave together at the end.
+//!
+//! Blame: a rank whose operation fails on a peer (timeout, closed link) does not accuse that
+//! neighbour at once; it reports a `Suspect` to rank 0, the arbiter, and waits for the verdict.
+//! Rank 0 knows the dead ranks (their control stream closed) and otherwise pings every rank: a
+//! rank that does not answer within [`PING_WAIT`] is stopped, hung or dead and is blamed; if all
+//! answer, a rank that is in no communication operation (its flight record, [`flight`]) is
+//! behind and is blamed. Every verdict starts with `blame: rank N:` and becomes the job-wide abort
+//! reason, so every survivor names the same rank.
 //!
 //! Messages are length-prefixed JSON (at most [`MAX_MSG`] bytes). Invariants:
+//! - start-up reads have a deadline (`MESHTRAIN_BOOTSTRAP_TIMEOUT`): rank 0 names the rank whose
+//!   hello did not come; members wait a little longer for the table, so that rank 0 reports first;
 //! - rank 0 learns of a dead rank by its stream closing without a `Bye`, and tells every other rank
 //!   (`Abort` naming it); a rank that raises an abort itself sends it to rank 0, which forwards it;
 //!   a rank whose stream to rank 0 closes before the final `ByeAck` aborts locally;
@@ -15,12 +26,15 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::comm::flight;
 use crate::error::{Error, Result};
 use crate::transport::net::PeerInfo;
 use crate::transport::AbortState;
 
 /// Largest control message accepted.
 const MAX_MSG: usize = 16 << 20;
+/// How long rank 0 waits for every rank's answer to a liveness check.
+const PING_WAIT: Duration = Duration::from_secs(2);
 
 /// What one rank tells rank 0 about itself.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -50,6 +64,54 @@ enum Msg {
     Abort(String),
     Bye,
     ByeAck,
+    /// A member's failure on a peer, for rank 0 to arbitrate.
+    Suspect(String),
+    /// Rank 0's liveness check (round number).
+    Ping(u64),
+    /// A member's answer: the round and what it is doing.
+    Pong(u64, Progress),
+}
+
+/// What a rank is doing, from its flight record.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct Progress {
+    in_progress: Vec<String>,
+    last_done: Option<String>,
+}
+
+impl Progress {
+    fn now() -> Self {
+        Progress { in_progress: flight::in_progress(), last_done: flight::last_done() }
+    }
+}
+
+/// Rank 0's liveness checks: one at a time; answers by rank.
+#[derive(Default)]
+struct Liveness {
+    one_at_a_time: Mutex<()>,
+    state: Mutex<LiveState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct LiveState {
+    round: u64,
+    answers: Vec<Option<Progress>>,
+}
+
+/// Reads one message before `deadline`, naming `what` when it does not come.
+fn read_msg_by(s: &mut TcpStream, deadline: Instant, what: &str) -> std::result::Result<Msg, String> {
+    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    s.set_read_timeout(Some(left)).map_err(|e| format!("set read timeout: {e}"))?;
+    let msg = read_msg(s).map_err(|e| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            format!("{what} did not come within the bootstrap deadline (MESHTRAIN_BOOTSTRAP_TIMEOUT)")
+        }
+        std::io::ErrorKind::UnexpectedEof => format!("{what}: the connection closed (that rank failed or exited)"),
+        _ => format!("{what}: {e}"),
+    })?;
+    s.set_read_timeout(None).map_err(|e| format!("clear read timeout: {e}"))?;
+    Ok(msg)
 }
 
 fn write_msg(s: &mut TcpStream, m: &Msg) -> std::io::Result<()> {
@@ -92,6 +154,7 @@ pub struct Control {
     writers: Arc<Vec<Mutex<Option<TcpStream>>>>,
     exit: Arc<Exit>,
     abort: Arc<AbortState>,
+    live: Arc<Liveness>,
 }
 
 fn send_to(writers: &[Mutex<Option<TcpStream>>], i: usize, m: &Msg) {
@@ -108,17 +171,19 @@ impl Control {
         streams: Vec<Option<TcpStream>>,
         own: Hello,
         abort: Arc<AbortState>,
+        timeout: Duration,
         table: impl FnOnce(Vec<Hello>) -> Vec<PeerInfo>,
     ) -> Result<(Self, Vec<PeerInfo>)> {
         let size = streams.len();
+        let deadline = Instant::now() + timeout;
         let mut streams = streams;
         let mut hellos = vec![own];
         for (r, s) in streams.iter_mut().enumerate().skip(1) {
             let s = s.as_mut().expect("a stream per rank");
-            match read_msg(s) {
+            match read_msg_by(s, deadline, &format!("rank {r}'s hello")) {
                 Ok(Msg::Hello(h)) if h.rank == r => hellos.push(h),
                 Ok(other) => return Err(boot(0, format!("rank {r} sent {other:?} instead of its hello"))),
-                Err(e) => return Err(boot(0, format!("reading rank {r}'s hello: {e}"))),
+                Err(e) => return Err(boot(0, format!("blame: rank {r}: connected but stalled: {e}"))),
             }
         }
         let peers = table(hellos);
@@ -130,7 +195,7 @@ impl Control {
         let readers: Vec<Option<TcpStream>> =
             streams.iter().map(|s| s.as_ref().and_then(|s| s.try_clone().ok())).collect();
         let writers = Arc::new(streams.into_iter().map(Mutex::new).collect::<Vec<_>>());
-        let ctl = Control { rank: 0, writers, exit: Arc::default(), abort };
+        let ctl = Control { rank: 0, writers, exit: Arc::default(), abort, live: Arc::default() };
         for (r, reader) in readers.into_iter().enumerate().skip(1) {
             let reader = reader.ok_or_else(|| boot(0, format!("cannot clone the control stream of rank {r}")))?;
             ctl.spawn_root_reader(r, reader, size);
@@ -141,13 +206,31 @@ impl Control {
                 send_to(&writers, r, &Msg::Abort(reason.to_string()));
             }
         }));
+        let (writers, live, abort) = (ctl.writers.clone(), ctl.live.clone(), Arc::downgrade(&ctl.abort));
+        ctl.abort.set_arbiter(Box::new(move |what| {
+            if let Some(abort) = abort.upgrade() {
+                arbitrate(&writers, &live, &abort, what);
+            }
+        }));
         Ok((ctl, peers))
     }
 
     fn spawn_root_reader(&self, r: usize, mut reader: TcpStream, size: usize) {
         let (writers, exit, abort) = (self.writers.clone(), self.exit.clone(), self.abort.clone());
+        let live = self.live.clone();
         std::thread::spawn(move || loop {
             match read_msg(&mut reader) {
+                Ok(Msg::Suspect(what)) => {
+                    let (writers, live, abort) = (writers.clone(), live.clone(), abort.clone());
+                    std::thread::spawn(move || arbitrate(&writers, &live, &abort, &what));
+                }
+                Ok(Msg::Pong(round, progress)) => {
+                    let mut st = live.state.lock().unwrap_or_else(|e| e.into_inner());
+                    if st.round == round && r < st.answers.len() {
+                        st.answers[r] = Some(progress);
+                        live.cv.notify_all();
+                    }
+                }
                 Ok(Msg::Abort(reason)) => {
                     abort.set_local(&reason);
                     for other in (1..size).filter(|&o| o != r) {
@@ -162,7 +245,8 @@ impl Control {
                 }
                 Ok(other) => log::warn!("control: unexpected message from rank {r}: {other:?}"),
                 Err(e) => {
-                    let reason = format!("rank {r} died or left without finishing (control connection: {e})");
+                    let reason =
+                        format!("blame: rank {r}: died or left without finishing (its control connection closed: {e})");
                     log::error!("{reason}");
                     abort.raise(&reason);
                     return;
@@ -173,21 +257,28 @@ impl Control {
 
     /// Any rank but 0: sends `hello` to rank 0 over `stream`, waits for the table, and starts the
     /// reader.
-    pub fn member(mut stream: TcpStream, hello: Hello, abort: Arc<AbortState>) -> Result<(Self, Vec<PeerInfo>)> {
+    pub fn member(
+        mut stream: TcpStream,
+        hello: Hello,
+        abort: Arc<AbortState>,
+        timeout: Duration,
+    ) -> Result<(Self, Vec<PeerInfo>)> {
         let rank = hello.rank;
         write_msg(&mut stream, &Msg::Hello(hello)).map_err(|e| boot(rank, format!("sending hello to rank 0: {e}")))?;
-        let peers = match read_msg(&mut stream) {
+        let table = "the table of all ranks from rank 0 (it sends it once every rank said hello)";
+        let peers = match read_msg_by(&mut stream, Instant::now() + timeout, table) {
             Ok(Msg::Table(p)) => p.into_iter().map(|p| PeerInfo { addr: p.addr, node: p.node, pid: p.pid }).collect(),
             Ok(other) => return Err(boot(rank, format!("rank 0 sent {other:?} instead of the table"))),
-            Err(e) => return Err(boot(rank, format!("waiting for the table from rank 0: {e}"))),
+            Err(e) => return Err(boot(rank, e)),
         };
         let mut reader = stream.try_clone().map_err(|e| Error::io("clone control stream", e))?;
         let writers = Arc::new(vec![Mutex::new(Some(stream))]);
-        let ctl = Control { rank, writers, exit: Arc::default(), abort };
-        let (exit, abort) = (ctl.exit.clone(), ctl.abort.clone());
+        let ctl = Control { rank, writers, exit: Arc::default(), abort, live: Arc::default() };
+        let (exit, abort, answer) = (ctl.exit.clone(), ctl.abort.clone(), ctl.writers.clone());
         std::thread::spawn(move || loop {
             match read_msg(&mut reader) {
                 Ok(Msg::Abort(reason)) => abort.set_local(&reason),
+                Ok(Msg::Ping(round)) => send_to(&answer, 0, &Msg::Pong(round, Progress::now())),
                 Ok(Msg::ByeAck) => {
                     exit.state.lock().unwrap_or_else(|e| e.into_inner()).acked = true;
                     exit.cv.notify_all();
@@ -195,7 +286,7 @@ impl Control {
                 }
                 Ok(other) => log::warn!("control: unexpected message from rank 0: {other:?}"),
                 Err(e) => {
-                    abort.set_local(&format!("rank 0 died or closed the job (control connection: {e})"));
+                    abort.set_local(&format!("blame: rank 0: died or closed the job (control connection: {e})"));
                     exit.cv.notify_all();
                     return;
                 }
@@ -203,6 +294,8 @@ impl Control {
         });
         let writers = ctl.writers.clone();
         ctl.abort.set_notify(Box::new(move |reason| send_to(&writers, 0, &Msg::Abort(reason.to_string()))));
+        let writers = ctl.writers.clone();
+        ctl.abort.set_arbiter(Box::new(move |what| send_to(&writers, 0, &Msg::Suspect(what.to_string()))));
         Ok((ctl, peers))
     }
 
@@ -229,6 +322,68 @@ impl Control {
             }
         }
     }
+}
+
+/// Rank 0: decides which rank failed after `what` was reported (by any rank) and raises the
+/// verdict job-wide; nothing if the job is already aborting.
+fn arbitrate(writers: &[Mutex<Option<TcpStream>>], live: &Liveness, abort: &AbortState, what: &str) {
+    let _one = live.one_at_a_time.lock().unwrap_or_else(|e| e.into_inner());
+    if abort.is_set() {
+        return;
+    }
+    let size = writers.len();
+    let round = {
+        let mut st = live.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.round += 1;
+        st.answers = vec![None; size];
+        st.answers[0] = Some(Progress::now());
+        st.round
+    };
+    for r in 1..size {
+        send_to(writers, r, &Msg::Ping(round));
+    }
+    let give_up = Instant::now() + PING_WAIT;
+    let mut st = live.state.lock().unwrap_or_else(|e| e.into_inner());
+    while st.answers.iter().any(Option::is_none) && Instant::now() < give_up && !abort.is_set() {
+        st = live.cv.wait_timeout(st, Duration::from_millis(20)).unwrap_or_else(|e| e.into_inner()).0;
+    }
+    let answers = std::mem::take(&mut st.answers);
+    drop(st);
+    if abort.is_set() {
+        return;
+    }
+    for (r, a) in answers.iter().enumerate() {
+        match a {
+            Some(p) => log::error!("liveness check: rank {r}: in progress {:?}, last done {:?}", p.in_progress, p.last_done),
+            None => log::error!("liveness check: rank {r}: no answer within {} s", PING_WAIT.as_secs()),
+        }
+    }
+    let silent: Vec<usize> = (0..size).filter(|&r| answers[r].is_none()).collect();
+    let idle: Vec<usize> = (0..size).filter(|&r| answers[r].as_ref().is_some_and(|p| p.in_progress.is_empty())).collect();
+    let verdict = if !silent.is_empty() {
+        format!(
+            "blame: {}: did not answer rank 0's liveness check within {} s (stopped, hung or dead); first report: {what}",
+            list(&silent),
+            PING_WAIT.as_secs()
+        )
+    } else if !idle.is_empty() {
+        let last = answers[idle[0]].as_ref().and_then(|p| p.last_done.clone()).unwrap_or_else(|| "none".into());
+        format!(
+            "blame: {}: alive but in no communication operation while its peers wait (behind; its last finished \
+             operation: {last}); first report: {what}",
+            list(&idle)
+        )
+    } else {
+        format!("blame: no rank is dead, stopped or idle; first report: {what}")
+    };
+    log::error!("{verdict}");
+    abort.raise(&verdict);
+}
+
+/// `rank 3` or `ranks 2, 3`.
+fn list(ranks: &[usize]) -> String {
+    let names: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+    format!("rank{} {}", if ranks.len() > 1 { "s" } else { "" }, names.join(", "))
 }
 
 fn boot(rank: usize, msg: String) -> Error {

@@ -1,6 +1,11 @@
 //! Bootstrap: MPI discovers the ranks and carries one broadcast of the unique id; everything after
 //! that is meshtrain's own.
 //!
+//! Failure: the runtime `MESHTRAIN_*` variables are checked ([`env`]) before MPI carries anything,
+//! and any failure of the bootstrap prints the error prefixed by the rank and ends the whole job
+//! with `MPI_Abort`; the start-up reads on the control channel have a deadline
+//! (`MESHTRAIN_BOOTSTRAP_TIMEOUT`) and name the rank that stalled.
+//!
 //! Sequence (NCCL-style): MPI init; world rank/size; node-local rank/size from a shared-memory
 //! split; rank 0 binds its listener and draws a 128-bit secret from the OS; the unique id (that
 //! address + the secret) is broadcast through MPI; every rank binds its own listener and reports
@@ -13,6 +18,7 @@
 //! whole job is on one node, else the first up, non-loopback IPv4 interface.
 
 mod control;
+pub mod env;
 mod ifaddr;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -138,12 +144,11 @@ fn node_key() -> String {
 
 /// Chooses the address this rank listens on (see the module header).
 fn bind_ip(single_node: bool) -> Result<IpAddr> {
-    if let Ok(v) = std::env::var("MESHTRAIN_BIND_ADDR") {
-        return v.parse().map_err(|_| Error::config("MESHTRAIN_BIND_ADDR", format!("`{v}` is not an IP address")));
+    if let Some(ip) = env::bind_addr()? {
+        return Ok(ip);
     }
-    if let Ok(name) = std::env::var("MESHTRAIN_SOCKET_IFNAME") {
-        return ifaddr::ipv4_of(&name)?
-            .ok_or_else(|| Error::config("MESHTRAIN_SOCKET_IFNAME", format!("interface `{name}` has no IPv4 address")));
+    if let Some(name) = std::env::var("MESHTRAIN_SOCKET_IFNAME").ok().filter(|v| !v.is_empty()) {
+        return env::interface_ip(&name);
     }
     if single_node {
         return Ok(IpAddr::V4(Ipv4Addr::LOCALHOST));
@@ -164,71 +169,117 @@ fn net_config(bind_ip: IpAddr, job_tag: &str, comm: &CommConfig) -> Result<NetCo
     Ok(cfg)
 }
 
+/// What the network part of the bootstrap hands to [`World`].
+struct Network {
+    connector: NetConnector,
+    control: Option<Control>,
+    nodes: Vec<usize>,
+    comm_cfg: CommConfig,
+}
+
+/// Rank 0 binds first, the unique id travels through MPI, every rank binds and reports to rank 0
+/// over the control channel, which answers with the table of all ranks.
+fn start_network(mpi_world: &mpi::topology::SimpleCommunicator, rank: usize, size: usize, single_node: bool) -> Result<Network> {
+    let comm_cfg = CommConfig::from_env()?;
+    let boot_timeout = env::bootstrap_timeout()?;
+    let abort = Arc::new(AbortState::default());
+    let ip = bind_ip(single_node)?;
+
+    // Rank 0 draws the secret and binds first; its address travels in the unique id.
+    let mut uid_bytes = [0u8; UID_BYTES];
+    let mut root_connector = None;
+    if rank == 0 {
+        let mut secret = [0u8; 16];
+        getrandom::getrandom(&mut secret).map_err(|e| boot(0, format!("OS random source: {e}")))?;
+        let c = NetConnector::new(0, size, secret, net_config(ip, &job_tag(), &comm_cfg)?, abort.clone())?;
+        uid_bytes = UniqueId { addr: c.local_addr(), secret }.to_bytes();
+        root_connector = Some(c);
+    }
+    mpi_world.process_at_rank(0).broadcast_into(&mut uid_bytes[..]);
+    let uid = UniqueId::from_bytes(&uid_bytes)?;
+    let connector = match root_connector {
+        Some(c) => c,
+        None => NetConnector::new(rank, size, uid.secret, net_config(ip, &job_tag(), &comm_cfg)?, abort.clone())?,
+    };
+    let hello = Hello { rank, addr: connector.local_addr(), node_key: node_key(), pid: std::process::id() };
+    let w = Waiter::new(rank, "bootstrap", 0, 0, boot_timeout, abort.clone());
+    let (control, peers) = if size == 1 {
+        (None, vec![PeerInfo { addr: hello.addr, node: 0, pid: hello.pid }])
+    } else if rank == 0 {
+        let mut streams = vec![None];
+        for r in 1..size {
+            streams.push(Some(connector.accept_stream(r, CONTROL_COMM, 0, &w)?));
+        }
+        let (ctl, peers) = Control::root(streams, hello, abort.clone(), boot_timeout, peer_table)?;
+        (Some(ctl), peers)
+    } else {
+        let stream = connector.connect_stream(uid.addr, 0, CONTROL_COMM, 0, &w)?;
+        if env::stalled_bootstrap_rank()? == Some(rank) {
+            log::warn!("MESHTRAIN_FAULT: rank {rank} stalls before its hello to rank 0");
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(3600));
+            }
+        }
+        // Rank 0 waits up to the same deadline for every rank's hello before it answers: give it
+        // time to report the rank that stalled before this one gives up on rank 0.
+        let (ctl, peers) = Control::member(stream, hello, abort.clone(), boot_timeout + MEMBER_GRACE)?;
+        (Some(ctl), peers)
+    };
+    let nodes: Vec<usize> = peers.iter().map(|p| p.node).collect();
+    connector.set_peers(peers)?;
+    if rank == 0 {
+        let n_nodes = nodes.iter().max().map_or(1, |m| m + 1);
+        log::info!("bootstrap: {size} ranks on {n_nodes} node(s), listening on {}", uid.addr);
+    }
+    Ok(Network { connector, control, nodes, comm_cfg })
+}
+
+/// Extra time a member waits for rank 0's table beyond the bootstrap deadline.
+const MEMBER_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Prints `e` prefixed by the rank and aborts the whole MPI job (exit status: the error's, e.g. 2
+/// for a bad variable): after `MPI_Init`, returning an error would leave this rank in
+/// `MPI_Finalize` and the others in the unique-id broadcast forever.
+fn abort_job(mpi_world: &mpi::topology::SimpleCommunicator, rank: usize, e: &Error) -> ! {
+    use std::io::Write as _;
+    let _ = std::io::stderr().write_all(format!("meshtrain: error: rank {rank}: {e}\n").as_bytes());
+    mpi_world.abort(e.exit_code().max(1))
+}
+
 impl World {
-    /// Initializes MPI and meshtrain's own network; every rank of the job must call it.
+    /// Validates the runtime environment, initializes MPI and meshtrain's own network; every rank
+    /// of the job must call it. Any failure (a bad variable, found before MPI carries anything,
+    /// or a failure of the network start) prints the error with the rank and aborts the whole MPI
+    /// job: a rank that merely exited could leave the others waiting in MPI forever (a variable
+    /// set differently on one rank, a launcher that does not end the job at a non-zero exit).
     pub fn init() -> Result<World> {
+        let checked = env::validate_runtime_env();
         let universe = mpi::initialize().ok_or_else(|| boot(0, "MPI was already initialized"))?;
         let mpi_world = universe.world();
         let (rank, size) = (mpi_world.rank() as usize, mpi_world.size() as usize);
+        if let Err(e) = checked {
+            abort_job(&mpi_world, rank, &e);
+        }
         let local = mpi_world.split_shared(mpi_world.rank());
         let (local_rank, local_size) = (local.rank() as usize, local.size() as usize);
         let launch = LaunchInfo::from_env();
         if let Some(p) = launch.slurm_procid.filter(|&p| p != rank) {
             log::warn!("SLURM_PROCID={p} but MPI says rank {rank}: using MPI's rank");
         }
-        let comm_cfg = CommConfig::from_env()?;
-        let abort = Arc::new(AbortState::default());
-        let ip = bind_ip(local_size == size)?;
-
-        // Rank 0 draws the secret and binds first; its address travels in the unique id.
-        let mut uid_bytes = [0u8; UID_BYTES];
-        let mut root_connector = None;
-        if rank == 0 {
-            let mut secret = [0u8; 16];
-            getrandom::getrandom(&mut secret).map_err(|e| boot(0, format!("OS random source: {e}")))?;
-            let tag = job_tag();
-            let c = NetConnector::new(0, size, secret, net_config(ip, &tag, &comm_cfg)?, abort.clone())?;
-            uid_bytes = UniqueId { addr: c.local_addr(), secret }.to_bytes();
-            root_connector = Some(c);
-        }
-        mpi_world.process_at_rank(0).broadcast_into(&mut uid_bytes[..]);
-        let uid = UniqueId::from_bytes(&uid_bytes)?;
-        let connector = match root_connector {
-            Some(c) => c,
-            None => NetConnector::new(rank, size, uid.secret, net_config(ip, &job_tag(), &comm_cfg)?, abort.clone())?,
+        let net = match start_network(&mpi_world, rank, size, local_size == size) {
+            Ok(n) => n,
+            Err(e) => abort_job(&mpi_world, rank, &e),
         };
-        let hello = Hello { rank, addr: connector.local_addr(), node_key: node_key(), pid: std::process::id() };
-        let w = Waiter::new(rank, "bootstrap", 0, 0, comm_cfg.timeout, abort.clone());
-        let (control, peers) = if size == 1 {
-            (None, vec![PeerInfo { addr: hello.addr, node: 0, pid: hello.pid }])
-        } else if rank == 0 {
-            let mut streams = vec![None];
-            for r in 1..size {
-                streams.push(Some(connector.accept_stream(r, CONTROL_COMM, 0, &w)?));
-            }
-            let (ctl, peers) = Control::root(streams, hello, abort.clone(), peer_table)?;
-            (Some(ctl), peers)
-        } else {
-            let stream = connector.connect_stream(uid.addr, 0, CONTROL_COMM, 0, &w)?;
-            let (ctl, peers) = Control::member(stream, hello, abort.clone())?;
-            (Some(ctl), peers)
-        };
-        let nodes: Vec<usize> = peers.iter().map(|p| p.node).collect();
-        connector.set_peers(peers)?;
-        if rank == 0 {
-            let n_nodes = nodes.iter().max().map_or(1, |m| m + 1);
-            log::info!("bootstrap: {size} ranks on {n_nodes} node(s), listening on {}", uid.addr);
-        }
         Ok(World {
             rank,
             size,
             local_rank,
             local_size,
-            nodes,
+            nodes: net.nodes,
             launch,
-            connector: Arc::new(connector),
-            control,
-            comm_cfg,
+            connector: Arc::new(net.connector),
+            control: net.control,
+            comm_cfg: net.comm_cfg,
             mpi_world,
             _universe: universe,
         })

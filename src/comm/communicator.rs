@@ -24,6 +24,8 @@ use crate::comm::algo::ring::{self, RingShape};
 use crate::comm::block_range;
 use crate::comm::config::{Algo, Cma, CommConfig};
 use crate::comm::dtype::{DType, Element, ReduceOp, Reducer};
+use crate::comm::fingerprint::{self, LinkPrints, OpKind, OpPrint};
+use crate::comm::flight;
 use crate::comm::primitives::{Pipe, Rx, Tx};
 use crate::comm::probe::{self, Reads};
 use crate::comm::stats::CommStats;
@@ -49,6 +51,13 @@ struct State {
     /// Link with each member (by communicator rank), opened on demand.
     links: Vec<Option<Link>>,
     seq: u64,
+    /// Collective calls so far (the fingerprint's number; point-to-point calls do not count).
+    collectives: u64,
+    /// Sends to / receives from each member so far (point-to-point fingerprints).
+    sends: Vec<u64>,
+    recvs: Vec<u64>,
+    /// The running call's fingerprint, armed on every link it opens.
+    print: Option<OpPrint>,
     splits: u64,
     /// One chunk of working space for the direct reductions.
     scratch: Vec<u8>,
@@ -102,6 +111,19 @@ enum Call<'a> {
 }
 
 impl Call<'_> {
+    /// The call's fingerprint (without its number), `dtype` elements.
+    fn print(&self, dtype: DType) -> OpPrint {
+        let (kind, reduce, root) = match self {
+            Call::AllReduce { red, .. } => (OpKind::AllReduce, Some(red.op), None),
+            Call::ReduceScatter { red, .. } => (OpKind::ReduceScatter, Some(red.op), None),
+            Call::AllGather { .. } => (OpKind::AllGather, None, None),
+            Call::Broadcast { root, .. } => (OpKind::Broadcast, None, Some(*root)),
+            Call::Reduce { root, red, .. } => (OpKind::Reduce, Some(red.op), Some(*root)),
+        };
+        let count = (self.bytes(dtype.size()) / dtype.size()) as u64;
+        OpPrint { kind, dtype, reduce, root, count, seq: 0 }
+    }
+
     fn name(&self) -> &'static str {
         match self {
             Call::AllReduce { .. } => "all_reduce",
@@ -155,11 +177,11 @@ struct LinkTable<'a>(&'a mut [Option<Link>]);
 impl Peers for LinkTable<'_> {
     fn tx(&mut self, to: usize) -> Tx<'_> {
         let l = self.0[to].as_mut().expect("link opened before use");
-        Tx::new(&mut *l.send, l.peer)
+        Tx::new(&mut *l.send, &mut l.prints.send, l.peer)
     }
     fn rx(&mut self, from: usize) -> Rx<'_> {
         let l = self.0[from].as_mut().expect("link opened before use");
-        Rx::new(&mut *l.recv, l.peer).with_memory(l.memory.as_ref())
+        Rx::new(&mut *l.recv, &mut l.prints.expect, l.peer).with_memory(l.memory.as_ref())
     }
     fn pipe(&mut self, from: usize, to: usize) -> Pipe<'_> {
         ring_pipe(self.0, from, to)
@@ -170,11 +192,31 @@ impl Peers for LinkTable<'_> {
 fn ring_pipe(links: &mut [Option<Link>], prev: usize, next: usize) -> Pipe<'_> {
     if prev == next {
         let l = links[prev].as_mut().expect("ring link opened");
-        return Pipe { rx: Rx::new(&mut *l.recv, l.peer), tx: Tx::new(&mut *l.send, l.peer) };
+        return Pipe {
+            rx: Rx::new(&mut *l.recv, &mut l.prints.expect, l.peer),
+            tx: Tx::new(&mut *l.send, &mut l.prints.send, l.peer),
+        };
     }
     let [p, n] = links.get_disjoint_mut([prev, next]).expect("prev != next, both in range");
     let (p, n) = (p.as_mut().expect("ring link opened"), n.as_mut().expect("ring link opened"));
-    Pipe { rx: Rx::new(&mut *p.recv, p.peer), tx: Tx::new(&mut *n.send, n.peer) }
+    Pipe {
+        rx: Rx::new(&mut *p.recv, &mut p.prints.expect, p.peer),
+        tx: Tx::new(&mut *n.send, &mut n.prints.send, n.peer),
+    }
+}
+
+/// How a call is fingerprinted and numbered (see [`crate::comm::fingerprint`]).
+enum Print {
+    /// A collective: numbered among the communicator's collectives.
+    Collective(OpPrint),
+    /// A send to a member: numbered among the sends to it.
+    Send(OpPrint, usize),
+    /// A receive from a member: numbered among the receives from it.
+    Recv(OpPrint, usize),
+}
+
+fn p2p_print<T: Element>(count: usize) -> OpPrint {
+    OpPrint { kind: OpKind::SendRecv, dtype: T::DTYPE, reduce: None, root: None, count: count as u64, seq: 0 }
 }
 
 fn bytes<T: Element>(s: &[T]) -> &[u8] {
@@ -231,7 +273,17 @@ impl Communicator {
             ring,
             ring_pos,
             cfg,
-            state: Mutex::new(State { links, seq: 0, splits: 0, scratch, reads: None }),
+            state: Mutex::new(State {
+                links,
+                seq: 0,
+                collectives: 0,
+                sends: vec![0; k],
+                recvs: vec![0; k],
+                print: None,
+                splits: 0,
+                scratch,
+                reads: None,
+            }),
             stats: CommStats::new(k),
         };
         if k > 1 {
@@ -304,7 +356,8 @@ impl Communicator {
         });
         todo.dedup();
         for p in todo {
-            let link = self.connector.connect(self.id, self.members[p], w)?;
+            let mut link = self.connector.connect(self.id, self.members[p], w)?;
+            link.prints = LinkPrints::armed(st.print);
             if link.send.max_chunk() < self.cfg.chunk_bytes || link.send.depth() < 2 {
                 return Err(w.fail(
                     link.peer,
@@ -379,11 +432,29 @@ impl Communicator {
         op: &'static str,
         bytes: usize,
         want: Sched,
+        print: Print,
         f: impl FnOnce(&mut State, Sched, &Waiter) -> Result<()>,
     ) -> Result<()> {
         let mut st = self.lock();
         st.seq += 1;
+        st.print = match print {
+            Print::Collective(p) => {
+                st.collectives += 1;
+                Some(OpPrint { seq: st.collectives, ..p })
+            }
+            Print::Send(p, to) => {
+                st.sends[to] += 1;
+                Some(OpPrint { seq: st.sends[to], ..p })
+            }
+            Print::Recv(p, from) => {
+                st.recvs[from] += 1;
+                Some(OpPrint { seq: st.recvs[from], ..p })
+            }
+        };
+        let armed = LinkPrints::armed(st.print);
+        st.links.iter_mut().flatten().for_each(|l| l.prints = armed);
         let w = self.waiter(op, st.seq, bytes);
+        let ticket = flight::begin(self.id, st.seq, op, bytes);
         let start = std::time::Instant::now();
         let result = (|| {
             let mut sched = want;
@@ -397,19 +468,45 @@ impl Communicator {
             f(&mut st, sched, &w)
         })();
         self.stats.record(op, bytes, start.elapsed());
-        if let Err(e) = &result {
-            if !matches!(e, Error::Aborted { .. }) {
-                self.connector.abort().raise(&e.to_string());
+        // The failed operation stays "in progress" in the flight record until the verdict is in,
+        // so that the liveness check does not take this rank for one that stopped communicating.
+        let result = match result {
+            Err(e @ (Error::Timeout { .. } | Error::Comm { .. })) if !fingerprint::is_mismatch(&e) => {
+                Err(self.blame(e, &w))
             }
+            Err(e) if !matches!(e, Error::Aborted { .. }) => {
+                self.connector.abort().raise(&e.to_string());
+                Err(e)
+            }
+            other => other,
+        };
+        flight::end(ticket, result.as_ref().err().map(|e| e.to_string()));
+        if result.is_err() {
+            flight::dump_once(self.connector.rank());
         }
         result
+    }
+
+    /// A failure that involves a peer: asks the job (rank 0's liveness check) which rank actually
+    /// failed before blaming the neighbour that noticed; the job's verdict becomes this rank's
+    /// error, or, without one, this rank's own finding is raised job-wide.
+    fn blame(&self, e: Error, w: &Waiter) -> Error {
+        let abort = self.connector.abort();
+        match abort.blame(&e.to_string()) {
+            Some(verdict) => Error::Aborted { rank: w.rank, op: w.op, seq: w.seq, reason: verdict },
+            None => {
+                abort.raise(&e.to_string());
+                e
+            }
+        }
     }
 
     /// Runs one collective with the schedule chosen for it.
     fn collective(&self, dtype: DType, call: Call) -> Result<()> {
         let bytes = call.bytes(dtype.size());
         let want = self.schedule(&call, bytes);
-        self.run(call.name(), bytes, want, |st, sched, w| {
+        let print = Print::Collective(call.print(dtype));
+        self.run(call.name(), bytes, want, print, |st, sched, w| {
             if self.size() == 1 {
                 call.single_rank();
                 return Ok(());
@@ -572,7 +669,15 @@ impl Communicator {
         let expect = self.block(send.len()).len() * self.size();
         check_len("all_to_all", "recv", recv.len(), expect)?;
         let (input, out) = (bytes(send), bytes_mut(recv));
-        self.run("all_to_all", input.len(), Sched::Direct, |st, _, w| {
+        let print = Print::Collective(OpPrint {
+            kind: OpKind::AllToAll,
+            dtype: T::DTYPE,
+            reduce: None,
+            root: None,
+            count: send.len() as u64,
+            seq: 0,
+        });
+        self.run("all_to_all", input.len(), Sched::Direct, print, |st, _, w| {
             if self.size() == 1 {
                 out.copy_from_slice(input);
                 return Ok(());
@@ -586,7 +691,8 @@ impl Communicator {
     pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
         self.check_peer("send", peer)?;
         let (data, chunk) = (bytes(buf), self.cfg.chunk_bytes);
-        self.run("send", data.len(), Sched::Pair, |st, _, w| {
+        let print = Print::Send(p2p_print::<T>(buf.len()), peer);
+        self.run("send", data.len(), Sched::Pair, print, |st, _, w| {
             self.open_links(st, &[peer], w)?;
             let mut tx = LinkTable(&mut st.links);
             let mut tx = tx.tx(peer);
@@ -597,8 +703,9 @@ impl Communicator {
     /// Receives `buf.len()` elements from member `peer`.
     pub fn recv_into<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
         self.check_peer("recv", peer)?;
+        let print = Print::Recv(p2p_print::<T>(buf.len()), peer);
         let (data, chunk) = (bytes_mut(buf), self.cfg.chunk_bytes);
-        self.run("recv", data.len(), Sched::Pair, |st, _, w| {
+        self.run("recv", data.len(), Sched::Pair, print, |st, _, w| {
             self.open_links(st, &[peer], w)?;
             let mut rx = LinkTable(&mut st.links);
             let mut rx = rx.rx(peer);

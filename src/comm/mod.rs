@@ -16,6 +16,8 @@ pub mod communicator;
 pub mod config;
 pub mod device;
 pub mod dtype;
+pub mod fingerprint;
+pub mod flight;
 pub mod primitives;
 pub mod probe;
 pub mod selftest;

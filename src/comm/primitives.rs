@@ -20,6 +20,7 @@
 //! (the reader reports its own error).
 
 use crate::comm::dtype::Reducer;
+use crate::comm::fingerprint::{self, OpPrint};
 use crate::error::Result;
 use crate::transport::{PeerMemory, RecvLink, SendLink, Waiter};
 
@@ -64,6 +65,8 @@ pub enum Input<'a> {
 /// Sending half towards one peer.
 pub struct Tx<'a> {
     link: &'a mut dyn SendLink,
+    /// The call's fingerprint, sent before its first message on this link ([`fingerprint`]).
+    print: &'a mut Option<OpPrint>,
     /// World rank of the peer (for errors).
     pub peer: usize,
 }
@@ -71,6 +74,8 @@ pub struct Tx<'a> {
 /// Receiving half from one peer.
 pub struct Rx<'a> {
     link: &'a mut dyn RecvLink,
+    /// The fingerprint the peer's first message of this call must be ([`fingerprint`]).
+    expect: &'a mut Option<OpPrint>,
     /// World rank of the peer (for errors).
     pub peer: usize,
     /// Read access to the peer's memory, when the link offers it.
@@ -78,9 +83,18 @@ pub struct Rx<'a> {
 }
 
 impl<'a> Tx<'a> {
-    /// Wraps a send link to world rank `peer`.
-    pub fn new(link: &'a mut dyn SendLink, peer: usize) -> Self {
-        Tx { link, peer }
+    /// Wraps a send link to world rank `peer`; `print` (if armed) goes out before the first message.
+    pub fn new(link: &'a mut dyn SendLink, print: &'a mut Option<OpPrint>, peer: usize) -> Self {
+        Tx { link, print, peer }
+    }
+
+    /// A slot for the next message, after sending the call's fingerprint if it is still due.
+    fn slot(&mut self, len: usize, w: &Waiter) -> Result<&mut [u8]> {
+        if let Some(p) = self.print.take() {
+            self.link.reserve(fingerprint::PRINT_LEN, w)?.copy_from_slice(&p.encode());
+            self.link.post(fingerprint::PRINT_LEN, w)?;
+        }
+        self.link.reserve(len, w)
     }
 
     /// Sends `src` as one message (nothing for an empty `src`).
@@ -88,7 +102,7 @@ impl<'a> Tx<'a> {
         if src.is_empty() {
             return Ok(());
         }
-        let slot = self.link.reserve(src.len(), w)?;
+        let slot = self.slot(src.len(), w)?;
         slot[..src.len()].copy_from_slice(src);
         self.link.post(src.len(), w)
     }
@@ -121,9 +135,20 @@ impl<'a> Tx<'a> {
 }
 
 impl<'a> Rx<'a> {
-    /// Wraps a receive link from world rank `peer`.
-    pub fn new(link: &'a mut dyn RecvLink, peer: usize) -> Self {
-        Rx { link, peer, memory: None }
+    /// Wraps a receive link from world rank `peer`; the peer's first message must be `expect`
+    /// (if armed).
+    pub fn new(link: &'a mut dyn RecvLink, expect: &'a mut Option<OpPrint>, peer: usize) -> Self {
+        Rx { link, expect, peer, memory: None }
+    }
+
+    /// Checks the peer's fingerprint of this call if it is still due: an error names both calls.
+    fn check_print(&mut self, w: &Waiter) -> Result<()> {
+        let Some(mine) = self.expect.take() else { return Ok(()) };
+        let msg = self.link.wait(w)?;
+        if msg != mine.encode() {
+            return Err(w.fail(self.peer, fingerprint::mismatch(w.rank, &mine, self.peer, msg)));
+        }
+        self.link.release(w)
     }
 
     /// Adds read access to the peer's memory (for the single-copy primitives).
@@ -134,6 +159,7 @@ impl<'a> Rx<'a> {
     /// Waits for the next message and checks that it is `len` bytes long.
     fn wait(&mut self, len: usize, w: &Waiter) -> Result<&[u8]> {
         let peer = self.peer;
+        self.check_print(w)?;
         let msg = self.link.wait(w)?;
         if msg.len() != len {
             return Err(
@@ -259,7 +285,7 @@ impl<'a> Pipe<'a> {
             return Ok(());
         }
         let msg = self.rx.wait(src.len(), w)?;
-        let slot = self.tx.link.reserve(src.len(), w)?;
+        let slot = self.tx.slot(src.len(), w)?;
         red.reduce_out(&mut slot[..src.len()], msg, src);
         self.tx.link.post(src.len(), w)?;
         self.rx.link.release(w)
@@ -288,7 +314,7 @@ impl<'a> Pipe<'a> {
             return Ok(());
         }
         let msg = self.rx.wait(dst.len(), w)?;
-        let slot = self.tx.link.reserve(dst.len(), w)?;
+        let slot = self.tx.slot(dst.len(), w)?;
         slot[..dst.len()].copy_from_slice(msg);
         dst.copy_from_slice(msg);
         self.tx.link.post(dst.len(), w)?;

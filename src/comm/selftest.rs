@@ -239,3 +239,31 @@ pub fn check_device_job(c: &Communicator, dev: &Device, counts: &[usize], large:
     let (ipc, calls) = state.path_counts();
     Ok((fails, ipc, calls))
 }
+
+/// Mismatched calls, for the fingerprint test (`meshtrain selftest --mismatch CASE`, hidden):
+/// member 1 deviates from the others in one way (`op`: all-gather instead of all-reduce;
+/// `count`: 2000 instead of 1000 elements; `dtype`: f64 instead of f32; `root`: broadcast from
+/// itself instead of member 0; `reduce`: max instead of sum). Every member must get an error
+/// (the fingerprint check, or the job-wide abort it raises); `Ok` never comes back: a job in which
+/// no member noticed is reported as a failed check.
+pub fn mismatch(c: &Communicator, case: &str) -> Result<()> {
+    let odd = c.rank() == 1;
+    let mut a = vec![1f32; 1000];
+    match (case, odd) {
+        ("op", true) => c.all_gather(&mut a)?,
+        ("count", true) => c.all_reduce(&mut vec![1f32; 2000], ReduceOp::Sum)?,
+        ("dtype", true) => c.all_reduce(&mut vec![1f64; 1000], ReduceOp::Sum)?,
+        ("root", _) => c.broadcast(&mut a, usize::from(odd))?,
+        ("reduce", true) => c.all_reduce(&mut a, ReduceOp::Max)?,
+        ("op" | "count" | "dtype" | "reduce", _) => c.all_reduce(&mut a, ReduceOp::Sum)?,
+        _ => {
+            return Err(crate::Error::InvalidArgument(format!(
+                "selftest --mismatch: `{case}` is not op, count, dtype, root or reduce"
+            )))
+        }
+    }
+    // A call whose mismatch shows only at the peer's next call (a broadcast from two roots moves
+    // data one way only) is caught by this one.
+    c.barrier()?;
+    Err(crate::Error::Check(format!("selftest --mismatch {case}: the mismatched calls were not detected")))
+}

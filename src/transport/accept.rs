@@ -6,7 +6,9 @@
 //! naming its address and the reason, without delaying legitimate peers and without claiming a key.
 //!
 //! Invariants: the accept thread never blocks on a handshake (each runs on its own thread, at most
-//! `MAX_HANDSHAKES` at once, each bounded by the handshake timeout); a key (comm_id, from_rank, tag)
+//! `MAX_HANDSHAKES` at once, each bounded by the handshake timeout, and by
+//! [`handshake::IDLE_LIMIT`] until the client's first bytes arrive); a connection refused because
+//! all slots are busy is closed before the server hello, which tells a real peer to retry; a key (comm_id, from_rank, tag)
 //! is admitted at most once for the connector's lifetime and only after the client proved it holds
 //! the secret; a stream is delivered to exactly one `take`. Dropping the [`Acceptor`] stops the
 //! accept thread.
@@ -26,7 +28,7 @@ use super::Waiter;
 use crate::error::{Error, Result};
 
 /// Handshakes in progress at once; further connections are refused until some finish.
-const MAX_HANDSHAKES: usize = 64;
+pub(super) const MAX_HANDSHAKES: usize = 64;
 /// Pause after a failed accept (e.g. out of file descriptors) before trying again.
 const ACCEPT_RETRY: Duration = Duration::from_millis(20);
 /// How often `take` polls the waiter.

@@ -12,7 +12,9 @@
 //! ```
 //!
 //! Invariants: every read has a deadline (a stalled peer cannot hold a handshake forever) and a fixed
-//! size; MACs are compared in constant time; the server calls the caller's admission check only
+//! size; the client's first bytes must come within [`IDLE_LIMIT`] (a real client answers the server
+//! hello at once, so idle or half-open connections give their slot back quickly); a client turned
+//! away before the server hello (all handshake slots busy) is told it may retry ([`ClientError`]); MACs are compared in constant time; the server calls the caller's admission check only
 //! after the client proved it holds the secret and replies only if the check passes, so a rejected
 //! connection sees EOF and claims nothing.
 
@@ -29,6 +31,24 @@ const NONCE: usize = 32;
 const MAC_LEN: usize = 32;
 const HELLO_LEN: usize = 8 + 4 + NONCE;
 const HEADER_LEN: usize = 8 + 4 + 4 + 4 + 8 + 4 + NONCE;
+/// How long the server waits for a client's first bytes after its hello.
+pub const IDLE_LIMIT: Duration = Duration::from_secs(1);
+
+/// Why the client side failed, and whether connecting again may succeed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientError {
+    /// What happened.
+    pub msg: String,
+    /// The server closed or reset the connection before its hello (busy: all handshake slots
+    /// taken); a new connection may be admitted.
+    pub retry: bool,
+}
+
+impl std::fmt::Display for ClientError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.msg)
+    }
+}
 
 /// What a client asks for: the link (or raw stream) `tag` of communicator `comm_id` from world rank
 /// `from` to world rank `to`.
@@ -77,13 +97,24 @@ pub fn client(
     secret: &[u8; 16],
     req: &Request,
     timeout: Duration,
-) -> Result<(), String> {
+) -> Result<(), ClientError> {
     let deadline = Instant::now() + timeout;
     let mut hello = [0u8; HELLO_LEN];
-    read_by(stream, &mut hello, deadline, "server hello")?;
+    read_by(stream, &mut hello, deadline, "server hello").map_err(|msg| ClientError { msg, retry: true })?;
+    let fatal = |msg: String| ClientError { msg, retry: false };
     if hello[..8] != MAGIC || hello[8..12] != VERSION.to_le_bytes() {
-        return Err("server hello has a wrong magic or version (not a meshtrain rank?)".into());
+        return Err(fatal("server hello has a wrong magic or version (not a meshtrain rank?)".into()));
     }
+    client_proof(stream, secret, req, &hello, deadline).map_err(fatal)
+}
+
+fn client_proof(
+    stream: &mut TcpStream,
+    secret: &[u8; 16],
+    req: &Request,
+    hello: &[u8; HELLO_LEN],
+    deadline: Instant,
+) -> Result<(), String> {
     let nonce = random_nonce()?;
     let header = req.encode(&nonce);
     let mut msg = [0u8; HEADER_LEN + MAC_LEN];
@@ -114,7 +145,7 @@ pub fn server(
     hello[12..].copy_from_slice(&nonce);
     write_by(stream, &hello, deadline)?;
     let mut magic = [0u8; 8];
-    read_by(stream, &mut magic, deadline, "client magic")?;
+    read_by(stream, &mut magic, deadline.min(Instant::now() + IDLE_LIMIT), "client magic (idle connection)")?;
     if magic != MAGIC {
         return Err(format!(
             "bad magic \"{}\" (not a meshtrain client)",

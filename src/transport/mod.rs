@@ -78,6 +78,8 @@ pub struct Link {
     /// Direct read access to the peer's memory, when the transport offers it (shared memory with a
     /// known peer pid). Whether reads are actually permitted is probed by the communicator.
     pub memory: Option<PeerMemory>,
+    /// The current call's fingerprints on this link (kept by the communicator).
+    pub prints: crate::comm::fingerprint::LinkPrints,
 }
 
 /// Opens links between ranks. The network implementation authenticates every connection with the
@@ -102,10 +104,18 @@ pub struct AbortState {
     flag: AtomicBool,
     reason: Mutex<Option<String>>,
     notify: Mutex<Option<AbortHook>>,
+    arbiter: Mutex<Option<BlameHook>>,
 }
 
 /// Forwards a locally raised abort reason to the other ranks.
 pub type AbortHook = Box<dyn Fn(&str) + Send + Sync>;
+
+/// Reports a failure that involves a peer (`what`) to the job's arbiter, which decides which rank
+/// actually failed and raises the job-wide abort with that verdict.
+pub type BlameHook = Box<dyn Fn(&str) + Send + Sync>;
+
+/// How long a rank that reported a failure waits for the arbiter's verdict.
+pub const VERDICT_WAIT: Duration = Duration::from_secs(6);
 
 impl AbortState {
     /// Marks the job as aborted for `reason` (the first reason wins) without telling other ranks.
@@ -132,6 +142,29 @@ impl AbortState {
     /// Installs the function that forwards a locally raised abort to the other ranks.
     pub fn set_notify(&self, hook: AbortHook) {
         *self.notify.lock().unwrap_or_else(|e| e.into_inner()) = Some(hook);
+    }
+
+    /// Installs the function that reports a failure involving a peer to the job's arbiter.
+    pub fn set_arbiter(&self, hook: BlameHook) {
+        *self.arbiter.lock().unwrap_or_else(|e| e.into_inner()) = Some(hook);
+    }
+
+    /// The job's verdict on a failure this rank saw (`what`, naming the peer that did not answer):
+    /// reports it to the arbiter (if one is installed) and waits up to [`VERDICT_WAIT`] for the
+    /// job-wide abort it raises. `None` without an arbiter or verdict; an abort already under way
+    /// is returned at once.
+    pub fn blame(&self, what: &str) -> Option<String> {
+        if !self.is_set() {
+            match self.arbiter.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+                Some(hook) => hook(what),
+                None => return None,
+            }
+        }
+        let give_up = Instant::now() + VERDICT_WAIT;
+        while !self.is_set() && Instant::now() < give_up {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.reason()
     }
 
     /// True once an abort was raised locally or reported by another rank.

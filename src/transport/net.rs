@@ -25,6 +25,8 @@ use log::debug;
 use sha2::Sha256;
 
 use super::accept::Acceptor;
+#[cfg(test)]
+use super::accept::MAX_HANDSHAKES;
 use super::handshake::{self, Request};
 use super::shm::{self, PeerWatch, Segment};
 use super::tcp::{self, tcp_link};
@@ -81,13 +83,13 @@ impl NetConfig {
     pub fn with_env(mut self) -> Result<NetConfig> {
         let var = |key: &str| std::env::var(key).ok().filter(|v| !v.is_empty());
         if let Some(t) = var("MESHTRAIN_TRANSPORT") {
-            self.force_tcp = match t.as_str() {
+            self.force_tcp = match t.to_ascii_lowercase().as_str() {
                 "tcp" => true,
                 "auto" => false,
                 _ => {
                     return Err(Error::config(
                         "MESHTRAIN_TRANSPORT",
-                        format!("{t:?}: expected tcp or auto"),
+                        format!("{t:?} is not one of auto, tcp (any case)"),
                     ))
                 }
             };
@@ -99,7 +101,8 @@ impl NetConfig {
             ("MESHTRAIN_TCP_DEPTH", &mut self.tcp_depth),
         ] {
             if let Some(v) = var(key) {
-                *field = parse_size(&v).ok_or_else(|| Error::config(key, format!("{v:?} is not a size")))?;
+                *field = parse_size(&v)
+                    .ok_or_else(|| Error::config(key, format!("{v:?} is not a number (K/M/G suffixes allowed)")))?;
             }
         }
         self.validate()?;
@@ -109,7 +112,7 @@ impl NetConfig {
     fn validate(&self) -> Result<()> {
         let check = |key: &str, v: usize, max: usize| {
             if v == 0 || v > max {
-                Err(Error::config(key, format!("{v} is outside 1..={max}")))
+                Err(Error::config(key, format!("{v} is outside the allowed 1..={max}")))
             } else {
                 Ok(())
             }
@@ -232,27 +235,32 @@ impl NetConnector {
         self.await_stream(peer, comm_id, tag, w)
     }
 
+    /// Connects and authenticates; a listener that turns the connection away before its hello
+    /// (all its handshake slots busy, e.g. with idle strangers) is tried again until `w`'s deadline.
     fn dial(&self, addr: SocketAddr, peer: usize, comm_id: u64, tag: u32, w: &Waiter) -> Result<TcpStream> {
         let timeout = self.cfg.handshake_timeout;
-        let give_up = Instant::now() + timeout;
-        let mut stream = loop {
-            match TcpStream::connect_timeout(&addr, timeout) {
-                Ok(s) => break s,
-                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && Instant::now() < give_up => {
-                    w.check(peer)?;
-                    std::thread::sleep(CONNECT_RETRY);
-                }
-                Err(e) => return Err(w.fail(peer, format!("connect to {addr}: {e}"))),
-            }
-        };
         let req = Request {
             from: self.rank as u32,
             to: peer as u32,
             comm_id,
             tag,
         };
-        handshake::client(&mut stream, &self.secret, &req, timeout)
-            .map_err(|e| w.fail(peer, format!("handshake with {addr}: {e}")))?;
+        let mut busy = 0u32;
+        let stream = loop {
+            let mut stream = self.connect_tcp(addr, peer, w)?;
+            match handshake::client(&mut stream, &self.secret, &req, timeout) {
+                Ok(()) => break stream,
+                Err(e) if e.retry => {
+                    busy += 1;
+                    if busy == 1 || busy % 50 == 0 {
+                        log::warn!("transport: rank {}: rank {peer} at {addr} busy ({e}); trying again", self.rank);
+                    }
+                    w.check(peer).map_err(|_| w.fail(peer, format!("handshake with {addr}: {e} ({busy} tries)")))?;
+                    std::thread::sleep(CONNECT_RETRY * busy.min(10));
+                }
+                Err(e) => return Err(w.fail(peer, format!("handshake with {addr}: {e}"))),
+            }
+        };
         let setup = |s: &TcpStream| -> std::io::Result<()> {
             s.set_nodelay(true)?;
             s.set_read_timeout(None)?;
@@ -260,6 +268,22 @@ impl NetConnector {
         };
         setup(&stream).map_err(|e| w.fail(peer, format!("configure stream to {addr}: {e}")))?;
         Ok(stream)
+    }
+
+    /// A TCP connection to `addr`, retrying while nothing listens there yet.
+    fn connect_tcp(&self, addr: SocketAddr, peer: usize, w: &Waiter) -> Result<TcpStream> {
+        let timeout = self.cfg.handshake_timeout;
+        let give_up = Instant::now() + timeout;
+        loop {
+            match TcpStream::connect_timeout(&addr, timeout) {
+                Ok(s) => return Ok(s),
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && Instant::now() < give_up => {
+                    w.check(peer)?;
+                    std::thread::sleep(CONNECT_RETRY);
+                }
+                Err(e) => return Err(w.fail(peer, format!("connect to {addr}: {e}"))),
+            }
+        }
     }
 
     fn await_stream(&self, peer: usize, comm_id: u64, tag: u32, w: &Waiter) -> Result<TcpStream> {
@@ -307,6 +331,7 @@ impl NetConnector {
                 send: Box::new(send),
                 recv: Box::new(recv),
                 memory: PeerMemory::new(pid),
+                prints: Default::default(),
             });
         }
         send_setup(&mut stream, SETUP_TCP, self.cfg.tcp_chunk, self.cfg.tcp_depth)
@@ -318,6 +343,7 @@ impl NetConnector {
             send: Box::new(send),
             recv: Box::new(recv),
             memory: None,
+            prints: Default::default(),
         })
     }
 
@@ -356,6 +382,7 @@ impl NetConnector {
                     send: Box::new(send),
                     recv: Box::new(recv),
                     memory: PeerMemory::new(pid),
+                    prints: Default::default(),
                 })
             }
             SETUP_TCP => {
@@ -367,6 +394,7 @@ impl NetConnector {
                     send: Box::new(send),
                     recv: Box::new(recv),
                     memory: None,
+                    prints: Default::default(),
                 })
             }
             k => Err(w.fail(peer, format!("link setup names unknown transport {k}"))),
@@ -709,6 +737,25 @@ mod tests {
         });
         // None of the rejected connections left a stream behind.
         assert_eq!(conns[1].acceptor.counts(), (0, 1));
+    }
+
+    /// The reproduction: more idle connections than handshake slots. Each gives its slot
+    /// back after the idle limit, and the real peer, turned away while all are taken, retries.
+    #[test]
+    fn idle_connections_do_not_starve_real_peers() {
+        let conns = world(2, true, "idle");
+        let addr = conns[1].local_addr();
+        let idle: Vec<TcpStream> =
+            (0..MAX_HANDSHAKES + 6).map(|_| TcpStream::connect(addr).expect("idle connect")).collect();
+        // Let the accept thread take them all, so the slots are full when the real peer dials.
+        std::thread::sleep(Duration::from_millis(200));
+        let mut first = conns[0].connect_stream(addr, 1, 1, 5, &waiter(0, 20)).expect("real peer admitted");
+        let mut got = conns[1].accept_stream(0, 1, 5, &waiter(1, 20)).expect("accept");
+        first.write_all(b"hello").expect("write");
+        let mut buf = [0u8; 5];
+        got.read_exact(&mut buf).expect("read");
+        assert_eq!(&buf, b"hello");
+        drop(idle);
     }
 
     #[test]

@@ -19,6 +19,7 @@ mod memory_estimate;
 mod param_gather;
 mod pipeline;
 mod replica;
+mod shutdown;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -81,6 +82,8 @@ fn evaluate(model: &mut Replica, batch: &mut Batch, sampler: &mut Sampler, batch
 
 /// Trains `cfg` on this world (every rank calls it).
 pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<TrainReport> {
+    // From here on SIGTERM/SIGUSR1 stop the run after a step, with a checkpoint (`shutdown.rs`).
+    shutdown::install()?;
     let device_model = uses_device_model(cfg);
     cfg.validate_world(world.size)?;
     let device = match device_model {
@@ -273,7 +276,9 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         None => None,
     };
 
+    let mut last_step = first_step - 1;
     for step in first_step..=cfg.train.steps {
+        last_step = step;
         let t0 = Instant::now();
         // ZeRO-2/3 zeroed every reported gradient range (handing its pages back) as it was staged,
         // and the reducer checked that every range was reported: clearing the buffer again would
@@ -308,9 +313,12 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         let param_wait = Duration::from_nanos(gather_wait.swap(0, Ordering::Relaxed));
         let mut loss = [loss_mean];
         dp.all_reduce(&mut loss, ReduceOp::Avg)?;
-        // The largest peak resident set over all ranks, in MB.
-        let mut peak_mb = [peak_rss_bytes()? as f64 / 1e6];
+        // The largest peak resident set over all ranks, in MB, and the largest stop signal any
+        // rank received (0: none), in one reduction: every rank decides alike whether to stop.
+        let stop_signal = shutdown::requested().unwrap_or(0);
+        let mut peak_mb = [peak_rss_bytes()? as f64 / 1e6, stop_signal as f64];
         world_comm.all_reduce(&mut peak_mb, ReduceOp::Max)?;
+        let stop_signal = peak_mb[1] as libc::c_int;
         let step_s = t0.elapsed().as_secs_f64();
         if step > 1 {
             timed_s += step_s;
@@ -367,7 +375,8 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         progress.update(&record);
         report.losses.push(loss[0]);
         tokens_seen += tokens_per_step as u64;
-        if cfg.checkpoint.every > 0 && (step % cfg.checkpoint.every == 0 || step == cfg.train.steps) {
+        let stopping = stop_signal != 0 && step < cfg.train.steps;
+        if stopping || cfg.checkpoint.every > 0 && (step % cfg.checkpoint.every == 0 || step == cfg.train.steps) {
             let state = sampler.state();
             if let (Some(s), Some(m)) = (&device_step, model.device_model_mut()) {
                 s.store(m, &mut sync)?;
@@ -375,6 +384,14 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             let dir =
                 checkpointing::save(&world_comm, &dp, cfg, adamw, &maps, model.params(), &sync, step, tokens_seen, state)?;
             progress.println(&format!("# checkpoint {}", dir.display()));
+        }
+        if stopping {
+            let why = shutdown::name(stop_signal);
+            if shutdown::requested().is_some() {
+                log::warn!("{why} received: stopping after step {step} of {} (checkpoint written)", cfg.train.steps);
+            }
+            progress.println(&format!("# stopped by {why} after step {step}; resume with checkpoint.resume = \"latest\""));
+            break;
         }
     }
     if let (Some(s), Some(m)) = (&mut device_step, model.device_model_mut()) {
@@ -389,7 +406,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     if leader {
         println!(
             "# done: {} steps, final loss {:.4}{}, {:.0} tokens/s",
-            cfg.train.steps,
+            last_step,
             report.losses.last().copied().unwrap_or(f64::NAN),
             report.val_losses.last().map_or(String::new(), |(_, v)| format!(", val loss {v:.4}")),
             report.tokens_per_s

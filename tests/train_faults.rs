@@ -21,6 +21,47 @@ fn job(dir: &Path, name: &str, extra: &str) -> PathBuf {
     path
 }
 
+/// `mpirun` for two ranks whose every rank runs meshtrain (with the arguments added to the
+/// command) through a shell that prints its exit status: mpirun itself, told to let every rank
+/// report its own error, exits 0 even when ranks failed.
+fn mpirun_reporting_exits() -> std::process::Command {
+    let c = common::mpirun(2);
+    let mut args: Vec<std::ffi::OsString> = c.get_args().map(|a| a.to_owned()).collect();
+    let meshtrain = args.pop().expect("mpirun's command ends with the program");
+    let report = r#""$0" "$@"; echo "meshtrain exited with $? on rank $OMPI_COMM_WORLD_RANK" >&2"#;
+    let mut cmd = std::process::Command::new(c.get_program());
+    cmd.args(args).args(["sh", "-c", report]).arg(meshtrain);
+    cmd.envs(c.get_envs().filter_map(|(k, v)| v.map(|v| (k.to_owned(), v.to_owned()))));
+    cmd
+}
+
+/// Pids of the processes whose parent is `parent`.
+fn children(parent: u32) -> Vec<u32> {
+    let ppid = |pid: u32| {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        stat.rsplit(')').next().and_then(|s| s.split_whitespace().nth(1)).and_then(|p| p.parse::<u32>().ok())
+    };
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
+        .filter(|&pid| ppid(pid) == Some(parent))
+        .collect()
+}
+
+/// The exit status of each rank, in rank order (reported by [`mpirun_reporting_exits`]).
+fn rank_exits(out: &common::Finished) -> Vec<i32> {
+    let mut exits: Vec<(usize, i32)> = out
+        .stderr
+        .lines()
+        .filter_map(|l| l.split_once("meshtrain exited with ").map(|x| x.1))
+        .filter_map(|l| l.split_once(" on rank "))
+        .map(|(code, rank)| (rank.trim().parse().unwrap(), code.parse().unwrap()))
+        .collect();
+    exits.sort();
+    exits.into_iter().map(|e| e.1).collect()
+}
+
 /// Lines in the metrics file (0 while it does not exist).
 fn metric_lines(path: &Path) -> usize {
     std::fs::read_to_string(path).map_or(0, |s| s.lines().count())
@@ -29,7 +70,7 @@ fn metric_lines(path: &Path) -> usize {
 /// Runs `train JOB` on two ranks, sends `signal` to the ranks `targets` once three steps are
 /// done, and waits for the end.
 fn train_and_signal(job: &Path, metrics: &Path, signal: libc::c_int, targets: &[usize]) -> common::Finished {
-    let mut cmd = common::mpirun(2);
+    let mut cmd = mpirun_reporting_exits();
     cmd.arg("train").arg(job).arg("--metrics").arg(metrics);
     let child = common::spawn(cmd);
     let start = Instant::now();
@@ -37,11 +78,14 @@ fn train_and_signal(job: &Path, metrics: &Path, signal: libc::c_int, targets: &[
         assert!(start.elapsed() < Duration::from_secs(120), "the run did not reach step 3");
         std::thread::sleep(Duration::from_millis(10));
     }
-    let pids = common::rank_pids(child.id());
-    assert_eq!(pids.len(), 2, "rank processes of mpirun: {pids:?}");
-    for &(rank, pid) in pids.iter().filter(|(r, _)| targets.contains(r)) {
+    let shells = common::rank_pids(child.id());
+    assert_eq!(shells.len(), 2, "rank processes of mpirun: {shells:?}");
+    for &(rank, shell) in shells.iter().filter(|(r, _)| targets.contains(r)) {
+        // The shell that reports the exit status runs meshtrain as its only child.
+        let pids = children(shell);
+        assert_eq!(pids.len(), 1, "meshtrain under rank {rank}'s shell: {pids:?}");
         // SAFETY: sending a signal to a rank process this test started.
-        assert_eq!(unsafe { libc::kill(pid as libc::pid_t, signal) }, 0, "signal rank {rank}");
+        assert_eq!(unsafe { libc::kill(pids[0] as libc::pid_t, signal) }, 0, "signal rank {rank}");
     }
     common::wait(child, Duration::from_secs(300))
 }
@@ -67,7 +111,7 @@ fn stop_signal_checkpoints_exits_zero_and_resumes_bitwise() {
         let stopped = job(d, name, &format!("every = {STEPS}"));
         let metrics = d.join(format!("{name}.jsonl"));
         let out = train_and_signal(&stopped, &metrics, signal, targets);
-        assert!(out.success(), "{name}: {:?}\n{}\n{}", out.status, out.stdout, out.stderr);
+        assert_eq!(rank_exits(&out), [0, 0], "{name}: {:?}\n{}\n{}", out.status, out.stdout, out.stderr);
         let done = common::losses(&metrics);
         let stop = done.last().unwrap().0;
         assert!(stop < STEPS, "{name}: the run was not stopped early");
@@ -92,4 +136,71 @@ fn stop_signal_checkpoints_exits_zero_and_resumes_bitwise() {
         let got_final = final_bits(&ckpt.join(&last), &d.join(format!("{name}.h5")));
         assert!(got_final == want_final, "{name}: final parameters differ from the uninterrupted run");
     }
+}
+
+/// Runs `train JOB --metrics METRICS [--set ...]` on two ranks to its end, successful or not.
+fn train_any(job: &Path, metrics: &Path, sets: &[&str]) -> common::Finished {
+    let mut cmd = mpirun_reporting_exits();
+    cmd.arg("train").arg(job).arg("--metrics").arg(metrics);
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    common::run(cmd, Duration::from_secs(300))
+}
+
+/// Step directories of a checkpoint root, sorted.
+fn step_dirs(root: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(root)
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("step_")).collect())
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+#[test]
+fn nonfinite_loss_stops_or_skips_alike_on_every_rank_and_is_never_saved() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let short = ["train.steps=6", "checkpoint.every=1", "checkpoint.keep=0"];
+    let nan_on_rank1 = [&short[..], &["train.inject_nan_at=[3, 1]"]].concat();
+
+    // stop (the default): both ranks fail naming the step and the rank; the last checkpoint is
+    // the step before.
+    let stop = job(d, "stop", "");
+    let out = train_any(&stop, &d.join("stop.jsonl"), &nan_on_rank1);
+    assert_eq!(rank_exits(&out), [1, 1], "a NaN loss must stop the run: {}\n{}", out.stdout, out.stderr);
+    for r in 0..2 {
+        let said = out.rank_stderr(r).join("\n");
+        assert!(said.contains("non-finite loss at step 3 on rank(s) 1 "), "rank {r}: {said}");
+    }
+    assert_eq!(step_dirs(&d.join("stop_ckpt")), ["step_00000001", "step_00000002"]);
+
+    // skip: step 3 changes nothing (its checkpoint equals step 2's bit for bit), the run goes on.
+    let skip = job(d, "skip", "");
+    let metrics = d.join("skip.jsonl");
+    let out = train_any(&skip, &metrics, &[&nan_on_rank1[..], &["train.nonfinite=\"skip\""]].concat());
+    assert_eq!(rank_exits(&out), [0, 0], "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stderr.contains("step 3: non-finite loss at step 3 on rank(s) 1 ") && out.stdout.contains("1 step(s) skipped"), "{}\n{}", out.stdout, out.stderr);
+    let skipped: Vec<bool> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["skipped"].as_bool().unwrap())
+        .collect();
+    assert_eq!(skipped, [false, false, true, false, false, false]);
+    let ckpt = |s: u64| final_bits(&d.join("skip_ckpt").join(format!("step_{s:08}")), &d.join(format!("skip{s}.h5")));
+    assert!(ckpt(3) == ckpt(2), "a skipped step changed the parameters");
+    assert!(ckpt(4) != ckpt(3), "the step after a skipped one updates again");
+
+    // A learning rate that blows the weights up: every rank's loss turns NaN at step 2.
+    let blowup = job(d, "blowup", "");
+    let out = train_any(&blowup, &d.join("blowup.jsonl"), &[&short[..], &["optim.lr=1e30"]].concat());
+    assert_eq!(rank_exits(&out), [1, 1]);
+    assert!(out.stderr.contains("non-finite loss at step 2 on rank(s) 0, 1 "), "{}", out.stderr);
+
+    // Weights that overflow to infinity after a finite step: the checkpoint refuses them.
+    let inf = job(d, "inf", "");
+    let out = train_any(&inf, &d.join("inf.jsonl"), &[&short[..], &["optim.lr=1e300"]].concat());
+    assert_eq!(rank_exits(&out), [1, 1]);
+    assert!(out.stderr.contains("checkpoint step 1: rank 0 failed") && out.stderr.contains("refusing to save"), "{}", out.stderr);
+    assert!(step_dirs(&d.join("inf_ckpt")).is_empty(), "nothing non-finite is saved");
 }

@@ -16,6 +16,7 @@ mod device_step;
 mod device_zero;
 mod grad_sync;
 mod memory_estimate;
+mod nonfinite;
 mod param_gather;
 mod pipeline;
 mod replica;
@@ -41,6 +42,7 @@ use crate::parallel::stage_split;
 use crate::optim::{AdamW, AdamWConfig, DecayMask, LrSchedule};
 
 use device_step::DeviceStep;
+use nonfinite::{NonFiniteGuard, Verdict};
 pub use grad_sync::DataParallel;
 pub use memory_estimate::{MemoryEstimate, MemoryInputs};
 pub use replica::{DeviceEvent, Replica, ReplicaLayout};
@@ -277,6 +279,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     };
 
     let mut last_step = first_step - 1;
+    let mut guard = NonFiniteGuard::new(&cfg.train);
     for step in first_step..=cfg.train.steps {
         last_step = step;
         let t0 = Instant::now();
@@ -301,14 +304,24 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             (None, _) => Ok(()),
         };
         let loss_mean = model.run(&batches, every_backward, &mut |r, g| sync.on_final(r, g), &mut device_events)?;
+        let loss_mean = guard.local_loss(step, world.rank, loss_mean);
         let lr = sched.lr(step - 1);
+        // Every rank applies or skips the update alike (`nonfinite.rs`), before anything changes.
+        let mut verdict = Verdict::Apply;
+        let mut apply = |norm: f64| -> Result<bool> {
+            verdict = guard.decide(&world_comm, step, loss_mean, norm)?;
+            Ok(verdict == Verdict::Apply)
+        };
         let outcome = match (&mut device_step, model.device_model_mut()) {
-            (Some(s), Some(m)) => s.step(m, &dp, &norm_groups, accum, lr, cfg.optim.grad_clip)?,
+            (Some(s), Some(m)) => s.step(m, &dp, &norm_groups, accum, lr, cfg.optim.grad_clip, &mut apply)?,
             _ => {
                 let (params, grads) = model.params_and_grads();
-                sync.step(&dp, &norm_groups, &norm_spans, &opt, lr, cfg.optim.grad_clip, params, grads)?
+                sync.step(&dp, &norm_groups, &norm_spans, &opt, lr, cfg.optim.grad_clip, params, grads, &mut apply)?
             }
         };
+        if let Verdict::Skip(why) = &verdict {
+            progress.println(&format!("# step {step}: {why}"));
+        }
         model.release_gathered()?;
         let param_wait = Duration::from_nanos(gather_wait.swap(0, Ordering::Relaxed));
         let mut loss = [loss_mean];
@@ -360,6 +373,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
                 ("peak_rss_mb".to_string(), serde_json::json!(peak_mb[0])),
                 ("peak_rss_covers".to_string(), serde_json::json!(if peak_is_steps { "steps" } else { "run" })),
                 ("mem_estimate_mb".to_string(), serde_json::json!((estimate.total() + baseline) as f64 / 1e6)),
+                ("skipped".to_string(), serde_json::json!(verdict != Verdict::Apply)),
             ]
             .into_iter()
             .chain(std::iter::once((
@@ -405,11 +419,15 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     report.tokens_per_s = if timed_s > 0.0 { tokens_per_step * timed_steps as f64 / timed_s } else { 0.0 };
     if leader {
         println!(
-            "# done: {} steps, final loss {:.4}{}, {:.0} tokens/s",
+            "# done: {} steps, final loss {:.4}{}, {:.0} tokens/s{}",
             last_step,
             report.losses.last().copied().unwrap_or(f64::NAN),
             report.val_losses.last().map_or(String::new(), |(_, v)| format!(", val loss {v:.4}")),
-            report.tokens_per_s
+            report.tokens_per_s,
+            match guard.skipped {
+                0 => String::new(),
+                n => format!(", {n} step(s) skipped (non-finite)"),
+            }
         );
     }
     Ok(report)

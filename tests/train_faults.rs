@@ -25,12 +25,18 @@ fn job(dir: &Path, name: &str, extra: &str) -> PathBuf {
 /// command) through a shell that prints its exit status: mpirun itself, told to let every rank
 /// report its own error, exits 0 even when ranks failed.
 fn mpirun_reporting_exits() -> std::process::Command {
+    mpirun_with_prelude("")
+}
+
+/// [`mpirun_reporting_exits`] whose shells first run `prelude` (e.g. to set a variable on one
+/// rank only).
+fn mpirun_with_prelude(prelude: &str) -> std::process::Command {
     let c = common::mpirun(2);
     let mut args: Vec<std::ffi::OsString> = c.get_args().map(|a| a.to_owned()).collect();
     let meshtrain = args.pop().expect("mpirun's command ends with the program");
-    let report = r#""$0" "$@"; echo "meshtrain exited with $? on rank $OMPI_COMM_WORLD_RANK" >&2"#;
+    let report = prelude.to_string() + r#""$0" "$@"; echo "meshtrain exited with $? on rank $OMPI_COMM_WORLD_RANK" >&2"#;
     let mut cmd = std::process::Command::new(c.get_program());
-    cmd.args(args).args(["sh", "-c", report]).arg(meshtrain);
+    cmd.args(args).args(["sh", "-c", &report]).arg(meshtrain);
     cmd.envs(c.get_envs().filter_map(|(k, v)| v.map(|v| (k.to_owned(), v.to_owned()))));
     cmd
 }
@@ -203,4 +209,22 @@ fn nonfinite_loss_stops_or_skips_alike_on_every_rank_and_is_never_saved() {
     assert_eq!(rank_exits(&out), [1, 1]);
     assert!(out.stderr.contains("checkpoint step 1: rank 0 failed") && out.stderr.contains("refusing to save"), "{}", out.stderr);
     assert!(step_dirs(&d.join("inf_ckpt")).is_empty(), "nothing non-finite is saved");
+}
+
+#[test]
+fn ranks_with_differing_configs_refuse_to_train_naming_the_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let job = job(d, "seed", "");
+    // Rank 1 alone gets another seed and micro-batch from its environment.
+    let prelude = r#"[ "$OMPI_COMM_WORLD_RANK" = 1 ] && export MESHTRAIN_TRAIN_SEED=8 MESHTRAIN_TRAIN_MICRO_BATCH=2; "#;
+    let mut cmd = mpirun_with_prelude(prelude);
+    cmd.arg("train").arg(&job).args(["--set", "train.steps=2"]);
+    let out = common::run(cmd, Duration::from_secs(120));
+    assert_eq!(rank_exits(&out), [2, 2], "{}\n{}", out.stdout, out.stderr);
+    for r in 0..2 {
+        let said = out.rank_stderr(r).join("\n");
+        assert!(said.contains("ranks differ from rank 0: 1; rank 1: train.micro_batch: 2 (rank 0: 4); train.seed: 8 (rank 0: 7)"), "rank {r}: {said}");
+    }
+    assert!(!out.stdout.contains("step 1/") && !out.stderr.contains("step 1/"), "training started");
 }

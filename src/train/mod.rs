@@ -12,6 +12,7 @@ mod buckets;
 pub(crate) use buckets::plan_buckets;
 mod checkpointing;
 mod comm_worker;
+mod config_agree;
 mod device_step;
 mod device_zero;
 mod grad_sync;
@@ -86,6 +87,9 @@ fn evaluate(model: &mut Replica, batch: &mut Batch, sampler: &mut Sampler, batch
 pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<TrainReport> {
     // From here on SIGTERM/SIGUSR1 stop the run after a step, with a checkpoint (`shutdown.rs`).
     shutdown::install()?;
+    // Every rank must train the same job: refuse differing configs before anything else.
+    let world_comm = world.communicator()?;
+    config_agree::check(&world_comm, cfg)?;
     let device_model = uses_device_model(cfg);
     cfg.validate_world(world.size)?;
     let device = match device_model {
@@ -100,7 +104,6 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     if leader {
         println!("# effective config\n{}", cfg.to_toml());
     }
-    let world_comm = world.communicator()?;
     let shape = GridShape::from_config(&cfg.parallel);
     let grid = Grid::new(&world_comm, shape)?;
     if leader {

@@ -4,7 +4,8 @@
 # and leaves logs and results in OUT (default: $OUT, else out/gpu):
 #   bash benches/gpu_run.sh [OUT]
 # 1. kernels, cuBLAS products and the device model against the CPU (tests/gpu_kernels.rs,
-#    tests/gpu_model.rs), with the reduction-bandwidth report (reduce kernels vs a D2D copy);
+#    tests/gpu_model.rs: the `gpu::` instances; their `emu::` twins run in CI), with the
+#    reduction-bandwidth report (reduce kernels vs a D2D copy);
 # 2. device collectives among 2, 3 and 4 ranks sharing the GPU (tests/gpu_collectives.rs), and
 #    the device model's layouts (TP2 + SP, PP2, DP2 at ZeRO 0 and 3) on 2 ranks sharing it
 #    against the CPU arm (tests/gpu_layouts.rs);
@@ -28,7 +29,7 @@ step() { # name, command...
 }
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 step build cargo build --release --tests --bins
-step gpu_tests cargo test --release --test gpu_kernels --test gpu_model -- --ignored gpu_ --test-threads=1 --nocapture
+step gpu_tests cargo test --release --test gpu_kernels --test gpu_model -- --ignored gpu --test-threads=1 --nocapture
 step gpu_collectives cargo test --release --test gpu_collectives -- --ignored gpu_coll_ --test-threads=1 --nocapture
 step gpu_layouts cargo test --release --test gpu_layouts -- --ignored gpu_ --test-threads=1 --nocapture
 step meshtrain_d12 target/release/meshtrain train jobs/d12_gpu.toml --metrics "$out/meshtrain_d12.jsonl"

@@ -1,7 +1,8 @@
 // compat.h: the subset of CUDA and HIP every meshtrain kernel is written in.
 //
-// Each kernel file is compiled unchanged by NVRTC (CUDA, sm_90) and by hipcc (HIP, gfx90a). This
-// header is the only place where the two differ. Invariants the kernels rely on:
+// Each kernel file is compiled unchanged by NVRTC (CUDA, sm_90), by hipcc (HIP, gfx90a) and, for
+// the `emu` device arm, by g++ as C++ against kernels/emu.h (MT_EMU defined). This header is the
+// only place where they differ. Invariants the kernels rely on:
 // - the warp (NVIDIA, 32 lanes) / wavefront (AMD CDNA, 64 lanes) width is MT_WARP_SIZE, a
 //   compile-time constant; no kernel writes 32 or 64 or a lane mask literally;
 // - shuffles go through mt_shfl_down / mt_shfl_xor, which involve every lane of the warp, so
@@ -11,7 +12,11 @@
 //   and converted here with round-to-nearest-even, bit-identical to the `half` crate.
 #pragma once
 
-#if defined(__HIPCC__)
+#if defined(MT_EMU)
+#include "emu.h"
+#define MT_WARP_SIZE 32
+#define MT_FULL_LANE_MASK 0xffffffffu
+#elif defined(__HIPCC__)
 #include <hip/hip_runtime.h>
 #define MT_WARP_SIZE __AMDGCN_WAVEFRONT_SIZE
 #else
@@ -32,6 +37,16 @@
 #define MT_COL_TILE 64
 #define MT_ROW_LANES 16
 #define MT_MAX_WARPS (MT_MAX_BLOCK / MT_WARP_SIZE)
+
+// `T *name` pointing at the launch's dynamic shared memory (LaunchDims::shared_bytes), 16-byte
+// aligned.
+#if defined(MT_EMU)
+#define MT_DYNAMIC_SHARED(T, name) T *name = (T *)mt_emu_dyn_shared
+#else
+#define MT_DYNAMIC_SHARED(T, name)                                                                 \
+    extern __shared__ uint4 mt_dynamic_shared_words[];                                             \
+    T *name = (T *)mt_dynamic_shared_words
+#endif
 
 typedef unsigned long long mt_u64;
 typedef long long mt_i64;

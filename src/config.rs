@@ -58,6 +58,8 @@ pub enum DeviceKind {
     Cuda,
     /// AMD GPUs.
     Hip,
+    /// The GPU kernels run on the host by the emulator (src/device/emu.rs): for tests.
+    Emu,
 }
 
 /// Element type of the model's matrix products (`precision`).

@@ -290,7 +290,8 @@ fn selftest_device(world: &World, args: &SelftestArgs, kind: &str) -> Result<()>
         "cpu" => DeviceKind::Cpu,
         "cuda" => DeviceKind::Cuda,
         "hip" => DeviceKind::Hip,
-        other => return Err(Error::config("--device", format!("`{other}` is not cpu, cuda or hip"))),
+        "emu" => DeviceKind::Emu,
+        other => return Err(Error::config("--device", format!("`{other}` is not cpu, cuda, hip or emu"))),
     };
     let comm = world.communicator()?;
     let dev = Device::open(kind, world.local_rank)?;

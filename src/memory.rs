@@ -40,7 +40,8 @@ pub fn zero_release(buf: &mut [f32]) {
     buf[tail..].fill(0.0);
 }
 
-fn page_size() -> usize {
+/// The system's page size in bytes (4096 when it cannot be read).
+pub(crate) fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if p > 0 {

@@ -1,7 +1,7 @@
 //! Every GPU kernel against the CPU reference, on a real GPU (ignored elsewhere). Run on a
 //! machine with an NVIDIA GPU, driver and NVRTC with:
 //!
-//! `cargo test --release --test gpu_kernels -- --ignored gpu_ --test-threads=1 --nocapture`
+//! `cargo test --release --test gpu_kernels -- --ignored gpu --test-threads=1 --nocapture`
 //!
 //! Inputs are fresh random draws each run (the seed is printed so a failure can be replayed
 //! with `MESHTRAIN_GPU_SEED`), never zeros; outputs are poisoned with NaN bytes before each
@@ -14,7 +14,8 @@
 
 mod common;
 
-use common::gpu::{gpu, rng};
+use common::gpu::{open, rng};
+use meshtrain::config::DeviceKind;
 use half::{bf16, f16};
 use meshtrain::comm::dtype::Reducer;
 use meshtrain::comm::{DType, ReduceOp};
@@ -88,10 +89,8 @@ fn random_elements(r: &mut ChaCha8Rng, dtype: DType, n: usize) -> Vec<u8> {
     out
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_reductions_match_cpu_bitwise() {
-    let dev = gpu();
+fn reductions_match_cpu_bitwise(kind: DeviceKind) {
+    let dev = open(kind);
     let mut r = rng("gpu_reductions_match_cpu_bitwise");
     // Odd length: the vector path and the scalar tail both run.
     let n = (1 << 20) + 13;
@@ -134,10 +133,8 @@ fn gpu_reductions_match_cpu_bitwise() {
     }
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_layernorm_matches_cpu() {
-    let dev = gpu();
+fn layernorm_matches_cpu(kind: DeviceKind) {
+    let dev = open(kind);
     let mut r = rng("gpu_layernorm_matches_cpu");
     let (n, c) = (333, 776); // neither a multiple of the column tile (64) nor of the row lanes (16)
     let inp = rand_f32(&mut r, n * c, 2.0); // (N, C)
@@ -218,10 +215,8 @@ fn gpu_layernorm_matches_cpu() {
     assert_close("layernorm dbias", &down_f32(&dev, &g_db, c), &db);
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_gelu_and_residual_match_cpu() {
-    let dev = gpu();
+fn gelu_and_residual_match_cpu(kind: DeviceKind) {
+    let dev = open(kind);
     let mut r = rng("gpu_gelu_and_residual_match_cpu");
     let n = 1_000_001;
     let inp = rand_f32(&mut r, n, 6.0);
@@ -247,10 +242,8 @@ fn gpu_gelu_and_residual_match_cpu() {
     assert!(down_f32(&dev, &g_sum, n) == want, "residual add differs");
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_attention_matches_cpu() {
-    let dev = gpu();
+fn attention_matches_cpu(kind: DeviceKind) {
+    let dev = open(kind);
     let mut r = rng("gpu_attention_matches_cpu");
     let s = AttnShape {
         b: 2,
@@ -286,10 +279,8 @@ fn gpu_attention_matches_cpu() {
     assert_close("attention dqkv", &down_f32(&dev, &g_dqkv, dqkv.len()), &dqkv);
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_cross_entropy_matches_cpu_and_skips_padding() {
-    let dev = gpu();
+fn cross_entropy_matches_cpu_and_skips_padding(kind: DeviceKind) {
+    let dev = open(kind);
     let mut r = rng("gpu_cross_entropy_matches_cpu_and_skips_padding");
     let (n, v, vp) = (97, 1000, 1024);
     let mut logits = rand_f32(&mut r, n * vp, 8.0); // (N, Vp)
@@ -322,10 +313,8 @@ fn gpu_cross_entropy_matches_cpu_and_skips_padding() {
 /// The vocabulary-parallel kernels on one shard (ids 512..1024 of V = 1000: 488 real, 24 padded)
 /// against the f64 references: shard max, sum-exp and target logit, the combined loss, the shard
 /// backward (padded columns untouched), the shard embedding and the positions, both directions.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_vocab_parallel_kernels_match_cpu() {
-    let dev = gpu();
+fn vocab_parallel_kernels_match_cpu(kind: DeviceKind) {
+    let dev = open(kind);
     let mut r = rng("gpu_vocab_parallel_kernels_match_cpu");
     let (n, t, c, v) = (96, 32, 48, 1000);
     let shard = VocabShard { start: 512, vl: 512, real: 488 };
@@ -386,10 +375,8 @@ fn gpu_vocab_parallel_kernels_match_cpu() {
     assert_close("dwpe", &down_f32(&dev, &g_dwpe, t * c), &dwpe);
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_adamw_matches_cpu() {
-    let dev = gpu();
+fn adamw_matches_cpu(kind: DeviceKind) {
+    let dev = open(kind);
     let mut r = rng("gpu_adamw_matches_cpu");
     let layout = ParamLayout::new(&GptConfig {
         n_layer: 2,
@@ -437,10 +424,8 @@ fn gpu_adamw_matches_cpu() {
     assert_close("adamw v", &down_f32(&dev, &g_v, total), &widen(&state.v));
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_casts_match_half_crate_bitwise() {
-    let dev = gpu();
+fn casts_match_half_crate_bitwise(kind: DeviceKind) {
+    let dev = open(kind);
     let mut r = rng("gpu_casts_match_half_crate_bitwise");
     let n = 1 << 20;
     let mut x: Vec<f32> = (0..n).map(|_| f32::from_bits(r.gen::<u32>())).collect();
@@ -466,10 +451,21 @@ fn gpu_casts_match_half_crate_bitwise() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_reduce_bandwidth_report() {
-    let dev = gpu();
+    let dev = open(DeviceKind::Cuda);
     let rows = reduce_bandwidth(&dev, 256 << 20).unwrap();
     println!("{:<20} {:>10} {:>10}", "kernel (256 MiB)", "us", "GB/s");
     for row in rows {
         println!("{:<20} {:>10.1} {:>10.1}", row.what, row.seconds * 1e6, row.gbs);
     }
 }
+
+crate::gpu_and_emu_tests!(
+    reductions_match_cpu_bitwise,
+    layernorm_matches_cpu,
+    gelu_and_residual_match_cpu,
+    attention_matches_cpu,
+    cross_entropy_matches_cpu_and_skips_padding,
+    vocab_parallel_kernels_match_cpu,
+    adamw_matches_cpu,
+    casts_match_half_crate_bitwise,
+);

@@ -2,33 +2,60 @@
 //!
 //! A buffer remembers its arm; using it with a device of another arm is an error, never a wild
 //! pointer. Sizes are in bytes. The CPU arm's bytes are 8-byte aligned ([`HostBytes`]), so the
-//! CPU versions of the kernels (`ops.rs`) view them as `f32`, `u32` or `u16` slices in place.
+//! CPU versions of the kernels (`ops.rs`) view them as `f32`, `u32` or `u16` slices in place. The
+//! emu arm's buffers are host bytes too, between guard pages (`emu_memory.rs`), so the CPU code
+//! paths that only move or multiply bytes (the gemm, staging copies) serve both arms.
 
 use bytemuck::Pod;
 
+use super::emu_memory::GuardedBytes;
 use super::{CudaBuffer, Device, HipBuffer};
 use crate::error::{Error, Result};
 
-/// Zeroed host bytes, 8-byte aligned (backed by `u64` words).
+/// Zeroed host bytes, at least 8-byte aligned: `u64` words, or guarded pages for the emu arm.
 pub struct HostBytes {
-    words: Vec<u64>,
+    memory: HostMemory,
     len: usize,
+}
+
+enum HostMemory {
+    Words(Vec<u64>),
+    Guarded(GuardedBytes),
 }
 
 impl HostBytes {
     /// `len` zero bytes.
     pub fn zeroed(len: usize) -> Self {
-        HostBytes { words: vec![0; len.div_ceil(8)], len }
+        HostBytes { memory: HostMemory::Words(vec![0; len.div_ceil(8)]), len }
+    }
+
+    /// `len` zero bytes between guard pages (the emu arm's buffers).
+    pub(crate) fn guarded(len: usize) -> Result<Self> {
+        Ok(HostBytes { memory: HostMemory::Guarded(GuardedBytes::zeroed(len)?), len })
+    }
+
+    /// The guarded memory, for the emu arm's address and bounds checks.
+    pub(crate) fn guard(&self) -> Option<&GuardedBytes> {
+        match &self.memory {
+            HostMemory::Guarded(g) => Some(g),
+            HostMemory::Words(_) => None,
+        }
     }
 
     /// The bytes.
     pub fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.len]
+        match &self.memory {
+            HostMemory::Words(w) => &bytemuck::cast_slice(w)[..self.len],
+            HostMemory::Guarded(g) => g.bytes(),
+        }
     }
 
     /// The bytes, mutable.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+        match &mut self.memory {
+            HostMemory::Words(w) => &mut bytemuck::cast_slice_mut(w)[..self.len],
+            HostMemory::Guarded(g) => g.bytes_mut(),
+        }
     }
 
     /// The first `n` elements viewed as `T` (alignment holds for any `T` of at most 8 bytes).
@@ -50,13 +77,15 @@ pub enum DeviceBuffer {
     Cuda(CudaBuffer),
     /// HIP device memory.
     Hip(HipBuffer),
+    /// Guarded host memory of the emu arm.
+    Emu(HostBytes),
 }
 
 impl DeviceBuffer {
     /// Size in bytes.
     pub fn len(&self) -> usize {
         match self {
-            DeviceBuffer::Host(v) => v.len,
+            DeviceBuffer::Host(v) | DeviceBuffer::Emu(v) => v.len,
             DeviceBuffer::Cuda(b) => b.len(),
             DeviceBuffer::Hip(b) => b.len(),
         }
@@ -67,11 +96,13 @@ impl DeviceBuffer {
         self.len() == 0
     }
 
-    fn arm(&self) -> &'static str {
+    /// The arm the buffer belongs to ("cpu", "cuda", "hip", "emu").
+    pub(crate) fn arm(&self) -> &'static str {
         match self {
             DeviceBuffer::Host(_) => "cpu",
             DeviceBuffer::Cuda(_) => "cuda",
             DeviceBuffer::Hip(_) => "hip",
+            DeviceBuffer::Emu(_) => "emu",
         }
     }
 
@@ -86,6 +117,10 @@ impl DeviceBuffer {
         match (dev, self) {
             (Device::Cuda(_), DeviceBuffer::Cuda(b)) => Ok(b.address() + offset as u64),
             (Device::Hip(_), DeviceBuffer::Hip(b)) => Ok(b.address() + offset as u64),
+            (Device::Emu(_), DeviceBuffer::Emu(b)) => match b.guard() {
+                Some(g) => Ok(g.address() + offset as u64),
+                None => Err(wrong_device(kernel, dev, self)),
+            },
             _ => Err(wrong_device(kernel, dev, self)),
         }
     }
@@ -103,10 +138,5 @@ pub(crate) fn check_len(op: &str, have: usize, want: usize) -> Result<()> {
 
 /// Error for a buffer used with a device of another arm.
 pub(crate) fn wrong_device(op: &str, dev: &Device, buf: &DeviceBuffer) -> Error {
-    let dev = match dev {
-        Device::Cpu => "cpu",
-        Device::Cuda(_) => "cuda",
-        Device::Hip(_) => "hip",
-    };
-    Error::InvalidArgument(format!("{op}: a {} buffer used with the {dev} device", buf.arm()))
+    Error::InvalidArgument(format!("{op}: a {} buffer used with the {} device", buf.arm(), dev.arm()))
 }

@@ -119,7 +119,7 @@ impl Gemm {
     /// A handle on `dev`: a clean error when the device's BLAS library is missing.
     pub fn new(dev: &Device) -> Result<Self> {
         let imp = match dev {
-            Device::Cpu => Imp::Cpu,
+            Device::Cpu | Device::Emu(_) => Imp::Cpu,
             Device::Cuda(d) => {
                 // SAFETY: only tries to dlopen the library names cudarc knows.
                 if !unsafe { cudarc::cublas::sys::is_culib_present() } {

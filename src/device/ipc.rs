@@ -49,7 +49,7 @@ pub fn export(dev: &Device, buf: &DeviceBuffer) -> Result<Export> {
     match (dev, buf) {
         (Device::Cuda(d), DeviceBuffer::Cuda(b)) => d.export(b).map(|e| Export { handle: e.handle, offset: e.offset }),
         (Device::Hip(d), DeviceBuffer::Hip(b)) => d.export(b).map(|e| Export { handle: e.handle, offset: e.offset }),
-        (Device::Cpu, _) => Err(Error::InvalidArgument("ipc: the CPU device has no IPC handles".into())),
+        (Device::Cpu | Device::Emu(_), _) => Err(Error::InvalidArgument(format!("ipc: the {} device has no IPC handles", dev.arm()))),
         (_, b) => Err(super::buffer::wrong_device("ipc export", dev, b)),
     }
 }
@@ -59,7 +59,7 @@ pub fn open(dev: &Device, handle: &[u8; 64]) -> Result<Mapping> {
     match dev {
         Device::Cuda(d) => d.open_ipc(handle).map(Mapping::Cuda),
         Device::Hip(d) => d.open_ipc(handle).map(Mapping::Hip),
-        Device::Cpu => Err(Error::InvalidArgument("ipc: the CPU device has no IPC handles".into())),
+        Device::Cpu | Device::Emu(_) => Err(Error::InvalidArgument(format!("ipc: the {} device has no IPC handles", dev.arm()))),
     }
 }
 
@@ -118,8 +118,8 @@ fn part_of<'a>(buf: &DeviceBuffer, range: Range<usize>) -> Result<Borrowed<'a>> 
         match buf {
             DeviceBuffer::Cuda(b) => DeviceBuffer::Cuda(CudaBuffer::borrowed(b.address() + off, len)),
             DeviceBuffer::Hip(b) => DeviceBuffer::Hip(HipBuffer::borrowed(b.address() + off, len)),
-            DeviceBuffer::Host(_) => {
-                return Err(Error::InvalidArgument("buffer part: the CPU arm has no borrowed buffers".into()))
+            DeviceBuffer::Host(_) | DeviceBuffer::Emu(_) => {
+                return Err(Error::InvalidArgument(format!("buffer part: the {} arm has no borrowed buffers", buf.arm())))
             }
         }
     };

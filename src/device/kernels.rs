@@ -11,8 +11,15 @@ use std::collections::HashSet;
 
 use crate::comm::{DType, ReduceOp};
 
-/// Local headers the kernels include, by name.
-const HEADERS: [(&str, &str); 1] = [("compat.h", include_str!("../../kernels/compat.h"))];
+/// Local headers the kernels include, by name (compat.h includes emu.h only when MT_EMU is
+/// defined, so the GPU compilers see its text but skip it).
+const HEADERS: [(&str, &str); 2] = [
+    ("compat.h", include_str!("../../kernels/compat.h")),
+    ("emu.h", include_str!("../../kernels/emu.h")),
+];
+
+/// The emu arm's launcher, appended to its translation unit.
+const EMU_RUNTIME: &str = include_str!("../../kernels/emu_runtime.cpp");
 
 /// Kernel files, by name.
 pub const SOURCES: [(&str, &str); 11] = [
@@ -69,6 +76,22 @@ pub fn kernel_source() -> String {
     for (name, text) in SOURCES {
         out.push_str(&format!("// ---- {name}\n"));
         expand(text, &mut seen, &mut out);
+    }
+    out
+}
+
+/// The emu arm's C++ translation unit: MT_EMU defined, the kernels, `extra` kernel source (test
+/// kernels; may include compat.h), the launcher, and one launch entry per name in `entries`.
+pub fn emu_source(extra: &str, entries: &[String]) -> String {
+    let mut seen = HashSet::new();
+    let mut out = String::from("#define MT_EMU 1\n");
+    for (name, text) in SOURCES.iter().chain(&[("extra", extra)]) {
+        out.push_str(&format!("// ---- {name}\n"));
+        expand(text, &mut seen, &mut out);
+    }
+    out.push_str(EMU_RUNTIME);
+    for name in entries {
+        out.push_str(&format!("MT_EMU_ENTRY({name})\n"));
     }
     out
 }

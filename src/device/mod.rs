@@ -1,4 +1,6 @@
-//! Compute devices: the CPU (always available, the numerical reference) and CUDA / HIP GPUs.
+//! Compute devices: the CPU (always available, the numerical reference), CUDA / HIP GPUs, and
+//! `emu`, which runs the GPU kernels on the host (compiled by g++ against `kernels/emu.h`) through
+//! the same launch path, so that every kernel is tested on machines without a GPU.
 //!
 //! [`Device`] is one enum whose arms never change with cargo features: a binary built without
 //! the `hip` feature still has `Device::Hip`, and opening it returns [`Error::NotCompiled`].
@@ -18,6 +20,8 @@
 
 mod buffer;
 mod cuda;
+pub mod emu;
+mod emu_memory;
 pub mod gemm;
 mod hip;
 pub mod hipcc;
@@ -31,6 +35,7 @@ pub mod reduce_bench;
 
 pub use buffer::{DeviceBuffer, HostBytes};
 pub use cuda::{cuda_driver_available, CudaBuffer, CudaDevice};
+pub use emu::EmuDevice;
 pub use hip::{HipBuffer, HipDevice};
 pub use nvrtc::{compile_cuda_cubin, compile_cuda_kernels};
 
@@ -47,6 +52,8 @@ pub enum Device {
     Cuda(CudaDevice),
     /// An AMD GPU through HIP (a binary built without the `hip` feature can never hold one).
     Hip(HipDevice),
+    /// The GPU kernels emulated on the host, buffers bounds-checked (for tests).
+    Emu(EmuDevice),
 }
 
 /// Grid and block shape of a kernel launch (x, y, z), plus dynamic shared memory in bytes.
@@ -105,6 +112,7 @@ impl Device {
             DeviceKind::Cpu => Ok(Device::Cpu),
             DeviceKind::Cuda => Ok(Device::Cuda(CudaDevice::open(local_rank)?)),
             DeviceKind::Hip => Ok(Device::Hip(HipDevice::open(local_rank)?)),
+            DeviceKind::Emu => Ok(Device::Emu(EmuDevice::open()?)),
         }
     }
 
@@ -114,6 +122,17 @@ impl Device {
             Device::Cpu => DeviceKind::Cpu,
             Device::Cuda(_) => DeviceKind::Cuda,
             Device::Hip(_) => DeviceKind::Hip,
+            Device::Emu(_) => DeviceKind::Emu,
+        }
+    }
+
+    /// The arm's name in messages ("cpu", "cuda", "hip", "emu").
+    pub(crate) fn arm(&self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda(_) => "cuda",
+            Device::Hip(_) => "hip",
+            Device::Emu(_) => "emu",
         }
     }
 
@@ -123,6 +142,7 @@ impl Device {
             Device::Cpu => Ok(DeviceBuffer::Host(HostBytes::zeroed(bytes))),
             Device::Cuda(d) => Ok(DeviceBuffer::Cuda(d.alloc(bytes)?)),
             Device::Hip(d) => Ok(DeviceBuffer::Hip(d.alloc(bytes)?)),
+            Device::Emu(_) => Ok(DeviceBuffer::Emu(HostBytes::guarded(bytes)?)),
         }
     }
 
@@ -142,7 +162,7 @@ impl Device {
             return Ok(());
         }
         match (self, dst) {
-            (Device::Cpu, DeviceBuffer::Host(d)) => {
+            (Device::Cpu, DeviceBuffer::Host(d)) | (Device::Emu(_), DeviceBuffer::Emu(d)) => {
                 d.bytes_mut()[..src.len()].copy_from_slice(src);
                 Ok(())
             }
@@ -160,7 +180,7 @@ impl Device {
             return Ok(());
         }
         match (self, src) {
-            (Device::Cpu, DeviceBuffer::Host(s)) => {
+            (Device::Cpu, DeviceBuffer::Host(s)) | (Device::Emu(_), DeviceBuffer::Emu(s)) => {
                 dst.copy_from_slice(&s.bytes()[..dst.len()]);
                 Ok(())
             }
@@ -177,7 +197,8 @@ impl Device {
             return Ok(());
         }
         match (self, dst, src) {
-            (Device::Cpu, DeviceBuffer::Host(d), DeviceBuffer::Host(s)) => {
+            (Device::Cpu, DeviceBuffer::Host(d), DeviceBuffer::Host(s))
+            | (Device::Emu(_), DeviceBuffer::Emu(d), DeviceBuffer::Emu(s)) => {
                 d.bytes_mut()[..s.bytes().len()].copy_from_slice(s.bytes());
                 Ok(())
             }
@@ -199,6 +220,7 @@ impl Device {
             ))),
             Device::Cuda(d) => d.launch(name, dims, &raw),
             Device::Hip(d) => d.launch(name, dims, &raw),
+            Device::Emu(d) => d.launch(name, dims, args, &raw),
         }
     }
 
@@ -236,6 +258,7 @@ impl Device {
             Device::Cpu => Ok(()),
             Device::Cuda(d) => d.synchronize(),
             Device::Hip(d) => d.synchronize(),
+            Device::Emu(_) => Ok(()), // every emu launch has finished when it returns
         }
     }
 }

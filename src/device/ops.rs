@@ -59,10 +59,10 @@ pub(crate) fn as_u32(kernel: &str, what: &str, v: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| Error::InvalidArgument(format!("{kernel}: `{what}` = {v} exceeds u32")))
 }
 
-/// The host bytes of a CPU-device buffer (ops check sizes before viewing them).
+/// The host bytes of a CPU-device or emu buffer (ops check sizes before viewing them).
 pub(crate) fn host<'a>(op: &str, buf: &'a DeviceBuffer) -> Result<&'a HostBytes> {
     match buf {
-        DeviceBuffer::Host(h) => Ok(h),
+        DeviceBuffer::Host(h) | DeviceBuffer::Emu(h) => Ok(h),
         other => Err(wrong_device(op, &Device::Cpu, other)),
     }
 }
@@ -70,7 +70,7 @@ pub(crate) fn host<'a>(op: &str, buf: &'a DeviceBuffer) -> Result<&'a HostBytes>
 /// [`host`], mutable.
 pub(crate) fn host_mut<'a>(op: &str, buf: &'a mut DeviceBuffer) -> Result<&'a mut HostBytes> {
     match buf {
-        DeviceBuffer::Host(h) => Ok(h),
+        DeviceBuffer::Host(h) | DeviceBuffer::Emu(h) => Ok(h),
         other => Err(wrong_device(op, &Device::Cpu, other)),
     }
 }

@@ -39,7 +39,7 @@ pub struct Staging {
 
 fn slot(dev: &Device, bytes: usize) -> Result<Slot> {
     let memory = match dev {
-        Device::Cpu => HostMemory::Cpu(vec![0; bytes.div_ceil(8)], bytes),
+        Device::Cpu | Device::Emu(_) => HostMemory::Cpu(vec![0; bytes.div_ceil(8)], bytes),
         Device::Cuda(d) => HostMemory::Cuda(d.alloc_pinned(bytes)?, d.event()?),
         Device::Hip(d) => HostMemory::Hip(d.alloc_pinned(bytes)?, d.event()?),
     };
@@ -96,7 +96,8 @@ impl Staging {
         check_span(OP, "source buffer", src.len(), src_off, len)?;
         let slot = &mut self.slots[s];
         match (&mut slot.memory, dev, src) {
-            (HostMemory::Cpu(words, _), Device::Cpu, DeviceBuffer::Host(b)) => {
+            (HostMemory::Cpu(words, _), Device::Cpu, DeviceBuffer::Host(b))
+            | (HostMemory::Cpu(words, _), Device::Emu(_), DeviceBuffer::Emu(b)) => {
                 bytemuck::cast_slice_mut::<u64, u8>(words)[at..at + len].copy_from_slice(&b.bytes()[src_off..src_off + len]);
                 return Ok(());
             }
@@ -124,7 +125,8 @@ impl Staging {
         check_span(OP, "destination buffer", dst.len(), dst_off, len)?;
         let slot = &mut self.slots[s];
         match (&mut slot.memory, dev, dst) {
-            (HostMemory::Cpu(words, _), Device::Cpu, DeviceBuffer::Host(b)) => {
+            (HostMemory::Cpu(words, _), Device::Cpu, DeviceBuffer::Host(b))
+            | (HostMemory::Cpu(words, _), Device::Emu(_), DeviceBuffer::Emu(b)) => {
                 b.bytes_mut()[dst_off..dst_off + len].copy_from_slice(&bytemuck::cast_slice::<u64, u8>(words)[at..at + len]);
                 return Ok(());
             }

@@ -113,6 +113,7 @@ impl IpcState {
             Device::Cpu => 0,
             Device::Cuda(_) => 1,
             Device::Hip(_) => 2,
+            Device::Emu(_) => 3,
         };
         let mine = [boot_id_hash(), i64::from(std::process::id()), arm];
         let mut all = vec![0i64; 3 * comm.size()];
@@ -150,9 +151,9 @@ impl IpcState {
         if cfg.ipc == GpuIpc::Off {
             return Ok(false);
         }
-        if matches!(dev, Device::Cpu) {
+        if matches!(dev, Device::Cpu | Device::Emu(_)) {
             return match cfg.ipc {
-                GpuIpc::On => Err(forced("the CPU device has no IPC handles (use MESHTRAIN_GPU_IPC=auto or off)")),
+                GpuIpc::On => Err(forced("the CPU and emu devices have no IPC handles (use MESHTRAIN_GPU_IPC=auto or off)")),
                 _ => Ok(false),
             };
         }

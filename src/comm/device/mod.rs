@@ -139,23 +139,11 @@ impl Bufs<'_> {
     }
 }
 
-fn arm(b: &DeviceBuffer) -> &'static str {
-    match b {
-        DeviceBuffer::Host(_) => "cpu",
-        DeviceBuffer::Cuda(_) => "cuda",
-        DeviceBuffer::Hip(_) => "hip",
-    }
-}
-
 /// Errors unless `buf` belongs to `dev`'s arm and holds `n` elements of `dtype`.
 fn check_buf(op: &str, what: &str, dev: &Device, buf: &DeviceBuffer, n: usize, dtype: DType) -> Result<()> {
-    let dev_arm = match dev {
-        Device::Cpu => "cpu",
-        Device::Cuda(_) => "cuda",
-        Device::Hip(_) => "hip",
-    };
-    if arm(buf) != dev_arm {
-        return Err(Error::InvalidArgument(format!("{op}: `{what}` is a {} buffer but the device is {dev_arm}", arm(buf))));
+    let dev_arm = dev.arm();
+    if buf.arm() != dev_arm {
+        return Err(Error::InvalidArgument(format!("{op}: `{what}` is a {} buffer but the device is {dev_arm}", buf.arm())));
     }
     let need = n.checked_mul(dtype.size()).ok_or_else(|| Error::InvalidArgument(format!("{op}: {n} elements overflow")))?;
     if buf.len() < need {

@@ -159,11 +159,12 @@ fn bind_ip(single_node: bool) -> Result<IpAddr> {
 }
 
 /// Network settings: defaults, then the `MESHTRAIN_TRANSPORT` / `MESHTRAIN_{SHM,TCP}_{CHUNK,DEPTH}`
-/// environment; links always carry at least the collectives' chunk.
+/// environment; links always carry at least the collectives' chunk and its fingerprint.
 fn net_config(bind_ip: IpAddr, job_tag: &str, comm: &CommConfig) -> Result<NetConfig> {
     let mut cfg = NetConfig::new(bind_ip, job_tag).with_env()?;
-    cfg.shm_chunk = cfg.shm_chunk.max(comm.chunk_bytes);
-    cfg.tcp_chunk = cfg.tcp_chunk.max(comm.chunk_bytes);
+    let message = comm.chunk_bytes + crate::comm::fingerprint::PRINT_LEN;
+    cfg.shm_chunk = cfg.shm_chunk.max(message);
+    cfg.tcp_chunk = cfg.tcp_chunk.max(message);
     cfg.shm_depth = cfg.shm_depth.max(2);
     cfg.tcp_depth = cfg.tcp_depth.max(2);
     Ok(cfg)

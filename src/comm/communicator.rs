@@ -358,10 +358,10 @@ impl Communicator {
         for p in todo {
             let mut link = self.connector.connect(self.id, self.members[p], w)?;
             link.prints = LinkPrints::armed(st.print);
-            if link.send.max_chunk() < self.cfg.chunk_bytes || link.send.depth() < 2 {
+            if link.send.max_chunk() < self.cfg.chunk_bytes + fingerprint::PRINT_LEN || link.send.depth() < 2 {
                 return Err(w.fail(
                     link.peer,
-                    "link too small for the configured chunk size (or fewer than 2 slots)",
+                    "link too small for the configured chunk size and a fingerprint (or fewer than 2 slots)",
                 ));
             }
             st.links[p] = Some(link);

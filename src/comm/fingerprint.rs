@@ -3,14 +3,15 @@
 //! Why: members of a communicator must call the same collectives in the same order with the
 //! same counts, element types, operators and roots. A rank that does not (an all-reduce of 1000
 //! f32 against an all-gather, a different count or root) used to turn into a protocol error, a
-//! hang or silently wrong data. Now the first message a call sends on a link is a 32-byte
-//! [`OpPrint`] (operation, element type, operator, root, count and sequence number), and the first
-//! message a call reads from a link must be the peer's print, equal to its own; any difference is
-//! an error naming both calls and the peer rank.
+//! hang or silently wrong data. Now the first message a call sends on a link carries a 32-byte
+//! [`OpPrint`] (operation, element type, operator, root, count and sequence number) in front of
+//! its data, in the same slot, and the first message a call reads from a link must start with the
+//! peer's print, equal to its own; any difference (or a message of another length) is an error
+//! naming both calls and the peer rank.
 //!
-//! Cost: one small message per link and call, sent just before the first data message and read
-//! just before the first data message of that link, so it adds no round trip (README,
-//! "Reliability", has the 4 KiB all-reduce before and after).
+//! Cost: 32 bytes more in one message per link and call; no extra message or round trip (links
+//! carry the collectives' chunk plus [`PRINT_LEN`]; README, "Reliability", has the 4 KiB
+//! all-reduce before and after).
 //!
 //! Invariants: prints are lazy (a link a call never uses carries none, so both ends skip it
 //! alike); collectives are numbered by a per-communicator count of collective calls, point-to-point
@@ -163,10 +164,10 @@ pub fn is_mismatch(e: &Error) -> bool {
     matches!(e, Error::Comm { cause, .. } if cause.starts_with(MISMATCH))
 }
 
-/// The error text for a peer whose first message of a call was `got` (a print, or not one)
-/// where this rank's call `mine` expected its twin.
+/// The error text for a peer whose first message of a call was `got` (starting with a print, or
+/// not) where this rank's call `mine` expected its twin.
 pub fn mismatch(me: usize, mine: &OpPrint, peer: usize, got: &[u8]) -> String {
-    match OpPrint::decode(got) {
+    match got.get(..PRINT_LEN).and_then(OpPrint::decode) {
         Some(theirs) => format!("{MISMATCH}rank {me} called {mine}, but peer rank {peer} called {theirs}"),
         None => format!(
             "{MISMATCH}rank {me} called {mine}, but peer rank {peer} sent a {}-byte data message left over from an \

@@ -65,8 +65,10 @@ pub enum Input<'a> {
 /// Sending half towards one peer.
 pub struct Tx<'a> {
     link: &'a mut dyn SendLink,
-    /// The call's fingerprint, sent before its first message on this link ([`fingerprint`]).
+    /// The call's fingerprint, put in front of its first message on this link ([`fingerprint`]).
     print: &'a mut Option<OpPrint>,
+    /// Bytes in front of the message in the reserved slot (the print, or nothing).
+    prefix: usize,
     /// World rank of the peer (for errors).
     pub peer: usize,
 }
@@ -74,7 +76,7 @@ pub struct Tx<'a> {
 /// Receiving half from one peer.
 pub struct Rx<'a> {
     link: &'a mut dyn RecvLink,
-    /// The fingerprint the peer's first message of this call must be ([`fingerprint`]).
+    /// The fingerprint the peer's first message of this call must start with ([`fingerprint`]).
     expect: &'a mut Option<OpPrint>,
     /// World rank of the peer (for errors).
     pub peer: usize,
@@ -83,18 +85,30 @@ pub struct Rx<'a> {
 }
 
 impl<'a> Tx<'a> {
-    /// Wraps a send link to world rank `peer`; `print` (if armed) goes out before the first message.
+    /// Wraps a send link to world rank `peer`; `print` (if armed) goes in front of the first
+    /// message.
     pub fn new(link: &'a mut dyn SendLink, print: &'a mut Option<OpPrint>, peer: usize) -> Self {
-        Tx { link, print, peer }
+        Tx { link, print, prefix: 0, peer }
     }
 
-    /// A slot for the next message, after sending the call's fingerprint if it is still due.
+    /// The `len` bytes to fill for the next message; the call's fingerprint, while still due,
+    /// goes in front of them in the same slot (links carry the chunk plus a print).
     fn slot(&mut self, len: usize, w: &Waiter) -> Result<&mut [u8]> {
-        if let Some(p) = self.print.take() {
-            self.link.reserve(fingerprint::PRINT_LEN, w)?.copy_from_slice(&p.encode());
-            self.link.post(fingerprint::PRINT_LEN, w)?;
+        match self.print.take() {
+            Some(p) => {
+                self.prefix = fingerprint::PRINT_LEN;
+                let slot = self.link.reserve(fingerprint::PRINT_LEN + len, w)?;
+                slot[..fingerprint::PRINT_LEN].copy_from_slice(&p.encode());
+                Ok(&mut slot[fingerprint::PRINT_LEN..fingerprint::PRINT_LEN + len])
+            }
+            None => Ok(&mut self.link.reserve(len, w)?[..len]),
         }
-        self.link.reserve(len, w)
+    }
+
+    /// Publishes the `len` bytes filled through the last [`Tx::slot`].
+    fn commit(&mut self, len: usize, w: &Waiter) -> Result<()> {
+        let prefix = std::mem::take(&mut self.prefix);
+        self.link.post(prefix + len, w)
     }
 
     /// Sends `src` as one message (nothing for an empty `src`).
@@ -102,9 +116,8 @@ impl<'a> Tx<'a> {
         if src.is_empty() {
             return Ok(());
         }
-        let slot = self.slot(src.len(), w)?;
-        slot[..src.len()].copy_from_slice(src);
-        self.link.post(src.len(), w)
+        self.slot(src.len(), w)?.copy_from_slice(src);
+        self.commit(src.len(), w)
     }
 
     /// Announces `buf` for a single-copy read by the peer (nothing for an empty `buf`). `buf` must
@@ -141,26 +154,28 @@ impl<'a> Rx<'a> {
         Rx { link, expect, peer, memory: None }
     }
 
-    /// Checks the peer's fingerprint of this call if it is still due: an error names both calls.
-    fn check_print(&mut self, w: &Waiter) -> Result<()> {
-        let Some(mine) = self.expect.take() else { return Ok(()) };
-        let msg = self.link.wait(w)?;
-        if msg != mine.encode() {
-            return Err(w.fail(self.peer, fingerprint::mismatch(w.rank, &mine, self.peer, msg)));
-        }
-        self.link.release(w)
-    }
-
     /// Adds read access to the peer's memory (for the single-copy primitives).
     pub fn with_memory(self, memory: Option<&'a PeerMemory>) -> Self {
         Rx { memory, ..self }
     }
 
-    /// Waits for the next message and checks that it is `len` bytes long.
+    /// Waits for the next message and checks that it is `len` bytes long; the first message of a
+    /// call must carry the peer's fingerprint in front, equal to this call's (an error names both
+    /// calls).
     fn wait(&mut self, len: usize, w: &Waiter) -> Result<&[u8]> {
         let peer = self.peer;
-        self.check_print(w)?;
+        let expect = self.expect.take();
         let msg = self.link.wait(w)?;
+        let msg = match expect {
+            None => msg,
+            Some(mine) => {
+                let print = mine.encode();
+                if msg.len() != print.len() + len || msg[..print.len()] != print {
+                    return Err(w.fail(peer, fingerprint::mismatch(w.rank, &mine, peer, msg)));
+                }
+                &msg[print.len()..]
+            }
+        };
         if msg.len() != len {
             return Err(
                 w.fail(peer, format!("protocol error: expected a {len}-byte message, got {}", msg.len()))
@@ -285,9 +300,8 @@ impl<'a> Pipe<'a> {
             return Ok(());
         }
         let msg = self.rx.wait(src.len(), w)?;
-        let slot = self.tx.slot(src.len(), w)?;
-        red.reduce_out(&mut slot[..src.len()], msg, src);
-        self.tx.link.post(src.len(), w)?;
+        red.reduce_out(self.tx.slot(src.len(), w)?, msg, src);
+        self.tx.commit(src.len(), w)?;
         self.rx.link.release(w)
     }
 
@@ -314,10 +328,9 @@ impl<'a> Pipe<'a> {
             return Ok(());
         }
         let msg = self.rx.wait(dst.len(), w)?;
-        let slot = self.tx.slot(dst.len(), w)?;
-        slot[..dst.len()].copy_from_slice(msg);
+        self.tx.slot(dst.len(), w)?.copy_from_slice(msg);
         dst.copy_from_slice(msg);
-        self.tx.link.post(dst.len(), w)?;
+        self.tx.commit(dst.len(), w)?;
         self.rx.link.release(w)
     }
 }

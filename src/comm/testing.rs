@@ -30,7 +30,8 @@ struct MemRecv {
 }
 
 const DEPTH: usize = 4;
-const MAX_CHUNK: usize = 1 << 20;
+/// The default chunk plus the fingerprint in front of a call's first message.
+const MAX_CHUNK: usize = (1 << 20) + crate::comm::fingerprint::PRINT_LEN;
 
 impl SendLink for MemSend {
     fn reserve(&mut self, len: usize, w: &Waiter) -> Result<&mut [u8]> {

@@ -361,9 +361,10 @@ impl Default for ParallelConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct CheckpointConfig {
-    /// Directory of checkpoints (default `checkpoints`).
-    pub dir: PathBuf,
-    /// Save every this many steps; 0 = only at the end (default 0).
+    /// Directory of checkpoints (default: none, no checkpoints are written).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dir: Option<PathBuf>,
+    /// Save every this many steps and at the end; 0 = only at the end (default 0).
     pub every: u64,
     /// Checkpoints kept, oldest deleted first; 0 = keep all (default 3).
     pub keep: usize,
@@ -375,7 +376,7 @@ pub struct CheckpointConfig {
 impl Default for CheckpointConfig {
     fn default() -> Self {
         CheckpointConfig {
-            dir: PathBuf::from("checkpoints"),
+            dir: None,
             every: 0,
             keep: 3,
             resume: None,
@@ -552,8 +553,11 @@ impl JobConfig {
 
         self.validate_parallel()?;
 
-        if self.checkpoint.dir.as_os_str().is_empty() {
+        if self.checkpoint.dir.as_ref().is_some_and(|d| d.as_os_str().is_empty()) {
             return Err(Error::config("checkpoint.dir", "must not be empty"));
+        }
+        if self.checkpoint.dir.is_none() && self.checkpoint.resume.as_deref() == Some("latest") {
+            return Err(Error::config("checkpoint.resume", "`latest` needs checkpoint.dir"));
         }
         if self.checkpoint.resume.as_deref().is_some_and(str::is_empty) {
             return Err(Error::config(

@@ -200,11 +200,14 @@ fn toml_syntax_errors_give_the_offset() {
 #[test]
 fn effective_config_round_trips_through_toml() {
     let c = JobConfig::from_str(
-        &format!("{BASE}[data]\nval_source = \"synthetic\"\n[metrics]\npeak_tflops = 989.0\n[checkpoint]\nresume = \"latest\"\n"),
+        &format!("{BASE}[data]\nval_source = \"synthetic\"\n[metrics]\npeak_tflops = 989.0\n[checkpoint]\ndir = \"ck\"\nresume = \"latest\"\n"),
         &["parallel.schedule=\"gpipe\"".to_string()],
     )
     .unwrap();
     let text = c.to_string();
     assert!(text.contains("schedule = \"gpipe\""), "{text}");
     assert_eq!(JobConfig::from_str(&text, &[]).unwrap(), c);
+    // Without a checkpoint directory no checkpoints are written and `latest` means nothing.
+    let err = JobConfig::from_str(&format!("{BASE}[checkpoint]\nresume = \"latest\"\n"), &[]).unwrap_err();
+    assert!(err.to_string().contains("`checkpoint.resume`: `latest` needs checkpoint.dir"), "{err}");
 }

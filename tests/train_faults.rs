@@ -228,3 +228,43 @@ fn ranks_with_differing_configs_refuse_to_train_naming_the_keys() {
     }
     assert!(!out.stdout.contains("step 1/") && !out.stderr.contains("step 1/"), "training started");
 }
+
+/// Runs `meshtrain train JOB --set ...` as a world of one rank; (success, stdout + stderr).
+fn train_alone(job: &Path, sets: &[&str]) -> (bool, String) {
+    let mut cmd = std::process::Command::new(common::meshtrain());
+    cmd.arg("train").arg(job);
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    let out = cmd.output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr))
+}
+
+#[test]
+fn checkpoint_resume_decisions() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let root = d.join("ckpt");
+    let job = common::tiny_job(d, "one.toml", &format!("[checkpoint]\ndir = {:?}\nkeep = 0", root.display().to_string()));
+
+    // `latest` in a directory that does not exist yet: a fresh start; every = 0 (the default)
+    // saves at the end only.
+    let (ok, said) = train_alone(&job, &["train.steps=3", "optim.warmup_steps=1", "checkpoint.resume=\"latest\""]);
+    assert!(ok && said.contains("starting fresh"), "{said}");
+    assert_eq!(step_dirs(&root), ["step_00000003"]);
+
+    // A rerun from step 1 reaches step 3, saved before: the new checkpoint replaces it.
+    let (ok, said) = train_alone(&job, &["train.steps=3", "optim.warmup_steps=1", "checkpoint.every=1"]);
+    assert!(ok, "{said}");
+    let from1 = format!("checkpoint.resume={:?}", root.join("step_00000001").display().to_string());
+    let (ok, said) = train_alone(&job, &["train.steps=3", "optim.warmup_steps=1", &from1]);
+    assert!(ok && said.contains("step_00000003 replaces the one saved there before"), "{said}");
+    assert_eq!(step_dirs(&root), ["step_00000001", "step_00000002", "step_00000003"]);
+    assert_eq!(std::fs::read_to_string(root.join("latest")).unwrap().trim(), "step_00000003");
+
+    // `latest` naming something outside the checkpoint directory is refused before training.
+    std::fs::write(root.join("latest"), "../elsewhere/step_00000001\n").unwrap();
+    let (ok, said) = train_alone(&job, &["train.steps=3", "optim.warmup_steps=1", "checkpoint.resume=\"latest\""]);
+    assert!(!ok && said.contains("latest") && said.contains("not a step_XXXXXXXX directory"), "{said}");
+    assert!(!said.contains("# done"), "{said}");
+}

@@ -167,23 +167,18 @@ pub fn read_all(ds: &Dataset, fname: &Path, path: &str, out: &mut [f32]) -> Resu
     Ok(())
 }
 
-/// Reads box (`offset`, `shape`) of `ds` (local coordinates), row-major.
-pub fn read_box(
-    ds: &Dataset,
-    fname: &Path,
-    path: &str,
-    offset: &[usize],
-    shape: &[usize],
-) -> Result<Vec<f32>> {
-    let arr = ds
-        .as_reader()
-        .read_slice::<f32, _, ndarray::IxDyn>(box_selection(offset, shape))
-        .map_err(|e| file_err(fname, format!("read dataset `{path}` at {offset:?}+{shape:?}"), e))?;
-    Ok(arr.into_raw_vec_and_offset().0)
-}
-
 /// SHA-256 (lowercase hex) of `data`'s little-endian bytes.
 pub fn sha256_hex(data: &[f32]) -> String {
-    let digest = Sha256::digest(bytemuck::cast_slice::<f32, u8>(data));
-    digest.iter().map(|b| format!("{b:02x}")).collect()
+    sha256_hex_bytes(bytemuck::cast_slice::<f32, u8>(data))
+}
+
+/// Hex SHA-256 of `bytes`.
+pub fn sha256_hex_bytes(bytes: &[u8]) -> String {
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The index's `index_sha256`: a hash of its three JSON attributes as stored, so that a flipped
+/// bit in the metadata (a shard's offset, the data position) is an error, not a silent change.
+pub fn index_digest(meta: &str, tensors: &str, files: &str) -> String {
+    sha256_hex_bytes([meta, tensors, files].join("\n").as_bytes())
 }

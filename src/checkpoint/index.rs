@@ -4,7 +4,8 @@
 //! Validation happens before any tensor is used: format and version, the tensor table (shards tile
 //! each tensor), every rank file present with its recorded size (a truncated file is caught without
 //! opening it); [`CheckpointIndex::expect_tensors`] and [`CheckpointIndex::check_model`] compare
-//! against what the caller needs. A shard read in full is checked against its SHA-256;
+//! against what the caller needs. The index's JSON attributes are checked against its
+//! `index_sha256`; every shard read, whole or in part, is checked against its SHA-256;
 //! [`CheckpointIndex::verify`] checks every shard. Sizes are checked against the index before any
 //! buffer is allocated, and every error names the file and dataset.
 
@@ -89,16 +90,29 @@ pub fn open(path: &Path) -> Result<CheckpointIndex> {
         .attr("format_version")
         .and_then(|a| a.read_scalar::<u32>())
         .map_err(|e| h5::file_err(&ipath, "attribute `format_version`", e))?;
-    if version != FORMAT_VERSION {
+    if !(1..=FORMAT_VERSION).contains(&version) {
         return Err(Error::file(
             &ipath,
             None,
-            format!("format version {version}, this build reads {FORMAT_VERSION}"),
+            format!("format version {version}, this build reads 1 to {FORMAT_VERSION}"),
         ));
     }
+    let texts: Vec<String> =
+        ["meta", "tensors", "files"].iter().map(|a| h5::read_str_attr(&file, a, &ipath)).collect::<Result<_>>()?;
+    if version >= 2 {
+        let recorded = h5::read_str_attr(&file, "index_sha256", &ipath)?;
+        let found = h5::index_digest(&texts[0], &texts[1], &texts[2]);
+        if found != recorded {
+            return Err(Error::file(
+                &ipath,
+                None,
+                format!("index metadata corrupt: sha256 {found} differs from the recorded index_sha256 {recorded}"),
+            ));
+        }
+    }
     let parse = |attr: &str| -> Result<serde_json::Value> {
-        let text = h5::read_str_attr(&file, attr, &ipath)?;
-        serde_json::from_str(&text).map_err(|e| Error::file(&ipath, None, format!("attribute `{attr}`: {e}")))
+        let text = &texts[["meta", "tensors", "files"].iter().position(|a| *a == attr).expect("a read attribute")];
+        serde_json::from_str(text).map_err(|e| Error::file(&ipath, None, format!("attribute `{attr}`: {e}")))
     };
     let typed =
         |attr: &str, v: serde_json::Value| Error::file(&ipath, None, format!("attribute `{attr}`: {v}"));
@@ -251,8 +265,8 @@ impl CheckpointIndex {
     }
 
     /// Reads hyperslab (`offset`, `shape`) of tensor `name` into `out` (row-major, exactly its
-    /// size), touching only the shards that intersect it and only their intersecting parts. A
-    /// shard read whole is hash-checked. On error the contents of `out` are unspecified.
+    /// size), touching only the shards that intersect it. Every shard touched is read whole and
+    /// hash-checked. On error the contents of `out` are unspecified.
     pub fn load_slice(&self, name: &str, offset: &[usize], shape: &[usize], out: &mut [f32]) -> Result<()> {
         let t = self.tensor(name)?;
         if !inside(offset, shape, &t.global_shape) || volume(shape) != Some(out.len()) {
@@ -286,9 +300,12 @@ impl CheckpointIndex {
                     copy_box((&staged, &s.offset, &s.shape), (out, offset, shape), &at, &part);
                 }
             } else {
-                let local: Vec<usize> = at.iter().zip(&s.offset).map(|(a, o)| a - o).collect();
-                let buf = h5::read_box(&ds, &path, &s.dataset, &local, &part)?;
-                copy_box((&buf, &at, &part), (out, offset, shape), &at, &part);
+                // Part of a shard (a resharding load): the hash covers the whole shard, so read
+                // and check all of it (its size fits its file, checked on open), then copy the part.
+                let mut whole = vec![0f32; s.len()];
+                h5::read_all(&ds, &path, &s.dataset, &mut whole)?;
+                check_hash(s, &whole, &path)?;
+                copy_box((&whole, &s.offset, &s.shape), (out, offset, shape), &at, &part);
             }
         }
         Ok(())

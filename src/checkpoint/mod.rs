@@ -18,7 +18,9 @@
 //! stores its own record of the shards (root attribute `tensors`, JSON), and readers in this module
 //! use only that record: they open the shard files themselves and read exactly the hyperslabs they
 //! need. Every shard dataset carries attributes `global_offset`, `global_shape` and `sha256` (of its
-//! little-endian f32 bytes); the index repeats the hash.
+//! little-endian f32 bytes); the index repeats the hash, and its `index_sha256` covers its own JSON
+//! attributes (`meta`, `tensors`, `files`). Every read of a shard, whole or partial, checks the
+//! shard's hash (a partial read hashes the whole shard and copies the part it needs).
 //!
 //! Invariants:
 //! - a directory is a complete checkpoint iff it is named `step_XXXXXXXX` and holds
@@ -57,8 +59,9 @@ pub use save::save;
 
 /// Value of the index's `format` attribute.
 pub const FORMAT: &str = "meshtrain-checkpoint";
-/// Version of the on-disk layout described above.
-pub const FORMAT_VERSION: u32 = 1;
+/// Version of the on-disk layout described above (2 added the index's `index_sha256`; version 1,
+/// without it, is still read).
+pub const FORMAT_VERSION: u32 = 2;
 /// File name of the index inside a checkpoint directory.
 pub const INDEX_FILE: &str = "checkpoint.h5";
 /// File in the checkpoint root naming the newest complete checkpoint directory.

@@ -7,7 +7,9 @@
 //!    every rank, so a failure anywhere makes every rank return the same error naming the rank
 //!    and file; rank 0 then removes the temporary directory;
 //! 3. rank 0 checks that the shards tile every tensor, fsyncs the directory, writes and fsyncs the
-//!    index `checkpoint.h5`, renames the directory to `step_XXXXXXXX`, fsyncs the root, replaces
+//!    index `checkpoint.h5`, renames the directory to `step_XXXXXXXX` (a checkpoint of that step
+//!    saved before, by a run resumed from an earlier step, is swapped out atomically with
+//!    `renameat2(RENAME_EXCHANGE)` and then removed), fsyncs the root, replaces
 //!    `latest` (temp file + fsync + rename + fsync), deletes checkpoints beyond `keep` (index first,
 //!    so a half-deleted one never looks complete) and stale temporaries, and broadcasts the outcome.
 //!
@@ -176,13 +178,6 @@ fn io_err(path: &Path, what: &str, e: std::io::Error) -> Error {
 fn prepare(dir: &Path, step: u64) -> Result<String> {
     std::fs::create_dir_all(dir).map_err(|e| io_err(dir, "create checkpoint root", e))?;
     let name = step_dir_name(step);
-    if dir.join(&name).exists() {
-        return Err(Error::file(
-            dir.join(&name),
-            None,
-            "a checkpoint of this step already exists",
-        ));
-    }
     let mut nonce = [0u8; 8];
     getrandom::getrandom(&mut nonce).map_err(|e| Error::file(dir, None, format!("nonce: {e}")))?;
     let hex: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
@@ -328,9 +323,11 @@ fn write_index(path: &Path, meta: &CkptMeta, tensors: &[TensorRecord], files: &[
         .create("format_version")
         .and_then(|a| a.write_scalar(&FORMAT_VERSION))
         .map_err(|e| file_err(path, "attribute `format_version`", e))?;
-    h5::write_str_attr(&file, "meta", &to_json(meta), path)?;
-    h5::write_str_attr(&file, "tensors", &to_json(&tensors), path)?;
-    h5::write_str_attr(&file, "files", &to_json(&files), path)?;
+    let (meta, tensor_table, file_table) = (to_json(meta), to_json(&tensors), to_json(&files));
+    h5::write_str_attr(&file, "meta", &meta, path)?;
+    h5::write_str_attr(&file, "tensors", &tensor_table, path)?;
+    h5::write_str_attr(&file, "files", &file_table, path)?;
+    h5::write_str_attr(&file, "index_sha256", &h5::index_digest(&meta, &tensor_table, &file_table), path)?;
     for t in tensors {
         let (group, leaf) = h5::split_path(&t.name);
         let g = h5::ensure_group(&file, group, path)?;
@@ -375,7 +372,15 @@ fn commit(
     sync_dir(tmp)?;
     let name = step_dir_name(step);
     let fin = dir.join(&name);
-    std::fs::rename(tmp, &fin).map_err(|e| io_err(&fin, "rename the finished checkpoint into place", e))?;
+    if fin.exists() {
+        // A rerun (resumed from an earlier step) reached a step saved before: the new checkpoint
+        // replaces it in one atomic swap, then the old one (now under the temporary name) goes.
+        exchange_dirs(tmp, &fin)?;
+        log::info!("checkpoint {} replaces the one saved there before", fin.display());
+        remove_dir_logged(tmp);
+    } else {
+        std::fs::rename(tmp, &fin).map_err(|e| io_err(&fin, "rename the finished checkpoint into place", e))?;
+    }
     sync_dir(dir)?;
     fault::check(Stage::BeforeLatest)?;
     write_latest(dir, &name)?;
@@ -387,6 +392,21 @@ fn commit(
         files.len()
     );
     Ok(fin.display().to_string())
+}
+
+/// Swaps the directories `a` and `b` atomically (Linux `renameat2(RENAME_EXCHANGE)`).
+fn exchange_dirs(a: &Path, b: &Path) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(|e| Error::file(p, None, e.to_string()));
+    let (ca, cb) = (c(a)?, c(b)?);
+    // SAFETY: both paths are valid NUL-terminated strings that outlive the call; AT_FDCWD makes
+    // relative paths relative to the working directory, as std's rename does.
+    let rc = unsafe { libc::renameat2(libc::AT_FDCWD, ca.as_ptr(), libc::AT_FDCWD, cb.as_ptr(), libc::RENAME_EXCHANGE) };
+    if rc != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(io_err(b, "replace the existing checkpoint of this step (atomic directory swap)", e));
+    }
+    Ok(())
 }
 
 /// Points `DIR/latest` at `name` atomically.

@@ -484,6 +484,10 @@ fn corruption_is_reported_with_file_and_dataset() {
         err.contains(&shard.file) && err.contains(&shard.dataset) && err.contains("sha256"),
         "{err}"
     );
+    // The same flip through a read of one element of that shard (as a resharding load reads).
+    let mut one = [0f32];
+    let err = index.load_slice("model/w", &shard.offset, &[1, 1], &mut one).unwrap_err().to_string();
+    assert!(err.contains(&shard.file) && err.contains(&shard.dataset) && err.contains("sha256"), "{err}");
     let err = inspect(&ckpt, true, None).unwrap_err().to_string();
     assert!(err.contains(&shard.dataset), "{err}");
     bytes[at] ^= 0x10;
@@ -589,4 +593,39 @@ fn a_non_finite_value_refuses_the_save_on_every_rank() {
     let msg = same_err(results);
     assert!(msg.contains("rank 2 failed") && msg.contains("non-finite value NaN") && msg.contains("model/w"), "{msg}");
     assert_eq!(open(tmp.path()).unwrap().meta().step, 1, "the previous checkpoint stays latest");
+}
+
+#[test]
+fn a_flipped_bit_in_the_index_metadata_names_the_index() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = ok_all(save_3x2(tmp.path(), 1));
+    let index = ckpt.join(INDEX_FILE);
+    let mut bytes = std::fs::read(&index).unwrap();
+    // A digit of the recorded tokens seen: still valid JSON, silently another data position
+    // without the index checksum.
+    let key = b"\"tokens_seen\":";
+    let start = bytes.windows(key.len()).position(|w| w == key).expect("the meta attribute is stored as text") + key.len();
+    let at = start + bytes[start..].iter().position(|b| !b.is_ascii_digit()).unwrap() - 1;
+    bytes[at] ^= 0x01; // 1000 -> 1001
+    std::fs::write(&index, &bytes).unwrap();
+    let err = open(&ckpt).unwrap_err().to_string();
+    assert!(err.contains("checkpoint.h5") && err.contains("index metadata corrupt"), "{err}");
+}
+
+#[test]
+fn a_step_saved_again_replaces_the_old_checkpoint_atomically() {
+    let tmp = tempfile::tempdir().unwrap();
+    ok_all(save_3x2(tmp.path(), 1));
+    let root = tmp.path().to_path_buf();
+    let twice = run_ranks(1, CommConfig::default(), move |comm| {
+        let data: Vec<f32> = (0..ROWS * COLS).map(|i| 2.0 * i as f32).collect();
+        let s = ShardSlice { name: "model/w".into(), global_shape: vec![ROWS, COLS], offset: vec![0, 0], shape: vec![ROWS, COLS], data: &data };
+        save(&comm, &root, 1, &[s], &meta(1), 2)
+    });
+    let ckpt = ok_all(twice);
+    let mut out = vec![0f32; ROWS * COLS];
+    open(&ckpt).unwrap().load_slice("model/w", &[0, 0], &[ROWS, COLS], &mut out).unwrap();
+    assert!(out.iter().enumerate().all(|(i, &x)| x == 2.0 * i as f32), "the new values replaced the old");
+    let names: Vec<String> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert!(!names.iter().any(|n| n.contains("tmp-")), "the old checkpoint is gone: {names:?}");
 }

@@ -73,9 +73,10 @@ fn global_slabs(t: &TensorMap, local: Range<usize>) -> Result<Vec<Slab>> {
     Ok(out)
 }
 
-/// Writes a checkpoint of `step` under `cfg.checkpoint.dir`; collective over `world`.
+/// Writes a checkpoint of `step` under `dir` (`checkpoint.dir`); collective over `world`.
 #[allow(clippy::too_many_arguments)]
 pub fn save(
+    dir: &Path,
     world: &Communicator,
     dp: &Communicator,
     cfg: &JobConfig,
@@ -119,19 +120,37 @@ pub fn save(
         "warmup_steps": cfg.optim.warmup_steps, "total_steps": cfg.train.steps});
     meta.data_positions = json!({"epoch": sampler.epoch, "index": sampler.index, "seed": sampler.seed,
         "sequences_per_global_batch": p.dp * cfg.train.micro_batch, "seq_len": cfg.train.seq_len});
-    checkpoint::save(world, &cfg.checkpoint.dir, step, &slices, &meta, cfg.checkpoint.keep)
+    checkpoint::save(world, dir, step, &slices, &meta, cfg.checkpoint.keep)
 }
 
-/// The checkpoint directory `resume` names: `latest` (through the pointer file in
-/// `checkpoint.dir`) or a path.
-pub fn resolve(cfg: &JobConfig, resume: &str) -> Result<PathBuf> {
-    if resume != "latest" {
-        return Ok(PathBuf::from(resume));
+/// The checkpoint directory `resume` names: a path, or `latest`: the directory the pointer file
+/// in `checkpoint.dir` names, which must be a `step_XXXXXXXX` entry of that directory. `None`:
+/// `latest` in a missing or empty `checkpoint.dir` (a fresh start).
+pub fn resolve(cfg: &JobConfig, resume: &str) -> Result<Option<PathBuf>> {
+    let root = match (resume, &cfg.checkpoint.dir) {
+        ("latest", Some(root)) => root,
+        ("latest", None) => return Err(Error::config("checkpoint.resume", "`latest` needs checkpoint.dir")),
+        (path, _) => return Ok(Some(PathBuf::from(path))),
+    };
+    let pointer = root.join(checkpoint::LATEST_FILE);
+    let name = match std::fs::read_to_string(&pointer) {
+        Ok(name) => name,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let any = std::fs::read_dir(root)
+                .map(|d| d.flatten().any(|e| e.file_name().to_str().and_then(checkpoint::parse_step_dir).is_some()))
+                .unwrap_or(false);
+            if any {
+                return Err(Error::file(&pointer, None, "checkpoint.resume = \"latest\": no pointer, but checkpoints exist; name one"));
+            }
+            return Ok(None);
+        }
+        Err(e) => return Err(Error::file(&pointer, None, format!("checkpoint.resume = \"latest\": {e}"))),
+    };
+    let name = name.trim();
+    if checkpoint::parse_step_dir(name).is_none() {
+        return Err(Error::file(&pointer, None, format!("names `{name}`, not a step_XXXXXXXX directory of {}", root.display())));
     }
-    let pointer = cfg.checkpoint.dir.join(checkpoint::LATEST_FILE);
-    let name = std::fs::read_to_string(&pointer)
-        .map_err(|e| Error::file(&pointer, None, format!("checkpoint.resume = \"latest\" but no pointer: {e}")))?;
-    Ok(cfg.checkpoint.dir.join(name.trim()))
+    Ok(Some(root.join(name)))
 }
 
 fn position(meta: &CkptMeta, cfg: &JobConfig, path: &Path) -> Result<SamplerState> {

@@ -234,8 +234,17 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     // Every evaluation reads the same validation windows, so resumed runs report the same values.
     let val_start = val_sampler.as_ref().map(|v| v.state());
     let (mut first_step, mut tokens_seen) = (1, 0u64);
-    if let Some(resume) = &cfg.checkpoint.resume {
-        let path = checkpointing::resolve(cfg, resume)?;
+    let resume_from = match &cfg.checkpoint.resume {
+        Some(resume) => checkpointing::resolve(cfg, resume)?,
+        None => None,
+    };
+    if let (true, None, Some(dir)) = (leader && cfg.checkpoint.resume.is_some(), &resume_from, &cfg.checkpoint.dir) {
+        println!("# checkpoint.resume = \"latest\": no checkpoint in {} yet, starting fresh", dir.display());
+    }
+    if leader && cfg.checkpoint.dir.is_none() {
+        println!("# no checkpoint.dir: this run writes no checkpoints");
+    }
+    if let Some(path) = resume_from {
         let r = checkpointing::restore(&path, cfg, &maps, model.params_mut(), &mut sync)?;
         model.release_gathered()?;
         sampler.restore(r.sampler)?;
@@ -393,21 +402,25 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         report.losses.push(loss[0]);
         tokens_seen += tokens_per_step as u64;
         let stopping = stop_signal != 0 && step < cfg.train.steps;
-        if stopping || cfg.checkpoint.every > 0 && (step % cfg.checkpoint.every == 0 || step == cfg.train.steps) {
+        let due = step == cfg.train.steps || cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0;
+        if let (Some(dir), true) = (&cfg.checkpoint.dir, stopping || due) {
             let state = sampler.state();
             if let (Some(s), Some(m)) = (&device_step, model.device_model_mut()) {
                 s.store(m, &mut sync)?;
             }
             let dir =
-                checkpointing::save(&world_comm, &dp, cfg, adamw, &maps, model.params(), &sync, step, tokens_seen, state)?;
+                checkpointing::save(dir, &world_comm, &dp, cfg, adamw, &maps, model.params(), &sync, step, tokens_seen, state)?;
             progress.println(&format!("# checkpoint {}", dir.display()));
         }
         if stopping {
             let why = shutdown::name(stop_signal);
             if shutdown::requested().is_some() {
-                log::warn!("{why} received: stopping after step {step} of {} (checkpoint written)", cfg.train.steps);
+                log::warn!("{why} received: stopping after step {step} of {}", cfg.train.steps);
             }
-            progress.println(&format!("# stopped by {why} after step {step}; resume with checkpoint.resume = \"latest\""));
+            match cfg.checkpoint.dir {
+                Some(_) => progress.println(&format!("# stopped by {why} after step {step}; resume with checkpoint.resume = \"latest\"")),
+                None => progress.println(&format!("# stopped by {why} after step {step}; no checkpoint.dir, so no checkpoint")),
+            }
             break;
         }
     }

@@ -31,7 +31,7 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 step build cargo build --release --tests --bins
 step gpu_tests cargo test --release --test gpu_kernels --test gpu_model -- --ignored gpu --test-threads=1 --nocapture
 step gpu_collectives cargo test --release --test gpu_collectives -- --ignored gpu_coll_ --test-threads=1 --nocapture
-step gpu_layouts cargo test --release --test gpu_layouts -- --ignored gpu_ --test-threads=1 --nocapture
+step gpu_layouts cargo test --release --test gpu_layouts -- --ignored gpu --test-threads=1 --nocapture
 step meshtrain_d12 target/release/meshtrain train jobs/d12_gpu.toml --metrics "$out/meshtrain_d12.jsonl"
 step torch_d12 python3 benches/torch_gpt2.py --size d12 --batch 8 --seq-len 1024 --steps 30 --peak-tflops 989
 {

@@ -71,15 +71,24 @@ template <typename T> __device__ __forceinline__ T mt_shfl_xor(T v, int mask) {
 
 __device__ __forceinline__ float mt_inf() { return __int_as_float(0x7f800000); }
 
-// Sum over the warp; every lane gets the result.
+// Sum over the warp; every lane gets the result. (The emu arm replays the same butterfly from one
+// exchange of all lanes' values: bit-identical, five times fewer fiber switches.)
 __device__ __forceinline__ float mt_warp_sum(float v) {
+#if defined(MT_EMU)
+    return mt_emu_butterfly(v, [](float a, float b) { return a + b; });
+#else
     for (int off = MT_WARP_SIZE / 2; off > 0; off /= 2) v += mt_shfl_xor(v, off);
     return v;
+#endif
 }
 
 __device__ __forceinline__ float mt_warp_max(float v) {
+#if defined(MT_EMU)
+    return mt_emu_butterfly(v, [](float a, float b) { return fmaxf(a, b); });
+#else
     for (int off = MT_WARP_SIZE / 2; off > 0; off /= 2) v = fmaxf(v, mt_shfl_xor(v, off));
     return v;
+#endif
 }
 
 // Sum over the block (blockDim.x a multiple of MT_WARP_SIZE); every thread gets the result.

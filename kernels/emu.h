@@ -55,7 +55,7 @@ extern thread_local unsigned char *mt_emu_dyn_shared;
 void __syncthreads();
 // The warp operations: every lane publishes 8 bytes, waits for its whole warp at the same kind
 // of operation, and gets the published words of all lanes back.
-enum MtEmuWarpOp { MT_EMU_SHFL_DOWN = 1, MT_EMU_SHFL_XOR, MT_EMU_VOTE };
+enum MtEmuWarpOp { MT_EMU_SHFL_DOWN = 1, MT_EMU_SHFL_XOR, MT_EMU_VOTE, MT_EMU_BUTTERFLY };
 const unsigned long long *mt_emu_warp_exchange(unsigned long long word, MtEmuWarpOp op, int *lane, int *width);
 
 template <typename T> T mt_emu_shfl(T v, int arg, MtEmuWarpOp op) {
@@ -72,6 +72,30 @@ template <typename T> T mt_emu_shfl(T v, int arg, MtEmuWarpOp op) {
 }
 template <typename T> T __shfl_down_sync(unsigned, T v, unsigned delta) { return mt_emu_shfl(v, (int)delta, MT_EMU_SHFL_DOWN); }
 template <typename T> T __shfl_xor_sync(unsigned, T v, int mask) { return mt_emu_shfl(v, mask, MT_EMU_SHFL_XOR); }
+
+// The xor butterfly of compat.h's mt_warp_sum / mt_warp_max (`v = op(v, shfl_xor(v, off))` for
+// off = 16, 8, 4, 2, 1) in one exchange instead of five: every lane gets all values and replays
+// the rounds that lead to its own result (31 operations, the same operands in the same order),
+// so the result is bit-identical to the five shuffles. `after(i, off)` is lane i's value after
+// the round of `off`.
+template <typename Op>
+float mt_emu_butterfly_after(const unsigned long long *all, int i, int off, int width, Op op) {
+    if (off == 32) {
+        float v;
+        unsigned int bits = (unsigned int)all[i];
+        std::memcpy(&v, &bits, 4);
+        return v;
+    }
+    const int j = (i ^ off) < width ? i ^ off : i; // out of the warp: a lane keeps its own value
+    return op(mt_emu_butterfly_after(all, i, off * 2, width, op), mt_emu_butterfly_after(all, j, off * 2, width, op));
+}
+template <typename Op> float mt_emu_butterfly(float v, Op op) {
+    unsigned int bits;
+    std::memcpy(&bits, &v, 4);
+    int lane, width;
+    const unsigned long long *all = mt_emu_warp_exchange(bits, MT_EMU_BUTTERFLY, &lane, &width);
+    return mt_emu_butterfly_after(all, lane, 1, width, op);
+}
 
 inline unsigned __ballot_sync(unsigned, int pred) {
     int lane, width;

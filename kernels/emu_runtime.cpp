@@ -120,8 +120,9 @@ struct Worker {
 thread_local Worker *tls_worker;
 
 #if defined(__x86_64__)
-// mt_emu_switch(save, load): pushes the callee-saved registers and the SSE/x87 control words,
-// stores the stack pointer in *save, switches to `load` and pops the same frame from it.
+// mt_emu_switch(save, load): pushes the callee-saved registers, stores the stack pointer in
+// *save, switches to `load` and pops the same frame from it. The SSE/x87 control words are not
+// switched: no kernel changes rounding modes, so every fiber runs with the worker's.
 // mt_emu_fiber_start: a new fiber's first "return address"; calls r13(r12).
 extern "C" void mt_emu_switch(void **save, void *load);
 extern "C" void mt_emu_fiber_start();
@@ -136,14 +137,8 @@ mt_emu_switch:
     pushq %r13
     pushq %r14
     pushq %r15
-    subq $8, %rsp
-    stmxcsr (%rsp)
-    fnstcw 4(%rsp)
     movq %rsp, (%rdi)
     movq %rsi, %rsp
-    ldmxcsr (%rsp)
-    fldcw 4(%rsp)
-    addq $8, %rsp
     popq %r15
     popq %r14
     popq %r13
@@ -194,17 +189,19 @@ void to_fiber(Worker *w, Fiber *f) {
 void prepare_fiber(Worker *w, Fiber *f) {
     unsigned char *base = w->stacks + (size_t)f->linear * STACK_BYTES;
 #if defined(__x86_64__)
-    uintptr_t top = ((uintptr_t)(base + STACK_BYTES)) & ~(uintptr_t)15;
-    unsigned long long *frame = (unsigned long long *)(top - 80);
-    unsigned int csr[2] = {0x1f80u, 0x037fu}; // default MXCSR and x87 control word
-    std::memcpy(&frame[0], csr, 8);
-    frame[1] = 0;                               // r15
-    frame[2] = 0;                               // r14
-    frame[3] = (unsigned long long)&fiber_main; // r13: entry
-    frame[4] = (unsigned long long)f;           // r12: its argument
-    frame[5] = 0;                               // rbx
-    frame[6] = 0;                               // rbp
-    frame[7] = (unsigned long long)&mt_emu_fiber_start;
+    // Stack tops staggered by a cache line per fiber: tops a power of two apart would all map
+    // to the same cache sets, and every switch would miss.
+    uintptr_t top = ((uintptr_t)(base + STACK_BYTES - (size_t)(f->linear % 64) * 64)) & ~(uintptr_t)15;
+    // Popped by mt_emu_switch: r15, r14, r13, r12, rbx, rbp, then the return address; the
+    // entry then runs with the stack 16-byte aligned as at a call.
+    unsigned long long *frame = (unsigned long long *)(top - 72);
+    frame[0] = 0;                               // r15
+    frame[1] = 0;                               // r14
+    frame[2] = (unsigned long long)&fiber_main; // r13: entry
+    frame[3] = (unsigned long long)f;           // r12: its argument
+    frame[4] = 0;                               // rbx
+    frame[5] = 0;                               // rbp
+    frame[6] = (unsigned long long)&mt_emu_fiber_start;
     f->sp = frame;
 #else
     getcontext(&f->ctx);
@@ -240,7 +237,7 @@ void fiber_main(Fiber *f) {
 }
 
 const char *op_name(MtEmuWarpOp op) {
-    return op == MT_EMU_SHFL_DOWN ? "shfl_down" : op == MT_EMU_SHFL_XOR ? "shfl_xor" : "vote";
+    return op == MT_EMU_SHFL_DOWN ? "shfl_down" : op == MT_EMU_SHFL_XOR ? "shfl_xor" : op == MT_EMU_VOTE ? "vote" : "warp reduction";
 }
 
 } // namespace

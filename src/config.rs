@@ -76,7 +76,7 @@ pub enum Precision {
 /// The complete, validated configuration of a training job.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct JobConfig {
-    /// `device`: `cpu` (default), `cuda` or `hip`.
+    /// `device`: `cpu` (default), `cuda`, `hip` or `emu` (the GPU kernels emulated on the host).
     pub device: DeviceKind,
     /// `precision`: `fp32` (default on the CPU) or `bf16` (default on a GPU).
     pub precision: Precision,

@@ -135,7 +135,8 @@ struct SelftestArgs {
     #[arg(long, default_value_t = 786_431)]
     large: usize,
     /// `cuda` or `hip`: check the device collectives on this GPU's buffers instead (IPC or
-    /// staged path per MESHTRAIN_GPU_IPC; `cpu` runs them on the CPU arm).
+    /// staged path per MESHTRAIN_GPU_IPC; `cpu` runs them on the CPU arm, `emu` with the GPU
+    /// kernels emulated on the host).
     #[arg(long)]
     device: Option<String>,
     /// Test only: make member 1 call a mismatched collective (op, count, dtype, root, reduce)

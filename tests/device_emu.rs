@@ -11,15 +11,21 @@ use meshtrain::device::{Device, EmuDevice, KernelArg as A, LaunchDims};
 const TEST_KERNELS: &str = r#"
 #include "compat.h"
 
-// out[i] = the sum over i's warp (xor butterfly), the value of lane + 1 (shfl_down; the last
-// lane keeps its own), and the ballot of odd lanes, per thread of a 2-D block.
-extern "C" __global__ void test_warp_ops(float *sums, float *down, unsigned int *ballots) {
+// out[i] = the sum over i's warp (mt_warp_sum), the value of lane + 1 (shfl_down; the last
+// lane keeps its own), and the ballot of odd lanes, per thread of a 2-D block; `pairs` holds
+// mt_warp_sum and the same butterfly written as five xor shuffles, of non-integer values.
+extern "C" __global__ void test_warp_ops(float *sums, float *down, unsigned int *ballots, float *pairs) {
     const int t = threadIdx.y * blockDim.x + threadIdx.x;
     const int i = blockIdx.x * blockDim.x * blockDim.y + t;
     const float v = (float)i;
     sums[i] = mt_warp_sum(v);
     down[i] = mt_shfl_down(v, 1);
     ballots[i] = __ballot_sync(MT_FULL_LANE_MASK, (t % MT_WARP_SIZE) % 2 == 1);
+    const float w = v * 0.37f + 0.1f;
+    float x = w;
+    for (int off = MT_WARP_SIZE / 2; off > 0; off /= 2) x += mt_shfl_xor(x, off);
+    pairs[2 * i] = mt_warp_sum(w);
+    pairs[2 * i + 1] = x;
 }
 
 // Block sums through shared scratch, then each block's values reversed through dynamic shared
@@ -98,10 +104,13 @@ fn warp_shuffles_votes_and_2d_blocks_compute_what_a_gpu_does() {
     let (blocks, bx, by) = (3usize, 64usize, 4usize);
     let n = blocks * bx * by;
     let (sums, down_buf, ballots) = (dev.alloc(n * 4).unwrap(), dev.alloc(n * 4).unwrap(), dev.alloc(n * 4).unwrap());
+    let pairs = dev.alloc(2 * n * 4).unwrap();
     let dims = LaunchDims { grid: (blocks as u32, 1, 1), block: (bx as u32, by as u32, 1), shared_bytes: 0 };
-    dev.launch("test_warp_ops", dims, &[A::Buf(&sums), A::Buf(&down_buf), A::Buf(&ballots)]).unwrap();
+    dev.launch("test_warp_ops", dims, &[A::Buf(&sums), A::Buf(&down_buf), A::Buf(&ballots), A::Buf(&pairs)]).unwrap();
     let (s, d, b): (Vec<f32>, Vec<f32>, Vec<u32>) = (down(&dev, &sums, n), down(&dev, &down_buf, n), down(&dev, &ballots, n));
+    let p: Vec<f32> = down(&dev, &pairs, 2 * n);
     for i in 0..n {
+        assert_eq!(p[2 * i].to_bits(), p[2 * i + 1].to_bits(), "one-exchange butterfly vs five xor shuffles at {i}");
         let warp = i / 32 * 32;
         let want: f32 = (warp..warp + 32).map(|j| j as f32).sum();
         assert_eq!(s[i], want, "warp sum at {i}");

@@ -99,6 +99,14 @@ fn device_selftest_on_the_cpu_arm_across_processes() {
     }
 }
 
+/// The same on the emu arm: the combine and divide kernels of every dtype and operator run
+/// emulated (bounds-checked) inside the staged collectives of three processes.
+#[test]
+fn device_selftest_on_the_emu_arm_across_processes() {
+    let line = device_selftest(3, "emu", &[("MESHTRAIN_GPU_STAGE_CHUNK", "1K")]);
+    assert_eq!(path_counts(&line).0, 0, "{line}");
+}
+
 #[test]
 fn ipc_forced_on_with_the_cpu_device_fails_clearly() {
     let mut cmd = common::mpirun(2);

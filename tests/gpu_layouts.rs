@@ -3,7 +3,7 @@
 //! (`device = "cpu"`, `precision = "bf16"`, the numerics the CI tests check against the CPU
 //! model). Run with
 //!
-//! `cargo test --release --test gpu_layouts -- --ignored gpu_ --test-threads=1 --nocapture`
+//! `cargo test --release --test gpu_layouts -- --ignored gpu --test-threads=1 --nocapture`
 //!
 //! Tolerance: the arms differ in the order of f32 sums inside products and reductions, and an
 //! activation an ulp away can round to the neighbouring bf16 value before the next product; one
@@ -15,20 +15,34 @@ mod common;
 
 use std::path::Path;
 
-/// Losses of 10 steps of `parallel` on `np` ranks on `device`, and what the ranks printed.
-fn run(dir: &Path, name: &str, np: usize, parallel: &str, device: &str) -> (Vec<f64>, String) {
+use meshtrain::config::DeviceKind;
+
+/// Losses of `steps` steps of `parallel` on `np` ranks of an `n_layer`-layer model on
+/// `device`, and what the ranks printed.
+fn run(dir: &Path, name: &str, (np, parallel): (usize, &str), device: &str, (steps, n_layer): (usize, usize)) -> (Vec<f64>, String) {
     let job = common::tiny_job(dir, &format!("{name}.toml"), &format!("[parallel]\n{parallel}"));
     let metrics = dir.join(format!("{name}.jsonl"));
-    let sets = [format!("device={device}"), "precision=bf16".into(), "train.steps=10".into(), "model.n_layer=4".into()];
+    let sets = [
+        format!("device={device}"),
+        "precision=bf16".into(),
+        format!("train.steps={steps}"),
+        "optim.warmup_steps=1".into(),
+        format!("model.n_layer={n_layer}"),
+    ];
     let out = common::train(np, &job, &metrics, &sets);
     (common::losses(&metrics).into_iter().map(|(_, l)| l).collect(), out.stderr)
 }
 
 /// One GPU, two ranks sharing it: TP2 with sequence parallelism, PP2 (1F1B), DP2 at ZeRO 0
-/// (reduced over IPC) and at ZeRO 3 (parameters gathered unit by unit), and one rank alone.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_device_layouts_follow_the_cpu_arm() {
+/// (reduced over IPC) and at ZeRO 3 (parameters gathered unit by unit), and one rank alone, 10
+/// steps of 4 layers. On emu (kernels emulated on the host, ~100x slower than the CPU arm) 3
+/// steps of 2 layers of the layouts whose device collectives the other tests do not reach.
+fn device_layouts_follow_the_cpu_arm(kind: DeviceKind) {
+    let (device, size, emu_layouts) = match kind {
+        DeviceKind::Cuda => ("cuda", (10, 4), None),
+        DeviceKind::Emu => ("emu", (3, 2), Some(["tp2sp", "pp2", "dp2z3"])),
+        other => panic!("no layout test for {other:?}"),
+    };
     let dir = tempfile::tempdir().unwrap();
     let layouts = [
         ("single", 1, ""),
@@ -38,15 +52,20 @@ fn gpu_device_layouts_follow_the_cpu_arm() {
         ("dp2z3", 2, "dp = 2\nzero = 3"),
     ];
     for (name, np, parallel) in layouts {
-        let (gpu, log) = run(dir.path(), &format!("{name}_gpu"), np, parallel, "cuda");
-        let (cpu, _) = run(dir.path(), &format!("{name}_cpu"), np, parallel, "cpu");
+        if emu_layouts.is_some_and(|l| !l.contains(&name)) {
+            continue;
+        }
+        let (gpu, log) = run(dir.path(), &format!("{name}_{device}"), (np, parallel), device, size);
+        let (cpu, _) = run(dir.path(), &format!("{name}_cpu"), (np, parallel), "cpu", size);
         let worst = gpu.iter().zip(&cpu).map(|(g, c)| (g - c).abs() / c.abs()).fold(0.0, f64::max);
-        eprintln!("{name}: GPU losses within {worst:.2e} of the CPU arm; first {:?} vs {:?}", gpu[0], cpu[0]);
+        eprintln!("{name}: {device} losses within {worst:.2e} of the CPU arm; first {:?} vs {:?}", gpu[0], cpu[0]);
         assert_eq!(gpu.len(), cpu.len(), "{name}: step counts differ");
         assert!(worst <= 2e-3, "{name}: GPU losses differ by {worst:e} from the CPU arm");
-        if name == "dp2z0" {
+        if name == "dp2z0" && kind == DeviceKind::Cuda {
             // Two ranks on one GPU map each other's buffers.
             assert!(log.contains("mapped peer memory (IPC)"), "{name}: the gradient average did not take the IPC path:\n{log}");
         }
     }
 }
+
+crate::gpu_and_emu_tests!(device_layouts_follow_the_cpu_arm);

@@ -167,6 +167,8 @@ fn net_config(bind_ip: IpAddr, job_tag: &str, comm: &CommConfig) -> Result<NetCo
 impl World {
     /// Initializes MPI and meshtrain's own network; every rank of the job must call it.
     pub fn init() -> Result<World> {
+        // Before MPI_Init: MPI's own libfabric reads the FI_* variables the profile sets.
+        let profile = crate::transport::ofi::apply_site_profile()?;
         let universe = mpi::initialize().ok_or_else(|| boot(0, "MPI was already initialized"))?;
         let mpi_world = universe.world();
         let (rank, size) = (mpi_world.rank() as usize, mpi_world.size() as usize);
@@ -218,6 +220,9 @@ impl World {
         if rank == 0 {
             let n_nodes = nodes.iter().max().map_or(1, |m| m + 1);
             log::info!("bootstrap: {size} ranks on {n_nodes} node(s), listening on {}", uid.addr);
+            if !profile.is_empty() {
+                log::info!("bootstrap: MESHTRAIN_OFI_PROFILE set {}", profile.join(" "));
+            }
         }
         Ok(World {
             rank,

@@ -7,8 +7,11 @@
 #   partition     node 2's data cable goes down mid all-reduce: every rank exits with an error that
 #                 names a peer rank, within the deadline (MESHTRAIN_TIMEOUT) plus a margin;
 #   sigkill       a rank on node 2 is SIGKILLed mid all-reduce: every survivor exits with an error
-#                 naming a peer, the killed rank's neighbours naming it.
-# MT_TESTBED_TRANSPORTS (default "tcp") lists MESHTRAIN_TRANSPORT values to run the checks under;
+#                 naming a peer, the killed rank's neighbours naming it;
+#   strangers     while a selftest runs, 4 KiB of random bytes go to every TCP port the ranks listen
+#                 on (meshtrain's own listener and the libfabric provider's): the selftest must still
+#                 pass bit-exact (a stray is rejected or ignored, never taken as data).
+# MT_TESTBED_TRANSPORTS (default "tcp ofi"; ofi runs the tcp;ofi_rxm provider on the data network) lists MESHTRAIN_TRANSPORT values to run the checks under;
 # MT_TESTBED_NP (default "2 3 5 8") the selftest rank counts.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -122,12 +125,41 @@ sigkill() {
   ok "$name (${ELAPSED}s)"
 }
 
+# spray: random bytes to every port a meshtrain rank listens on, from inside its node.
+spray() {
+  local k line addr n=0
+  for k in 1 2; do
+    while read -r line; do
+      addr=$(awk '{print $4}' <<<"$line")
+      ip netns exec "mt-node$k" timeout 2 bash -c \
+        "head -c 4096 /dev/urandom >/dev/tcp/${addr%:*}/${addr##*:}" 2>/dev/null && n=$((n + 1))
+    done < <(ip netns exec "mt-node$k" ss -ltnpH 2>/dev/null | grep meshtrain | grep -v 127.0.0.1)
+  done
+  echo "sprayed $n ports" >>"$LOG/spray"
+}
+
+strangers() {
+  local name="strangers-$TRANSPORT" i
+  DEADLINE_OF_JOB=60 job "$name" 4 "$BIN" selftest --counts 1,4099 --large 3000001 &
+  local pid=$!
+  for i in $(seq 300); do grep -q "ranks on 2 node" "$LOG/$name" 2>/dev/null && break; sleep 0.1; done
+  spray
+  wait $pid
+  if grep -q "selftest: 4 ranks: 0 mismatches" "$LOG/$name" && ! grep -q "sprayed 0 ports" "$LOG/spray"; then
+    ok "$name ($(tail -1 "$LOG/spray"))"
+  else
+    cat "$LOG/spray" >>"$LOG/$name"
+    bad "$name" "selftest did not pass while strangers wrote to the ranks' ports" "$LOG/$name"
+  fi
+}
+
 bash $NETNS up 2 || exit 1
-for TRANSPORT in ${MT_TESTBED_TRANSPORTS:-tcp}; do
-  export MESHTRAIN_TRANSPORT=$TRANSPORT
+for TRANSPORT in ${MT_TESTBED_TRANSPORTS:-tcp ofi}; do
+  export MESHTRAIN_TRANSPORT=$TRANSPORT FI_PROVIDER="tcp;ofi_rxm"
   for np in ${MT_TESTBED_NP-2 3 5 8}; do selftest "$np"; done
   partition
   sigkill
+  strangers
 done
 echo "testbed: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

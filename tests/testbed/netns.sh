@@ -13,9 +13,9 @@
 #   mt-node1..N        one namespace per node: `eth0` = 10.213.77.<k>/24 (veth peer `n<k>` on br0),
 #                      `eth1` = 10.213.78.<k>/24 (veth peer `d<k>` on br1)
 #   mt-head            runs mpirun: `eth0` = 10.213.77.100/24 (veth peer `head` on br0)
-# Open MPI's daemons talk over eth0, meshtrain over eth1 (MESHTRAIN_SOCKET_IFNAME=eth1 is passed to
-# every rank), so a partition of the data network (`link K down`) leaves mpirun able to collect
-# every rank's output and exit status.
+# Open MPI's daemons talk over eth0, meshtrain over eth1 (MESHTRAIN_SOCKET_IFNAME=eth1 and, for the
+# libfabric tcp provider, FI_TCP_IFACE=eth1 are passed to every rank), so a partition of the data
+# network (`link K down`) leaves mpirun able to collect every rank's output and exit status.
 # Hostnames: each command runs in a fresh UTS namespace (`unshare --uts`) named mtnode<k> / mthead.
 #
 # Launching one MPI job across the nodes: mpirun runs in mt-head with a hostfile of mtnode<k> names
@@ -126,7 +126,7 @@ launch() {
     --hostfile "$STATE/hostfile" -np "$np" --map-by "${MT_NETNS_MAP:-node}" \
     --mca plm_rsh_agent "$SELF agent" --mca plm_rsh_no_tree_spawn 1 \
     --mca oob_tcp_if_include "$SUBNET.0/24" --mca btl_tcp_if_include "$SUBNET.0/24" \
-    -x MESHTRAIN_SOCKET_IFNAME=eth1 "$@"
+    -x MESHTRAIN_SOCKET_IFNAME=eth1 -x FI_TCP_IFACE=eth1 "$@"
 }
 
 link() {

@@ -105,9 +105,6 @@ pub use imp::{fabric_nic_present, OfiNet};
 #[cfg(not(feature = "ofi"))]
 pub use stub::{fabric_nic_present, OfiNet};
 
-/// Bytes of the setup message: address length (u16), address, receive key (u32).
-const MAX_NAME: usize = 1024;
-
 #[cfg(feature = "ofi")]
 mod imp {
     use std::io::{Read, Write};
@@ -120,6 +117,9 @@ mod imp {
     use super::super::{RecvLink, SendLink, Waiter};
     use super::*;
 
+    /// Largest endpoint address accepted from a peer (the setup message is the address length as
+    /// u16, the address, the receive key as u32).
+    const MAX_NAME: usize = 1024;
     /// Low tag bits holding the chunk sequence number; the receive key sits above them.
     const SEQ_BITS: u32 = 28;
     const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;

@@ -3,7 +3,8 @@
 # a node, the network between them. Run as root from the repository root after a release build:
 #   bash tests/testbed/ci.sh [target/release/meshtrain]
 # Checks, each a real mpirun job across the two nodes:
-#   selftest-NP   `meshtrain selftest` (every collective, dtype and op, bit-exact) on NP ranks;
+#   selftest-NP   `meshtrain selftest` (every collective, dtype and op, bit-exact) on NP ranks,
+#                 ranks alternating between the nodes;
 #   partition     node 2's data cable goes down mid all-reduce: every rank exits with an error that
 #                 names a peer rank, within the deadline (MESHTRAIN_TIMEOUT) plus a margin;
 #   sigkill       a rank on node 2 is SIGKILLed mid all-reduce: every survivor exits with an error
@@ -12,7 +13,7 @@
 #                 on (meshtrain's own listener and the libfabric provider's): the selftest must still
 #                 pass bit-exact (a stray is rejected or ignored, never taken as data).
 # MT_TESTBED_TRANSPORTS (default "tcp ofi"; ofi runs the tcp;ofi_rxm provider on the data network) lists MESHTRAIN_TRANSPORT values to run the checks under;
-# MT_TESTBED_NP (default "2 3 5 8") the selftest rank counts.
+# MT_TESTBED_NP (default: 2 3 5 8 for ofi, 4 for tcp) the selftest rank counts.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN=$(readlink -f "${1:-target/release/meshtrain}")
@@ -40,7 +41,7 @@ job() {
 
 selftest() {
   local np=$1 name="selftest-$np-$TRANSPORT"
-  DEADLINE_OF_JOB=60 job "$name" "$np" "$BIN" selftest --counts 0,1,13,4099
+  DEADLINE_OF_JOB=60 job "$name" "$np" "$BIN" selftest --counts 0,1,13,4099 --large 300001
   if grep -q "selftest: $np ranks: 0 mismatches" "$LOG/$name" && grep -q "ranks on 2 node(s)" "$LOG/$name"; then
     ok "$name"
   else
@@ -140,7 +141,7 @@ spray() {
 
 strangers() {
   local name="strangers-$TRANSPORT" i
-  DEADLINE_OF_JOB=60 job "$name" 4 "$BIN" selftest --counts 1,4099 --large 3000001 &
+  DEADLINE_OF_JOB=60 job "$name" 4 "$BIN" selftest --counts 1,4099 --large 1000001 &
   local pid=$!
   for i in $(seq 300); do grep -q "ranks on 2 node" "$LOG/$name" 2>/dev/null && break; sleep 0.1; done
   spray
@@ -156,7 +157,10 @@ strangers() {
 bash $NETNS up 2 || exit 1
 for TRANSPORT in ${MT_TESTBED_TRANSPORTS:-tcp ofi}; do
   export MESHTRAIN_TRANSPORT=$TRANSPORT FI_PROVIDER="tcp;ofi_rxm"
-  for np in ${MT_TESTBED_NP-2 3 5 8}; do selftest "$np"; done
+  # TCP's collectives are covered at 2..8 ranks on one node by `make test`; the testbed adds the
+  # inter-node path at one size. libfabric gets every size here.
+  [ "$TRANSPORT" = ofi ] && sizes="2 3 5 8" || sizes=4
+  for np in ${MT_TESTBED_NP-$sizes}; do selftest "$np"; done
   partition
   sigkill
   strangers

@@ -33,6 +33,8 @@
 #   netns.sh link K up|down        bring node K's data cable up or down (a partition)
 #   netns.sh run N CMD...          up N, run CMD (in the root namespace, with this script in
 #                                  $NETNS), down on exit whatever happens
+# MT_NETNS_MPI_NET (default: the management /24) is the network of MPI's own messages (set it to
+# the data network's to compare MPI's collectives with meshtrain's over the same link).
 # Environment: MT_NETNS_SUBNET (default 10.213.77) and MT_NETNS_DATA (default 10.213.78) pick the
 # /24 networks used inside the namespaces.
 set -euo pipefail
@@ -125,7 +127,7 @@ launch() {
   in_node head mpirun --allow-run-as-root --oversubscribe --bind-to none \
     --hostfile "$STATE/hostfile" -np "$np" --map-by "${MT_NETNS_MAP:-node}" \
     --mca plm_rsh_agent "$SELF agent" --mca plm_rsh_no_tree_spawn 1 \
-    --mca oob_tcp_if_include "$SUBNET.0/24" --mca btl_tcp_if_include "$SUBNET.0/24" \
+    --mca oob_tcp_if_include "$SUBNET.0/24" --mca btl_tcp_if_include "${MT_NETNS_MPI_NET:-$SUBNET.0/24}" \
     -x MESHTRAIN_SOCKET_IFNAME=eth1 -x FI_TCP_IFACE=eth1 "$@"
 }
 

@@ -124,11 +124,12 @@ mod imp {
     const SEQ_BITS: u32 = 28;
     const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
     /// Receive keys fit in 20 bits, so tags fit in 48 (what cxi matches on).
-    const MAX_KEY: u32 = (1 << 20) - 1;
+    const KEY_BITS: u32 = 20;
+    const MAX_KEY: u32 = (1 << KEY_BITS) - 1;
     /// How often a waiting call checks the peer's liveness.
     const LIVENESS_PERIOD: Duration = Duration::from_millis(50);
     /// Polls before a waiting call starts yielding the CPU between polls.
-    const SPIN_POLLS: u32 = 2000;
+    const SPIN_POLLS: u32 = 200;
     /// How long a dropped link waits for its posted operations to finish before leaking them.
     const DRAIN_LIMIT: Duration = Duration::from_secs(2);
 
@@ -201,6 +202,12 @@ mod imp {
             w: &Waiter,
         ) -> Result<(Box<dyn SendLink>, Box<dyn RecvLink>)> {
             let ep = self.endpoint(local_rank).map_err(|e| w.fail(peer, e.to_string()))?;
+            if ep.info().max_tag_bits < SEQ_BITS + KEY_BITS {
+                return Err(w.fail(
+                    peer,
+                    format!("provider {} matches {} tag bits, links need {}", ep.info().provider, ep.info().max_tag_bits, SEQ_BITS + KEY_BITS),
+                ));
+            }
             let key = self.next_key.fetch_add(1, Ordering::Relaxed);
             if key > MAX_KEY {
                 return Err(w.fail(peer, "more than 2^20 libfabric links opened by this process"));
@@ -334,7 +341,7 @@ mod imp {
                     }
                 }
                 if polls > SPIN_POLLS {
-                    std::thread::sleep(Duration::from_micros(20));
+                    std::thread::sleep(Duration::from_micros(50));
                 }
             }
         }

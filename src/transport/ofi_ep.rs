@@ -335,7 +335,11 @@ impl Endpoint {
                 fabric: cstr((*(*info).fabric_attr).name),
                 library_version: library_version(),
                 mr_mode: if mr_mode.is_empty() { "none".into() } else { mr_mode.join("|") },
-                max_tag_bits: 64 - ((*(*info).ep_attr).mem_tag_format.leading_zeros()),
+                // A format of 0 leaves the tag layout to the provider: all 64 bits match.
+                max_tag_bits: match (*(*info).ep_attr).mem_tag_format {
+                    0 => 64,
+                    f => 64 - f.leading_zeros(),
+                },
             };
             Ok(Endpoint { handles: Mutex::new(h), name, info: info_out })
         }

@@ -5,7 +5,7 @@ SHELL := /bin/bash
 RANKS ?= 8
 MPIRUN ?= mpirun --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root,)
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
-APT_PACKAGES := build-essential pkg-config libclang-dev libopenmpi-dev openmpi-bin libopenblas-dev libhdf5-dev hdf5-tools python3-h5py
+APT_PACKAGES := build-essential pkg-config libclang-dev libopenmpi-dev openmpi-bin libopenblas-dev libhdf5-dev hdf5-tools python3-h5py libfabric-dev libfabric-bin
 export HDF5_DIR ?= /usr/lib/x86_64-linux-gnu/hdf5/serial
 
 .PHONY: deps rust build release demo test bench

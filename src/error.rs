@@ -94,6 +94,9 @@ pub enum Error {
     /// A feature (CUDA, HIP, ...) was not compiled into this binary.
     #[error("{0} support is not compiled into this meshtrain binary")]
     NotCompiled(&'static str),
+    /// A libfabric call failed (the message names the call and the provider's reason).
+    #[error("libfabric: {0}")]
+    Fabric(String),
     /// A device (GPU) could not be used.
     #[error("device: {0}")]
     Device(String),

@@ -23,7 +23,7 @@ use super::ifaddr;
 
 /// Runtime variables and what they accept (the README's Environment table lists the same).
 pub const RUNTIME_VARS: &[(&str, &str)] = &[
-    ("MESHTRAIN_TRANSPORT", "auto or tcp (any case)"),
+    ("MESHTRAIN_TRANSPORT", "auto, shm, tcp or ofi (any case)"),
     ("MESHTRAIN_BIND_ADDR", "an IP address of this host, or 0.0.0.0"),
     ("MESHTRAIN_SOCKET_IFNAME", "the name of an interface with an IPv4 address"),
     ("MESHTRAIN_TIMEOUT", "seconds > 0"),
@@ -38,6 +38,8 @@ pub const RUNTIME_VARS: &[(&str, &str)] = &[
     ("MESHTRAIN_TCP_DEPTH", "buffers 1..=tcp maximum"),
     ("MESHTRAIN_GPU_IPC", "auto, on or off"),
     ("MESHTRAIN_GPU_STAGE_CHUNK", "a size > 0 (K/M/G suffix)"),
+    ("MESHTRAIN_OFI_PROVIDER", "a libfabric provider name, e.g. cxi, verbs, tcp or shm (else FI_PROVIDER)"),
+    ("MESHTRAIN_OFI_PROFILE", "frontier"),
     ("MESHTRAIN_FAULT", "test only: stall-bootstrap@RANK"),
 ];
 

@@ -254,13 +254,16 @@ impl World {
     /// job: a rank that merely exited could leave the others waiting in MPI forever (a variable
     /// set differently on one rank, a launcher that does not end the job at a non-zero exit).
     pub fn init() -> Result<World> {
-        let checked = env::validate_runtime_env();
+        // Checked before MPI_Init; the site profile is applied then too, because MPI's own
+        // libfabric reads the FI_* variables it sets.
+        let checked = env::validate_runtime_env().and_then(|()| crate::transport::ofi::apply_site_profile());
         let universe = mpi::initialize().ok_or_else(|| boot(0, "MPI was already initialized"))?;
         let mpi_world = universe.world();
         let (rank, size) = (mpi_world.rank() as usize, mpi_world.size() as usize);
-        if let Err(e) = checked {
-            abort_job(&mpi_world, rank, &e);
-        }
+        let profile = match checked {
+            Ok(profile) => profile,
+            Err(e) => abort_job(&mpi_world, rank, &e),
+        };
         let local = mpi_world.split_shared(mpi_world.rank());
         let (local_rank, local_size) = (local.rank() as usize, local.size() as usize);
         let launch = LaunchInfo::from_env();
@@ -271,6 +274,9 @@ impl World {
             Ok(n) => n,
             Err(e) => abort_job(&mpi_world, rank, &e),
         };
+        if rank == 0 && !profile.is_empty() {
+            log::info!("bootstrap: MESHTRAIN_OFI_PROFILE set {}", profile.join(" "));
+        }
         Ok(World {
             rank,
             size,

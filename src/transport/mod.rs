@@ -15,7 +15,8 @@
 //!   a job-wide abort turns into an `Error` naming the peer instead of a hang.
 //!
 //! Which transport carries a pair is decided by [`LinkKind`]: shared memory for ranks on one node,
-//! TCP otherwise or when `MESHTRAIN_TRANSPORT=tcp`. libfabric will be one more file here. A
+//! TCP otherwise or when `MESHTRAIN_TRANSPORT=tcp`, libfabric ([`ofi`]) when asked for or when a
+//! fabric NIC is present. A
 //! shared-memory link also offers [`PeerMemory`] ([`cma`]): single-copy reads of the peer's
 //! buffers, for protocols that announce a buffer over the FIFO instead of copying it through.
 
@@ -23,8 +24,13 @@ mod accept;
 pub mod cma;
 pub mod handshake;
 pub mod net;
+pub mod ofi;
+#[cfg(feature = "ofi")]
+mod ofi_ep;
 pub mod shm;
 pub mod tcp;
+#[cfg(feature = "ofi")]
+mod ofi_sys;
 #[cfg(test)]
 mod test_util;
 
@@ -42,6 +48,8 @@ pub enum LinkKind {
     Shm,
     /// TCP stream.
     Tcp,
+    /// libfabric tagged messages.
+    Ofi,
 }
 
 /// The sending half of a link to one peer.

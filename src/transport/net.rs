@@ -7,6 +7,7 @@
 //! rank dials the higher one's listener and sends a setup message saying which transport to use; the
 //! higher rank takes the stream from its accept thread. Ranks on one node (and not `force_tcp`) get a
 //! shared-memory segment created by the lower rank; the stream then only serves as liveness signal.
+//! libfabric links ([`super::ofi`]) exchange endpoint addresses over the stream and keep it likewise.
 //!
 //! Invariants: a lower rank's `connect` never waits for the higher rank's application thread (only
 //! for its accept thread), and a higher rank waits only for lower ranks, so no call order of
@@ -29,6 +30,7 @@ use super::accept::Acceptor;
 use super::accept::MAX_HANDSHAKES;
 use super::handshake::{self, Request};
 use super::shm::{self, PeerWatch, Segment};
+use super::ofi::{self, OfiNet, OfiUse};
 use super::tcp::{self, tcp_link};
 use super::{AbortState, Connector, Link, LinkKind, PeerMemory, Waiter};
 use crate::error::{Error, Result};
@@ -40,6 +42,7 @@ const CONNECT_RETRY: Duration = Duration::from_millis(20);
 /// Setup message kinds (first byte sent by the lower rank after the handshake).
 const SETUP_SHM: u8 = 1;
 const SETUP_TCP: u8 = 2;
+const SETUP_OFI: u8 = 3;
 const SETUP_LEN: usize = 1 + 4 + 8 + 4;
 
 /// Settings of the network connector.
@@ -49,6 +52,10 @@ pub struct NetConfig {
     pub bind_ip: IpAddr,
     /// Use TCP even between ranks of one node.
     pub force_tcp: bool,
+    /// Where libfabric carries links (chunk and depth as for TCP).
+    pub ofi: OfiUse,
+    /// libfabric provider (None: libfabric's preference).
+    pub ofi_provider: Option<String>,
     /// Limit for each handshake and link setup exchange.
     pub handshake_timeout: Duration,
     /// Slot size of shared-memory links.
@@ -69,6 +76,8 @@ impl NetConfig {
         NetConfig {
             bind_ip,
             force_tcp: false,
+            ofi: OfiUse::Never,
+            ofi_provider: None,
             handshake_timeout: Duration::from_secs(5),
             shm_chunk: shm::DEFAULT_SHM_CHUNK,
             shm_depth: shm::DEFAULT_SHM_DEPTH,
@@ -78,22 +87,26 @@ impl NetConfig {
         }
     }
 
-    /// Applies `MESHTRAIN_TRANSPORT` (`tcp` or `auto`), `MESHTRAIN_SHM_CHUNK`, `MESHTRAIN_SHM_DEPTH`,
+    /// Applies `MESHTRAIN_TRANSPORT` (`auto`, `shm`, `tcp` or `ofi`; see [`super::ofi`]), the
+    /// libfabric provider, `MESHTRAIN_SHM_CHUNK`, `MESHTRAIN_SHM_DEPTH`,
     /// `MESHTRAIN_TCP_CHUNK` and `MESHTRAIN_TCP_DEPTH` (sizes accept a K/M/G suffix).
     pub fn with_env(mut self) -> Result<NetConfig> {
         let var = |key: &str| std::env::var(key).ok().filter(|v| !v.is_empty());
-        if let Some(t) = var("MESHTRAIN_TRANSPORT") {
-            self.force_tcp = match t.to_ascii_lowercase().as_str() {
-                "tcp" => true,
-                "auto" => false,
-                _ => {
-                    return Err(Error::config(
-                        "MESHTRAIN_TRANSPORT",
-                        format!("{t:?} is not one of auto, tcp (any case)"),
-                    ))
-                }
-            };
-        }
+        let transport = var("MESHTRAIN_TRANSPORT").unwrap_or_else(|| "auto".into()).to_ascii_lowercase();
+        (self.force_tcp, self.ofi) = match transport.as_str() {
+            "tcp" => (true, OfiUse::Never),
+            "shm" => (false, OfiUse::Never),
+            "ofi" => (false, OfiUse::Always),
+            "auto" if ofi::fabric_nic_present() => (false, OfiUse::BetweenNodes),
+            "auto" => (false, OfiUse::Never),
+            _ => {
+                return Err(Error::config(
+                    "MESHTRAIN_TRANSPORT",
+                    format!("{transport:?}: expected auto, shm, tcp or ofi (any case)"),
+                ))
+            }
+        };
+        self.ofi_provider = ofi::provider_from_env();
         for (key, field) in [
             ("MESHTRAIN_SHM_CHUNK", &mut self.shm_chunk),
             ("MESHTRAIN_SHM_DEPTH", &mut self.shm_depth),
@@ -159,6 +172,7 @@ pub struct NetConnector {
     /// Links opened so far per (comm_id, peer); numbers the next one.
     links_opened: Mutex<HashMap<(u64, usize), u32>>,
     shm_prefix: String,
+    ofi: OfiNet,
 }
 
 impl NetConnector {
@@ -179,6 +193,7 @@ impl NetConnector {
         let bind = SocketAddr::new(cfg.bind_ip, 0);
         let acceptor = Acceptor::start(rank, size, secret, cfg.handshake_timeout, bind)?;
         let shm_prefix = shm_prefix(&cfg.job_tag, &secret);
+        let ofi = OfiNet::new(rank, cfg.ofi_provider.clone());
         Ok(NetConnector {
             rank,
             size,
@@ -189,6 +204,7 @@ impl NetConnector {
             peers: OnceLock::new(),
             links_opened: Mutex::new(HashMap::new()),
             shm_prefix,
+            ofi,
         })
     }
 
@@ -319,7 +335,18 @@ impl NetConnector {
         w: &Waiter,
     ) -> Result<Link> {
         let pid = self.peer(peer)?.pid;
-        if !self.cfg.force_tcp && self.node_of(self.rank) == self.node_of(peer) {
+        let same_node = self.node_of(self.rank) == self.node_of(peer);
+        let use_ofi = match self.cfg.ofi {
+            OfiUse::Never => false,
+            OfiUse::BetweenNodes => !same_node,
+            OfiUse::Always => true,
+        };
+        if use_ofi {
+            send_setup(&mut stream, SETUP_OFI, self.cfg.tcp_chunk, self.cfg.tcp_depth)
+                .map_err(|e| w.fail(peer, format!("sending ofi link setup: {e}")))?;
+            return self.ofi_link(stream, peer, self.cfg.tcp_chunk, self.cfg.tcp_depth, w);
+        }
+        if !self.cfg.force_tcp && same_node {
             let name = self.shm_name(comm_id, self.rank, peer, tag);
             let seg = Segment::create(&name, self.cfg.shm_chunk, self.cfg.shm_depth)?;
             send_setup(&mut stream, SETUP_SHM, self.cfg.shm_chunk, self.cfg.shm_depth)
@@ -345,6 +372,18 @@ impl NetConnector {
             memory: None,
             prints: Default::default(),
         })
+    }
+
+    /// Either rank: builds its half of a libfabric link (addresses go over `stream`).
+    fn ofi_link(&self, stream: TcpStream, peer: usize, chunk: usize, depth: usize, w: &Waiter) -> Result<Link> {
+        if chunk == 0 || chunk > tcp::MAX_TCP_CHUNK || depth == 0 || depth > tcp::MAX_TCP_DEPTH {
+            return Err(w.fail(peer, format!("ofi link setup: chunk {chunk} / depth {depth} out of range")));
+        }
+        let here = self.node_of(self.rank);
+        let pid = if self.node_of(peer) == here { self.peer(peer)?.pid } else { 0 };
+        let local_rank = (0..self.rank).filter(|&r| self.node_of(r) == here).count();
+        let (send, recv) = self.ofi.link(stream, peer, pid, chunk, depth, local_rank, w)?;
+        Ok(Link { peer, kind: LinkKind::Ofi, send, recv, memory: None })
     }
 
     /// Higher rank: reads the lower rank's setup message and builds its half of the link.
@@ -397,6 +436,7 @@ impl NetConnector {
                     prints: Default::default(),
                 })
             }
+            SETUP_OFI => self.ofi_link(stream, peer, chunk, depth, w),
             k => Err(w.fail(peer, format!("link setup names unknown transport {k}"))),
         }
     }

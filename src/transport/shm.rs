@@ -335,7 +335,7 @@ impl PeerWatch {
     }
 
     /// `Err(cause)` once the peer is known to be gone.
-    fn check(&self) -> std::result::Result<(), String> {
+    pub(crate) fn check(&self) -> std::result::Result<(), String> {
         let mut byte = 0u8;
         // SAFETY: peeking one byte into a local buffer on a socket we own; never blocks.
         let n = unsafe {

@@ -1,0 +1,466 @@
+//! libfabric transport: the chunk-FIFO link contract ([`SendLink`]/[`RecvLink`]) over tagged
+//! messages on one RDM endpoint per process ([`super::ofi_ep`]).
+//!
+//! Why: Slingshot (cxi), InfiniBand (verbs) and EFA are reached through libfabric; the collectives
+//! only see slots, so a link that maps slots onto tagged sends and pre-posted tagged receives makes
+//! every collective work unchanged over any provider.
+//!
+//! Setup: the pair's authenticated TCP stream (see [`super::net`]) carries each side's endpoint
+//! address and its receive key; only such peers enter the address vector, so only job members can
+//! be addressed. The stream then stays open as liveness signal, like shared-memory links.
+//!
+//! Wire: chunk `s` of a link travels as one tagged message with tag `key << SEQ_BITS | s mod
+//! 2^SEQ_BITS`, `key` being the receiver's per-link key. The receiver keeps `depth` receives posted
+//! for the next `depth` sequence numbers, each matching exactly one tag from exactly the peer's
+//! address, and re-posts a slot for `s + depth` when chunk `s` is released. So chunks are delivered
+//! in order whatever order the provider completes them in; a message with any other tag or source
+//! never matches a posted buffer (it is never data), and a completion whose tag is not the expected
+//! one is an error naming the peer. The sender owns `depth` buffers; `reserve` waits until the
+//! slot's previous send completed. Every wait drives progress on the shared endpoint and checks the
+//! deadline, the job-wide abort and the peer's liveness.
+//!
+//! Selection (`MESHTRAIN_TRANSPORT`): `ofi` uses libfabric for every pair; `auto` between nodes only
+//! when a fabric provider (cxi, verbs, efa) is present; `shm`/`tcp` never. The provider comes from
+//! `MESHTRAIN_OFI_PROVIDER`, else `FI_PROVIDER`, else libfabric's preference. Without the `ofi`
+//! cargo feature, asking for it is `Error::NotCompiled`.
+
+use std::net::TcpStream;
+
+use crate::error::{Error, Result};
+
+/// When links use libfabric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OfiUse {
+    /// Never (shared memory inside a node, TCP between nodes).
+    Never,
+    /// Between nodes (shared memory inside a node).
+    BetweenNodes,
+    /// For every pair, inside a node too.
+    Always,
+}
+
+/// Providers that mean a real fabric NIC is present (auto mode uses libfabric only then).
+pub const FABRIC_PROVIDERS: [&str; 3] = ["cxi", "verbs", "efa"];
+
+/// The provider asked for: `MESHTRAIN_OFI_PROVIDER`, else `FI_PROVIDER` (None: libfabric chooses).
+pub fn provider_from_env() -> Option<String> {
+    ["MESHTRAIN_OFI_PROVIDER", "FI_PROVIDER"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+}
+
+/// Frontier (HPE Slingshot 11, cxi) settings applied by `MESHTRAIN_OFI_PROFILE=frontier`, each only
+/// where the variable is unset, before MPI and libfabric initialise.
+pub const FRONTIER_PROFILE: [(&str, &str, &str); 5] = [
+    // The memory-registration cache must learn when the application frees or remaps memory it had
+    // registered; the userfaultfd monitor does that without intercepting malloc/free (the default
+    // hooks miss GPU-runtime allocations and can leave stale registrations behind).
+    ("FI_MR_CACHE_MONITOR", "userfaultfd", "registration cache invalidation without malloc hooks"),
+    // Let the NIC's matching engine fall back to software matching instead of failing when its
+    // hardware list of posted receives or unexpected messages runs full (many ranks, many tags).
+    ("FI_CXI_RX_MATCH_MODE", "hybrid", "software tag matching when hardware match resources run out"),
+    // Completion queues large enough for the many operations a collective keeps outstanding; an
+    // overrun CQ stalls the endpoint.
+    ("FI_CXI_DEFAULT_CQ_SIZE", "131072", "completion queue large enough for deep pipelines"),
+    // Do not register host memory with the GPU runtime from inside the provider (it has caused
+    // hangs with ROCm); the application stages or registers explicitly.
+    ("FI_CXI_DISABLE_HOST_REGISTER", "1", "no GPU-runtime registration of host memory inside cxi"),
+    // Large messages use the rendezvous variant in which the receiver reads the data, which HPE
+    // recommends for collective libraries on Slingshot.
+    ("FI_CXI_RDZV_PROTO", "alt_read", "receiver-driven rendezvous for large messages"),
+];
+
+/// Applies the site profile named by `MESHTRAIN_OFI_PROFILE` (only `frontier` exists); call before
+/// MPI_Init. Returns the variables it set.
+pub fn apply_site_profile() -> Result<Vec<String>> {
+    let Some(name) = std::env::var("MESHTRAIN_OFI_PROFILE").ok().filter(|v| !v.is_empty()) else {
+        return Ok(Vec::new());
+    };
+    if name != "frontier" {
+        return Err(Error::config("MESHTRAIN_OFI_PROFILE", format!("`{name}`: the only profile is `frontier`")));
+    }
+    let mut set = Vec::new();
+    for (key, value, _) in FRONTIER_PROFILE {
+        if std::env::var_os(key).is_none() {
+            std::env::set_var(key, value);
+            set.push(format!("{key}={value}"));
+        }
+    }
+    Ok(set)
+}
+
+/// The FI_* and SLINGSHOT_* variables of this process, sorted, for rank 0's log.
+pub fn fabric_environment() -> Vec<String> {
+    let mut v: Vec<String> = std::env::vars()
+        .filter(|(k, _)| k.starts_with("FI_") || k.starts_with("SLINGSHOT_") || k.starts_with("MESHTRAIN_OFI"))
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    v.sort();
+    v
+}
+
+#[cfg(feature = "ofi")]
+pub use imp::{fabric_nic_present, OfiNet};
+
+#[cfg(not(feature = "ofi"))]
+pub use stub::{fabric_nic_present, OfiNet};
+
+#[cfg(feature = "ofi")]
+mod imp {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::{Arc, OnceLock};
+    use std::time::{Duration, Instant};
+
+    use super::super::ofi_ep::{available, hmem_offered, Endpoint, OpSlot, RegBuf, BUSY, FAILED};
+    use super::super::shm::PeerWatch;
+    use super::super::{RecvLink, SendLink, Waiter};
+    use super::*;
+
+    /// Largest endpoint address accepted from a peer (the setup message is the address length as
+    /// u16, the address, the receive key as u32).
+    const MAX_NAME: usize = 1024;
+    /// Low tag bits holding the chunk sequence number; the receive key sits above them.
+    const SEQ_BITS: u32 = 28;
+    const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
+    /// Receive keys fit in 20 bits, so tags fit in 48 (what cxi matches on).
+    const KEY_BITS: u32 = 20;
+    const MAX_KEY: u32 = (1 << KEY_BITS) - 1;
+    /// How often a waiting call checks the peer's liveness.
+    const LIVENESS_PERIOD: Duration = Duration::from_millis(50);
+    /// Polls before a waiting call starts yielding the CPU between polls.
+    const SPIN_POLLS: u32 = 200;
+    /// How long a dropped link waits for its posted operations to finish before leaking them.
+    const DRAIN_LIMIT: Duration = Duration::from_secs(2);
+
+    /// True when a provider for a real fabric NIC (cxi, verbs, efa) is available.
+    pub fn fabric_nic_present() -> bool {
+        static PRESENT: OnceLock<bool> = OnceLock::new();
+        *PRESENT.get_or_init(|| {
+            available(None)
+                .map(|l| l.iter().any(|(p, _)| FABRIC_PROVIDERS.iter().any(|f| p.split(';').any(|q| q == *f))))
+                .unwrap_or(false)
+        })
+    }
+
+    /// The process's libfabric state: the endpoint, opened on first use, and the receive-key counter.
+    pub struct OfiNet {
+        rank: usize,
+        provider: Option<String>,
+        endpoint: OnceLock<std::result::Result<Arc<Endpoint>, String>>,
+        next_key: AtomicU32,
+    }
+
+    impl OfiNet {
+        pub fn new(rank: usize, provider: Option<String>) -> OfiNet {
+            OfiNet { rank, provider, endpoint: OnceLock::new(), next_key: AtomicU32::new(1) }
+        }
+
+        fn endpoint(&self, local_rank: usize) -> Result<Arc<Endpoint>> {
+            self.endpoint
+                .get_or_init(|| {
+                    let ep = Endpoint::open(self.provider.as_deref(), local_rank).map_err(|e| e.to_string())?;
+                    self.log_open(&ep);
+                    Ok(Arc::new(ep))
+                })
+                .clone()
+                .map_err(Error::Fabric)
+        }
+
+        fn log_open(&self, ep: &Endpoint) {
+            let i = ep.info();
+            let hmem = if hmem_offered(Some(&i.provider)) { "FI_HMEM offered" } else { "no FI_HMEM" };
+            log::info!(
+                "ofi: rank {}: libfabric {}.{}, provider {}, fabric {}, domain {}, mr_mode {}, {} tag bits; \
+                 GPU buffers: staged through host memory ({hmem}; device registration not implemented)",
+                self.rank,
+                i.library_version.0,
+                i.library_version.1,
+                i.provider,
+                i.fabric,
+                i.domain,
+                i.mr_mode,
+                i.max_tag_bits,
+            );
+            if self.rank == 0 {
+                log::info!("ofi: environment: {}", fabric_environment().join(" "));
+            }
+        }
+
+        /// Builds this rank's halves of a libfabric link to `peer` after exchanging addresses and
+        /// receive keys over the pair's authenticated `stream` (kept as liveness watch; `pid` is the
+        /// peer's process id when it runs on this node, else 0).
+        #[allow(clippy::too_many_arguments)]
+        pub fn link(
+            &self,
+            mut stream: TcpStream,
+            peer: usize,
+            pid: u32,
+            chunk: usize,
+            depth: usize,
+            local_rank: usize,
+            w: &Waiter,
+        ) -> Result<(Box<dyn SendLink>, Box<dyn RecvLink>)> {
+            let ep = self.endpoint(local_rank).map_err(|e| w.fail(peer, e.to_string()))?;
+            if ep.info().max_tag_bits < SEQ_BITS + KEY_BITS {
+                return Err(w.fail(
+                    peer,
+                    format!("provider {} matches {} tag bits, links need {}", ep.info().provider, ep.info().max_tag_bits, SEQ_BITS + KEY_BITS),
+                ));
+            }
+            let key = self.next_key.fetch_add(1, Ordering::Relaxed);
+            if key > MAX_KEY {
+                return Err(w.fail(peer, "more than 2^20 libfabric links opened by this process"));
+            }
+            let name = ep.name();
+            let mut msg = Vec::with_capacity(6 + name.len());
+            msg.extend_from_slice(&(name.len() as u16).to_le_bytes());
+            msg.extend_from_slice(name);
+            msg.extend_from_slice(&key.to_le_bytes());
+            stream.write_all(&msg).map_err(|e| w.fail(peer, format!("sending libfabric address: {e}")))?;
+            let (peer_name, peer_key) = read_address(&mut stream, w.deadline.saturating_duration_since(Instant::now()))
+                .map_err(|e| w.fail(peer, format!("reading libfabric address: {e}")))?;
+            if peer_name.len() != name.len() || peer_key == 0 || peer_key > MAX_KEY {
+                return Err(w.fail(peer, format!("libfabric address of {} bytes / key {peer_key}: not of this provider", peer_name.len())));
+            }
+            let addr = ep.insert_peer(&peer_name).map_err(|e| w.fail(peer, e.to_string()))?;
+            let watch = Arc::new(PeerWatch::new(stream, pid));
+            let waits = |ep: &Arc<Endpoint>| Waits { ep: ep.clone(), peer, watch: watch.clone() };
+            let send = OfiSend {
+                waits: waits(&ep),
+                dest: addr,
+                tag_base: (peer_key as u64) << SEQ_BITS,
+                seq: 0,
+                slots: Slots::new(&ep, chunk, depth).map_err(|e| w.fail(peer, e.to_string()))?,
+            };
+            let mut recv = OfiRecv {
+                waits: waits(&ep),
+                src: addr,
+                tag_base: (key as u64) << SEQ_BITS,
+                seq: 0,
+                slots: Slots::new(&ep, chunk, depth).map_err(|e| w.fail(peer, e.to_string()))?,
+            };
+            for s in 0..depth as u64 {
+                recv.post(s).map_err(|e| w.fail(peer, e.to_string()))?;
+            }
+            Ok((Box::new(send), Box::new(recv)))
+        }
+    }
+
+    fn read_address(stream: &mut TcpStream, limit: Duration) -> std::io::Result<(Vec<u8>, u32)> {
+        stream.set_read_timeout(Some(limit.max(Duration::from_millis(1))))?;
+        let mut len = [0u8; 2];
+        stream.read_exact(&mut len)?;
+        let len = u16::from_le_bytes(len) as usize;
+        if len == 0 || len > MAX_NAME {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("address length {len}")));
+        }
+        let mut name = vec![0u8; len];
+        stream.read_exact(&mut name)?;
+        let mut key = [0u8; 4];
+        stream.read_exact(&mut key)?;
+        stream.set_read_timeout(None)?;
+        Ok((name, u32::from_le_bytes(key)))
+    }
+
+    /// Registered buffers and operation contexts of one direction of a link.
+    struct Slots {
+        ep: Arc<Endpoint>,
+        bufs: Vec<RegBuf>,
+        /// Operation contexts; the Vec is never resized, so their addresses stay fixed.
+        ops: Vec<OpSlot>,
+        chunk: usize,
+    }
+
+    impl Slots {
+        fn new(ep: &Arc<Endpoint>, chunk: usize, depth: usize) -> Result<Slots> {
+            let bufs = (0..depth).map(|_| ep.take_buffer(chunk)).collect::<Result<Vec<_>>>()?;
+            Ok(Slots { ep: ep.clone(), bufs, ops: (0..depth).map(|_| OpSlot::new()).collect(), chunk })
+        }
+
+        fn busy(&self) -> bool {
+            self.ops.iter().any(|o| o.state.load(Ordering::Acquire) == BUSY)
+        }
+    }
+
+    impl Drop for Slots {
+        /// Cancels posted receives and lets sends finish; buffers go back to the registration cache
+        /// once no operation uses them, and are leaked (never freed under the provider) otherwise.
+        fn drop(&mut self) {
+            for op in &self.ops {
+                if op.state.load(Ordering::Acquire) == BUSY {
+                    self.ep.cancel(op);
+                }
+            }
+            let give_up = Instant::now() + DRAIN_LIMIT;
+            while self.busy() && Instant::now() < give_up {
+                if self.ep.progress().is_err() {
+                    break;
+                }
+                std::thread::yield_now();
+            }
+            if self.busy() {
+                log::warn!("ofi: link dropped with operations still posted; leaking its {} buffers", self.bufs.len());
+                std::mem::forget(std::mem::take(&mut self.bufs));
+                std::mem::forget(std::mem::take(&mut self.ops));
+                return;
+            }
+            for b in self.bufs.drain(..) {
+                self.ep.give_back(b);
+            }
+        }
+    }
+
+    /// What every wait of a link needs: the endpoint to progress and the peer to watch.
+    struct Waits {
+        ep: Arc<Endpoint>,
+        peer: usize,
+        watch: Arc<PeerWatch>,
+    }
+
+    impl Waits {
+        /// Drives progress until `op` is no longer busy; errors on failure, deadline, abort or a
+        /// dead peer.
+        fn until_idle(&self, op: &OpSlot, w: &Waiter) -> Result<()> {
+            let mut polls = 0u32;
+            let mut next_check = Instant::now() + LIVENESS_PERIOD;
+            loop {
+                self.ep.progress().map_err(|e| w.fail(self.peer, e.to_string()))?;
+                match op.state.load(Ordering::Acquire) {
+                    BUSY => {}
+                    FAILED => return Err(w.fail(self.peer, op.failure())),
+                    _ => return Ok(()),
+                }
+                polls += 1;
+                if polls % 256 == 0 {
+                    w.check(self.peer)?;
+                    let now = Instant::now();
+                    if now >= next_check {
+                        next_check = now + LIVENESS_PERIOD;
+                        self.watch.check().map_err(|cause| w.fail(self.peer, cause))?;
+                    }
+                }
+                if polls > SPIN_POLLS {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+        }
+    }
+
+    struct OfiSend {
+        waits: Waits,
+        dest: u64,
+        tag_base: u64,
+        seq: u64,
+        slots: Slots,
+    }
+
+    impl SendLink for OfiSend {
+        fn reserve(&mut self, len: usize, w: &Waiter) -> Result<&mut [u8]> {
+            if len > self.slots.chunk {
+                return Err(Error::InvalidArgument(format!("chunk of {len} bytes over the link's {}", self.slots.chunk)));
+            }
+            let i = (self.seq % self.slots.ops.len() as u64) as usize;
+            self.waits.until_idle(&self.slots.ops[i], w)?;
+            Ok(&mut self.slots.bufs[i].data[..len])
+        }
+
+        fn post(&mut self, len: usize, w: &Waiter) -> Result<()> {
+            let i = (self.seq % self.slots.ops.len() as u64) as usize;
+            let tag = self.tag_base | (self.seq & SEQ_MASK);
+            self.waits
+                .ep
+                .send(&self.slots.ops[i], &self.slots.bufs[i], len, self.dest, tag)
+                .map_err(|e| w.fail(self.waits.peer, e.to_string()))?;
+            self.seq += 1;
+            Ok(())
+        }
+
+        fn max_chunk(&self) -> usize {
+            self.slots.chunk
+        }
+
+        fn depth(&self) -> usize {
+            self.slots.ops.len()
+        }
+    }
+
+    struct OfiRecv {
+        waits: Waits,
+        src: u64,
+        tag_base: u64,
+        seq: u64,
+        slots: Slots,
+    }
+
+    impl OfiRecv {
+        fn tag(&self, seq: u64) -> u64 {
+            self.tag_base | (seq & SEQ_MASK)
+        }
+
+        /// Posts the receive for chunk `seq` into its slot.
+        fn post(&mut self, seq: u64) -> Result<()> {
+            let i = (seq % self.slots.ops.len() as u64) as usize;
+            let src = self.src;
+            let tag = self.tag(seq);
+            self.slots.ep.recv(&self.slots.ops[i], &mut self.slots.bufs[i], src, tag)
+        }
+    }
+
+    impl RecvLink for OfiRecv {
+        fn wait(&mut self, w: &Waiter) -> Result<&[u8]> {
+            let i = (self.seq % self.slots.ops.len() as u64) as usize;
+            let op = &self.slots.ops[i];
+            self.waits.until_idle(op, w)?;
+            let (tag, len) = (op.tag.load(Ordering::Relaxed), op.len.load(Ordering::Relaxed));
+            if tag != self.tag(self.seq) || len > self.slots.chunk {
+                return Err(w.fail(
+                    self.waits.peer,
+                    format!("stray libfabric message: tag {tag:#x} ({len} bytes), expected {:#x}", self.tag(self.seq)),
+                ));
+            }
+            Ok(&self.slots.bufs[i].data[..len])
+        }
+
+        fn release(&mut self, w: &Waiter) -> Result<()> {
+            let next = self.seq + self.slots.ops.len() as u64;
+            self.post(next).map_err(|e| w.fail(self.waits.peer, e.to_string()))?;
+            self.seq += 1;
+            Ok(())
+        }
+    }
+}
+
+#[cfg(not(feature = "ofi"))]
+mod stub {
+    use super::*;
+    use crate::transport::{RecvLink, SendLink, Waiter};
+
+    /// Without the `ofi` feature no provider is ever present.
+    pub fn fabric_nic_present() -> bool {
+        false
+    }
+
+    /// Stand-in whose links are `Error::NotCompiled`.
+    pub struct OfiNet;
+
+    impl OfiNet {
+        pub fn new(_rank: usize, _provider: Option<String>) -> OfiNet {
+            OfiNet
+        }
+
+        #[allow(clippy::too_many_arguments)]
+        pub fn link(
+            &self,
+            _stream: TcpStream,
+            _peer: usize,
+            _pid: u32,
+            _chunk: usize,
+            _depth: usize,
+            _local_rank: usize,
+            _w: &Waiter,
+        ) -> Result<(Box<dyn SendLink>, Box<dyn RecvLink>)> {
+            Err(Error::NotCompiled("libfabric (cargo feature `ofi`)"))
+        }
+    }
+}

@@ -7,7 +7,10 @@
 #   tests/slurm/start.sh            # then: export SLURM_CONF=/tmp/meshtrain-slurm/slurm.conf
 #   NODES=1 CPUS=8 tests/slurm/start.sh
 #
-# Prints `export SLURM_CONF=...` on its last line. Nothing in /etc is changed except that munge's
+# Prints the environment to use on its last line: `export SLURM_CONF=... OMPI_MCA_btl=self,tcp`
+# (all slurmd share this host's name, and Open MPI's shared-memory BTL names its segments by host
+# name and node-local rank, so ranks of two "nodes" would collide in /dev/shm and crash in MPI_Init;
+# meshtrain uses MPI only for its bootstrap, so TCP between MPI processes costs nothing). Nothing in /etc is changed except that munge's
 # key is created when missing. PMI: MpiDefault=pmix (Debian's Open MPI 4.1 is built against PMIx;
 # see README "Slurm and scaling sweeps").
 set -euo pipefail
@@ -89,7 +92,7 @@ for i in $(seq 1 "$NODES"); do slurmd -f "$conf" -N "n$i"; done
 for _ in $(seq 1 60); do
   if [ "$(sinfo -h -N -o '%N %t' 2>/dev/null | grep -c ' idle$')" = "$NODES" ]; then
     sinfo -N >&2
-    echo "export SLURM_CONF=$conf"
+    echo "export SLURM_CONF=$conf OMPI_MCA_btl=self,tcp"
     exit 0
   fi
   sleep 1

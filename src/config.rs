@@ -154,6 +154,22 @@ pub struct TrainConfig {
     pub eval_batches: usize,
     /// Log every this many steps (default 10).
     pub log_every: u64,
+    /// What a non-finite loss or gradient norm does: `stop` the run (default) or `skip` the step.
+    pub nonfinite: NonFinitePolicy,
+    /// Testing knob `[step, rank]`: rank's loss is made NaN at that step (default: none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inject_nan_at: Option<[u64; 2]>,
+}
+
+/// `train.nonfinite`: what a step whose loss or gradient norm is NaN or infinite does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NonFinitePolicy {
+    /// Stop every rank with an error naming the step and rank(s).
+    #[default]
+    Stop,
+    /// Skip the optimizer update of that step (counted and logged) and go on.
+    Skip,
 }
 
 /// `[train]` as written (`seq_len` may be absent).
@@ -168,6 +184,8 @@ struct TrainSection {
     eval_every: u64,
     eval_batches: usize,
     log_every: u64,
+    nonfinite: NonFinitePolicy,
+    inject_nan_at: Option<[u64; 2]>,
 }
 
 impl Default for TrainSection {
@@ -181,6 +199,8 @@ impl Default for TrainSection {
             eval_every: 0,
             eval_batches: 10,
             log_every: 10,
+            nonfinite: NonFinitePolicy::Stop,
+            inject_nan_at: None,
         }
     }
 }
@@ -691,6 +711,8 @@ impl FileConfig {
                 eval_every: t.eval_every,
                 eval_batches: t.eval_batches,
                 log_every: t.log_every,
+                nonfinite: t.nonfinite,
+                inject_nan_at: t.inject_nan_at,
             },
             optim: self.optim,
             parallel: self.parallel,

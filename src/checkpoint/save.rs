@@ -11,6 +11,8 @@
 //!    `latest` (temp file + fsync + rename + fsync), deletes checkpoints beyond `keep` (index first,
 //!    so a half-deleted one never looks complete) and stale temporaries, and broadcasts the outcome.
 //!
+//! A slice holding a NaN or infinity fails the save the same way (nothing non-finite is written).
+//!
 //! A crash before the rename leaves only a `*.tmp-*` directory, which no reader accepts; a crash
 //! after it leaves a complete checkpoint that `latest` may not name yet. Either way the previous
 //! checkpoint stays loadable.
@@ -238,6 +240,11 @@ fn write_shards(rank: usize, path: &Path, slices: &[ShardSlice]) -> Result<RankR
     }
     for s in slices {
         check_slice(s)?;
+        // A NaN or infinity never reaches a checkpoint (it would rotate good ones out).
+        if let Some(i) = s.data.iter().position(|x| !x.is_finite()) {
+            let msg = format!("refusing to save: `{}` holds the non-finite value {} (element {i} of this rank's slice)", s.name, s.data[i]);
+            return Err(Error::file(path, None, msg));
+        }
     }
     let fname = rank_file_name(rank);
     let file = h5::create(path)?;

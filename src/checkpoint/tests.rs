@@ -570,3 +570,23 @@ fn bench_runs_and_accounts_reshard_bytes() {
         assert_eq!(r.reshard_needed_bytes, 4 * 20 * 512);
     }
 }
+
+#[test]
+fn a_non_finite_value_refuses_the_save_on_every_rank() {
+    let tmp = tempfile::tempdir().unwrap();
+    ok_all(save_3x2(tmp.path(), 1));
+    let root = tmp.path().to_path_buf();
+    let results = run_ranks(3, CommConfig::default(), move |comm| {
+        let (boxes, _) = owned(comm.rank());
+        let (offset, shape, data) = &boxes[0];
+        let mut data = data.clone();
+        if comm.rank() == 2 {
+            data[1] = f32::NAN;
+        }
+        let s = ShardSlice { name: "model/w".into(), global_shape: vec![ROWS, COLS], offset: offset.clone(), shape: shape.clone(), data: &data };
+        save(&comm, &root, 2, &[s], &meta(2), 2)
+    });
+    let msg = same_err(results);
+    assert!(msg.contains("rank 2 failed") && msg.contains("non-finite value NaN") && msg.contains("model/w"), "{msg}");
+    assert_eq!(open(tmp.path()).unwrap().meta().step, 1, "the previous checkpoint stays latest");
+}

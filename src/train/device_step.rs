@@ -180,7 +180,9 @@ impl DeviceStep {
     /// One optimizer step from the model's device gradients summed over `micro_batches` (ZeRO-2:
     /// already reduced into the shards), averaged over them and over `dp`; clips to `max_norm`
     /// (<= 0: off) and returns the pre-clip global norm, whose partial sums of squares are added
-    /// over `groups` (the TP group).
+    /// over `groups` (the TP group). `apply` sees the norm before anything changes; `false` (the
+    /// same on every rank) skips the update.
+    #[allow(clippy::too_many_arguments)]
     pub fn step(
         &mut self,
         model: &mut DeviceGpt,
@@ -189,6 +191,7 @@ impl DeviceStep {
         micro_batches: usize,
         lr: f64,
         max_norm: f64,
+        apply: &mut dyn FnMut(f64) -> Result<bool>,
     ) -> Result<StepOutcome> {
         let (mut sq, comm) = match &mut self.state {
             State::Whole(w) => w.reduce_and_square(model, dp, &mut self.coll, &mut self.partials, micro_batches)?,
@@ -205,14 +208,17 @@ impl DeviceStep {
             sq = s[0];
         }
         let grad_norm = sq.sqrt();
+        // The reduction runs after the backward, so all of it is exposed.
+        let timing = ReduceTiming { comm, exposed: comm };
+        if !apply(grad_norm)? {
+            return Ok(StepOutcome { grad_norm, timing });
+        }
         let scale = clip_scale(grad_norm, max_norm);
         self.step += 1;
         match &mut self.state {
             State::Whole(w) => w.update(model, scale, &self.config, self.step, lr)?,
             State::Sharded(s) => s.update(model, dp, &mut self.coll, scale, &self.config, self.step, lr)?,
         }
-        // The reduction runs after the backward, so all of it is exposed.
-        let timing = ReduceTiming { comm, exposed: comm };
         Ok(StepOutcome { grad_norm, timing })
     }
 }

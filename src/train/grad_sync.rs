@@ -150,7 +150,8 @@ impl DataParallel {
     /// learning rate `lr`, and leaves identical `params` on every data-parallel rank (ZeRO-3: the
     /// owned blocks only). `counted` says which elements this rank counts in the norm; partial
     /// norms are summed over `groups` (the tensor- and pipeline-parallel groups) and, with ZeRO,
-    /// over `dp`. `grads` is the model's buffer (read only at ZeRO-0).
+    /// over `dp`. `grads` is the model's buffer (read only at ZeRO-0). `apply` sees the global
+    /// norm before anything changes; `false` (the same on every rank) skips the update.
     #[allow(clippy::too_many_arguments)]
     pub fn step(
         &mut self,
@@ -162,6 +163,7 @@ impl DataParallel {
         max_norm: f64,
         params: &mut [f32],
         grads: &mut [f32],
+        apply: &mut dyn FnMut(f64) -> Result<bool>,
     ) -> Result<StepOutcome> {
         let timing = self.reducer.finish(grads)?;
         let DataParallel { zero, reducer, states, .. } = self;
@@ -185,6 +187,9 @@ impl DataParallel {
             g.all_reduce(&mut sq, ReduceOp::Sum)?;
         }
         let grad_norm = sq[0].sqrt();
+        if !apply(grad_norm)? {
+            return Ok(StepOutcome { grad_norm, timing });
+        }
         let scale = clip_scale(grad_norm, max_norm);
         for (b, s) in states.iter_mut().enumerate() {
             let r = s.range();

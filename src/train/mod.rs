@@ -12,13 +12,16 @@ mod buckets;
 pub(crate) use buckets::plan_buckets;
 mod checkpointing;
 mod comm_worker;
+mod config_agree;
 mod device_step;
 mod device_zero;
 mod grad_sync;
 mod memory_estimate;
+mod nonfinite;
 mod param_gather;
 mod pipeline;
 mod replica;
+mod shutdown;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -40,6 +43,7 @@ use crate::parallel::stage_split;
 use crate::optim::{AdamW, AdamWConfig, DecayMask, LrSchedule};
 
 use device_step::DeviceStep;
+use nonfinite::{NonFiniteGuard, Verdict};
 pub use grad_sync::DataParallel;
 pub use memory_estimate::{MemoryEstimate, MemoryInputs};
 pub use replica::{DeviceEvent, Replica, ReplicaLayout};
@@ -81,6 +85,11 @@ fn evaluate(model: &mut Replica, batch: &mut Batch, sampler: &mut Sampler, batch
 
 /// Trains `cfg` on this world (every rank calls it).
 pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<TrainReport> {
+    // From here on SIGTERM/SIGUSR1 stop the run after a step, with a checkpoint (`shutdown.rs`).
+    shutdown::install()?;
+    // Every rank must train the same job: refuse differing configs before anything else.
+    let world_comm = world.communicator()?;
+    config_agree::check(&world_comm, cfg)?;
     let device_model = uses_device_model(cfg);
     cfg.validate_world(world.size)?;
     let device = match device_model {
@@ -95,7 +104,6 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     if leader {
         println!("# effective config\n{}", cfg.to_toml());
     }
-    let world_comm = world.communicator()?;
     let shape = GridShape::from_config(&cfg.parallel);
     let grid = Grid::new(&world_comm, shape)?;
     if leader {
@@ -273,7 +281,10 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         None => None,
     };
 
+    let mut last_step = first_step - 1;
+    let mut guard = NonFiniteGuard::new(&cfg.train);
     for step in first_step..=cfg.train.steps {
+        last_step = step;
         let t0 = Instant::now();
         // ZeRO-2/3 zeroed every reported gradient range (handing its pages back) as it was staged,
         // and the reducer checked that every range was reported: clearing the buffer again would
@@ -296,21 +307,34 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             (None, _) => Ok(()),
         };
         let loss_mean = model.run(&batches, every_backward, &mut |r, g| sync.on_final(r, g), &mut device_events)?;
+        let loss_mean = guard.local_loss(step, world.rank, loss_mean);
         let lr = sched.lr(step - 1);
+        // Every rank applies or skips the update alike (`nonfinite.rs`), before anything changes.
+        let mut verdict = Verdict::Apply;
+        let mut apply = |norm: f64| -> Result<bool> {
+            verdict = guard.decide(&world_comm, step, loss_mean, norm)?;
+            Ok(verdict == Verdict::Apply)
+        };
         let outcome = match (&mut device_step, model.device_model_mut()) {
-            (Some(s), Some(m)) => s.step(m, &dp, &norm_groups, accum, lr, cfg.optim.grad_clip)?,
+            (Some(s), Some(m)) => s.step(m, &dp, &norm_groups, accum, lr, cfg.optim.grad_clip, &mut apply)?,
             _ => {
                 let (params, grads) = model.params_and_grads();
-                sync.step(&dp, &norm_groups, &norm_spans, &opt, lr, cfg.optim.grad_clip, params, grads)?
+                sync.step(&dp, &norm_groups, &norm_spans, &opt, lr, cfg.optim.grad_clip, params, grads, &mut apply)?
             }
         };
+        if let Verdict::Skip(why) = &verdict {
+            progress.println(&format!("# step {step}: {why}"));
+        }
         model.release_gathered()?;
         let param_wait = Duration::from_nanos(gather_wait.swap(0, Ordering::Relaxed));
         let mut loss = [loss_mean];
         dp.all_reduce(&mut loss, ReduceOp::Avg)?;
-        // The largest peak resident set over all ranks, in MB.
-        let mut peak_mb = [peak_rss_bytes()? as f64 / 1e6];
+        // The largest peak resident set over all ranks, in MB, and the largest stop signal any
+        // rank received (0: none), in one reduction: every rank decides alike whether to stop.
+        let stop_signal = shutdown::requested().unwrap_or(0);
+        let mut peak_mb = [peak_rss_bytes()? as f64 / 1e6, stop_signal as f64];
         world_comm.all_reduce(&mut peak_mb, ReduceOp::Max)?;
+        let stop_signal = peak_mb[1] as libc::c_int;
         let step_s = t0.elapsed().as_secs_f64();
         if step > 1 {
             timed_s += step_s;
@@ -352,6 +376,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
                 ("peak_rss_mb".to_string(), serde_json::json!(peak_mb[0])),
                 ("peak_rss_covers".to_string(), serde_json::json!(if peak_is_steps { "steps" } else { "run" })),
                 ("mem_estimate_mb".to_string(), serde_json::json!((estimate.total() + baseline) as f64 / 1e6)),
+                ("skipped".to_string(), serde_json::json!(verdict != Verdict::Apply)),
             ]
             .into_iter()
             .chain(std::iter::once((
@@ -367,7 +392,8 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         progress.update(&record);
         report.losses.push(loss[0]);
         tokens_seen += tokens_per_step as u64;
-        if cfg.checkpoint.every > 0 && (step % cfg.checkpoint.every == 0 || step == cfg.train.steps) {
+        let stopping = stop_signal != 0 && step < cfg.train.steps;
+        if stopping || cfg.checkpoint.every > 0 && (step % cfg.checkpoint.every == 0 || step == cfg.train.steps) {
             let state = sampler.state();
             if let (Some(s), Some(m)) = (&device_step, model.device_model_mut()) {
                 s.store(m, &mut sync)?;
@@ -375,6 +401,14 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             let dir =
                 checkpointing::save(&world_comm, &dp, cfg, adamw, &maps, model.params(), &sync, step, tokens_seen, state)?;
             progress.println(&format!("# checkpoint {}", dir.display()));
+        }
+        if stopping {
+            let why = shutdown::name(stop_signal);
+            if shutdown::requested().is_some() {
+                log::warn!("{why} received: stopping after step {step} of {} (checkpoint written)", cfg.train.steps);
+            }
+            progress.println(&format!("# stopped by {why} after step {step}; resume with checkpoint.resume = \"latest\""));
+            break;
         }
     }
     if let (Some(s), Some(m)) = (&mut device_step, model.device_model_mut()) {
@@ -388,11 +422,15 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     report.tokens_per_s = if timed_s > 0.0 { tokens_per_step * timed_steps as f64 / timed_s } else { 0.0 };
     if leader {
         println!(
-            "# done: {} steps, final loss {:.4}{}, {:.0} tokens/s",
-            cfg.train.steps,
+            "# done: {} steps, final loss {:.4}{}, {:.0} tokens/s{}",
+            last_step,
             report.losses.last().copied().unwrap_or(f64::NAN),
             report.val_losses.last().map_or(String::new(), |(_, v)| format!(", val loss {v:.4}")),
-            report.tokens_per_s
+            report.tokens_per_s,
+            match guard.skipped {
+                0 => String::new(),
+                n => format!(", {n} step(s) skipped (non-finite)"),
+            }
         );
     }
     Ok(report)

@@ -1,0 +1,106 @@
+//! Non-finite losses and gradient norms (`train.nonfinite`): one decision on every rank.
+//!
+//! Between the gradient reduction and the optimizer update, every rank flags whether its own
+//! loss, or the global gradient norm, is NaN or infinite; one max-reduction of the per-rank flags
+//! over the world gives every rank the same list of ranks where it appeared, so all of them apply
+//! the update, skip it (`skip`: no parameter or optimizer-state change, counted and logged), or
+//! stop with the same error naming the step and the ranks (`stop`, the default). The gradient norm
+//! is global (summed over every group), so a NaN gradient on any rank makes every rank flag; a
+//! rank's own loss is the only locally attributable signal. Saving refuses non-finite values
+//! separately (`checkpoint::save`), so a NaN never reaches a checkpoint.
+//!
+//! `train.inject_nan_at = [step, rank]` makes that rank's loss NaN at that step (a testing knob:
+//! the same config on every rank, so config agreement holds).
+
+use crate::comm::{Communicator, ReduceOp};
+use crate::config::{NonFinitePolicy, TrainConfig};
+use crate::error::{Error, Result};
+
+/// The per-step decision and the count of skipped steps.
+pub struct NonFiniteGuard {
+    policy: NonFinitePolicy,
+    inject: Option<[u64; 2]>,
+    /// Steps whose update was skipped so far.
+    pub skipped: u64,
+}
+
+/// What a step does with its update.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Everything finite: apply it.
+    Apply,
+    /// Non-finite and `skip`: leave parameters and optimizer state as they are.
+    Skip(String),
+}
+
+impl NonFiniteGuard {
+    /// The guard for `train`'s policy.
+    pub fn new(train: &TrainConfig) -> Self {
+        NonFiniteGuard { policy: train.nonfinite, inject: train.inject_nan_at, skipped: 0 }
+    }
+
+    /// This rank's loss of `step`, with the injected NaN where configured.
+    pub fn local_loss(&self, step: u64, rank: usize, loss: f64) -> f64 {
+        match self.inject {
+            Some([s, r]) if s == step && r == rank as u64 => f64::NAN,
+            _ => loss,
+        }
+    }
+
+    /// Collective over `world`: the verdict of `step` given this rank's `loss` and the global
+    /// `grad_norm`; the same on every rank. `stop` returns the error instead.
+    pub fn decide(&mut self, world: &Communicator, step: u64, loss: f64, grad_norm: f64) -> Result<Verdict> {
+        let mut flags = vec![0u8; world.size()];
+        flags[world.rank()] = u8::from(!loss.is_finite()) | (u8::from(!grad_norm.is_finite()) << 1);
+        world.all_reduce(&mut flags, ReduceOp::Max)?;
+        if flags.iter().all(|&f| f == 0) {
+            return Ok(Verdict::Apply);
+        }
+        let ranks: Vec<String> = (0..flags.len()).filter(|&r| flags[r] & 1 != 0).map(|r| r.to_string()).collect();
+        let what = match ranks.is_empty() {
+            true => format!("non-finite gradient norm ({grad_norm}) at step {step}; the loss was finite on every rank"),
+            false => format!("non-finite loss at step {step} on rank(s) {} (gradient norm {grad_norm})", ranks.join(", ")),
+        };
+        match self.policy {
+            NonFinitePolicy::Stop => Err(Error::Check(format!(
+                "{what}; stopping (train.nonfinite = \"stop\"; \"skip\" skips such steps)"
+            ))),
+            NonFinitePolicy::Skip => {
+                self.skipped += 1;
+                Ok(Verdict::Skip(format!("{what}: update skipped ({} so far)", self.skipped)))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::testing::run_ranks;
+    use crate::comm::CommConfig;
+
+    fn guard(policy: NonFinitePolicy) -> NonFiniteGuard {
+        NonFiniteGuard { policy, inject: Some([3, 1]), skipped: 0 }
+    }
+
+    #[test]
+    fn every_rank_reaches_the_same_verdict_naming_the_rank() {
+        let verdicts = run_ranks(3, CommConfig::default(), |c| {
+            let mut g = guard(NonFinitePolicy::Skip);
+            let fine = g.decide(&c, 2, g.local_loss(2, c.rank(), 1.5), 0.5).unwrap();
+            let bad = g.decide(&c, 3, g.local_loss(3, c.rank(), 1.5), 0.5).unwrap();
+            let mut stop = guard(NonFinitePolicy::Stop);
+            let err = stop.decide(&c, 4, 1.0, f64::INFINITY).unwrap_err().to_string();
+            (fine, bad, g.skipped, err)
+        });
+        for (fine, bad, skipped, err) in verdicts {
+            assert_eq!(fine, Verdict::Apply);
+            assert_eq!(skipped, 1);
+            match bad {
+                Verdict::Skip(m) => assert!(m.contains("step 3 on rank(s) 1 "), "{m}"),
+                other => panic!("{other:?}"),
+            }
+            assert!(err.contains("non-finite gradient norm (inf) at step 4"), "{err}");
+        }
+    }
+}

@@ -23,6 +23,7 @@ pub mod metrics;
 pub mod model;
 pub mod optim;
 pub mod parallel;
+pub mod sweep;
 pub mod train;
 pub mod transport;
 

@@ -48,6 +48,9 @@ enum Command {
     /// Check every collective, element type and operator bit for bit on this job's ranks and
     /// transports (exit status 1 on any mismatch).
     Selftest(SelftestArgs),
+    /// Strong/weak scaling sweeps: `sweep run JOB --mode strong --ranks 1,2,4` (CSV, JSON, plots),
+    /// `sweep report DIR`, `sweep bench LABEL=CSV...` (bus bandwidth plots).
+    Sweep(meshtrain::sweep::cli::SweepArgs),
 }
 
 #[derive(Args)]
@@ -456,6 +459,7 @@ fn main() {
         }),
         Command::Generate(args) => generate(args),
         Command::Selftest(args) => with_world(|w| selftest(w, args)),
+        Command::Sweep(args) => meshtrain::sweep::cli::main(args),
     };
     if let Err(e) = result {
         fail(&e);

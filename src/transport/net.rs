@@ -383,7 +383,7 @@ impl NetConnector {
         let pid = if self.node_of(peer) == here { self.peer(peer)?.pid } else { 0 };
         let local_rank = (0..self.rank).filter(|&r| self.node_of(r) == here).count();
         let (send, recv) = self.ofi.link(stream, peer, pid, chunk, depth, local_rank, w)?;
-        Ok(Link { peer, kind: LinkKind::Ofi, send, recv, memory: None })
+        Ok(Link { peer, kind: LinkKind::Ofi, send, recv, memory: None, prints: Default::default() })
     }
 
     /// Higher rank: reads the lower rank's setup message and builds its half of the link.

@@ -208,25 +208,6 @@ fn cstr(p: *const std::os::raw::c_char) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
-/// Distinct (provider, domain) pairs offering RDM tagged endpoints, in libfabric's order of preference.
-pub fn available(provider: Option<&str>) -> Result<Vec<(String, String)>> {
-    let list = getinfo(provider, 0)?;
-    let mut out: Vec<(String, String)> = Vec::new();
-    let mut cur = list;
-    while !cur.is_null() {
-        // SAFETY: walking the list fi_getinfo returned, before it is freed.
-        let (prov, dom) = unsafe { (cstr((*(*cur).fabric_attr).prov_name), cstr((*(*cur).domain_attr).name)) };
-        if !out.contains(&(prov.clone(), dom.clone())) {
-            out.push((prov, dom));
-        }
-        // SAFETY: as above.
-        cur = unsafe { (*cur).next };
-    }
-    // SAFETY: frees the list fi_getinfo allocated.
-    unsafe { sys::fi_freeinfo(list) };
-    Ok(out)
-}
-
 /// Whether `provider` offers FI_HMEM (registration of GPU memory) with RDM tagged endpoints.
 pub fn hmem_offered(provider: Option<&str>) -> bool {
     match getinfo(provider, sys::FI_HMEM) {

@@ -8,7 +8,8 @@ cd "$(dirname "$0")/../.."
 BIN=$PWD/target/release/meshtrain
 WORK=$(mktemp -d /tmp/meshtrain-slurm-ci.XXXXXX)
 trap 'tests/slurm/stop.sh' EXIT
-eval "$(tests/slurm/start.sh | tail -n 1)"
+cluster_env=$(tests/slurm/start.sh | tail -n 1)   # exits here if the cluster does not come up
+eval "$cluster_env"
 export SLURM_CONF OMPI_MCA_btl
 
 cat > "$WORK/tiny.toml" <<JOB

@@ -1,14 +1,16 @@
 # Two entry points for a fresh Debian/Ubuntu machine; each installs what is missing first.
 #   make demo   - a small 3D-parallel training run on 8 CPU ranks (TP2 x PP2 x DP2)
 #   make test   - the whole test suite (what CI runs)
+#   make slurm-test - a throw-away Slurm on this machine (root): sweeps under srun, SIGUSR1 requeue
 SHELL := /bin/bash
 RANKS ?= 8
 MPIRUN ?= mpirun --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root,)
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
-APT_PACKAGES := build-essential pkg-config libclang-dev libopenmpi-dev openmpi-bin libopenblas-dev libhdf5-dev hdf5-tools python3-h5py libfabric-dev libfabric-bin
+APT_PACKAGES := build-essential pkg-config libclang-dev libopenmpi-dev openmpi-bin libopenblas-dev libhdf5-dev hdf5-tools python3-h5py libfabric-dev libfabric-bin fonts-dejavu-core
+SLURM_PACKAGES := slurmctld slurmd slurm-client munge
 export HDF5_DIR ?= /usr/lib/x86_64-linux-gnu/hdf5/serial
 
-.PHONY: deps rust build release demo test bench
+.PHONY: deps rust build release demo test bench slurm-test
 
 deps: rust
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -33,3 +35,7 @@ test: deps
 
 bench: build
 	$(MPIRUN) --bind-to none -np 4 target/release/meshtrain bench all --min 4K --max 64M --factor 4 --vs-mpi
+
+slurm-test: build
+	@dpkg -s $(SLURM_PACKAGES) >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $(SLURM_PACKAGES); }
+	$(SUDO) bash tests/slurm/ci.sh

@@ -96,7 +96,7 @@ pub fn bytes_label(b: u64) -> String {
 
 fn number_label(v: f64) -> String {
     match v.abs() {
-        a if a == 0.0 => "0".into(),
+        0.0 => "0".into(),
         a if a >= 10.0 => format!("{v:.0}"),
         a if a >= 1.0 => format!("{v:.2}"),
         _ => format!("{v:.3}"),

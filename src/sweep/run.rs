@@ -216,7 +216,7 @@ pub fn sidecar(points: &[PointSummary], warmup: usize) -> serde_json::Value {
     json!({
         "meshtrain_version": env!("CARGO_PKG_VERSION"),
         "git_sha": git_sha(),
-        "mpi_library": mpi::environment::library_version().ok().map(|v| v.lines().next().unwrap_or("").to_string()),
+        "mpi_library": mpi::environment::library_version().ok().map(|v| v.lines().next().unwrap_or("").trim_end_matches('\0').trim().to_string()),
         "transport": point_env("MESHTRAIN_TRANSPORT").unwrap_or_else(|| "auto (shm within a node, tcp between nodes)".into()),
         "provider": point_env("FI_PROVIDER"),
         "job_ids": jobs,

@@ -11,6 +11,11 @@
 //!   at creation, the others when a direct algorithm or point-to-point call first needs them;
 //! - the algorithm choice depends only on (operation, bytes, size, configuration), so it is the
 //!   same on every member; any failure raises the job-wide abort so that no other rank hangs;
+//!   a failure on a peer (deadline, closed link) first asks rank 0 which rank actually failed
+//!   (`AbortState::blame`) and reports its verdict; every call is in the flight record
+//!   ([`flight`]);
+//! - every call arms its fingerprint ([`fingerprint`]) on each link; a call numbered differently,
+//!   or another operation, count, element type, operator or root on a peer fails on both sides;
 //! - single-copy (read) schedules run only after a probe, made once per communicator by the
 //!   first call that wants them, showed on every member that every peer's memory can be read;
 //!   the probe's answer is agreed, so every member falls back to the FIFO schedules together.

@@ -435,11 +435,14 @@ impl JobConfig {
         env: &[(String, String)],
     ) -> Result<JobConfig> {
         let mut table: toml::Table = toml::from_str(text).map_err(|e| {
-            Error::file(
-                origin,
-                e.span().map(|s| s.start as u64),
-                e.message().to_string(),
-            )
+            let at = e.span().map(|s| s.start);
+            let place = at.map_or(String::new(), |at| {
+                let before = &text[..at.min(text.len())];
+                let line = before.matches('\n').count() + 1;
+                let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+                format!("line {line}, column {column}: ")
+            });
+            Error::file(origin, at.map(|a| a as u64), format!("{place}{}", e.message()))
         })?;
         // Dotted key -> where an override came from, to say so in errors about that key.
         let mut overridden: HashMap<String, String> = HashMap::new();

@@ -344,15 +344,18 @@ fn report_selftest(world: &World, comm: &Communicator, fails: &[String], note: &
 
 fn inspect(args: &InspectArgs) -> Result<()> {
     let report = checkpoint::inspect(&args.path, args.verify, args.tensor.as_deref())?;
-    if args.json {
-        println!("{}", report.to_json());
-    } else {
-        println!("{report}");
+    let text = if args.json { report.to_json().to_string() } else { report.to_string() };
+    // A reader that stops early (`inspect | head`) closes the pipe: not an error of ours.
+    match writeln!(std::io::stdout().lock(), "{text}") {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(Error::io("write to stdout", e)),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 fn generate(args: &GenerateArgs) -> Result<()> {
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        return Err(Error::config("--temperature", format!("{} is not a number >= 0 (0 = greedy)", args.temperature)));
+    }
     let (config, params) = load_model(&args.model)?;
     let mut model = Gpt::<f32>::from_params(config, 1, config.max_seq_len, params)?;
     let tokenizer = (config.vocab_size == GPT2_VOCAB_SIZE).then(Gpt2Tokenizer::new).transpose()?;

@@ -192,9 +192,17 @@ fn overrides_apply_in_order_file_set_env() {
 #[test]
 fn toml_syntax_errors_give_the_offset() {
     match JobConfig::from_str("[model]\nsize = tiny\n", &[]).unwrap_err() {
-        Error::File { offset, .. } => assert_eq!(offset, Some(15)),
+        Error::File { offset, msg, .. } => {
+            assert_eq!(offset, Some(15));
+            assert!(msg.starts_with("line 2, column 8: "), "{msg}");
+        }
         other => panic!("{other}"),
     }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(&path, "[train]\nsteps = 3\nseed = = 1\n").unwrap();
+    let err = JobConfig::load(&path, &[]).unwrap_err().to_string();
+    assert!(err.contains("bad.toml") && err.contains("line 3, column 8"), "{err}");
 }
 
 #[test]

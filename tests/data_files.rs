@@ -39,14 +39,19 @@ fn shard_round_trips_and_leaves_no_temp_file() {
     );
     let shard = Shard::open(&path, 256).unwrap();
     assert_eq!(shard.len(), 1000);
-    let read: Vec<u16> = (0..1000).map(|i| shard.token(i)).collect();
+    let read: Vec<u16> = (0..1000).map(|i| shard.token(i).unwrap()).collect();
     assert_eq!(read, tokens);
     let mut window = vec![0u32; 5];
-    shard.read(10, &mut window);
+    shard.read(10, &mut window).unwrap();
     assert_eq!(
         window,
         tokens[10..15].iter().map(|&t| t as u32).collect::<Vec<_>>()
     );
+    // Truncated under the open shard (a mapped file would raise SIGBUS here): an error naming it.
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len((HEADER_BYTES + 200) as u64).unwrap();
+    shard.read(10, &mut window).unwrap();
+    let err = shard.read(500, &mut window).unwrap_err().to_string();
+    assert!(err.contains(&path.display().to_string()) && err.contains("truncated"), "{err}");
 }
 
 #[test]
@@ -181,7 +186,7 @@ fn tokenize_writes_val_then_train_shards_with_eot_separators() {
     for path in report.val_shards.iter().chain(&report.train_shards) {
         let shard = Shard::open(path, GPT2_VOCAB_SIZE).unwrap();
         assert!(shard.len() <= 64);
-        got.extend((0..shard.len()).map(|i| shard.token(i) as u32));
+        got.extend((0..shard.len()).map(|i| shard.token(i).unwrap() as u32));
     }
     assert_eq!(got, expected);
 }
@@ -216,6 +221,6 @@ fn tokenize_keeps_input_order_across_parallel_workers() {
         expected.extend(tok.encode(&std::fs::read_to_string(p).unwrap()));
     }
     let shard = Shard::open(&report.train_shards[0], GPT2_VOCAB_SIZE).unwrap();
-    let got: Vec<u32> = (0..shard.len()).map(|i| shard.token(i) as u32).collect();
+    let got: Vec<u32> = (0..shard.len()).map(|i| shard.token(i).unwrap() as u32).collect();
     assert_eq!(got, expected);
 }

@@ -262,6 +262,23 @@ fn checkpoint_resume_decisions() {
     assert_eq!(step_dirs(&root), ["step_00000001", "step_00000002", "step_00000003"]);
     assert_eq!(std::fs::read_to_string(root.join("latest")).unwrap().trim(), "step_00000003");
 
+    // The CLI around a checkpoint: `inspect` takes the index file too, survives a reader that
+    // stops early (here: before it writes), and `generate` names a bad flag.
+    let index = root.join("step_00000003").join("checkpoint.h5");
+    let out = std::process::Command::new(common::meshtrain()).arg("inspect").arg(&index).output().unwrap();
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("step 3"), "{out:?}");
+    let piped = format!("{:?} inspect --verify {:?} | true; exit ${{PIPESTATUS[0]}}", common::meshtrain(), root.join("step_00000003"));
+    let out = std::process::Command::new("bash").args(["-c", &piped]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && !err.contains("panicked"), "inspect | head: {:?} {err}", out.status);
+    let out = std::process::Command::new(common::meshtrain())
+        .args(["generate", "--tokens", "1,2", "--temperature=-1"])
+        .arg(root.join("step_00000003"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code() == Some(2) && err.contains("`--temperature`: -1 is not a number >= 0"), "{err}");
+
     // `latest` naming something outside the checkpoint directory is refused before training.
     std::fs::write(root.join("latest"), "../elsewhere/step_00000001\n").unwrap();
     let (ok, said) = train_alone(&job, &["train.steps=3", "optim.warmup_steps=1", "checkpoint.resume=\"latest\""]);

@@ -31,9 +31,12 @@ pub struct CheckpointIndex {
     by_name: HashMap<String, usize>,
 }
 
-/// Resolves `path`: a checkpoint directory (holding the index) or a checkpoint root (holding
-/// `latest`).
+/// Resolves `path`: a checkpoint directory (holding the index), its index file, or a checkpoint
+/// root (holding `latest`).
 fn resolve(path: &Path) -> Result<PathBuf> {
+    if path.file_name().is_some_and(|n| n == INDEX_FILE) && path.is_file() {
+        return Ok(path.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf));
+    }
     if path.join(INDEX_FILE).is_file() {
         return Ok(path.to_path_buf());
     }

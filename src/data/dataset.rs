@@ -88,8 +88,7 @@ impl TokenWindows for ShardDataset {
         for shard in &self.shards {
             let n = Self::windows_in(shard, seq_len);
             if rest < n {
-                shard.read(rest as usize * seq_len, out);
-                return Ok(());
+                return shard.read(rest as usize * seq_len, out);
             }
             rest -= n;
         }

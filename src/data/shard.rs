@@ -1,16 +1,16 @@
-//! Token shards in llm.c's on-disk format, memory-mapped for reading and written atomically.
+//! Token shards in llm.c's on-disk format, read with positioned reads and written atomically.
 //!
 //! Layout: a header of 256 little-endian `i32` (1024 bytes) with `header[0] = SHARD_MAGIC`,
 //! `header[1] = SHARD_VERSION`, `header[2] = token count`, the rest zero; then `count` little-endian
 //! `u16` token ids. Invariants established by [`Shard::open`] and relied on by every reader: the file
 //! is exactly `1024 + 2 * count` bytes and every token id is below the model's vocabulary size, so a
-//! window read from an open shard never needs checking again.
+//! window read from an open shard needs no checking again, except that the file may have been
+//! truncated since (then the read fails naming the file, see [`Shard`]).
 
 use std::fs::File;
 use std::io::Write;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-
-use memmap2::Mmap;
 
 use crate::error::{Error, Result};
 
@@ -20,27 +20,34 @@ pub const SHARD_MAGIC: i32 = 20240520;
 pub const SHARD_VERSION: i32 = 1;
 /// Bytes in the header (256 x i32).
 pub const HEADER_BYTES: usize = 256 * 4;
+/// Bytes read at a time while validating a shard.
+const SCAN_BYTES: usize = 1 << 20;
 
-/// A validated, memory-mapped token shard.
+/// A validated token shard, read with positioned reads (`pread`).
+///
+/// Not memory-mapped: a mapped file truncated under a running job (a shard rewritten in place,
+/// a filesystem quota) kills the process with SIGBUS at the first access past the new end, with
+/// no word of which file. A positioned read of a truncated file returns short instead, which
+/// becomes an error naming the file and offset. One read per window costs one system call per
+/// sequence, nothing next to a training step.
 #[derive(Debug)]
 pub struct Shard {
     path: PathBuf,
-    /// The whole file, header included; `len() == HEADER_BYTES + 2 * count`.
-    map: Mmap,
+    file: File,
+    /// Tokens; the file was `HEADER_BYTES + 2 * count` bytes when opened.
     count: usize,
 }
 
 impl Shard {
-    /// Maps `path` and checks header, size and that every token is `< vocab_size`.
+    /// Opens `path` and checks header, size and that every token is `< vocab_size`.
     pub fn open(path: &Path, vocab_size: usize) -> Result<Shard> {
         let file =
             File::open(path).map_err(|e| Error::io(format!("open shard {}", path.display()), e))?;
-        // SAFETY: the map is read-only and private to this process; shards are written to a temporary
-        // name and renamed into place (see `write_shard`), so a file is never modified while mapped
-        // by a reader of this crate. An outside writer truncating the file would be a user error.
-        let map = unsafe { Mmap::map(&file) }
-            .map_err(|e| Error::io(format!("mmap shard {}", path.display()), e))?;
-        let header = read_header(path, &map)?;
+        let len = file
+            .metadata()
+            .map_err(|e| Error::io(format!("stat shard {}", path.display()), e))?
+            .len();
+        let header = read_header(path, &file, len)?;
         if header[0] != SHARD_MAGIC {
             return Err(Error::file(
                 path,
@@ -67,34 +74,26 @@ impl Shard {
         }
         let count = header[2] as usize;
         let expected = HEADER_BYTES as u64 + 2 * count as u64;
-        if map.len() as u64 != expected {
+        if len != expected {
             return Err(Error::file(
                 path,
-                Some(map.len() as u64),
-                format!(
-                    "file is {} bytes but the header's {count} tokens need {expected}",
-                    map.len()
-                ),
+                Some(len),
+                format!("file is {len} bytes but the header's {count} tokens need {expected}"),
             ));
         }
-        let shard = Shard {
-            path: path.to_path_buf(),
-            map,
-            count,
-        };
-        let tokens = shard.map[HEADER_BYTES..].chunks_exact(2);
-        if let Some(i) = tokens
-            .map(|b| u16::from_le_bytes([b[0], b[1]]) as usize)
-            .position(|t| t >= vocab_size)
-        {
-            return Err(Error::file(
-                path,
-                Some((HEADER_BYTES + 2 * i) as u64),
-                format!(
-                    "token {} at index {i} is not below vocab_size {vocab_size}",
-                    shard.token(i)
-                ),
-            ));
+        let shard = Shard { path: path.to_path_buf(), file, count };
+        let mut chunk = vec![0u32; SCAN_BYTES / 2];
+        for start in (0..count).step_by(chunk.len()) {
+            let n = chunk.len().min(count - start);
+            shard.read(start, &mut chunk[..n])?;
+            if let Some(i) = chunk[..n].iter().position(|&t| t as usize >= vocab_size) {
+                let at = start + i;
+                return Err(Error::file(
+                    path,
+                    Some((HEADER_BYTES + 2 * at) as u64),
+                    format!("token {} at index {at} is not below vocab_size {vocab_size}", chunk[i]),
+                ));
+            }
         }
         Ok(shard)
     }
@@ -114,34 +113,57 @@ impl Shard {
         self.count == 0
     }
 
-    /// Token `i`; panics unless `i < len()`, like slice indexing.
-    pub fn token(&self, i: usize) -> u16 {
-        let at = HEADER_BYTES + 2 * i;
-        u16::from_le_bytes([self.map[at], self.map[at + 1]])
+    /// Token `i` (`i < len()`).
+    pub fn token(&self, i: usize) -> Result<u16> {
+        let mut one = [0u32];
+        self.read(i, &mut one)?;
+        Ok(one[0] as u16)
     }
 
-    /// Copies tokens `start .. start + out.len()` into `out`; panics if that range is past `len()`.
-    pub fn read(&self, start: usize, out: &mut [u32]) {
-        let bytes = &self.map[HEADER_BYTES + 2 * start..HEADER_BYTES + 2 * (start + out.len())];
+    /// Copies tokens `start .. start + out.len()` (within `len()`) into `out`; an error naming the
+    /// file if it no longer holds them (truncated since it was opened).
+    pub fn read(&self, start: usize, out: &mut [u32]) -> Result<()> {
+        if start + out.len() > self.count {
+            return Err(Error::InvalidArgument(format!(
+                "{}: tokens {start}..{} are past its {} tokens",
+                self.path.display(),
+                start + out.len(),
+                self.count
+            )));
+        }
+        let at = (HEADER_BYTES + 2 * start) as u64;
+        let mut bytes = vec![0u8; 2 * out.len()];
+        self.file.read_exact_at(&mut bytes, at).map_err(|e| {
+            let now = self.file.metadata().map_or("unknown".to_string(), |m| m.len().to_string());
+            Error::file(
+                &self.path,
+                Some(at),
+                format!(
+                    "cannot read tokens {start}..{} ({e}): the file is now {now} bytes, {} when opened (truncated or replaced under the running job?)",
+                    start + out.len(),
+                    HEADER_BYTES + 2 * self.count
+                ),
+            )
+        })?;
         for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
             *o = u16::from_le_bytes([b[0], b[1]]) as u32;
         }
+        Ok(())
     }
 }
 
-fn read_header(path: &Path, map: &[u8]) -> Result<[i32; 3]> {
-    if map.len() < HEADER_BYTES {
+fn read_header(path: &Path, file: &File, len: u64) -> Result<[i32; 3]> {
+    if len < HEADER_BYTES as u64 {
         return Err(Error::file(
             path,
-            Some(map.len() as u64),
-            format!(
-                "file is {} bytes, shorter than the {HEADER_BYTES}-byte header",
-                map.len()
-            ),
+            Some(len),
+            format!("file is {len} bytes, shorter than the {HEADER_BYTES}-byte header"),
         ));
     }
-    let word =
-        |i: usize| i32::from_le_bytes([map[4 * i], map[4 * i + 1], map[4 * i + 2], map[4 * i + 3]]);
+    let mut head = [0u8; 12];
+    file.read_exact_at(&mut head, 0)
+        .map_err(|e| Error::io(format!("read shard header {}", path.display()), e))?;
+    let word = |i: usize| i32::from_le_bytes([head[4 * i], head[4 * i + 1], head[4 * i + 2], head[4 * i + 3]]);
     Ok([word(0), word(1), word(2)])
 }
 

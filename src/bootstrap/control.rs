@@ -8,7 +8,8 @@
 //! rank that does not answer within [`PING_WAIT`] is stopped, hung or dead and is blamed; if all
 //! answer, a rank that is in no communication operation (its flight record, [`flight`]) is
 //! behind and is blamed. Every verdict starts with `blame: rank N:` and becomes the job-wide abort
-//! reason, so every survivor names the same rank.
+//! reason, so every survivor names the same rank. A member that gets no verdict blames rank 0
+//! itself (its reader threads answer at once unless the process is stopped or hung).
 //!
 //! Messages are length-prefixed JSON (at most [`MAX_MSG`] bytes). Invariants:
 //! - start-up reads have a deadline (`MESHTRAIN_BOOTSTRAP_TIMEOUT`): rank 0 names the rank whose
@@ -211,6 +212,7 @@ impl Control {
             if let Some(abort) = abort.upgrade() {
                 arbitrate(&writers, &live, &abort, what);
             }
+            None
         }));
         Ok((ctl, peers))
     }
@@ -295,7 +297,14 @@ impl Control {
         let writers = ctl.writers.clone();
         ctl.abort.set_notify(Box::new(move |reason| send_to(&writers, 0, &Msg::Abort(reason.to_string()))));
         let writers = ctl.writers.clone();
-        ctl.abort.set_arbiter(Box::new(move |what| send_to(&writers, 0, &Msg::Suspect(what.to_string()))));
+        ctl.abort.set_arbiter(Box::new(move |what| {
+            send_to(&writers, 0, &Msg::Suspect(what.to_string()));
+            // Rank 0's reader threads answer at once unless its process is stopped or hung.
+            Some(format!(
+                "blame: rank 0: the arbiter did not answer within {} s (stopped or hung); first report: {what}",
+                crate::transport::VERDICT_WAIT.as_secs()
+            ))
+        }));
         Ok((ctl, peers))
     }
 

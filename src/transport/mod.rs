@@ -119,8 +119,9 @@ pub struct AbortState {
 pub type AbortHook = Box<dyn Fn(&str) + Send + Sync>;
 
 /// Reports a failure that involves a peer (`what`) to the job's arbiter, which decides which rank
-/// actually failed and raises the job-wide abort with that verdict.
-pub type BlameHook = Box<dyn Fn(&str) + Send + Sync>;
+/// actually failed and raises the job-wide abort with that verdict. Returns the verdict to use if
+/// none comes within [`VERDICT_WAIT`] (a member names the silent arbiter), if any.
+pub type BlameHook = Box<dyn Fn(&str) -> Option<String> + Send + Sync>;
 
 /// How long a rank that reported a failure waits for the arbiter's verdict.
 pub const VERDICT_WAIT: Duration = Duration::from_secs(6);
@@ -159,18 +160,22 @@ impl AbortState {
 
     /// The job's verdict on a failure this rank saw (`what`, naming the peer that did not answer):
     /// reports it to the arbiter (if one is installed) and waits up to [`VERDICT_WAIT`] for the
-    /// job-wide abort it raises. `None` without an arbiter or verdict; an abort already under way
-    /// is returned at once.
+    /// job-wide abort it raises; without one, the arbiter's fallback (if any) is raised. `None`
+    /// without an arbiter or any verdict; an abort already under way is returned at once.
     pub fn blame(&self, what: &str) -> Option<String> {
+        let mut fallback = None;
         if !self.is_set() {
             match self.arbiter.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
-                Some(hook) => hook(what),
+                Some(hook) => fallback = hook(what),
                 None => return None,
             }
         }
         let give_up = Instant::now() + VERDICT_WAIT;
         while !self.is_set() && Instant::now() < give_up {
             std::thread::sleep(Duration::from_millis(5));
+        }
+        if let (false, Some(f)) = (self.is_set(), fallback) {
+            self.raise(&f);
         }
         self.reason()
     }

@@ -187,6 +187,7 @@ impl Gemm {
 
     /// `batch.count` products `c_i (M, N) = op(a_i) · op(b_i)` (`accumulate`: `c_i +=`), the
     /// matrices placed as `batch` says, queued on `dev` as one BLAS call. `dims` = (M, N, K).
+    #[allow(clippy::too_many_arguments)]
     pub fn matmul_batched(
         &self,
         dev: &Device,

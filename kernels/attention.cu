@@ -1,98 +1,81 @@
-// attention.cu: causal multi-head self-attention core, f32 (src/model/attention.rs is the
-// reference, with the same layouts): qkv (B, T, 3*NH*hs) rows hold [q | k | v], head h at columns
-// h*hs..(h+1)*hs of each part; att (B, NH, T, T) keeps the softmax probabilities, zero above the
-// diagonal; out (B, T, NH*hs).
+// attention.cu: the non-GEMM parts of causal multi-head self-attention, f32
+// (src/device/ops_attention.rs runs the whole; src/model/attention.rs is the reference).
 //
-// These kernels are the correct, simple version: one block per (b, h, query row), scores and
-// weighted sums as plain loops (no tensor cores). The backward is split so that no two blocks
-// write the same element (no atomics, deterministic): first dpre = d(scaled scores) per row, then
-// one block per (b, h, position p) gathers dq_p over keys t2 <= p and dk_p, dv_p over queries
-// ti >= p. A flash-attention kernel (tiles in shared memory, tensor cores) is future work.
+// Layouts: qkv (B, T, 3*NH*hs) rows hold [q | k | v], head h at columns h*hs..(h+1)*hs of each
+// part; the products run on per-head views (parts, B, NH, T, hs) made by the split/merge
+// kernels below, so that each head's matrix is contiguous and one strided-batched GEMM covers
+// all B*NH heads. att (B, NH, T, T) keeps the softmax probabilities, zero above the diagonal.
+//
+// Softmax kernels run one block per row (B*NH*T rows of T); each thread handles columns
+// threadIdx.x, threadIdx.x + blockDim.x, ... in every loop, so it rewrites only entries it read
+// itself and no barrier is needed between the loops beyond the block reductions.
 #include "compat.h"
 
-// Grid: B*NH*T blocks, block index = (b*NH + h)*T + ti. out and att are fully written.
-extern "C" __global__ void attention_forward_f32(float *out, float *att, const float *qkv, int t,
-                                                 int nh, int hs) {
-    __shared__ float scratch[MT_MAX_WARPS];
-    const int ti = blockIdx.x % t, bh = blockIdx.x / t, h = bh % nh, b = bh / nh;
-    const int c = nh * hs;
-    const float scale = 1.0f / sqrtf((float)hs);
-    const float *q = qkv + ((mt_u64)b * t + ti) * 3 * c + h * hs; // (hs)
-    float *row = att + ((mt_u64)bh * t + ti) * t;                 // (T)
-    float mx = -mt_inf();
-    for (int t2 = threadIdx.x; t2 <= ti; t2 += blockDim.x) {
-        const float *k = qkv + ((mt_u64)b * t + t2) * 3 * c + c + h * hs; // (hs)
-        float s = 0.0f;
-        for (int i = 0; i < hs; i++) s += q[i] * k[i];
-        s *= scale;
-        row[t2] = s;
-        mx = fmaxf(mx, s);
+// dst (parts, B, NH, T, hs) = src (B, T, parts*NH*hs) regrouped by head. Grid-stride over the
+// n = parts*B*NH*T*hs elements of dst.
+extern "C" __global__ void attention_split_heads_f32(float *dst, const float *src, int b, int t,
+                                                     int parts, int nh, int hs, mt_u64 n) {
+    for (mt_u64 i = blockIdx.x * (mt_u64)blockDim.x + threadIdx.x; i < n;
+         i += (mt_u64)gridDim.x * blockDim.x) {
+        mt_u64 r = i / hs;
+        const int x = (int)(i % hs), ti = (int)(r % t);
+        r /= t;
+        const int h = (int)(r % nh);
+        r /= nh;
+        const int bi = (int)(r % b), p = (int)(r / b);
+        dst[i] = src[(((mt_u64)bi * t + ti) * parts + p) * nh * hs + (mt_u64)h * hs + x];
     }
+}
+
+// dst (B, T, parts*NH*hs) = src (parts, B, NH, T, hs) back in row layout (`accumulate`: +=).
+// Grid-stride over the n = B*T*parts*NH*hs elements of dst.
+extern "C" __global__ void attention_merge_heads_f32(float *dst, const float *src, int b, int t,
+                                                     int parts, int nh, int hs, int accumulate,
+                                                     mt_u64 n) {
+    for (mt_u64 i = blockIdx.x * (mt_u64)blockDim.x + threadIdx.x; i < n;
+         i += (mt_u64)gridDim.x * blockDim.x) {
+        mt_u64 r = i / hs;
+        const int x = (int)(i % hs), h = (int)(r % nh);
+        r /= nh;
+        const int p = (int)(r % parts);
+        r /= parts;
+        const int ti = (int)(r % t), bi = (int)(r / t);
+        const float v = src[((((mt_u64)p * b + bi) * nh + h) * t + ti) * hs + x];
+        dst[i] = accumulate ? dst[i] + v : v;
+    }
+}
+
+// att (rows, T) in place: on entry the raw scores q.k, on exit the causal softmax of
+// scale * scores over columns j <= i (i = row % T, the query position), 0 for j > i (entries
+// above the diagonal are never read). Grid: one block per row.
+extern "C" __global__ void attention_softmax_forward_f32(float *att, int t, float scale) {
+    __shared__ float scratch[MT_MAX_WARPS];
+    const int ti = blockIdx.x % t;
+    float *row = att + (mt_u64)blockIdx.x * t; // (T)
+    float mx = -mt_inf();
+    for (int j = threadIdx.x; j <= ti; j += blockDim.x) mx = fmaxf(mx, row[j] * scale);
     mx = mt_block_max(mx, scratch);
     float sum = 0.0f;
-    for (int t2 = threadIdx.x; t2 <= ti; t2 += blockDim.x) {
-        const float e = expf(row[t2] - mx);
-        row[t2] = e;
+    for (int j = threadIdx.x; j <= ti; j += blockDim.x) {
+        const float e = expf(row[j] * scale - mx);
+        row[j] = e;
         sum += e;
     }
     const float inv = 1.0f / mt_block_sum(sum, scratch);
-    for (int t2 = threadIdx.x; t2 < t; t2 += blockDim.x) row[t2] = t2 <= ti ? row[t2] * inv : 0.0f;
-    __syncthreads(); // the probabilities written above are read by every thread below
-    float *o = out + ((mt_u64)b * t + ti) * c + h * hs; // (hs)
-    for (int i = threadIdx.x; i < hs; i += blockDim.x) {
-        float acc = 0.0f;
-        for (int t2 = 0; t2 <= ti; t2++) acc += row[t2] * qkv[((mt_u64)b * t + t2) * 3 * c + 2 * c + h * hs + i];
-        o[i] = acc;
-    }
+    for (int j = threadIdx.x; j < t; j += blockDim.x) row[j] = j <= ti ? row[j] * inv : 0.0f;
 }
 
-// dpre (B, NH, T, T) = att * (datt - sum(att * datt)) * scale below and on the diagonal, 0 above,
-// where datt[t2] = dout_ti . v_t2. Grid: B*NH*T blocks as in the forward.
-extern "C" __global__ void attention_backward_dpre_f32(float *dpre, const float *dout,
-                                                       const float *qkv, const float *att, int t,
-                                                       int nh, int hs) {
+// d (rows, T) in place: on entry datt = d(loss)/d(att), on exit d(loss)/d(scores) =
+// scale * att * (datt - sum_{j<=i} att_j datt_j) for j <= i, 0 above the diagonal (datt there is
+// never read). Grid: one block per row.
+extern "C" __global__ void attention_softmax_backward_f32(float *d, const float *att, int t,
+                                                          float scale) {
     __shared__ float scratch[MT_MAX_WARPS];
-    const int ti = blockIdx.x % t, bh = blockIdx.x / t, h = bh % nh, b = bh / nh;
-    const int c = nh * hs;
-    const float scale = 1.0f / sqrtf((float)hs);
-    const float *dy = dout + ((mt_u64)b * t + ti) * c + h * hs; // (hs)
-    const float *a = att + ((mt_u64)bh * t + ti) * t;           // (T)
-    float *d = dpre + ((mt_u64)bh * t + ti) * t;                // (T)
+    const int ti = blockIdx.x % t;
+    float *row = d + (mt_u64)blockIdx.x * t;             // (T)
+    const float *a = att + (mt_u64)blockIdx.x * t;       // (T)
     float dot = 0.0f;
-    for (int t2 = threadIdx.x; t2 <= ti; t2 += blockDim.x) {
-        const float *v = qkv + ((mt_u64)b * t + t2) * 3 * c + 2 * c + h * hs; // (hs)
-        float da = 0.0f;
-        for (int i = 0; i < hs; i++) da += dy[i] * v[i];
-        d[t2] = da; // datt for now; each thread rewrites only its own entries below
-        dot += da * a[t2];
-    }
+    for (int j = threadIdx.x; j <= ti; j += blockDim.x) dot += a[j] * row[j];
     dot = mt_block_sum(dot, scratch);
-    for (int t2 = threadIdx.x; t2 < t; t2 += blockDim.x) d[t2] = t2 <= ti ? a[t2] * (d[t2] - dot) * scale : 0.0f;
-}
-
-// dqkv (B, T, 3*NH*hs) += gradients of q, k, v at position p of head h:
-// dq_p += sum_{t2<=p} dpre[p][t2] k_t2; dk_p += sum_{ti>=p} dpre[ti][p] q_ti;
-// dv_p += sum_{ti>=p} att[ti][p] dout_ti. Grid: B*NH*T blocks, block index = (b*NH + h)*T + p;
-// each block writes only position p's slots of head h.
-extern "C" __global__ void attention_backward_dqkv_f32(float *dqkv, const float *dpre,
-                                                       const float *dout, const float *qkv,
-                                                       const float *att, int t, int nh, int hs) {
-    const int p = blockIdx.x % t, bh = blockIdx.x / t, h = bh % nh, b = bh / nh;
-    const int c = nh * hs;
-    const mt_u64 base = (mt_u64)b * t;
-    const float *dpre_row = dpre + ((mt_u64)bh * t + p) * t; // (T), query p
-    const float *dpre_col = dpre + (mt_u64)bh * t * t + p;   // column p, stride T
-    const float *att_col = att + (mt_u64)bh * t * t + p;     // column p, stride T
-    float *dq = dqkv + (base + p) * 3 * c + h * hs;
-    for (int i = threadIdx.x; i < hs; i += blockDim.x) {
-        float gq = 0.0f, gk = 0.0f, gv = 0.0f;
-        for (int t2 = 0; t2 <= p; t2++) gq += dpre_row[t2] * qkv[(base + t2) * 3 * c + c + h * hs + i];
-        for (int ti = p; ti < t; ti++) {
-            gk += dpre_col[(mt_u64)ti * t] * qkv[(base + ti) * 3 * c + h * hs + i];
-            gv += att_col[(mt_u64)ti * t] * dout[(base + ti) * c + h * hs + i];
-        }
-        dq[i] += gq;
-        dq[c + i] += gk;
-        dq[2 * c + i] += gv;
-    }
+    for (int j = threadIdx.x; j < t; j += blockDim.x) row[j] = j <= ti ? scale * a[j] * (row[j] - dot) : 0.0f;
 }

@@ -19,7 +19,9 @@ use meshtrain::config::DeviceKind;
 use half::{bf16, f16};
 use meshtrain::comm::dtype::Reducer;
 use meshtrain::comm::{DType, ReduceOp};
+use meshtrain::device::gemm::{Batch, Gemm, GemmInput, Operand};
 use meshtrain::device::ops::{self, AdamWBuffers};
+use meshtrain::device::ops_attention::{self, AttnWork};
 use meshtrain::device::ops_vocab::{self, VocabShard};
 use meshtrain::device::reduce_bench::reduce_bandwidth;
 use meshtrain::device::{Device, DeviceBuffer};
@@ -245,12 +247,7 @@ fn gelu_and_residual_match_cpu(kind: DeviceKind) {
 fn attention_matches_cpu(kind: DeviceKind) {
     let dev = open(kind);
     let mut r = rng("gpu_attention_matches_cpu");
-    let s = AttnShape {
-        b: 2,
-        t: 67,
-        nh: 3,
-        hs: 64,
-    };
+    let s = AttnShape { b: 2, t: 67, nh: 3, hs: 37 }; // odd T and head size
     let (c, tt) = (s.nh * s.hs, s.b * s.nh * s.t * s.t);
     let qkv = rand_f32(&mut r, s.b * s.t * 3 * c, 1.0); // (B, T, 3C)
     let dout = rand_f32(&mut r, s.b * s.t * c, 1.0); // (B, T, C)
@@ -263,7 +260,8 @@ fn attention_matches_cpu(kind: DeviceKind) {
 
     let g_qkv = dev.upload(&qkv).unwrap();
     let (mut g_out, mut g_att) = (poisoned(&dev, 4 * out.len()), poisoned(&dev, 4 * tt));
-    ops::attention_forward(&dev, &mut g_out, &mut g_att, &g_qkv, s).unwrap();
+    let mut work = AttnWork::new(&dev, s).unwrap();
+    ops_attention::attention_forward(&dev, &mut g_out, &mut g_att, &g_qkv, &mut work, s).unwrap();
     assert_close("attention out", &down_f32(&dev, &g_out, out.len()), &out);
     let got_att = down_f32(&dev, &g_att, tt);
     assert_close("attention probabilities", &got_att, &att);
@@ -275,7 +273,7 @@ fn attention_matches_cpu(kind: DeviceKind) {
     let mut g_dqkv = dev.upload(&dqkv0).unwrap();
     let mut g_dpre = poisoned(&dev, 4 * tt);
     let g_dout = dev.upload(&dout).unwrap();
-    ops::attention_backward(&dev, &mut g_dqkv, &mut g_dpre, &g_dout, &g_qkv, &g_att, s).unwrap();
+    ops_attention::attention_backward(&dev, &mut g_dqkv, &mut g_dpre, &g_dout, &g_qkv, &g_att, &mut work, s).unwrap();
     assert_close("attention dqkv", &down_f32(&dev, &g_dqkv, dqkv.len()), &dqkv);
 }
 
@@ -459,11 +457,109 @@ fn gpu_reduce_bandwidth_report() {
     }
 }
 
+/// The attention kernels one by one against the CPU arm of the same ops: head split/merge
+/// bit-exact (pure moves, and one add per element when accumulating); the softmax forward and
+/// backward within TOL, with NaN above the diagonal on entry (never read, must come out 0).
+fn attention_kernels_match_cpu_arm(kind: DeviceKind) {
+    let (dev, cpu) = (open(kind), Device::Cpu);
+    let mut r = rng("gpu_attention_kernels_match_cpu_arm");
+    let s = AttnShape { b: 3, t: 45, nh: 5, hs: 19 };
+    let (rows, t, n) = (s.b * s.nh * s.t, s.t, s.b * s.t * s.nh * s.hs);
+    let both = |f: &dyn Fn(&Device, &mut DeviceBuffer), start: &[f32], len: usize| -> (Vec<f32>, Vec<f32>) {
+        let mut out = Vec::new();
+        for d in [&dev, &cpu] {
+            let mut buf = if start.is_empty() { poisoned(d, 4 * len) } else { d.upload(start).unwrap() };
+            f(d, &mut buf);
+            out.push(down_f32(d, &buf, len));
+        }
+        (out.remove(0), out.remove(0))
+    };
+    for parts in [1, 3] {
+        let src = rand_f32(&mut r, parts * n, 1.0); // (B, T, parts*C)
+        let split = |d: &Device, dst: &mut DeviceBuffer| {
+            ops_attention::split_heads(d, dst, &d.upload(&src).unwrap(), s, parts).unwrap()
+        };
+        let (got, want) = both(&split, &[], parts * n); // (parts, B, NH, T, hs)
+        assert!(got == want, "split_heads parts={parts} differs");
+        let dst0 = rand_f32(&mut r, parts * n, 1.0);
+        for accumulate in [false, true] {
+            let merge = |d: &Device, dst: &mut DeviceBuffer| {
+                ops_attention::merge_heads(d, dst, &d.upload(&want).unwrap(), s, parts, accumulate).unwrap()
+            };
+            let start = if accumulate { &dst0[..] } else { &[] };
+            let (got, back) = both(&merge, start, parts * n);
+            assert!(got == back, "merge_heads parts={parts} accumulate={accumulate} differs");
+            if !accumulate {
+                assert!(back == src, "merge_heads does not invert split_heads");
+            }
+        }
+    }
+    let scale = 1.0 / (s.hs as f32).sqrt();
+    let above_nan = |x: &mut [f32]| {
+        for (i, row) in x.chunks_mut(t).enumerate() {
+            row[i % t + 1..].fill(f32::NAN);
+        }
+    };
+    let mut scores = rand_f32(&mut r, rows * t, 8.0); // (B, NH, T, T)
+    above_nan(&mut scores);
+    let fwd = |d: &Device, att: &mut DeviceBuffer| ops_attention::softmax_forward(d, att, rows, t, scale).unwrap();
+    let (got, att) = both(&fwd, &scores, rows * t);
+    assert_close("softmax forward", &got, &widen(&att));
+    assert!(att.iter().zip(&got).all(|(&w, &g)| w != 0.0 || g == 0.0), "causal mask not zero");
+    let mut datt = rand_f32(&mut r, rows * t, 1.0);
+    above_nan(&mut datt);
+    let bwd = |d: &Device, g: &mut DeviceBuffer| {
+        ops_attention::softmax_backward(d, g, &d.upload(&att).unwrap(), rows, t, scale).unwrap()
+    };
+    let (got, want) = both(&bwd, &datt, rows * t);
+    assert_close("softmax backward", &got, &widen(&want));
+}
+
+/// The strided-batched product (cuBLAS on a GPU, the CPU gemm on emu) for every transposition
+/// and both input types, with offsets and gaps between the matrices, against a loop of naive
+/// products; small-integer inputs make every result exact in f32.
+fn batched_gemm_matches_naive_loop(kind: DeviceKind) {
+    let dev = open(kind);
+    let gemm = Gemm::new(&dev).unwrap();
+    let mut r = rng("gpu_batched_gemm_matches_naive_loop");
+    let (m, n, k, count) = (13, 7, 9, 6);
+    let batch = Batch { count, c: (3, m * n + 5), a: (1, m * k + 2), b: (4, k * n) };
+    let len = |(offset, stride): (usize, usize), elems| offset + (count - 1) * stride + elems;
+    let ints = |r: &mut ChaCha8Rng, n| (0..n).map(|_| r.gen_range(-4..=4) as f32).collect::<Vec<f32>>();
+    let (a_all, b_all) = (ints(&mut r, len(batch.a, m * k)), ints(&mut r, len(batch.b, k * n))); // stored
+    let c0 = ints(&mut r, len(batch.c, m * n));
+    let up = |x: &[f32], dtype| match dtype {
+        GemmInput::F32 => dev.upload(x).unwrap(),
+        GemmInput::Bf16 => dev.upload(&x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).unwrap(),
+    };
+    for dtype in [GemmInput::F32, GemmInput::Bf16] {
+        for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
+            let mut want = c0.clone();
+            for i in 0..count {
+                let a_i = &a_all[batch.a.0 + i * batch.a.1..]; // (M, K), or (K, M) stored transposed
+                let b_i = &b_all[batch.b.0 + i * batch.b.1..]; // (K, N), or (N, K)
+                for (row, col) in (0..m).flat_map(|row| (0..n).map(move |col| (row, col))) {
+                    let at = |p: usize| if a_t { a_i[p * m + row] } else { a_i[row * k + p] };
+                    let bt = |p: usize| if b_t { b_i[col * k + p] } else { b_i[p * n + col] };
+                    want[batch.c.0 + i * batch.c.1 + row * n + col] += (0..k).map(|p| at(p) * bt(p)).sum::<f32>();
+                }
+            }
+            let (ab, bb) = (up(&a_all, dtype), up(&b_all, dtype));
+            let mut c = dev.upload(&c0).unwrap();
+            let op = |buf, transposed| Operand { buf, dtype, transposed };
+            gemm.matmul_batched(&dev, &mut c, op(&ab, a_t), op(&bb, b_t), (m, n, k), &batch, true).unwrap();
+            assert!(down_f32(&dev, &c, c0.len()) == want, "{dtype:?} a_t={a_t} b_t={b_t}");
+        }
+    }
+}
+
 crate::gpu_and_emu_tests!(
     reductions_match_cpu_bitwise,
     layernorm_matches_cpu,
     gelu_and_residual_match_cpu,
     attention_matches_cpu,
+    attention_kernels_match_cpu_arm,
+    batched_gemm_matches_naive_loop,
     cross_entropy_matches_cpu_and_skips_padding,
     vocab_parallel_kernels_match_cpu,
     adamw_matches_cpu,

@@ -6,6 +6,11 @@
 //! libraries get the same product as `cᵀ = op(b)ᵀ · op(a)ᵀ`, which swaps the operands and keeps
 //! the transposition flags (see [`col_major`]).
 //!
+//! A strided-batched product ([`Gemm::matmul_batched`], `cublasGemmStridedBatchedEx` /
+//! `rocblas_gemm_strided_batched_ex`) runs `count` such products in one call, the i-th reading and
+//! writing its matrices a fixed stride after the previous one's ([`Batch`]); attention's per-head
+//! products are one call each. [`Gemm::matmul`] is the batch of one.
+//!
 //! Operands are f32 or bf16; the product is accumulated in f32 and written as f32 (cuBLAS
 //! `CUBLAS_COMPUTE_32F`, rocBLAS `f32_r` compute). The CPU arm widens bf16 operands to f32
 //! (exactly) and multiplies in f32, so it computes the same rounded inputs' product up to the
@@ -62,6 +67,26 @@ impl<'a> Operand<'a> {
     }
 }
 
+/// Where the matrices of a batched product lie, in elements of each buffer's type: product `i`
+/// reads `a` from element `a.0 + i * a.1`, `b` from `b.0 + i * b.1`, and writes `c` from
+/// `c.0 + i * c.1` (each `(offset, stride)`).
+#[derive(Debug, Clone, Copy)]
+pub struct Batch {
+    /// Number of products.
+    pub count: usize,
+    /// (offset, stride) of the results.
+    pub c: (usize, usize),
+    /// (offset, stride) of the first operands.
+    pub a: (usize, usize),
+    /// (offset, stride) of the second operands.
+    pub b: (usize, usize),
+}
+
+impl Batch {
+    /// One product of matrices stored from the start of each buffer.
+    pub const ONE: Batch = Batch { count: 1, c: (0, 0), a: (0, 0), b: (0, 0) };
+}
+
 /// A BLAS handle for one device (freed on drop).
 pub struct Gemm {
     imp: Imp,
@@ -94,11 +119,17 @@ pub(crate) struct ColMajor {
     pub ty_second: GemmInput,
     /// 1 to accumulate into the result, 0 to overwrite it.
     pub beta: f32,
+    /// Elements between consecutive products' first operands, second operands and results.
+    pub stride_first: i64,
+    pub stride_second: i64,
+    pub stride_c: i64,
+    /// Number of products.
+    pub count: i32,
 }
 
 impl ColMajor {
-    /// The call for checked dimensions (each fits `i32`).
-    pub(crate) fn new(a: &Operand, b: &Operand, m: usize, n: usize, k: usize, accumulate: bool) -> Self {
+    /// The call for checked dimensions (each fits `i32`, strides `i64`).
+    pub(crate) fn new(a: &Operand, b: &Operand, (m, n, k): (usize, usize, usize), batch: &Batch, accumulate: bool) -> Self {
         ColMajor {
             m: n as i32,
             n: m as i32,
@@ -111,6 +142,10 @@ impl ColMajor {
             ty_first: b.dtype,
             ty_second: a.dtype,
             beta: if accumulate { 1.0 } else { 0.0 },
+            stride_first: batch.b.1 as i64,
+            stride_second: batch.a.1 as i64,
+            stride_c: batch.c.1 as i64,
+            count: batch.count as i32,
         }
     }
 }
@@ -147,38 +182,60 @@ impl Gemm {
         k: usize,
         accumulate: bool,
     ) -> Result<()> {
-        for (what, buf, elems, size) in [
-            ("c", &*c, m * n, 4),
-            ("a", a.buf, m * k, a.dtype.size()),
-            ("b", b.buf, k * n, b.dtype.size()),
+        self.matmul_batched(dev, c, a, b, (m, n, k), &Batch::ONE, accumulate)
+    }
+
+    /// `batch.count` products `c_i (M, N) = op(a_i) · op(b_i)` (`accumulate`: `c_i +=`), the
+    /// matrices placed as `batch` says, queued on `dev` as one BLAS call. `dims` = (M, N, K).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_batched(
+        &self,
+        dev: &Device,
+        c: &mut DeviceBuffer,
+        a: Operand,
+        b: Operand,
+        (m, n, k): (usize, usize, usize),
+        batch: &Batch,
+        accumulate: bool,
+    ) -> Result<()> {
+        let shape = || format!("{} x ({m}x{k} by {k}x{n})", batch.count);
+        for (what, buf, elems, size, (offset, stride)) in [
+            ("c", &*c, m * n, 4, batch.c),
+            ("a", a.buf, m * k, a.dtype.size(), batch.a),
+            ("b", b.buf, k * n, b.dtype.size(), batch.b),
         ] {
-            if buf.len() < elems * size {
+            let need = if batch.count == 0 { 0 } else { (offset + (batch.count - 1) * stride + elems) * size };
+            if buf.len() < need {
                 return Err(Error::InvalidArgument(format!(
-                    "gemm ({m}x{k} by {k}x{n}): `{what}` holds {} bytes, the shape needs {}",
-                    buf.len(),
-                    elems * size
+                    "gemm ({}): `{what}` holds {} bytes, the shape needs {need}",
+                    shape(),
+                    buf.len()
                 )));
             }
         }
-        if m == 0 || n == 0 {
+        if batch.count == 0 || m == 0 || n == 0 {
             return Ok(());
         }
         if k == 0 {
             // An empty sum: BLAS rejects a leading dimension of 0, and the product is zero.
-            return if accumulate { Ok(()) } else { super::ops::fill_zero(dev, c, m * n) };
+            return match (accumulate, batch.count, batch.c.0) {
+                (true, _, _) => Ok(()),
+                (false, 1, 0) => super::ops::fill_zero(dev, c, m * n),
+                _ => Err(Error::InvalidArgument(format!("gemm ({}): a batched product with K = 0", shape()))),
+            };
         }
-        let dims = [m, n, k];
+        let dims = [m, n, k, batch.count];
         if dims.iter().any(|&d| i32::try_from(d).is_err()) {
             return Err(Error::InvalidArgument(format!("gemm: dimensions {dims:?} exceed i32")));
         }
         // A BLAS library's call: the result, then b's storage first and a's second.
         let blas_call = |c: &DeviceBuffer| -> Result<((u64, u64, u64), ColMajor)> {
-            let ptr = |buf: &DeviceBuffer| buf.device_address(dev, "gemm", 0);
-            Ok(((ptr(c)?, ptr(b.buf)?, ptr(a.buf)?), ColMajor::new(&a, &b, m, n, k, accumulate)))
+            let ptr = |buf: &DeviceBuffer, elems: usize, size: usize| buf.device_address(dev, "gemm", elems * size);
+            let ptrs = (ptr(c, batch.c.0, 4)?, ptr(b.buf, batch.b.0, b.dtype.size())?, ptr(a.buf, batch.a.0, a.dtype.size())?);
+            Ok((ptrs, ColMajor::new(&a, &b, (m, n, k), batch, accumulate)))
         };
-        let shape = || format!("{m}x{k} by {k}x{n}");
         match &self.imp {
-            Imp::Cpu => cpu_matmul(c, a, b, m, n, k, accumulate),
+            Imp::Cpu => cpu_matmul(c, a, b, (m, n, k), batch, accumulate),
             Imp::Cuda(blas) => {
                 let (ptrs, call) = blas_call(c)?;
                 cublas_gemm(blas, ptrs, &call, shape)
@@ -191,20 +248,27 @@ impl Gemm {
     }
 }
 
-/// The operand as f32 values (bf16 widened exactly).
-fn widen(op: &Operand, elems: usize) -> Result<Vec<f32>> {
+/// `elems` values of the operand from element `offset`, as f32 (bf16 widened exactly).
+fn widen(op: &Operand, offset: usize, elems: usize) -> Result<Vec<f32>> {
     let h = host("gemm", op.buf)?;
     Ok(match op.dtype {
-        GemmInput::F32 => h.view::<f32>(elems).to_vec(),
-        GemmInput::Bf16 => h.view::<bf16>(elems).iter().map(|x| x.to_f32()).collect(),
+        GemmInput::F32 => h.view::<f32>(offset + elems)[offset..].to_vec(),
+        GemmInput::Bf16 => h.view::<bf16>(offset + elems)[offset..].iter().map(|x| x.to_f32()).collect(),
     })
 }
 
-fn cpu_matmul(c: &mut DeviceBuffer, a: Operand, b: Operand, m: usize, n: usize, k: usize, accumulate: bool) -> Result<()> {
-    let (av, bv) = (widen(&a, m * k)?, widen(&b, k * n)?);
-    let am = if a.transposed { Mat::t(&av, k, m) } else { Mat::new(&av, m, k) };
-    let bm = if b.transposed { Mat::t(&bv, n, k) } else { Mat::new(&bv, k, n) };
-    matmul(host_mut("gemm", c)?.view_mut::<f32>(m * n), am, bm, accumulate);
+/// The batch as a loop of CPU products (sizes checked by the caller).
+fn cpu_matmul(c: &mut DeviceBuffer, a: Operand, b: Operand, (m, n, k): (usize, usize, usize), batch: &Batch, accumulate: bool) -> Result<()> {
+    let c_len = batch.c.0 + (batch.count - 1) * batch.c.1 + m * n;
+    let cv = host_mut("gemm", c)?.view_mut::<f32>(c_len);
+    for i in 0..batch.count {
+        let av = widen(&a, batch.a.0 + i * batch.a.1, m * k)?;
+        let bv = widen(&b, batch.b.0 + i * batch.b.1, k * n)?;
+        let am = if a.transposed { Mat::t(&av, k, m) } else { Mat::new(&av, m, k) };
+        let bm = if b.transposed { Mat::t(&bv, n, k) } else { Mat::new(&bv, k, n) };
+        let ci = batch.c.0 + i * batch.c.1;
+        matmul(&mut cv[ci..ci + m * n], am, bm, accumulate);
+    }
     Ok(())
 }
 
@@ -222,11 +286,12 @@ fn cublas_gemm(
         GemmInput::Bf16 => cudaDataType::CUDA_R_16BF,
     };
     let alpha = 1.0f32;
-    // SAFETY: Gemm::matmul checked that the three buffers hold the elements the shapes index;
+    // SAFETY: Gemm::matmul_batched checked that the three buffers hold the elements the shapes
+    // and batch strides index;
     // all pointers are device memory of this handle's context; alpha and beta are host f32 (the
     // handle's default pointer mode); the call is queued on the device's only stream.
     unsafe {
-        cudarc::cublas::result::gemm_ex(
+        cudarc::cublas::result::gemm_strided_batched_ex(
             *blas.handle(),
             op(call.t_first),
             op(call.t_second),
@@ -237,21 +302,25 @@ fn cublas_gemm(
             p1 as *const c_void,
             ty(call.ty_first),
             call.ld_first,
+            call.stride_first,
             p2 as *const c_void,
             ty(call.ty_second),
             call.ld_second,
+            call.stride_second,
             (&call.beta as *const f32).cast::<c_void>(),
             pc as *mut c_void,
             cudaDataType::CUDA_R_32F,
             call.ldc,
+            call.stride_c,
+            call.count,
             cublasComputeType_t::CUBLAS_COMPUTE_32F,
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     }
-    .map_err(|e| Error::Device(format!("cuda: cublasGemmEx ({}): {e:?}", shape())))
+    .map_err(|e| Error::Device(format!("cuda: cublasGemmStridedBatchedEx ({}): {e:?}", shape())))
 }
 
-/// rocBLAS, loaded at run time (ROCm >= 4 `rocblas_gemm_ex` signature) on the null stream, which
+/// rocBLAS, loaded at run time (ROCm >= 4 `rocblas_gemm_strided_batched_ex` signature) on the null stream, which
 /// is the stream every HIP launch of meshtrain uses.
 mod rocblas {
     use std::ffi::c_void;
@@ -271,18 +340,18 @@ mod rocblas {
     type CreateFn = unsafe extern "C" fn(*mut Handle) -> i32;
     type DestroyFn = unsafe extern "C" fn(Handle) -> i32;
     #[allow(clippy::type_complexity)]
-    type GemmExFn = unsafe extern "C" fn(
+    type GemmStridedBatchedExFn = unsafe extern "C" fn(
         Handle, i32, i32, i32, i32, i32,
-        *const c_void, *const c_void, i32, i32,
-        *const c_void, i32, i32,
-        *const c_void, *mut c_void, i32, i32,
-        *mut c_void, i32, i32,
-        i32, i32, i32, u32,
+        *const c_void, *const c_void, i32, i32, i64,
+        *const c_void, i32, i32, i64,
+        *const c_void, *mut c_void, i32, i32, i64,
+        *mut c_void, i32, i32, i64,
+        i32, i32, i32, i32, u32,
     ) -> i32;
 
     pub(super) struct RocBlas {
         handle: Handle,
-        gemm_ex: GemmExFn,
+        gemm: GemmStridedBatchedExFn,
         destroy: DestroyFn,
     }
 
@@ -316,11 +385,11 @@ mod rocblas {
         pub(super) fn open() -> Result<Self> {
             let lib = load()?;
             // SAFETY: the symbol types are those of rocblas.h (ROCm >= 4).
-            let (create, destroy, gemm_ex) = unsafe {
+            let (create, destroy, gemm) = unsafe {
                 (
                     *lib.get::<CreateFn>(b"rocblas_create_handle\0").map_err(|e| lib_err("symbol", e))?,
                     *lib.get::<DestroyFn>(b"rocblas_destroy_handle\0").map_err(|e| lib_err("symbol", e))?,
-                    *lib.get::<GemmExFn>(b"rocblas_gemm_ex\0").map_err(|e| lib_err("symbol", e))?,
+                    *lib.get::<GemmStridedBatchedExFn>(b"rocblas_gemm_strided_batched_ex\0").map_err(|e| lib_err("symbol", e))?,
                 )
             };
             let mut handle: Handle = std::ptr::null_mut();
@@ -329,7 +398,7 @@ mod rocblas {
             if status != 0 {
                 return Err(lib_err("create handle", format!("status {status}")));
             }
-            Ok(RocBlas { handle, gemm_ex, destroy })
+            Ok(RocBlas { handle, gemm, destroy })
         }
 
         /// Runs `call`; `ptrs` = (result, first operand, second operand).
@@ -338,21 +407,21 @@ mod rocblas {
             let ty = |d: GemmInput| if d == GemmInput::Bf16 { BF16_R } else { F32_R };
             let alpha = 1.0f32;
             let c = pc as *mut c_void;
-            // SAFETY: Gemm::matmul checked the buffer sizes; C and D are the same buffer, which
+            // SAFETY: Gemm::matmul_batched checked the buffer sizes for the strides; C and D are the same buffer, which
             // rocBLAS allows when their types and leading dimensions agree; alpha and beta are
             // host f32 (the default pointer mode).
             let status = unsafe {
-                (self.gemm_ex)(
+                (self.gemm)(
                     self.handle, op(call.t_first), op(call.t_second), call.m, call.n, call.k,
-                    (&alpha as *const f32).cast(), p1 as *const c_void, ty(call.ty_first), call.ld_first,
-                    p2 as *const c_void, ty(call.ty_second), call.ld_second,
-                    (&call.beta as *const f32).cast(), c, F32_R, call.ldc,
-                    c, F32_R, call.ldc,
-                    F32_R, ALGO_STANDARD, 0, 0,
+                    (&alpha as *const f32).cast(), p1 as *const c_void, ty(call.ty_first), call.ld_first, call.stride_first,
+                    p2 as *const c_void, ty(call.ty_second), call.ld_second, call.stride_second,
+                    (&call.beta as *const f32).cast(), c, F32_R, call.ldc, call.stride_c,
+                    c, F32_R, call.ldc, call.stride_c,
+                    call.count, F32_R, ALGO_STANDARD, 0, 0,
                 )
             };
             if status != 0 {
-                return Err(lib_err(&format!("rocblas_gemm_ex ({})", shape()), format!("status {status}")));
+                return Err(lib_err(&format!("rocblas_gemm_strided_batched_ex ({})", shape()), format!("status {status}")));
             }
             Ok(())
         }
@@ -426,12 +495,59 @@ mod tests {
     fn column_major_arguments_follow_the_transpose_identity() {
         let (x, y) = (DeviceBuffer::Host(crate::device::HostBytes::zeroed(0)), DeviceBuffer::Host(crate::device::HostBytes::zeroed(0)));
         // c (2, 3) = a (2, 4) · b (4, 3): cᵀ (3, 2) = bᵀ · aᵀ with leading dimensions 3 and 4.
-        let call = ColMajor::new(&Operand::plain(&x, GemmInput::F32), &Operand::plain(&y, GemmInput::Bf16), 2, 3, 4, false);
+        let call = ColMajor::new(&Operand::plain(&x, GemmInput::F32), &Operand::plain(&y, GemmInput::Bf16), (2, 3, 4), &Batch::ONE, false);
         assert_eq!((call.m, call.n, call.k, call.ld_first, call.ld_second, call.ldc), (3, 2, 4, 3, 4, 3));
         assert_eq!((call.ty_first, call.ty_second, call.beta), (GemmInput::Bf16, GemmInput::F32, 0.0));
         // a stored (4, 2), b stored (3, 4).
-        let call = ColMajor::new(&Operand::t(&x, GemmInput::F32), &Operand::t(&y, GemmInput::F32), 2, 3, 4, true);
+        let batch = Batch { count: 5, c: (1, 7), a: (2, 11), b: (3, 13) };
+        let call = ColMajor::new(&Operand::t(&x, GemmInput::F32), &Operand::t(&y, GemmInput::F32), (2, 3, 4), &batch, true);
         assert_eq!((call.t_first, call.t_second, call.ld_first, call.ld_second, call.beta), (true, true, 4, 2, 1.0));
+        // The first operand is b's storage: its stride is b's; the second's is a's.
+        assert_eq!((call.stride_first, call.stride_second, call.stride_c, call.count), (13, 11, 7, 5));
+    }
+
+    /// Every transposition and type of a strided batch with offsets and gaps between the
+    /// matrices, against the naive product of each batch item; the gaps and the head before the
+    /// first result stay untouched.
+    #[test]
+    fn strided_batches_match_a_loop_of_naive_products() {
+        let dev = Device::Cpu;
+        let gemm = Gemm::new(&dev).unwrap();
+        let (m, n, k, count) = (4, 3, 5, 3);
+        let batch = Batch { count, c: (2, m * n + 1), a: (3, m * k + 2), b: (1, k * n + 4) };
+        let len = |(offset, stride): (usize, usize), elems| offset + (count - 1) * stride + elems;
+        let pattern = |n: usize, p: usize| (0..n).map(|i| ((i * 7 + p) % 9) as f32 - 4.0).collect::<Vec<f32>>();
+        let (a_all, b_all) = (pattern(len(batch.a, m * k), 1), pattern(len(batch.b, k * n), 2)); // stored
+        for dtype in [GemmInput::F32, GemmInput::Bf16] {
+            for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
+                let c0 = pattern(len(batch.c, m * n), 3);
+                let mut want = c0.clone();
+                for i in 0..count {
+                    let a_i = &a_all[batch.a.0 + i * batch.a.1..][..m * k];
+                    let b_i = &b_all[batch.b.0 + i * batch.b.1..][..k * n];
+                    let a_i = if a_t { transpose(a_i, k, m) } else { a_i.to_vec() }; // (M, K)
+                    let b_i = if b_t { transpose(b_i, n, k) } else { b_i.to_vec() }; // (K, N)
+                    let prod = reference(&a_i, &b_i, m, n, k);
+                    let c_i = &mut want[batch.c.0 + i * batch.c.1..][..m * n];
+                    c_i.iter_mut().zip(&prod).for_each(|(c, p)| *c += p);
+                }
+                let (ab, bb) = (upload(&dev, &a_all, dtype), upload(&dev, &b_all, dtype));
+                let mut c = dev.upload(&c0).unwrap();
+                let op = |buf, t| Operand { buf, dtype, transposed: t };
+                gemm.matmul_batched(&dev, &mut c, op(&ab, a_t), op(&bb, b_t), (m, n, k), &batch, true).unwrap();
+                let mut got = vec![0f32; c0.len()];
+                dev.copy_to_host(&c, &mut got).unwrap();
+                assert_eq!(got, want, "{dtype:?} a_t={a_t} b_t={b_t}");
+            }
+        }
+        let short = Batch { c: (3, m * n + 1), ..batch };
+        let (ab, bb) = (upload(&dev, &a_all, GemmInput::F32), upload(&dev, &b_all, GemmInput::F32));
+        let mut c = dev.upload(&pattern(len(batch.c, m * n), 3)).unwrap();
+        let err = gemm
+            .matmul_batched(&dev, &mut c, Operand::plain(&ab, GemmInput::F32), Operand::plain(&bb, GemmInput::F32), (m, n, k), &short, false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`c`"), "{err}");
     }
 
     #[test]

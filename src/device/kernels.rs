@@ -37,15 +37,16 @@ pub const SOURCES: [(&str, &str); 11] = [
 ];
 
 /// Entry points other than the reductions.
-const MODEL_KERNELS: [&str; 29] = [
+const MODEL_KERNELS: [&str; 30] = [
     "layernorm_forward_f32",
     "layernorm_backward_dinp_f32",
     "layernorm_backward_dparams_f32",
     "gelu_forward_f32",
     "gelu_backward_f32",
-    "attention_forward_f32",
-    "attention_backward_dpre_f32",
-    "attention_backward_dqkv_f32",
+    "attention_split_heads_f32",
+    "attention_merge_heads_f32",
+    "attention_softmax_forward_f32",
+    "attention_softmax_backward_f32",
     "cross_entropy_forward_f32",
     "cross_entropy_backward_f32",
     "adamw_f32",
@@ -157,11 +158,11 @@ mod tests {
     }
 
     /// Every listed entry point is defined by name or by the reduction macros, and the list has
-    /// no duplicates (28 combine kernels, 7 avg divides, 29 model kernels).
+    /// no duplicates (28 combine kernels, 7 avg divides, 30 model kernels).
     #[test]
     fn entry_points_are_unique_and_defined() {
         let names = entry_points();
-        assert_eq!(names.len(), 28 + 7 + 29);
+        assert_eq!(names.len(), 28 + 7 + 30);
         assert_eq!(names.iter().collect::<HashSet<_>>().len(), names.len());
         let src = kernel_source();
         for n in names

@@ -29,6 +29,7 @@ pub mod ipc;
 pub mod kernels;
 pub mod nvrtc;
 pub mod ops;
+pub mod ops_attention;
 pub mod ops_vocab;
 pub mod pinned;
 pub mod reduce_bench;

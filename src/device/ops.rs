@@ -15,7 +15,6 @@ use super::{Device, DeviceBuffer, HostBytes, KernelArg as A, LaunchDims};
 use crate::comm::dtype::Reducer;
 use crate::comm::{DType, ReduceOp};
 use crate::error::{Error, Result};
-use crate::model::attention::{self, AttnShape};
 use crate::model::{cross_entropy, encoder, gelu, layernorm, residual};
 use crate::optim::adamw::{self, AdamWConfig};
 
@@ -303,102 +302,6 @@ pub fn gelu_backward(
         stride_grid(n),
         &[A::Buf(dinp), A::Buf(inp), A::Buf(dout), A::U64(n as u64)],
     )
-}
-
-fn attn_dims(k: &str, s: AttnShape) -> Result<(LaunchDims, [A<'static>; 3])> {
-    let rows = as_u32(k, "B*NH*T", s.b * s.nh * s.t)?;
-    let args = [
-        A::I32(as_i32(k, "t", s.t)?),
-        A::I32(as_i32(k, "nh", s.nh)?),
-        A::I32(as_i32(k, "hs", s.hs)?),
-    ];
-    Ok((LaunchDims::linear(rows, THREADS), args))
-}
-
-/// out (B, T, C), att (B, NH, T, T) from qkv (B, T, 3C). Reference:
-/// `model::attention::attention_forward`.
-pub fn attention_forward(
-    dev: &Device,
-    out: &mut DeviceBuffer,
-    att: &mut DeviceBuffer,
-    qkv: &DeviceBuffer,
-    s: AttnShape,
-) -> Result<()> {
-    let k = "attention_forward_f32";
-    let (btc, c) = (s.b * s.t, s.nh * s.hs);
-    need(k, "out", out, f32s(btc * c))?;
-    need(k, "att", att, f32s(s.b * s.nh * s.t * s.t))?;
-    need(k, "qkv", qkv, f32s(btc * 3 * c))?;
-    if let Device::Cpu = dev {
-        attention::attention_forward(
-            host_mut(k, out)?.view_mut::<f32>(btc * c),
-            host_mut(k, att)?.view_mut::<f32>(s.b * s.nh * s.t * s.t),
-            host(k, qkv)?.view::<f32>(btc * 3 * c),
-            s,
-        );
-        return Ok(());
-    }
-    if s.b * s.nh * s.t == 0 {
-        return Ok(());
-    }
-    let (dims, [t, nh, hs]) = attn_dims(k, s)?;
-    dev.launch(k, dims, &[A::Buf(out), A::Buf(att), A::Buf(qkv), t, nh, hs])
-}
-
-/// dqkv (B, T, 3C) += the attention gradient from dout (B, T, C) and the forward's qkv and
-/// att; `dpre` is (B, NH, T, T) scratch, fully overwritten. Reference:
-/// `model::attention::attention_backward`.
-pub fn attention_backward(
-    dev: &Device,
-    dqkv: &mut DeviceBuffer,
-    dpre: &mut DeviceBuffer,
-    dout: &DeviceBuffer,
-    qkv: &DeviceBuffer,
-    att: &DeviceBuffer,
-    s: AttnShape,
-) -> Result<()> {
-    let k = "attention_backward_dpre_f32";
-    let (btc, c, tt) = (s.b * s.t, s.nh * s.hs, s.b * s.nh * s.t * s.t);
-    need(k, "dqkv", dqkv, f32s(btc * 3 * c))?;
-    need(k, "qkv", qkv, f32s(btc * 3 * c))?;
-    need(k, "dout", dout, f32s(btc * c))?;
-    need(k, "dpre", dpre, f32s(tt))?;
-    need(k, "att", att, f32s(tt))?;
-    if let Device::Cpu = dev {
-        // The reference needs only one (T) row of scratch; `dpre` is overwritten on a GPU, so
-        // it is zeroed here to keep the two arms' contracts alike.
-        host_mut(k, dpre)?.view_mut::<f32>(tt).fill(0.0);
-        let mut row = vec![0f32; attention::attention_scratch_len(s.t)];
-        attention::attention_backward(
-            host_mut(k, dqkv)?.view_mut::<f32>(btc * 3 * c),
-            &mut row,
-            host(k, dout)?.view::<f32>(btc * c),
-            host(k, qkv)?.view::<f32>(btc * 3 * c),
-            host(k, att)?.view::<f32>(tt),
-            s,
-        );
-        return Ok(());
-    }
-    if s.b * s.nh * s.t == 0 {
-        return Ok(());
-    }
-    let (dims, [t, nh, hs]) = attn_dims(k, s)?;
-    dev.launch(
-        k,
-        dims,
-        &[A::Buf(dpre), A::Buf(dout), A::Buf(qkv), A::Buf(att), t, nh, hs],
-    )?;
-    let args = [
-        A::Buf(dqkv),
-        A::Buf(dpre),
-        A::Buf(dout),
-        A::Buf(qkv),
-        A::Buf(att),
-        t,
-        nh,
-        hs,
-    ];
-    dev.launch("attention_backward_dqkv_f32", dims, &args)
 }
 
 /// losses (N), lse (N) from logits (N, Vp) and u32 targets (N) over columns 0..v. Reference:

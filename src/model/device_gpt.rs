@@ -36,6 +36,7 @@ use std::ops::Range;
 use super::attention::AttnShape;
 use super::device_acts::{ActDims, Scratch, SlotActs};
 use super::device_linear::Linear;
+use crate::device::ops_attention::AttnWork;
 use super::device_tp::DeviceTp;
 use super::stage::{StageInput, StageOutput};
 use super::tp_layout::{ShardLayout, StageSpec};
@@ -114,6 +115,8 @@ pub struct DeviceGpt {
     chunks: Vec<Chunk>,
     s: Scratch,
     linear: Linear,
+    /// Attention's per-head views and batched-GEMM handle.
+    attn: AttnWork,
     /// Host staging of a hidden state or its gradient (R, C) for the pipeline.
     hidden: Vec<f32>,
     /// ZeRO-3: this rank's blocks of the parameters, gathered unit by unit on use.
@@ -217,6 +220,7 @@ impl DeviceGpt {
         let head_vl = if spec.last { vl } else { 0 };
         let s = Scratch::new(&dev, &d, spec.last, t)?;
         let linear = Linear::new(&dev, bf16, bt * c.max(3 * w.cl).max(w.hl).max(head_vl), bt * c.max(w.hl))?;
+        let attn = AttnWork::new(&dev, AttnShape { b, t, nh: w.nhl, hs: config.head_dim() })?;
         let n = params.len();
         let mut model = DeviceGpt {
             dev,
@@ -239,6 +243,7 @@ impl DeviceGpt {
             chunks,
             s,
             linear,
+            attn,
             hidden: vec![0.0; r * c],
             shards: None,
             release_grads: false,
@@ -308,7 +313,9 @@ impl DeviceGpt {
             .iter()
             .map(|k| k.slots.len() * SlotActs::elements(&d, k.layers.len(), k.embeds, k.ends))
             .sum();
-        slots + Scratch::elements(&d, self.ends.lnf.is_some(), self.t) + self.linear.scratch_elements()
+        slots + Scratch::elements(&d, self.ends.lnf.is_some(), self.t)
+            + self.linear.scratch_elements()
+            + AttnWork::elements(&self.dev, self.attn_shape())
     }
 
     fn dims(&self) -> ActDims {

@@ -153,7 +153,10 @@ impl IpcState {
         }
         if matches!(dev, Device::Cpu | Device::Emu(_)) {
             return match cfg.ipc {
-                GpuIpc::On => Err(forced("the CPU and emu devices have no IPC handles (use MESHTRAIN_GPU_IPC=auto or off)")),
+                GpuIpc::On => {
+                    let arm = if matches!(dev, Device::Cpu) { "CPU" } else { "emu" };
+                    Err(forced(&format!("the {arm} device has no IPC handles (use MESHTRAIN_GPU_IPC=auto or off)")))
+                }
                 _ => Ok(false),
             };
         }

@@ -14,7 +14,7 @@
 //! placement (`stage_compute.rs`), so both give the same values.
 
 use super::{pair, DeviceGpt, Widths};
-use crate::device::ops_vocab;
+use crate::device::{ops_attention, ops_vocab};
 use crate::device::{ops, Device, DeviceBuffer};
 use crate::error::Result;
 use crate::model::device_acts::{Scratch, SlotActs};
@@ -151,10 +151,10 @@ impl DeviceGpt {
         let (done, rest) = slot.blocks.split_at_mut(li);
         let x = if li == 0 { &slot.input } else { &done[li - 1].residual3 }; // (R, C)
         let a = &mut rest[0];
-        let linear = &mut self.linear;
+        let (linear, attn) = (&mut self.linear, &mut self.attn);
         norm_gathered(dev, tp, rows, s, &mut a.ln1, (&mut a.ln1_mean, &mut a.ln1_rstd), x, (&p[ln1_w], &p[ln1_b]), c)?;
         linear.forward(dev, &mut a.qkv, &a.ln1, w(qkv_w), Some(&p[qkv_b]), bt, c, 3 * cl)?;
-        ops::attention_forward(dev, &mut a.atty, &mut a.att, &a.qkv, shape)?;
+        ops_attention::attention_forward(dev, &mut a.atty, &mut a.att, &a.qkv, attn, shape)?;
         row_parallel_forward(dev, tp, linear, rows, s, &a.atty, (w(ap_w), &p[ap_b]), (cl, c))?;
         ops::residual_forward(dev, &mut a.residual2, x, &s.branch, r * c)?;
         let stats = (&mut a.ln2_mean, &mut a.ln2_rstd);
@@ -243,7 +243,7 @@ impl DeviceGpt {
         let slot = &self.chunks[ci].slots[si];
         let x = if li == 0 { &slot.input } else { &slot.blocks[li - 1].residual3 }; // (R, C)
         let a = &slot.blocks[li];
-        let linear = &mut self.linear;
+        let (linear, attn) = (&mut self.linear, &mut self.attn);
         // Under SP the replicated gradients of this micro-batch go to the parts (ln1 w, b,
         // attn.proj b, ln2 w, b, mlp.proj b) and d(residual) is gathered before each
         // row-parallel backward; otherwise straight into the gradients and read in place.
@@ -279,7 +279,7 @@ impl DeviceGpt {
             linear.backward(dev, &mut s.datty, gw, Some(gb), &s.dres, &a.atty, w(ap_w), (bt, cl, c))?;
         }
         ops::fill_zero(dev, &mut s.dqkv, bt * 3 * cl)?;
-        ops::attention_backward(dev, &mut s.dqkv, &mut s.dpre, &s.datty, &a.qkv, &a.att, shape)?;
+        ops_attention::attention_backward(dev, &mut s.dqkv, &mut s.dpre, &s.datty, &a.qkv, &a.att, attn, shape)?;
         let (gw, gb) = pair(g, qkv_w, qkv_b);
         let dinp = if rows.sp { &mut s.partial } else { &mut s.dln };
         linear.backward(dev, dinp, gw, Some(gb), &s.dqkv, &a.ln1, w(qkv_w), (bt, c, 3 * cl))?;

@@ -1,0 +1,252 @@
+//! Causal multi-head self-attention on a device: strided-batched GEMMs (`device::gemm`, one
+//! call for all B*NH heads) around fused causal-softmax kernels (kernels/attention.cu).
+//!
+//! Forward: qkv (B, T, 3C) is split into per-head views (3, B, NH, T, hs), `att = Q Kᵀ` as one
+//! batched product, the softmax (scale, mask j > i, max, exp, sum, normalise) in place, `out_h =
+//! att V` as one batched product, merged back to out (B, T, C). Backward: `datt = dout_h Vᵀ`,
+//! `dV = attᵀ dout_h`, the softmax backward in place (`dpre = scale * att * (datt - Σ att
+//! datt)`), `dQ = dpre K`, `dK = dpreᵀ Q`, merged into dqkv. The products also fill the entries
+//! above the diagonal (wasted, never read: the softmax writes zeros there, so `att V` and the
+//! products of `dpre` equal the causal sums).
+//!
+//! On the CPU device the two attention ops run the reference `model::attention` instead, so the
+//! device model's CPU arm is the reference the emu and GPU arms are tested against; the single
+//! kernels' ops run host loops of the same arithmetic there.
+
+use super::gemm::{Batch, Gemm, GemmInput, Operand};
+use super::ops::{as_i32, as_u32, f32s, host, host_mut, need, stride_grid};
+use super::{Device, DeviceBuffer, KernelArg as A, LaunchDims};
+use crate::error::Result;
+use crate::model::attention::{self, AttnShape};
+
+/// The per-head views and the BLAS handle of [`attention_forward`] / [`attention_backward`]
+/// (every buffer fully overwritten by each call; empty on the CPU device, which does not use them).
+pub struct AttnWork {
+    gemm: Gemm,
+    heads: DeviceBuffer,     // (3, B, NH, T, hs): Q, K, V
+    head_out: DeviceBuffer,  // (B, NH, T, hs): att V in the forward, d(out) in the backward
+    head_grads: DeviceBuffer, // (3, B, NH, T, hs): dQ, dK, dV
+}
+
+impl AttnWork {
+    /// Views for calls of shape `s` on `dev`.
+    pub fn new(dev: &Device, s: AttnShape) -> Result<Self> {
+        let n = Self::elements(dev, s) / 7;
+        Ok(AttnWork {
+            gemm: Gemm::new(dev)?,
+            heads: dev.alloc(f32s(3 * n))?,
+            head_out: dev.alloc(f32s(n))?,
+            head_grads: dev.alloc(f32s(3 * n))?,
+        })
+    }
+
+    /// f32 elements the views take on `dev`.
+    pub fn elements(dev: &Device, s: AttnShape) -> usize {
+        if let Device::Cpu = dev { 0 } else { 7 * s.b * s.t * s.nh * s.hs }
+    }
+}
+
+/// (rows, T) block-per-row launch of a softmax kernel: the smallest multiple of 64 (a wavefront,
+/// two warps) covering T, at most 256 threads.
+fn row_dims(k: &str, rows: usize, t: usize) -> Result<LaunchDims> {
+    let threads = t.div_ceil(64).clamp(1, 4) as u32 * 64;
+    Ok(LaunchDims::linear(as_u32(k, "rows", rows)?, threads))
+}
+
+fn scale_of(s: AttnShape) -> f32 {
+    1.0 / (s.hs as f32).sqrt()
+}
+
+/// att (rows, T) in place: raw scores in, the causal softmax of `scale * scores` out (query
+/// position `row % T`; zero above the diagonal, which is not read).
+pub fn softmax_forward(dev: &Device, att: &mut DeviceBuffer, rows: usize, t: usize, scale: f32) -> Result<()> {
+    let k = "attention_softmax_forward_f32";
+    need(k, "att", att, f32s(rows * t))?;
+    if let Device::Cpu = dev {
+        for (r, row) in host_mut(k, att)?.view_mut::<f32>(rows * t).chunks_mut(t.max(1)).enumerate() {
+            let (keep, above) = row.split_at_mut(r % t + 1);
+            let max = keep.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
+            keep.iter_mut().for_each(|x| *x = (*x * scale - max).exp());
+            let inv = 1.0 / keep.iter().sum::<f32>();
+            keep.iter_mut().for_each(|x| *x *= inv);
+            above.fill(0.0);
+        }
+        return Ok(());
+    }
+    if rows * t == 0 {
+        return Ok(());
+    }
+    dev.launch(k, row_dims(k, rows, t)?, &[A::Buf(att), A::I32(as_i32(k, "t", t)?), A::F32(scale)])
+}
+
+/// d (rows, T) in place: d(att) in, d(scores) = `scale * att * (datt - Σ_{j<=i} att datt)` out,
+/// zero above the diagonal (not read).
+pub fn softmax_backward(dev: &Device, d: &mut DeviceBuffer, att: &DeviceBuffer, rows: usize, t: usize, scale: f32) -> Result<()> {
+    let k = "attention_softmax_backward_f32";
+    need(k, "d", d, f32s(rows * t))?;
+    need(k, "att", att, f32s(rows * t))?;
+    if let Device::Cpu = dev {
+        let a = host(k, att)?.view::<f32>(rows * t);
+        for (r, (row, a)) in host_mut(k, d)?.view_mut::<f32>(rows * t).chunks_mut(t.max(1)).zip(a.chunks(t.max(1))).enumerate() {
+            let (keep, above) = row.split_at_mut(r % t + 1);
+            let dot: f32 = keep.iter().zip(a).map(|(x, y)| x * y).sum();
+            keep.iter_mut().zip(a).for_each(|(x, &y)| *x = scale * y * (*x - dot));
+            above.fill(0.0);
+        }
+        return Ok(());
+    }
+    if rows * t == 0 {
+        return Ok(());
+    }
+    let args = [A::Buf(d), A::Buf(att), A::I32(as_i32(k, "t", t)?), A::F32(scale)];
+    dev.launch(k, row_dims(k, rows, t)?, &args)
+}
+
+/// The index in the row layout (B, T, parts, NH, hs) of element `i` of the per-head layout
+/// (parts, B, NH, T, hs).
+fn head_index(i: usize, s: AttnShape, parts: usize) -> usize {
+    let (x, r) = (i % s.hs, i / s.hs);
+    let (ti, r) = (r % s.t, r / s.t);
+    let (h, r) = (r % s.nh, r / s.nh);
+    let (bi, p) = (r % s.b, r / s.b);
+    (((bi * s.t + ti) * parts + p) * s.nh + h) * s.hs + x
+}
+
+fn head_args<'a>(k: &str, s: AttnShape, parts: usize) -> Result<[A<'a>; 5]> {
+    Ok([
+        A::I32(as_i32(k, "b", s.b)?),
+        A::I32(as_i32(k, "t", s.t)?),
+        A::I32(as_i32(k, "parts", parts)?),
+        A::I32(as_i32(k, "nh", s.nh)?),
+        A::I32(as_i32(k, "hs", s.hs)?),
+    ])
+}
+
+/// dst (parts, B, NH, T, hs) = src (B, T, parts*NH*hs) regrouped by head.
+pub fn split_heads(dev: &Device, dst: &mut DeviceBuffer, src: &DeviceBuffer, s: AttnShape, parts: usize) -> Result<()> {
+    let k = "attention_split_heads_f32";
+    let n = parts * s.b * s.t * s.nh * s.hs;
+    need(k, "dst", dst, f32s(n))?;
+    need(k, "src", src, f32s(n))?;
+    if let Device::Cpu = dev {
+        let x = host(k, src)?.view::<f32>(n);
+        for (i, y) in host_mut(k, dst)?.view_mut::<f32>(n).iter_mut().enumerate() {
+            *y = x[head_index(i, s, parts)];
+        }
+        return Ok(());
+    }
+    let [b, t, p, nh, hs] = head_args(k, s, parts)?;
+    dev.launch(k, stride_grid(n), &[A::Buf(dst), A::Buf(src), b, t, p, nh, hs, A::U64(n as u64)])
+}
+
+/// dst (B, T, parts*NH*hs) = src (parts, B, NH, T, hs) in row layout (`accumulate`: +=).
+pub fn merge_heads(dev: &Device, dst: &mut DeviceBuffer, src: &DeviceBuffer, s: AttnShape, parts: usize, accumulate: bool) -> Result<()> {
+    let k = "attention_merge_heads_f32";
+    let n = parts * s.b * s.t * s.nh * s.hs;
+    need(k, "dst", dst, f32s(n))?;
+    need(k, "src", src, f32s(n))?;
+    if let Device::Cpu = dev {
+        let x = host(k, src)?.view::<f32>(n);
+        let y = host_mut(k, dst)?.view_mut::<f32>(n);
+        for (i, &v) in x.iter().enumerate() {
+            let j = head_index(i, s, parts);
+            y[j] = if accumulate { y[j] + v } else { v };
+        }
+        return Ok(());
+    }
+    let [b, t, p, nh, hs] = head_args(k, s, parts)?;
+    let args = [A::Buf(dst), A::Buf(src), b, t, p, nh, hs, A::I32(accumulate as i32), A::U64(n as u64)];
+    dev.launch(k, stride_grid(n), &args)
+}
+
+/// One batched product over the B*NH heads: `c_h (M, N) = op(a_h) · op(b_h)`, with the
+/// (offset, stride) of each operand's head matrices.
+#[allow(clippy::too_many_arguments)]
+fn per_head(
+    w: &Gemm,
+    dev: &Device,
+    c: &mut DeviceBuffer,
+    (a, a_at): (Operand, (usize, usize)),
+    (b, b_at): (Operand, (usize, usize)),
+    dims: (usize, usize, usize),
+    s: AttnShape,
+) -> Result<()> {
+    let c_stride = dims.0 * dims.1;
+    let batch = Batch { count: s.b * s.nh, c: (0, c_stride), a: a_at, b: b_at };
+    w.matmul_batched(dev, c, a, b, dims, &batch, false)
+}
+
+/// out (B, T, C), att (B, NH, T, T) from qkv (B, T, 3C). Reference:
+/// `model::attention::attention_forward` (run as is on the CPU device).
+pub fn attention_forward(dev: &Device, out: &mut DeviceBuffer, att: &mut DeviceBuffer, qkv: &DeviceBuffer, w: &mut AttnWork, s: AttnShape) -> Result<()> {
+    let k = "attention_forward";
+    let (btc, tt) = (s.b * s.t * s.nh * s.hs, s.b * s.nh * s.t * s.t);
+    need(k, "out", out, f32s(btc))?;
+    need(k, "att", att, f32s(tt))?;
+    need(k, "qkv", qkv, f32s(3 * btc))?;
+    if let Device::Cpu = dev {
+        let (o, a) = (host_mut(k, out)?.view_mut::<f32>(btc), host_mut(k, att)?.view_mut::<f32>(tt));
+        attention::attention_forward(o, a, host(k, qkv)?.view::<f32>(3 * btc), s);
+        return Ok(());
+    }
+    let f = |buf| Operand::plain(buf, GemmInput::F32);
+    let ft = |buf| Operand::t(buf, GemmInput::F32);
+    let (t, hs, head) = (s.t, s.hs, s.t * s.hs); // head: elements of one head's (T, hs) matrix
+    split_heads(dev, &mut w.heads, qkv, s, 3)?; // Q, K, V (3, B, NH, T, hs)
+    // att_h (T, T) = Q_h (T, hs) · K_hᵀ, K_h stored (T, hs).
+    per_head(&w.gemm, dev, att, (f(&w.heads), (0, head)), (ft(&w.heads), (btc, head)), (t, t, hs), s)?;
+    softmax_forward(dev, att, s.b * s.nh * t, t, scale_of(s))?;
+    // out_h (T, hs) = att_h (T, T) · V_h (T, hs).
+    per_head(&w.gemm, dev, &mut w.head_out, (f(att), (0, t * t)), (f(&w.heads), (2 * btc, head)), (t, hs, t), s)?;
+    merge_heads(dev, out, &w.head_out, s, 1, false)
+}
+
+/// dqkv (B, T, 3C) += the attention gradient from dout (B, T, C) and the forward's qkv and
+/// att; `dpre` is (B, NH, T, T) scratch, fully overwritten. Reference:
+/// `model::attention::attention_backward` (run as is on the CPU device).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    dev: &Device,
+    dqkv: &mut DeviceBuffer,
+    dpre: &mut DeviceBuffer,
+    dout: &DeviceBuffer,
+    qkv: &DeviceBuffer,
+    att: &DeviceBuffer,
+    w: &mut AttnWork,
+    s: AttnShape,
+) -> Result<()> {
+    let k = "attention_backward";
+    let (btc, tt) = (s.b * s.t * s.nh * s.hs, s.b * s.nh * s.t * s.t);
+    need(k, "dqkv", dqkv, f32s(3 * btc))?;
+    need(k, "qkv", qkv, f32s(3 * btc))?;
+    need(k, "dout", dout, f32s(btc))?;
+    need(k, "dpre", dpre, f32s(tt))?;
+    need(k, "att", att, f32s(tt))?;
+    if let Device::Cpu = dev {
+        // The reference needs only one (T) row of scratch; `dpre` is overwritten on a GPU, so
+        // it is zeroed here to keep the two arms' contracts alike.
+        host_mut(k, dpre)?.view_mut::<f32>(tt).fill(0.0);
+        let mut row = vec![0f32; attention::attention_scratch_len(s.t)];
+        let (dy, x, a) = (host(k, dout)?.view::<f32>(btc), host(k, qkv)?.view::<f32>(3 * btc), host(k, att)?.view::<f32>(tt));
+        attention::attention_backward(host_mut(k, dqkv)?.view_mut::<f32>(3 * btc), &mut row, dy, x, a, s);
+        return Ok(());
+    }
+    let f = |buf| Operand::plain(buf, GemmInput::F32);
+    let ft = |buf| Operand::t(buf, GemmInput::F32);
+    let (t, hs, head) = (s.t, s.hs, s.t * s.hs); // head: elements of one head's (T, hs) matrix
+    split_heads(dev, &mut w.heads, qkv, s, 3)?; // Q, K, V (3, B, NH, T, hs)
+    split_heads(dev, &mut w.head_out, dout, s, 1)?; // dout_h (B, NH, T, hs)
+    let (heads, dy, g) = (&w.heads, &w.head_out, &mut w.head_grads);
+    // datt_h (T, T) = dout_h (T, hs) · V_hᵀ, into dpre.
+    per_head(&w.gemm, dev, dpre, (f(dy), (0, head)), (ft(heads), (2 * btc, head)), (t, t, hs), s)?;
+    // dV_h (T, hs) = att_hᵀ · dout_h, att_h stored (T, T).
+    let dv = Batch { count: s.b * s.nh, c: (2 * btc, head), a: (0, t * t), b: (0, head) };
+    w.gemm.matmul_batched(dev, g, ft(att), f(dy), (t, hs, t), &dv, false)?;
+    softmax_backward(dev, dpre, att, s.b * s.nh * t, t, scale_of(s))?; // dpre (B, NH, T, T)
+    // dQ_h (T, hs) = dpre_h (T, T) · K_h (T, hs).
+    per_head(&w.gemm, dev, g, (f(dpre), (0, t * t)), (f(heads), (btc, head)), (t, hs, t), s)?;
+    // dK_h (T, hs) = dpre_hᵀ · Q_h.
+    let dk = Batch { count: s.b * s.nh, c: (btc, head), a: (0, t * t), b: (0, head) };
+    w.gemm.matmul_batched(dev, g, ft(dpre), f(heads), (t, hs, t), &dk, false)?;
+    merge_heads(dev, dqkv, g, s, 3, true)
+}

@@ -285,3 +285,12 @@ fn checkpoint_resume_decisions() {
     assert!(!ok && said.contains("latest") && said.contains("not a step_XXXXXXXX directory"), "{said}");
     assert!(!said.contains("# done"), "{said}");
 }
+
+#[test]
+fn a_model_beyond_this_nodes_memory_is_refused_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = common::tiny_job(dir.path(), "big.toml", "");
+    // 1t: 16 TB of fp32 weights, gradients and AdamW state on one rank fit no machine.
+    let (ok, said) = train_alone(&job, &["model.size=\"1t\"", "train.steps=1", "optim.warmup_steps=0"]);
+    assert!(!ok && said.contains("`model`: needs at least") && said.contains("bytes are available"), "{said}");
+}

@@ -17,6 +17,7 @@ mod device_step;
 mod device_zero;
 mod grad_sync;
 mod memory_estimate;
+mod memory_fit;
 mod nonfinite;
 mod param_gather;
 mod pipeline;
@@ -90,6 +91,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     // Every rank must train the same job: refuse differing configs before anything else.
     let world_comm = world.communicator()?;
     config_agree::check(&world_comm, cfg)?;
+    memory_fit::check(&world_comm, cfg, world.local_size)?;
     let device_model = uses_device_model(cfg);
     cfg.validate_world(world.size)?;
     let device = match device_model {

@@ -753,7 +753,7 @@ impl ModelSection {
 }
 
 /// The dotted key a `MESHTRAIN_*` variable overrides, or `None` if it is not a config override.
-fn env_key(var: &str) -> Option<String> {
+pub(crate) fn env_key(var: &str) -> Option<String> {
     let rest = var.strip_prefix(ENV_PREFIX)?.to_ascii_lowercase();
     if TOP_LEVEL_KEYS.contains(&rest.as_str()) {
         return Some(rest);

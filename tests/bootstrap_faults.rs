@@ -42,8 +42,9 @@ fn every_rank_says(out: &common::Finished, np: usize, needles: &[&str]) {
 
 #[test]
 fn bad_runtime_variables_fail_every_rank_with_the_variable_and_allowed_values() {
-    let cases: [(&str, &str, &str); 6] = [
-        ("MESHTRAIN_TRANSPORT", "infiniband", "auto, tcp"),
+    let cases: [(&str, &str, &str); 7] = [
+        ("MESHTRAIN_TRANSPORT", "infiniband", "auto, shm, tcp or ofi"),
+        ("MESHTRAIN_TRANSPRT", "tcp", "did you mean MESHTRAIN_TRANSPORT?"),
         ("MESHTRAIN_BIND_ADDR", "10.255.255.1", "cannot be bound"),
         ("MESHTRAIN_SOCKET_IFNAME", "nosuch0", "does not exist"),
         ("MESHTRAIN_SHM_DEPTH", "0", "allowed 1..="),
@@ -100,15 +101,15 @@ fn mismatch(case: &str, np: usize, transport: &str, mine: &str, theirs: &str) {
 
 #[test]
 fn mismatched_op_fails_every_rank_naming_both_calls() {
-    mismatch("op", 2, "auto", "all_reduce #1 of 1000 f32 (sum)", "all_gather #1 of 1000 f32");
-    mismatch("op", 3, "tcp", "all_reduce #1 of 1000 f32 (sum)", "all_gather #1 of 1000 f32");
+    mismatch("op", 2, "auto", "all_reduce #2 of 1000 f32 (sum)", "all_gather #2 of 1000 f32");
+    mismatch("op", 3, "tcp", "all_reduce #2 of 1000 f32 (sum)", "all_gather #2 of 1000 f32");
 }
 
 #[test]
 fn mismatched_count_dtype_root_fail_every_rank_naming_both_calls() {
-    mismatch("count", 3, "auto", "all_reduce #1 of 1000 f32 (sum)", "all_reduce #1 of 2000 f32 (sum)");
-    mismatch("dtype", 2, "tcp", "all_reduce #1 of 1000 f32 (sum)", "all_reduce #1 of 1000 f64 (sum)");
+    mismatch("count", 3, "auto", "all_reduce #2 of 1000 f32 (sum)", "all_reduce #2 of 2000 f32 (sum)");
+    mismatch("dtype", 2, "tcp", "all_reduce #2 of 1000 f32 (sum)", "all_reduce #2 of 1000 f64 (sum)");
     // Two roots move data one way only: the peer's next call (the barrier) meets the print of
     // whichever root reached it first.
-    mismatch("root", 3, "tcp", "all_reduce #2 of 1 u8 (max)", "broadcast #1 of 1000 f32 root ");
+    mismatch("root", 3, "tcp", "all_reduce #3 of 1 u8 (max)", "broadcast #2 of 1000 f32 root ");
 }

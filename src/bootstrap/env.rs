@@ -43,6 +43,22 @@ pub const RUNTIME_VARS: &[(&str, &str)] = &[
     ("MESHTRAIN_FAULT", "test only: stall-bootstrap@RANK"),
 ];
 
+/// Variables read outside the runtime: by the emu device, the plots, build and test tooling.
+const OTHER_VARS: &[&str] = &[
+    "MESHTRAIN_EMU_CXX",
+    "MESHTRAIN_EMU_CACHE",
+    "MESHTRAIN_HIP_ARCH",
+    "MESHTRAIN_FONT",
+    "MESHTRAIN_GIT_SHA",
+    "MESHTRAIN_GPU_SEED",
+    "MESHTRAIN_H5PY_PYTHON",
+    "MESHTRAIN_REQUIRE_H5PY",
+    "MESHTRAIN_REQUIRE_HIPCC",
+    "MESHTRAIN_REQUIRE_NVRTC",
+    "MESHTRAIN_TEST_CHILD",
+    "MESHTRAIN_SLURM_DIR",
+];
+
 /// Default bound on the start-up exchange with rank 0 (`MESHTRAIN_BOOTSTRAP_TIMEOUT`).
 const DEFAULT_BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -52,6 +68,8 @@ fn get(key: &str) -> Option<String> {
 
 /// Validates every runtime variable; call before MPI is initialized.
 pub fn validate_runtime_env() -> Result<()> {
+    let names: Vec<String> = std::env::vars_os().filter_map(|(k, _)| k.into_string().ok()).collect();
+    check_names(names.iter().map(String::as_str))?;
     CommConfig::from_env()?;
     NetConfig::new(IpAddr::V4(Ipv4Addr::LOCALHOST), "").with_env()?;
     GpuCommConfig::from_env()?;
@@ -68,6 +86,40 @@ pub fn validate_runtime_env() -> Result<()> {
         interface_ip(&name)?;
     }
     Ok(())
+}
+
+/// A `MESHTRAIN_*` name that is neither a runtime variable, a job-config override
+/// (`MESHTRAIN_<SECTION>_<KEY>`, checked by the config loader) nor a tool variable is a typo
+/// that would otherwise be ignored silently: an error naming it and the nearest known name.
+fn check_names<'a>(names: impl Iterator<Item = &'a str>) -> Result<()> {
+    let known = || RUNTIME_VARS.iter().map(|(k, _)| *k).chain(OTHER_VARS.iter().copied());
+    for name in names.filter(|n| n.starts_with("MESHTRAIN_")) {
+        if known().any(|k| k == name) || crate::config::env_key(name).is_some() {
+            continue;
+        }
+        let nearest = known().min_by_key(|k| edit_distance(k, name)).unwrap_or_default();
+        return Err(Error::config(
+            name,
+            format!("unknown meshtrain variable (did you mean {nearest}? job-config overrides are MESHTRAIN_<SECTION>_<KEY>; README, Environment, lists the rest)"),
+        ));
+    }
+    Ok(())
+}
+
+/// Levenshtein distance over bytes (names are ASCII).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b = b.as_bytes();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.bytes().enumerate() {
+        let mut diag = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let next = (diag + usize::from(ca != cb)).min(row[j] + 1).min(row[j + 1] + 1);
+            diag = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
 }
 
 fn allowed(key: &str) -> &'static str {
@@ -114,4 +166,31 @@ pub fn stalled_bootstrap_rank() -> Result<Option<usize>> {
         .and_then(|r| r.parse().ok())
         .map(Some)
         .ok_or_else(|| Error::config("MESHTRAIN_FAULT", format!("`{v}` is not {}", allowed("MESHTRAIN_FAULT"))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn misspelled_names_are_refused_with_the_nearest_known_name() {
+        let err = check_names(["PATH", "MESHTRAIN_TRANSPRT"].into_iter()).unwrap_err().to_string();
+        assert!(err.contains("MESHTRAIN_TRANSPRT") && err.contains("did you mean MESHTRAIN_TRANSPORT?"), "{err}");
+        let err = check_names(["MESHTRAIN_SHM_DEPHT"].into_iter()).unwrap_err().to_string();
+        assert!(err.contains("did you mean MESHTRAIN_SHM_DEPTH?"), "{err}");
+    }
+
+    #[test]
+    fn runtime_tool_and_config_names_pass() {
+        let names = ["MESHTRAIN_TRANSPORT", "MESHTRAIN_EMU_CXX", "MESHTRAIN_TRAIN_STEPS", "MESHTRAIN_DEVICE", "OTHER"];
+        check_names(names.into_iter()).unwrap();
+    }
+
+    #[test]
+    fn edit_distance_counts_single_edits() {
+        assert_eq!(edit_distance("MESHTRAIN_ALGO", "MESHTRAIN_ALGO"), 0);
+        assert_eq!(edit_distance("MESHTRAIN_TRANSPORT", "MESHTRAIN_TRANSPRT"), 1);
+        assert_eq!(edit_distance("abc", "acb"), 2);
+        assert_eq!(edit_distance("", "abc"), 3);
+    }
 }

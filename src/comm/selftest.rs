@@ -249,6 +249,9 @@ pub fn check_device_job(c: &Communicator, dev: &Device, counts: &[usize], large:
 pub fn mismatch(c: &Communicator, case: &str) -> Result<()> {
     let odd = c.rank() == 1;
     let mut a = vec![1f32; 1000];
+    // Links up first: otherwise a rank still connecting to a member that already failed on the
+    // mismatch reports that member gone instead of the mismatch (3 ranks, seen under load).
+    c.barrier()?;
     match (case, odd) {
         ("op", true) => c.all_gather(&mut a)?,
         ("count", true) => c.all_reduce(&mut vec![1f32; 2000], ReduceOp::Sum)?,

@@ -629,3 +629,49 @@ fn a_step_saved_again_replaces_the_old_checkpoint_atomically() {
     let names: Vec<String> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     assert!(!names.iter().any(|n| n.contains("tmp-")), "the old checkpoint is gone: {names:?}");
 }
+
+/// Bytes this thread has read through system calls so far (`rchar` of `/proc/thread-self/io`);
+/// HDF5 reads on the calling thread, so other tests' threads do not count.
+fn thread_rchar() -> u64 {
+    let text = std::fs::read_to_string("/proc/thread-self/io").unwrap();
+    text.lines().find_map(|l| l.strip_prefix("rchar:")).unwrap().trim().parse().unwrap()
+}
+
+#[test]
+fn a_partial_read_reads_only_the_tiles_it_touches() {
+    use crate::checkpoint::tiles::{TILE_COLS, TILE_ROWS};
+    // One 1024 x 1024 shard (4 MiB, 16 tiles); read a 10 x 10 box inside tile (1, 2).
+    let n = 4 * TILE_ROWS;
+    let data: Vec<f32> = (0..n * n).map(|i| i as f32).collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().to_path_buf();
+    let ckpt = ok_all(run_ranks(1, CommConfig::default(), move |comm| {
+        let slice = ShardSlice { name: "model/w".into(), global_shape: vec![n, n], offset: vec![0, 0], shape: vec![n, n], data: &data };
+        save(&comm, &root, 1, &[slice], &meta(1), 1)
+    }));
+    let index = open(&ckpt).unwrap();
+    let (r0, c0) = (TILE_ROWS + 7, 2 * TILE_COLS + 3);
+    let mut out = vec![0f32; 100];
+    let before = thread_rchar();
+    index.load_slice("model/w", &[r0, c0], &[10, 10], &mut out).unwrap();
+    let read = thread_rchar() - before;
+    let expected: Vec<f32> = (r0..r0 + 10).flat_map(|r| (c0..c0 + 10).map(move |c| (r * n + c) as f32)).collect();
+    assert_eq!(out, expected);
+    // One tile of data plus the HDF5 metadata of opening the file, far below the 4 MiB dataset.
+    let tile_bytes = (4 * TILE_ROWS * TILE_COLS) as u64;
+    assert!(read >= 400 && read <= tile_bytes + (64 << 10), "read {read} bytes for one {tile_bytes}-byte tile");
+
+    // A flipped byte in that tile fails the read, naming file, dataset and tile; the same flip is
+    // not read by a box in another tile.
+    let shard = index.tensor("model/w").unwrap().shards[0].clone();
+    let path = ckpt.join(&shard.file);
+    let at = data_offset(&ckpt, &shard.file, &shard.dataset) as usize + 4 * (r0 * n + c0) + 2;
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[at] ^= 0x01;
+    std::fs::write(&path, &bytes).unwrap();
+    let err = index.load_slice("model/w", &[r0, c0], &[1, 1], &mut [0f32]).unwrap_err().to_string();
+    assert!(err.contains(&shard.file) && err.contains(&shard.dataset) && err.contains("tile (1, 2)"), "{err}");
+    let mut other = [0f32];
+    index.load_slice("model/w", &[0, 0], &[1, 1], &mut other).unwrap();
+    assert_eq!(other[0], 0.0);
+}

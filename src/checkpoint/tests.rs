@@ -675,3 +675,48 @@ fn a_partial_read_reads_only_the_tiles_it_touches() {
     index.load_slice("model/w", &[0, 0], &[1, 1], &mut other).unwrap();
     assert_eq!(other[0], 0.0);
 }
+
+#[test]
+fn a_checkpoint_without_tile_digests_is_read_whole_at_format_2_and_refused_at_format_3() {
+    use crate::checkpoint::h5;
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = ok_all(save_3x2(tmp.path(), 1));
+    let ipath = ckpt.join(INDEX_FILE);
+    // Rewrite the index as a writer before tile digests would have: no `tile_sha256`, and a
+    // matching `index_sha256`; first still claiming format 3, then format 2.
+    let rewrite = |version: u32| {
+        let f = hdf5_metno::File::open_rw(&ipath).unwrap();
+        let attr = |n: &str| h5::read_str_attr(&f, n, &ipath).unwrap();
+        let mut tensors: serde_json::Value = serde_json::from_str(&attr("tensors")).unwrap();
+        for t in tensors.as_array_mut().unwrap() {
+            for s in t["shards"].as_array_mut().unwrap() {
+                s.as_object_mut().unwrap().remove("tile_sha256");
+            }
+        }
+        let tensors = tensors.to_string();
+        let digest = h5::index_digest(&attr("meta"), &tensors, &attr("files"));
+        for name in ["tensors", "index_sha256", "format_version"] {
+            f.delete_attr(name).unwrap();
+        }
+        h5::write_str_attr(&f, "tensors", &tensors, &ipath).unwrap();
+        h5::write_str_attr(&f, "index_sha256", &digest, &ipath).unwrap();
+        f.new_attr::<u32>().create("format_version").unwrap().write_scalar(&version).unwrap();
+    };
+    rewrite(3);
+    let err = open(&ckpt).unwrap_err().to_string();
+    assert!(err.contains("checkpoint.h5") && err.contains("has 0 tile digests, expected 1"), "{err}");
+    rewrite(2);
+    let index = open(&ckpt).unwrap();
+    let shard = index.tensor("model/w").unwrap().shards[3].clone();
+    let mut one = [0f32];
+    index.load_slice("model/w", &shard.offset, &[1, 1], &mut one).unwrap();
+    assert_eq!(one[0], w(shard.offset[0], shard.offset[1]));
+    // A flip in that shard, outside the element read, is still caught: the whole shard is checked.
+    let path = ckpt.join(&shard.file);
+    let at = data_offset(&ckpt, &shard.file, &shard.dataset) as usize + 4 * 3;
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[at] ^= 0x10;
+    std::fs::write(&path, &bytes).unwrap();
+    let err = index.load_slice("model/w", &shard.offset, &[1, 1], &mut one).unwrap_err().to_string();
+    assert!(err.contains(&shard.file) && err.contains(&shard.dataset) && err.contains("sha256"), "{err}");
+}

@@ -167,6 +167,15 @@ pub fn read_all(ds: &Dataset, fname: &Path, path: &str, out: &mut [f32]) -> Resu
     Ok(())
 }
 
+/// Reads box (`offset`, `shape`) of `ds` (local coordinates), row-major.
+pub fn read_box(ds: &Dataset, fname: &Path, path: &str, offset: &[usize], shape: &[usize]) -> Result<Vec<f32>> {
+    let arr = ds
+        .as_reader()
+        .read_slice::<f32, _, ndarray::IxDyn>(box_selection(offset, shape))
+        .map_err(|e| file_err(fname, format!("read dataset `{path}` at {offset:?}+{shape:?}"), e))?;
+    Ok(arr.into_raw_vec_and_offset().0)
+}
+
 /// SHA-256 (lowercase hex) of `data`'s little-endian bytes.
 pub fn sha256_hex(data: &[f32]) -> String {
     sha256_hex_bytes(bytemuck::cast_slice::<f32, u8>(data))

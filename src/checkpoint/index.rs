@@ -5,8 +5,9 @@
 //! each tensor), every rank file present with its recorded size (a truncated file is caught without
 //! opening it); [`CheckpointIndex::expect_tensors`] and [`CheckpointIndex::check_model`] compare
 //! against what the caller needs. The index's JSON attributes are checked against its
-//! `index_sha256`; every shard read, whole or in part, is checked against its SHA-256;
-//! [`CheckpointIndex::verify`] checks every shard. Sizes are checked against the index before any
+//! `index_sha256`; a shard read whole is checked against its SHA-256, a shard read in part
+//! against the digests of the tiles the part touches (format 3; before it, the whole shard is read
+//! and checked); [`CheckpointIndex::verify`] checks every whole shard. Sizes are checked against the index before any
 //! buffer is allocated, and every error names the file and dataset.
 
 use std::collections::HashMap;
@@ -14,6 +15,7 @@ use std::path::{Path, PathBuf};
 
 use crate::checkpoint::boxes::{contiguous_start, copy_box, intersect};
 use crate::checkpoint::h5;
+use crate::checkpoint::tiles;
 use crate::checkpoint::meta::{
     check_tiling, inside, volume, CkptMeta, FileRecord, ShardRecord, TensorRecord,
 };
@@ -126,6 +128,7 @@ pub fn open(path: &Path) -> Result<CheckpointIndex> {
     let files: Vec<FileRecord> =
         serde_json::from_value(parse("files")?).map_err(|e| typed("files", e.to_string().into()))?;
     drop(file);
+    check_tile_digests(&tensors, version, &ipath)?;
     CheckpointIndex::new(dir, meta, tensors, files)
 }
 
@@ -268,8 +271,10 @@ impl CheckpointIndex {
     }
 
     /// Reads hyperslab (`offset`, `shape`) of tensor `name` into `out` (row-major, exactly its
-    /// size), touching only the shards that intersect it. Every shard touched is read whole and
-    /// hash-checked. On error the contents of `out` are unspecified.
+    /// size), touching only the shards that intersect it. A shard wholly inside is read and
+    /// hash-checked whole; of a shard partly inside, only the tiles the box touches are read and
+    /// checked (the whole shard in checkpoints without tile digests). On error the contents of
+    /// `out` are unspecified.
     pub fn load_slice(&self, name: &str, offset: &[usize], shape: &[usize], out: &mut [f32]) -> Result<()> {
         let t = self.tensor(name)?;
         if !inside(offset, shape, &t.global_shape) || volume(shape) != Some(out.len()) {
@@ -303,12 +308,19 @@ impl CheckpointIndex {
                     copy_box((&staged, &s.offset, &s.shape), (out, offset, shape), &at, &part);
                 }
             } else {
-                // Part of a shard (a resharding load): the hash covers the whole shard, so read
-                // and check all of it (its size fits its file, checked on open), then copy the part.
-                let mut whole = vec![0f32; s.len()];
-                h5::read_all(&ds, &path, &s.dataset, &mut whole)?;
-                check_hash(s, &whole, &path)?;
-                copy_box((&whole, &s.offset, &s.shape), (out, offset, shape), &at, &part);
+                // Part of a shard (a resharding load): read and check the tiles it touches.
+                let local: Vec<usize> = at.iter().zip(&s.offset).map(|(a, o)| a - o).collect();
+                if let Some(b) = tiles::read_box_checked(&ds, &path, s, &local, &part)? {
+                    let global: Vec<usize> = b.offset.iter().zip(&s.offset).map(|(l, o)| l + o).collect();
+                    copy_box((&b.data, &global, &b.shape), (out, offset, shape), &at, &part);
+                } else {
+                    // No tile digests (format < 3): the hash covers the whole shard, so read and
+                    // check all of it (its size fits its file, checked on open), then copy the part.
+                    let mut whole = vec![0f32; s.len()];
+                    h5::read_all(&ds, &path, &s.dataset, &mut whole)?;
+                    check_hash(s, &whole, &path)?;
+                    copy_box((&whole, &s.offset, &s.shape), (out, offset, shape), &at, &part);
+                }
             }
         }
         Ok(())
@@ -350,4 +362,27 @@ fn check_hash(s: &ShardRecord, data: &[f32], path: &Path) -> Result<()> {
             s.dataset, s.sha256
         ),
     ))
+}
+
+/// Format 3 records a digest per tile of every shard that has tiles; earlier formats record none.
+fn check_tile_digests(tensors: &[TensorRecord], version: u32, ipath: &Path) -> Result<()> {
+    for t in tensors {
+        for s in &t.shards {
+            let expected = if version >= 3 { tiles::tile_count(&s.shape) } else { 0 };
+            if s.tile_sha256.len() != expected {
+                return Err(Error::file(
+                    ipath,
+                    None,
+                    format!(
+                        "tensor `{}`: shard {}:{} has {} tile digests, expected {expected}",
+                        t.name,
+                        s.file,
+                        s.dataset,
+                        s.tile_sha256.len()
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
 }

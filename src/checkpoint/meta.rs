@@ -74,6 +74,10 @@ pub struct ShardRecord {
     pub shape: Vec<usize>,
     /// SHA-256 (hex) of the shard's little-endian f32 bytes in row-major order.
     pub sha256: String,
+    /// SHA-256 (hex) of each tile of the shard (see `tiles`); empty in checkpoints before format
+    /// 3 and for shards of more than two dimensions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tile_sha256: Vec<String>,
 }
 
 impl ShardRecord {
@@ -205,6 +209,7 @@ mod tests {
             offset,
             shape,
             sha256: String::new(),
+            tile_sha256: Vec::new(),
         }
     }
 

@@ -19,8 +19,10 @@
 //! use only that record: they open the shard files themselves and read exactly the hyperslabs they
 //! need. Every shard dataset carries attributes `global_offset`, `global_shape` and `sha256` (of its
 //! little-endian f32 bytes); the index repeats the hash, and its `index_sha256` covers its own JSON
-//! attributes (`meta`, `tensors`, `files`). Every read of a shard, whole or partial, checks the
-//! shard's hash (a partial read hashes the whole shard and copies the part it needs).
+//! attributes (`meta`, `tensors`, `files`). Each shard record in the index also holds a digest per
+//! tile of the shard (`tile_sha256`, see `tiles`). Every read is checked: a shard read whole
+//! against its hash, a part of a shard against the tiles it touches (only those are read), so a
+//! resharding load stays close to the bytes it needs.
 //!
 //! Invariants:
 //! - a directory is a complete checkpoint iff it is named `step_XXXXXXXX` and holds
@@ -48,6 +50,7 @@ mod meta;
 mod save;
 #[cfg(test)]
 mod tests;
+mod tiles;
 
 pub use bench::{bench_checkpoint, CkptBenchReport};
 pub use boxes::{flat_range_boxes, flat_range_slices, load_flat_range, ShardSlice};
@@ -59,9 +62,10 @@ pub use save::save;
 
 /// Value of the index's `format` attribute.
 pub const FORMAT: &str = "meshtrain-checkpoint";
-/// Version of the on-disk layout described above (2 added the index's `index_sha256`; version 1,
-/// without it, is still read).
-pub const FORMAT_VERSION: u32 = 2;
+/// Version of the on-disk layout described above (2 added the index's `index_sha256`, 3 the tile
+/// digests). Versions 1 and 2 are still read: without `index_sha256` (1) the index is not
+/// checked, without tile digests a partial read reads and checks the whole shard.
+pub const FORMAT_VERSION: u32 = 3;
 /// File name of the index inside a checkpoint directory.
 pub const INDEX_FILE: &str = "checkpoint.h5";
 /// File in the checkpoint root naming the newest complete checkpoint directory.

@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::agree::{broadcast_from, gather_all};
 use crate::checkpoint::boxes::ShardSlice;
+use crate::checkpoint::tiles;
 use crate::checkpoint::h5::{self, file_err};
 use crate::checkpoint::meta::{
     check_name, check_tiling, inside, volume, CkptMeta, FileRecord, ShardRecord, TensorRecord,
@@ -249,8 +250,8 @@ fn write_shards(rank: usize, path: &Path, slices: &[ShardSlice]) -> Result<RankR
         let offs: Vec<String> = s.offset.iter().map(|o| o.to_string()).collect();
         let dataset = format!("{}@{}", s.name, offs.join(","));
         // Hash on a second core while HDF5 writes the same bytes.
-        let (sha, ds) = std::thread::scope(|sc| {
-            let hasher = sc.spawn(|| h5::sha256_hex(s.data));
+        let ((sha, tile_sha256), ds) = std::thread::scope(|sc| {
+            let hasher = sc.spawn(|| (h5::sha256_hex(s.data), tiles::tile_digests(&s.shape, s.data)));
             let ds = h5::write_dataset(&file, path, &dataset, &s.shape, s.data);
             (hasher.join().expect("hash thread"), ds)
         });
@@ -264,6 +265,7 @@ fn write_shards(rank: usize, path: &Path, slices: &[ShardSlice]) -> Result<RankR
             offset: s.offset.clone(),
             shape: s.shape.clone(),
             sha256: sha,
+            tile_sha256,
         };
         shards.push((s.name.clone(), s.global_shape.clone(), rec));
     }

@@ -629,3 +629,94 @@ fn a_step_saved_again_replaces_the_old_checkpoint_atomically() {
     let names: Vec<String> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     assert!(!names.iter().any(|n| n.contains("tmp-")), "the old checkpoint is gone: {names:?}");
 }
+
+/// Bytes this thread has read through system calls so far (`rchar` of `/proc/thread-self/io`);
+/// HDF5 reads on the calling thread, so other tests' threads do not count.
+fn thread_rchar() -> u64 {
+    let text = std::fs::read_to_string("/proc/thread-self/io").unwrap();
+    text.lines().find_map(|l| l.strip_prefix("rchar:")).unwrap().trim().parse().unwrap()
+}
+
+#[test]
+fn a_partial_read_reads_only_the_tiles_it_touches() {
+    use crate::checkpoint::tiles::{TILE_COLS, TILE_ROWS};
+    // One 1024 x 1024 shard (4 MiB, 16 tiles); read a 10 x 10 box inside tile (1, 2).
+    let n = 4 * TILE_ROWS;
+    let data: Vec<f32> = (0..n * n).map(|i| i as f32).collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().to_path_buf();
+    let ckpt = ok_all(run_ranks(1, CommConfig::default(), move |comm| {
+        let slice = ShardSlice { name: "model/w".into(), global_shape: vec![n, n], offset: vec![0, 0], shape: vec![n, n], data: &data };
+        save(&comm, &root, 1, &[slice], &meta(1), 1)
+    }));
+    let index = open(&ckpt).unwrap();
+    let (r0, c0) = (TILE_ROWS + 7, 2 * TILE_COLS + 3);
+    let mut out = vec![0f32; 100];
+    let before = thread_rchar();
+    index.load_slice("model/w", &[r0, c0], &[10, 10], &mut out).unwrap();
+    let read = thread_rchar() - before;
+    let expected: Vec<f32> = (r0..r0 + 10).flat_map(|r| (c0..c0 + 10).map(move |c| (r * n + c) as f32)).collect();
+    assert_eq!(out, expected);
+    // One tile of data plus the HDF5 metadata of opening the file, far below the 4 MiB dataset.
+    let tile_bytes = (4 * TILE_ROWS * TILE_COLS) as u64;
+    assert!(read >= 400 && read <= tile_bytes + (64 << 10), "read {read} bytes for one {tile_bytes}-byte tile");
+
+    // A flipped byte in that tile fails the read, naming file, dataset and tile; the same flip is
+    // not read by a box in another tile.
+    let shard = index.tensor("model/w").unwrap().shards[0].clone();
+    let path = ckpt.join(&shard.file);
+    let at = data_offset(&ckpt, &shard.file, &shard.dataset) as usize + 4 * (r0 * n + c0) + 2;
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[at] ^= 0x01;
+    std::fs::write(&path, &bytes).unwrap();
+    let err = index.load_slice("model/w", &[r0, c0], &[1, 1], &mut [0f32]).unwrap_err().to_string();
+    assert!(err.contains(&shard.file) && err.contains(&shard.dataset) && err.contains("tile (1, 2)"), "{err}");
+    let mut other = [0f32];
+    index.load_slice("model/w", &[0, 0], &[1, 1], &mut other).unwrap();
+    assert_eq!(other[0], 0.0);
+}
+
+#[test]
+fn a_checkpoint_without_tile_digests_is_read_whole_at_format_2_and_refused_at_format_3() {
+    use crate::checkpoint::h5;
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = ok_all(save_3x2(tmp.path(), 1));
+    let ipath = ckpt.join(INDEX_FILE);
+    // Rewrite the index as a writer before tile digests would have: no `tile_sha256`, and a
+    // matching `index_sha256`; first still claiming format 3, then format 2.
+    let rewrite = |version: u32| {
+        let f = hdf5_metno::File::open_rw(&ipath).unwrap();
+        let attr = |n: &str| h5::read_str_attr(&f, n, &ipath).unwrap();
+        let mut tensors: serde_json::Value = serde_json::from_str(&attr("tensors")).unwrap();
+        for t in tensors.as_array_mut().unwrap() {
+            for s in t["shards"].as_array_mut().unwrap() {
+                s.as_object_mut().unwrap().remove("tile_sha256");
+            }
+        }
+        let tensors = tensors.to_string();
+        let digest = h5::index_digest(&attr("meta"), &tensors, &attr("files"));
+        for name in ["tensors", "index_sha256", "format_version"] {
+            f.delete_attr(name).unwrap();
+        }
+        h5::write_str_attr(&f, "tensors", &tensors, &ipath).unwrap();
+        h5::write_str_attr(&f, "index_sha256", &digest, &ipath).unwrap();
+        f.new_attr::<u32>().create("format_version").unwrap().write_scalar(&version).unwrap();
+    };
+    rewrite(3);
+    let err = open(&ckpt).unwrap_err().to_string();
+    assert!(err.contains("checkpoint.h5") && err.contains("has 0 tile digests, expected 1"), "{err}");
+    rewrite(2);
+    let index = open(&ckpt).unwrap();
+    let shard = index.tensor("model/w").unwrap().shards[3].clone();
+    let mut one = [0f32];
+    index.load_slice("model/w", &shard.offset, &[1, 1], &mut one).unwrap();
+    assert_eq!(one[0], w(shard.offset[0], shard.offset[1]));
+    // A flip in that shard, outside the element read, is still caught: the whole shard is checked.
+    let path = ckpt.join(&shard.file);
+    let at = data_offset(&ckpt, &shard.file, &shard.dataset) as usize + 4 * 3;
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[at] ^= 0x10;
+    std::fs::write(&path, &bytes).unwrap();
+    let err = index.load_slice("model/w", &shard.offset, &[1, 1], &mut one).unwrap_err().to_string();
+    assert!(err.contains(&shard.file) && err.contains(&shard.dataset) && err.contains("sha256"), "{err}");
+}

@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::model::GptConfig;
 use crate::parallel::stage_split;
 
-mod overrides;
+pub(crate) mod overrides;
 
 
 /// Where the job runs.

@@ -115,7 +115,7 @@ fn ipc_forced_on_with_the_cpu_device_fails_clearly() {
     // Rank 0 fails on its first call (other ranks may report that rank 0 left).
     let rank0 = out.rank_stderr(0).join("\n");
     assert!(
-        rank0.contains("MESHTRAIN_GPU_IPC") && rank0.contains("devices have no IPC handles"),
+        rank0.contains("MESHTRAIN_GPU_IPC") && rank0.contains("the CPU device has no IPC handles"),
         "{}\n{}",
         out.stdout,
         out.stderr

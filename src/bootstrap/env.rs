@@ -94,7 +94,7 @@ pub fn validate_runtime_env() -> Result<()> {
 fn check_names<'a>(names: impl Iterator<Item = &'a str>) -> Result<()> {
     let known = || RUNTIME_VARS.iter().map(|(k, _)| *k).chain(OTHER_VARS.iter().copied());
     for name in names.filter(|n| n.starts_with("MESHTRAIN_")) {
-        if known().any(|k| k == name) || crate::config::env_key(name).is_some() {
+        if known().any(|k| k == name) || crate::config::overrides::env_key(name).is_some() {
             continue;
         }
         let nearest = known().min_by_key(|k| edit_distance(k, name)).unwrap_or_default();

@@ -94,7 +94,7 @@ fn ipc_forced_on_with_the_cpu_device_is_a_config_error() {
     });
     for e in errors {
         assert!(matches!(&e, Error::Config { key, .. } if key == "MESHTRAIN_GPU_IPC"), "{e}");
-        assert!(e.to_string().contains("devices have no IPC handles"), "{e}");
+        assert!(e.to_string().contains("the CPU device has no IPC handles"), "{e}");
     }
 }
 

@@ -292,6 +292,15 @@ impl DeviceGpt {
         }
     }
 
+    /// Collective over the TP group (no-op without TP): an error on every member if one of the
+    /// step's stream-ordered TP collectives failed on any (see `GpuCommState::check`).
+    pub fn check_collectives(&mut self) -> Result<()> {
+        match &mut self.tp {
+            Some(g) => g.check(&self.dev),
+            None => Ok(()),
+        }
+    }
+
     /// Flat parameters (host mirror).
     pub fn params(&self) -> &[f32] {
         &self.host_params

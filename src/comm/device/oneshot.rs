@@ -23,7 +23,7 @@
 //! Errors keep the semantics of the other paths (an error on one rank is an error on all, naming
 //! the rank and the calls), but are reported at the next [`OneShot::check`], which the training
 //! step runs once per step before it applies an update, instead of in every call: a failed wait
-//! (a peer silent past the communicator's deadline, or a peer in a different collective, found by
+//! (a peer silent past half the communicator's deadline, or a peer in a different collective, found by
 //! the call fingerprint in the flag) is recorded on the device, later waits return at once, and
 //! the results of calls after a failure are not to be used.
 //!
@@ -254,7 +254,9 @@ fn open_peers(comm: &Communicator, dev: &Device, workspace: DeviceBuffer, all: &
         peers.push(Some((map, offset)));
     }
     let table = dev.upload(&addresses)?;
-    let timeout_ns = u64::try_from(comm.timeout().as_nanos()).unwrap_or(u64::MAX);
+    // Half the host deadline: a rank stuck in a wait records its error before a peer waiting for
+    // it in the next host collective (the check) gives up on it.
+    let timeout_ns = u64::try_from(comm.timeout().as_nanos() / 2).unwrap_or(u64::MAX);
     Ok(Ready { cap, workspace, peers, table, seq: 0, timeout_ns })
 }
 

@@ -67,8 +67,10 @@ impl DeviceTp {
         self.state.check(&self.comm, dev)
     }
 
-    /// Closes the peer mappings the collectives cached (collective; before buffers are freed).
+    /// Checks the last calls, then closes the peer mappings the collectives cached (collective;
+    /// before buffers are freed).
     pub fn release(&mut self, dev: &Device) -> Result<()> {
+        self.state.check(&self.comm, dev)?;
         self.state.release_mappings(&self.comm, dev)
     }
 }

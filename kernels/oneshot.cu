@@ -15,9 +15,9 @@
 //
 // Errors never hang and never pass silently: a wait gives up after `timeout_ns` (the
 // communicator's deadline) and records the first failure of this rank in its error record
-// { code, peer, call, observed } (code 1: timed out, `observed` = the peer's last sequence
-// number; code 2: the peer is in a different collective, `observed` = its fingerprint); once a
-// record is set, later waits return at once. The host reads the record at its next check
+// { code, peer, call, observed } (code 1: timed out, `observed` = the peer's last call, the
+// later sequence number of its two flags; code 2: the peer is in a different collective,
+// `observed` = its fingerprint); once a record is set, later waits return at once. The host reads the record at its next check
 // (`GpuCommState::check`), where the ranks agree on it.
 #include "compat.h"
 
@@ -39,14 +39,17 @@ extern "C" __global__ void oneshot_wait(const mt_u64 *peer_flags, int peers, int
     if (blockIdx.x != 0 || p >= peers || peer_flags[p] == 0) return;
     if (mt_load_acquire_u64(error) != 0) return;
     const mt_u64 *flag = (const mt_u64 *)peer_flags[p] + MT_ONESHOT_FLAG_WORDS * parity;
+    const mt_u64 *other_flag = (const mt_u64 *)peer_flags[p] + MT_ONESHOT_FLAG_WORDS * (1 - parity);
     const mt_u64 start = mt_timer_ns();
     mt_u64 seen = mt_load_acquire_u64(flag + 1);
     while (seen != seq) {
         if (mt_timer_ns() - start > timeout_ns || mt_load_acquire_u64(error) != 0) {
+            // The peer's last call is the later of its two slots' sequence numbers.
+            const mt_u64 other = mt_load_acquire_u64(other_flag + 1);
             if (atomicCAS(error, 0ull, 1ull) == 0ull) {
                 mt_store_volatile_u64(error + 1, (mt_u64)p);
                 mt_store_volatile_u64(error + 2, seq);
-                mt_store_volatile_u64(error + 3, seen);
+                mt_store_volatile_u64(error + 3, seen > other ? seen : other);
             }
             return;
         }

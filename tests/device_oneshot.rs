@@ -69,10 +69,12 @@ fn deviation(np: usize, case: &str, want: &str) {
     let mut cmd = common::mpirun(np);
     cmd.args(["selftest", "--device", "emu", "--mismatch", case]).env("MESHTRAIN_TIMEOUT", "6");
     let out = common::run(cmd, Duration::from_secs(120));
-    assert!(!out.success(), "{case}: the job must fail:\n{}", out.stderr);
+    // (mpirun's own status says nothing here: the tests let every rank report and exit.)
+    assert!(!out.stderr.contains("was not detected"), "{case}: {}", out.stderr);
     for r in 0..np {
-        let lines = out.rank_stderr(r).join("\n");
-        assert!(lines.contains(want), "{case}, {np} ranks: rank {r} must report `{want}`:\n{lines}\n--- all:\n{}", out.stderr);
+        let lines = out.rank_stderr(r);
+        let said = lines.iter().any(|l| l.contains("meshtrain: error") && l.contains(want));
+        assert!(said, "{case}, {np} ranks: rank {r} must fail with `{want}`:\n{}\n--- all:\n{}", lines.join("\n"), out.stderr);
     }
 }
 

@@ -158,12 +158,9 @@ impl IpcState {
         if cfg.ipc == GpuIpc::Off {
             return Ok(false);
         }
-        if matches!(dev, Device::Cpu | Device::Emu(_)) {
+        if matches!(dev, Device::Cpu) {
             return match cfg.ipc {
-                GpuIpc::On => {
-                    let arm = if matches!(dev, Device::Cpu) { "CPU" } else { "emu" };
-                    Err(forced(&format!("the {arm} device has no IPC handles (use MESHTRAIN_GPU_IPC=auto or off)")))
-                }
+                GpuIpc::On => Err(forced("the CPU device has no IPC handles (use MESHTRAIN_GPU_IPC=auto or off)")),
                 _ => Ok(false),
             };
         }

@@ -13,12 +13,12 @@
 // before it waits in call s: no two ranks can wait for each other, whatever the block
 // scheduling.
 //
-// Errors never hang and never pass silently: a wait gives up after `timeout_ns` (the
+// Errors never hang and never pass silently: a wait gives up after `timeout_ns` (half the
 // communicator's deadline) and records the first failure of this rank in its error record
 // { code, peer, call, observed } (code 1: timed out, `observed` = the peer's last call, the
 // later sequence number of its two flags; code 2: the peer is in a different collective,
-// `observed` = its fingerprint); once a record is set, later waits return at once. The host reads the record at its next check
-// (`GpuCommState::check`), where the ranks agree on it.
+// `observed` = its fingerprint); once a record is set, later waits return at once. The host
+// reads the record at its next check (`GpuCommState::check`), where the ranks agree on it.
 #include "compat.h"
 
 // Flag words of slot `parity` in a flag area: [fingerprint, sequence].

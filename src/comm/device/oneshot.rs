@@ -33,6 +33,7 @@
 //! depends only on (operation, count, element size, ranks) and is the same everywhere.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::comm::device::{Bufs, Op};
 use crate::comm::{block_range, Communicator, DType, ReduceOp};
@@ -216,7 +217,10 @@ fn setup(comm: &Communicator, dev: &Device, cap: usize) -> Result<Option<Ready>>
     comm.all_reduce(&mut flag, ReduceOp::Max)?;
     match opened {
         Ok(r) if flag[0] == 0 => {
-            log::info!("rank {me}: stream-ordered device collectives up to {cap} bytes per rank over {k} mapped workspaces");
+            // Logged once per process at info (states are set up again after each release).
+            static LOGGED: AtomicBool = AtomicBool::new(false);
+            let level = if LOGGED.swap(true, Ordering::Relaxed) { log::Level::Debug } else { log::Level::Info };
+            log::log!(level, "rank {me}: stream-ordered device collectives up to {cap} bytes per rank over {k} mapped workspaces");
             Ok(Some(r))
         }
         Ok(_) => {

@@ -296,4 +296,38 @@ mod tests {
             assert_eq!(g.offset_of(g.base as u64 + g.total as u64), None);
         }
     }
+
+    /// A shared buffer's handle maps the same pages (here in the same process, through
+    /// /proc/self/fd like a peer would through /proc/<pid>/fd): stores show on both sides, views
+    /// and mappings own nothing of the owner's canary checks; bad handles are errors naming why.
+    #[test]
+    fn shared_buffers_map_the_same_pages_and_bad_handles_are_errors() {
+        let mut owner = GuardedBytes::shared(100).unwrap();
+        assert!(GuardedBytes::zeroed(100).unwrap().export().is_none(), "private memory has no handle");
+        let handle = owner.export().unwrap();
+        owner.bytes_mut()[..4].copy_from_slice(&[1, 2, 3, 4]);
+        let mut peer = GuardedBytes::open(&handle).unwrap();
+        assert_eq!(&peer.bytes()[..4], &[1, 2, 3, 4]);
+        assert_eq!(peer.address() % 16, 0);
+        peer.bytes_mut()[99] = 7;
+        assert_eq!(owner.bytes()[99], 7);
+        let view = peer.view(96..100);
+        assert_eq!(view.bytes(), &[0, 0, 0, 7]);
+        assert_eq!(view.offset_of(view.address() + 4), Some(4), "faults past a view are attributed to it");
+        assert_eq!((view.take_damage(), peer.take_damage(), owner.take_damage()), (None, None, None));
+        drop(view);
+        drop(owner);
+        assert_eq!(peer.bytes()[99], 7, "a peer's mapping outlives the owner's buffer");
+
+        let mut bad = handle;
+        bad[0] ^= 1;
+        assert!(GuardedBytes::open(&bad).err().unwrap().to_string().contains("not an emu IPC handle"));
+        let mut dead = handle;
+        dead[8..16].copy_from_slice(&(u32::MAX as u64 - 1).to_le_bytes());
+        let e = GuardedBytes::open(&dead).err().unwrap().to_string();
+        assert!(e.contains("/proc/4294967294/fd/") && e.contains("is process 4294967294 alive"), "{e}");
+        let mut lying = handle;
+        lying[24..32].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        assert!(GuardedBytes::open(&lying).err().unwrap().to_string().contains("claims"));
+    }
 }

@@ -69,6 +69,44 @@ template <typename T> __device__ __forceinline__ T mt_shfl_xor(T v, int mask) {
 #endif
 }
 
+// ---- flags between devices (kernels/oneshot.cu) ------------------------------------------
+// A 64-bit word another device (or, on emu, another process) reads through a mapping: stores and
+// loads are volatile, a release store fences at system scope first, an acquire load fences after.
+// mt_timer_ns is a constant-rate clock in nanoseconds (CUDA's globaltimer; HIP's wall_clock64,
+// which runs at 100 MHz on CDNA2/CDNA3; the host's steady clock on emu); mt_pause backs off a
+// spinning thread.
+#if defined(MT_EMU)
+__device__ __forceinline__ mt_u64 mt_load_volatile_u64(const mt_u64 *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+__device__ __forceinline__ mt_u64 mt_load_acquire_u64(const mt_u64 *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+__device__ __forceinline__ void mt_store_volatile_u64(mt_u64 *p, mt_u64 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+__device__ __forceinline__ void mt_store_release_system_u64(mt_u64 *p, mt_u64 v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+__device__ __forceinline__ mt_u64 mt_timer_ns() { return mt_emu_timer_ns(); }
+__device__ __forceinline__ void mt_pause() { mt_emu_pause(); }
+#else
+__device__ __forceinline__ mt_u64 mt_load_volatile_u64(const mt_u64 *p) { return *(const volatile mt_u64 *)p; }
+__device__ __forceinline__ mt_u64 mt_load_acquire_u64(const mt_u64 *p) {
+    mt_u64 v = *(const volatile mt_u64 *)p;
+    __threadfence_system();
+    return v;
+}
+__device__ __forceinline__ void mt_store_volatile_u64(mt_u64 *p, mt_u64 v) { *(volatile mt_u64 *)p = v; }
+__device__ __forceinline__ void mt_store_release_system_u64(mt_u64 *p, mt_u64 v) {
+    __threadfence_system();
+    *(volatile mt_u64 *)p = v;
+}
+#if defined(__HIPCC__)
+__device__ __forceinline__ mt_u64 mt_timer_ns() { return (mt_u64)wall_clock64() * 10ull; }
+__device__ __forceinline__ void mt_pause() { __builtin_amdgcn_s_sleep(2); }
+#else
+__device__ __forceinline__ mt_u64 mt_timer_ns() {
+    mt_u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void mt_pause() { __nanosleep(200); }
+#endif
+#endif
+
 __device__ __forceinline__ float mt_inf() { return __int_as_float(0x7f800000); }
 
 // Sum over the warp; every lane gets the result. (The emu arm replays the same butterfly from one

@@ -26,6 +26,8 @@
 #include <type_traits>
 #include <cstring>
 #include <cstdint>
+#include <chrono>
+#include <thread>
 
 #define __global__
 #define __device__
@@ -144,6 +146,15 @@ template <typename T> T atomicCAS(T *p, T expect, T v) {
     return expect;
 }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+// The clock and back-off of compat.h's device flags: nanoseconds of the host's steady clock, and a
+// short sleep (ranks oversubscribe the cores in tests: a spinning rank must let its peer run).
+inline unsigned long long mt_emu_timer_ns() {
+    return (unsigned long long)std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+inline void mt_emu_pause() { std::this_thread::sleep_for(std::chrono::microseconds(20)); }
 
 // ---- bit casts and math -----------------------------------------------------------------------
 

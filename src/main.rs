@@ -151,7 +151,8 @@ struct SelftestArgs {
 #[derive(Args)]
 struct BenchArgs {
     /// What to measure: a collective name, `all` (every collective), `step` (a training step of
-    /// the model on CPU against its own GEMM rate) or `checkpoint` (save/load bandwidth).
+    /// the model on CPU against its own GEMM rate), `checkpoint` (save/load bandwidth) or
+    /// `device` (the device all-reduce per path: stream-ordered, IPC, staged).
     what: String,
     /// `step`: named model size.
     #[arg(long, default_value = "d12")]
@@ -202,6 +203,9 @@ struct BenchArgs {
     /// Print CSV (header + one line per size).
     #[arg(long)]
     csv: bool,
+    /// `device`: the device whose all-reduce is timed per path (cuda, hip, emu, cpu).
+    #[arg(long, default_value = "cuda")]
+    device: String,
 }
 
 impl BenchArgs {
@@ -288,19 +292,27 @@ fn bench(world: &World, args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// `meshtrain selftest --device KIND`: the device collectives, checked bit for bit.
-fn selftest_device(world: &World, args: &SelftestArgs, kind: &str) -> Result<()> {
-    let kind = match kind {
+/// The device kind a `--device` flag names.
+fn device_kind(kind: &str) -> Result<DeviceKind> {
+    Ok(match kind {
         "cpu" => DeviceKind::Cpu,
         "cuda" => DeviceKind::Cuda,
         "hip" => DeviceKind::Hip,
         "emu" => DeviceKind::Emu,
         other => return Err(Error::config("--device", format!("`{other}` is not cpu, cuda, hip or emu"))),
-    };
+    })
+}
+
+/// `meshtrain selftest --device KIND`: the device collectives, checked bit for bit.
+fn selftest_device(world: &World, args: &SelftestArgs, kind: &str) -> Result<()> {
+    let kind = device_kind(kind)?;
     let comm = world.communicator()?;
     let dev = Device::open(kind, world.local_rank)?;
-    let (fails, ipc, calls) = selftest::check_device_job(&comm, &dev, &args.counts, args.large)?;
-    report_selftest(world, &comm, &fails, &format!("device path: {ipc} of {calls} collective calls over IPC"))
+    if let Some(case) = &args.mismatch {
+        return selftest::device_mismatch(&comm, &dev, case);
+    }
+    let (fails, paths) = selftest::check_device_job(&comm, &dev, &args.counts, args.large)?;
+    report_selftest(world, &comm, &fails, &format!("device path: {paths}"))
 }
 
 fn selftest(world: &World, args: &SelftestArgs) -> Result<()> {
@@ -444,6 +456,11 @@ fn main() {
                 println!("{report}");
             }
             Ok(())
+        }),
+        Command::Bench(args) if args.what == "device" => with_world(|w| {
+            let dev = Device::open(device_kind(&args.device)?, w.local_rank)?;
+            let c = w.communicator()?;
+            meshtrain::bench::device::run(&c, &dev, args.min, args.max, args.factor, args.warmup, args.iters)
         }),
         Command::Bench(args) => with_world(|w| bench(w, args)),
         Command::Train(args) => {

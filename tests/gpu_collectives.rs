@@ -9,8 +9,9 @@
 //! and once staged through pinned host memory with small chunks (many chunks, both slots). A
 //! machine without a CUDA driver says SKIP and passes.
 //!
-//! Two tests run everywhere: the same selftest on the CPU arm across real processes (the staged
-//! pipeline with memcpy copies), and `MESHTRAIN_GPU_IPC=on` with the CPU device, a clear error.
+//! Three tests run everywhere: the same selftest on the CPU arm across real processes (the staged
+//! pipeline with memcpy copies), on the emu arm (staged, and IPC through emu shared memory), and
+//! `MESHTRAIN_GPU_IPC=on` with the CPU device, a clear error.
 
 mod common;
 
@@ -100,11 +101,19 @@ fn device_selftest_on_the_cpu_arm_across_processes() {
 }
 
 /// The same on the emu arm: the combine and divide kernels of every dtype and operator run
-/// emulated (bounds-checked) inside the staged collectives of three processes.
+/// emulated (bounds-checked) inside the staged collectives of three processes, and inside the IPC
+/// path, whose peers' buffers are emu shared memory mapped by the other processes (the
+/// stream-ordered path off, so that every call with elements goes over IPC).
 #[test]
 fn device_selftest_on_the_emu_arm_across_processes() {
-    let line = device_selftest(3, "emu", &[("MESHTRAIN_GPU_STAGE_CHUNK", "1K")]);
+    let line = device_selftest(3, "emu", &[("MESHTRAIN_GPU_IPC", "off"), ("MESHTRAIN_GPU_STAGE_CHUNK", "1K")]);
     assert_eq!(path_counts(&line).0, 0, "{line}");
+    for np in [2, 3, 4] {
+        let line = device_selftest(np, "emu", &[("MESHTRAIN_GPU_IPC", "on"), ("MESHTRAIN_GPU_ONESHOT", "0")]);
+        let (ipc, calls) = path_counts(&line);
+        // Per dtype (7): 18 calls per count, those with 0 elements staged; the 18 large f32 over IPC.
+        assert_eq!((ipc, calls), (7 * 5 * 18 + 18, 7 * 6 * 18 + 18), "{np} ranks: {line}");
+    }
 }
 
 #[test]

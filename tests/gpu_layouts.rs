@@ -61,6 +61,10 @@ fn device_layouts_follow_the_cpu_arm(kind: DeviceKind) {
         eprintln!("{name}: {device} losses within {worst:.2e} of the CPU arm; first {:?} vs {:?}", gpu[0], cpu[0]);
         assert_eq!(gpu.len(), cpu.len(), "{name}: step counts differ");
         assert!(worst <= 2e-3, "{name}: GPU losses differ by {worst:e} from the CPU arm");
+        if name == "tp2sp" {
+            // The TP/SP calls of every layer are small: stream-ordered, no host sync per call.
+            assert!(log.contains("stream-ordered device collectives up to"), "{name}: the TP calls were not stream-ordered:\n{log}");
+        }
         if name == "dp2z0" && kind == DeviceKind::Cuda {
             // Two ranks on one GPU map each other's buffers.
             assert!(log.contains("mapped peer memory (IPC)"), "{name}: the gradient average did not take the IPC path:\n{log}");

@@ -315,6 +315,11 @@ impl Communicator {
         self.members[r]
     }
 
+    /// How long a blocking operation of this communicator waits for a peer (`MESHTRAIN_TIMEOUT`).
+    pub fn timeout(&self) -> std::time::Duration {
+        self.cfg.timeout
+    }
+
     /// Traffic counters of this communicator (shared: readable after the communicator moved to
     /// another thread).
     pub fn stats(&self) -> Arc<CommStats> {

@@ -14,7 +14,7 @@ use half::{bf16, f16};
 
 use crate::comm::dtype::{exact_input as value, exact_result as expected};
 use crate::comm::device::GpuCommState;
-use crate::comm::{block_range, Communicator, Element, ReduceOp};
+use crate::comm::{block_range, Communicator, DType, Element, ReduceOp};
 use crate::device::ipc::alloc_shareable;
 use crate::device::{Device, DeviceBuffer};
 use crate::error::Result;
@@ -212,6 +212,7 @@ pub fn check_device_type<T: Element + Debug>(
             same(&mut fails, &format!("send/recv {ctx}"), &download::<T>(dev, &y, n)?, &want);
         }
     }
+    state.check(c, dev)?;
     state.release_mappings(c, dev)?;
     Ok(fails)
 }
@@ -229,15 +230,38 @@ pub fn check_device_all(
 
 /// `meshtrain selftest --device`: every device collective on `dev` (counts with every operator,
 /// `large` with f32 and every operator), configured from the environment. Returns the failures
-/// and how many calls took the IPC path, of how many.
-pub fn check_device_job(c: &Communicator, dev: &Device, counts: &[usize], large: usize) -> Result<(Vec<String>, u64, u64)> {
+/// and the paths taken: "I of C collective calls over IPC, S stream-ordered".
+pub fn check_device_job(c: &Communicator, dev: &Device, counts: &[usize], large: usize) -> Result<(Vec<String>, String)> {
     let mut state = GpuCommState::new(crate::comm::device::GpuCommConfig::from_env()?);
     let mut fails = check_device_all(c, dev, &mut state, counts, &ReduceOp::ALL)?;
     if large > 0 {
         fails.extend(check_device_type::<f32>(c, dev, &mut state, &[large], &ReduceOp::ALL)?);
     }
     let (ipc, calls) = state.path_counts();
-    Ok((fails, ipc, calls))
+    let streamed = state.stream_ordered_calls();
+    Ok((fails, format!("{ipc} of {calls} collective calls over IPC, {streamed} stream-ordered")))
+}
+
+/// Device collectives that go wrong, for the stream-ordered error tests (`meshtrain selftest
+/// --device D --mismatch CASE`, hidden): member 1 deviates (`count`: an all-reduce of 2000
+/// instead of 1000 f32; `skip`: no call at all) and then every member checks. Every member must
+/// get the error naming the failing rank and calls; `Ok` never comes back.
+pub fn device_mismatch(c: &Communicator, dev: &Device, case: &str) -> Result<()> {
+    let mut state = GpuCommState::new(crate::comm::device::GpuCommConfig::from_env()?);
+    let mut buf = alloc_shareable(dev, 2000 * 4)?;
+    dev.copy_to_device(&mut buf, &vec![1f32; 2000])?;
+    let odd = c.rank() == 1;
+    let mut coll = state.bind(c, dev);
+    // The first call sets the path up (collective): the deviation comes in the second.
+    coll.all_reduce(&mut buf, 1000, DType::F32, ReduceOp::Sum)?;
+    match (case, odd) {
+        ("count", true) => coll.all_reduce(&mut buf, 2000, DType::F32, ReduceOp::Sum)?,
+        ("skip", true) => {}
+        ("count" | "skip", false) => coll.all_reduce(&mut buf, 1000, DType::F32, ReduceOp::Sum)?,
+        _ => return Err(crate::Error::InvalidArgument(format!("selftest --device --mismatch: `{case}` is not count or skip"))),
+    }
+    state.check(c, dev)?;
+    Err(crate::Error::Check(format!("selftest --device --mismatch {case}: the deviation was not detected")))
 }
 
 /// Mismatched calls, for the fingerprint test (`meshtrain selftest --mismatch CASE`, hidden):

@@ -34,6 +34,18 @@ impl HostBytes {
         Ok(HostBytes { memory: HostMemory::Guarded(GuardedBytes::zeroed(len)?), len })
     }
 
+    /// `len` zero bytes between guard pages that other processes can map (emu IPC).
+    pub(crate) fn guarded_shared(len: usize) -> Result<Self> {
+        Ok(HostBytes { memory: HostMemory::Guarded(GuardedBytes::shared(len)?), len })
+    }
+
+    /// Guarded memory owned elsewhere (a peer's mapping, or part of a buffer) as host bytes;
+    /// frees nothing.
+    pub(crate) fn from_guarded(g: GuardedBytes) -> Self {
+        let len = g.bytes().len();
+        HostBytes { memory: HostMemory::Guarded(g), len }
+    }
+
     /// The guarded memory, for the emu arm's address and bounds checks.
     pub(crate) fn guard(&self) -> Option<&GuardedBytes> {
         match &self.memory {

@@ -7,14 +7,17 @@
 //!
 //! Invariants: a mapping is closed when dropped, after its owner synchronized every use of it;
 //! an exporting process must not free an allocation while a peer still holds a mapping of it
-//! (the collectives that cache mappings say how they are released). The CPU arm has no IPC.
+//! (the collectives that cache mappings say how they are released). The CPU arm has no IPC; the
+//! emu arm's shareable buffers are memfd pages that peer processes of the node map
+//! (`emu_memory.rs`), so the IPC paths run, bounds-checked, without a GPU.
 
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut, Range};
 
-use super::hip::HipMapping;
 use super::cuda::CudaMapping;
-use super::{CudaBuffer, Device, DeviceBuffer, HipBuffer};
+use super::emu_memory::GuardedBytes;
+use super::hip::HipMapping;
+use super::{CudaBuffer, Device, DeviceBuffer, HipBuffer, HostBytes};
 use crate::error::{Error, Result};
 
 /// What a peer needs to map a buffer of this process.
@@ -32,15 +35,8 @@ pub enum Mapping {
     Cuda(CudaMapping),
     /// HIP.
     Hip(HipMapping),
-}
-
-impl Mapping {
-    fn address(&self) -> u64 {
-        match self {
-            Mapping::Cuda(m) => m.address(),
-            Mapping::Hip(m) => m.address(),
-        }
-    }
+    /// emu: the peer's memfd pages between guard pages of this process.
+    Emu(GuardedBytes),
 }
 
 /// The IPC handle of the allocation holding `buf`. Fails on the CPU arm and, for CUDA, for
@@ -49,7 +45,13 @@ pub fn export(dev: &Device, buf: &DeviceBuffer) -> Result<Export> {
     match (dev, buf) {
         (Device::Cuda(d), DeviceBuffer::Cuda(b)) => d.export(b).map(|e| Export { handle: e.handle, offset: e.offset }),
         (Device::Hip(d), DeviceBuffer::Hip(b)) => d.export(b).map(|e| Export { handle: e.handle, offset: e.offset }),
-        (Device::Cpu | Device::Emu(_), _) => Err(Error::InvalidArgument(format!("ipc: the {} device has no IPC handles", dev.arm()))),
+        (Device::Emu(_), DeviceBuffer::Emu(b)) => match b.guard().and_then(GuardedBytes::export) {
+            Some(handle) => Ok(Export { handle, offset: 0 }),
+            None => Err(Error::InvalidArgument(
+                "ipc: this emu buffer cannot be shared (allocate it with device::ipc::alloc_shareable)".into(),
+            )),
+        },
+        (Device::Cpu, _) => Err(Error::InvalidArgument("ipc: the cpu device has no IPC handles".into())),
         (_, b) => Err(super::buffer::wrong_device("ipc export", dev, b)),
     }
 }
@@ -59,16 +61,18 @@ pub fn open(dev: &Device, handle: &[u8; 64]) -> Result<Mapping> {
     match dev {
         Device::Cuda(d) => d.open_ipc(handle).map(Mapping::Cuda),
         Device::Hip(d) => d.open_ipc(handle).map(Mapping::Hip),
-        Device::Cpu | Device::Emu(_) => Err(Error::InvalidArgument(format!("ipc: the {} device has no IPC handles", dev.arm()))),
+        Device::Emu(_) => GuardedBytes::open(handle).map(Mapping::Emu),
+        Device::Cpu => Err(Error::InvalidArgument("ipc: the cpu device has no IPC handles".into())),
     }
 }
 
 /// A buffer whose memory other processes can map: on CUDA from `cuMemAlloc` rather than the
-/// stream-ordered pool (freeing it waits for the stream: allocate once); on HIP and the CPU the
-/// same as [`Device::alloc`].
+/// stream-ordered pool (freeing it waits for the stream: allocate once); on emu memfd pages; on HIP
+/// and the CPU the same as [`Device::alloc`].
 pub fn alloc_shareable(dev: &Device, bytes: usize) -> Result<DeviceBuffer> {
     match dev {
         Device::Cuda(d) => d.alloc_shareable(bytes).map(DeviceBuffer::Cuda),
+        Device::Emu(_) => HostBytes::guarded_shared(bytes).map(DeviceBuffer::Emu),
         _ => dev.alloc(bytes),
     }
 }
@@ -118,9 +122,11 @@ fn part_of<'a>(buf: &DeviceBuffer, range: Range<usize>) -> Result<Borrowed<'a>> 
         match buf {
             DeviceBuffer::Cuda(b) => DeviceBuffer::Cuda(CudaBuffer::borrowed(b.address() + off, len)),
             DeviceBuffer::Hip(b) => DeviceBuffer::Hip(HipBuffer::borrowed(b.address() + off, len)),
-            DeviceBuffer::Host(_) | DeviceBuffer::Emu(_) => {
-                return Err(Error::InvalidArgument(format!("buffer part: the {} arm has no borrowed buffers", buf.arm())))
-            }
+            DeviceBuffer::Emu(h) => match h.guard() {
+                Some(g) => DeviceBuffer::Emu(HostBytes::from_guarded(g.view(range))),
+                None => return Err(Error::InvalidArgument("buffer part: an emu buffer without guard pages".into())),
+            },
+            DeviceBuffer::Host(_) => return Err(Error::InvalidArgument("buffer part: the cpu arm has no borrowed buffers".into())),
         }
     };
     Ok(Borrowed { buf, _owner: PhantomData })
@@ -129,13 +135,14 @@ fn part_of<'a>(buf: &DeviceBuffer, range: Range<usize>) -> Result<Borrowed<'a>> 
 /// Bytes `range` of a peer's mapped allocation as a buffer. The peer's allocation size is not
 /// known here: the caller checks `range` against the size the peer announced.
 pub fn mapped(map: &Mapping, range: Range<usize>) -> Borrowed<'_> {
-    let (addr, len) = (map.address() + range.start as u64, range.len());
+    let len = range.len();
     // SAFETY: the mapping stays open while the result borrows it; the caller checked the range
     // against the peer's buffer.
     let buf = unsafe {
         match map {
-            Mapping::Cuda(_) => DeviceBuffer::Cuda(CudaBuffer::borrowed(addr, len)),
-            Mapping::Hip(_) => DeviceBuffer::Hip(HipBuffer::borrowed(addr, len)),
+            Mapping::Cuda(m) => DeviceBuffer::Cuda(CudaBuffer::borrowed(m.address() + range.start as u64, len)),
+            Mapping::Hip(m) => DeviceBuffer::Hip(HipBuffer::borrowed(m.address() + range.start as u64, len)),
+            Mapping::Emu(g) => DeviceBuffer::Emu(HostBytes::from_guarded(g.view(range))),
         }
     };
     Borrowed { buf, _owner: PhantomData }

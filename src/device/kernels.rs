@@ -22,7 +22,7 @@ const HEADERS: [(&str, &str); 2] = [
 const EMU_RUNTIME: &str = include_str!("../../kernels/emu_runtime.cpp");
 
 /// Kernel files, by name.
-pub const SOURCES: [(&str, &str); 11] = [
+pub const SOURCES: [(&str, &str); 12] = [
     ("reduce.cu", include_str!("../../kernels/reduce.cu")),
     ("layernorm.cu", include_str!("../../kernels/layernorm.cu")),
     ("gelu.cu", include_str!("../../kernels/gelu.cu")),
@@ -34,10 +34,11 @@ pub const SOURCES: [(&str, &str); 11] = [
     ("encoder.cu", include_str!("../../kernels/encoder.cu")),
     ("linear.cu", include_str!("../../kernels/linear.cu")),
     ("vocab_parallel.cu", include_str!("../../kernels/vocab_parallel.cu")),
+    ("oneshot.cu", include_str!("../../kernels/oneshot.cu")),
 ];
 
 /// Entry points other than the reductions.
-const MODEL_KERNELS: [&str; 30] = [
+const MODEL_KERNELS: [&str; 32] = [
     "layernorm_forward_f32",
     "layernorm_backward_dinp_f32",
     "layernorm_backward_dparams_f32",
@@ -68,6 +69,8 @@ const MODEL_KERNELS: [&str; 30] = [
     "shard_max_f32",
     "shard_sum_exp_f32",
     "cross_entropy_combine_f32",
+    "oneshot_signal",
+    "oneshot_wait",
 ];
 
 /// The whole kernel translation unit, local includes expanded once.
@@ -158,11 +161,11 @@ mod tests {
     }
 
     /// Every listed entry point is defined by name or by the reduction macros, and the list has
-    /// no duplicates (28 combine kernels, 7 avg divides, 30 model kernels).
+    /// no duplicates (28 combine kernels, 7 avg divides, 32 model and flag kernels).
     #[test]
     fn entry_points_are_unique_and_defined() {
         let names = entry_points();
-        assert_eq!(names.len(), 28 + 7 + 30);
+        assert_eq!(names.len(), 28 + 7 + 32);
         assert_eq!(names.iter().collect::<HashSet<_>>().len(), names.len());
         let src = kernel_source();
         for n in names

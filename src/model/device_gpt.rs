@@ -292,6 +292,16 @@ impl DeviceGpt {
         }
     }
 
+    /// Collective over the TP group and, at ZeRO-3, the data-parallel group (no-op without
+    /// them): an error on every member if one of the step's stream-ordered collectives (TP sums
+    /// and gathers, parameter gathers) failed on any (see `GpuCommState::check`).
+    pub fn check_collectives(&mut self) -> Result<()> {
+        if let Some(g) = &mut self.tp {
+            g.check(&self.dev)?;
+        }
+        self.check_param_shards()
+    }
+
     /// Flat parameters (host mirror).
     pub fn params(&self) -> &[f32] {
         &self.host_params

@@ -62,8 +62,15 @@ impl DeviceTp {
         self.state.bind(&self.comm, dev).reduce_scatter_into(full, local, n_full, DType::F32, ReduceOp::Sum)
     }
 
-    /// Closes the peer mappings the collectives cached (collective; before buffers are freed).
+    /// Collective: an error on every member if a stream-ordered call of the group failed on any.
+    pub fn check(&mut self, dev: &Device) -> Result<()> {
+        self.state.check(&self.comm, dev)
+    }
+
+    /// Checks the last calls, then closes the peer mappings the collectives cached (collective;
+    /// before buffers are freed).
     pub fn release(&mut self, dev: &Device) -> Result<()> {
+        self.state.check(&self.comm, dev)?;
         self.state.release_mappings(&self.comm, dev)
     }
 }

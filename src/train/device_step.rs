@@ -193,6 +193,8 @@ impl DeviceStep {
         max_norm: f64,
         apply: &mut dyn FnMut(f64) -> Result<bool>,
     ) -> Result<StepOutcome> {
+        // The step's stream-ordered TP calls are only checked here: before anything is applied.
+        model.check_collectives()?;
         let (mut sq, comm) = match &mut self.state {
             State::Whole(w) => w.reduce_and_square(model, dp, &mut self.coll, &mut self.partials, micro_batches)?,
             State::Sharded(s) => s.reduce_and_square(model, dp, &mut self.coll, &mut self.partials, micro_batches)?,
@@ -207,6 +209,7 @@ impl DeviceStep {
             g.all_reduce(&mut s, ReduceOp::Sum)?;
             sq = s[0];
         }
+        self.coll.check(dp, model.device())?;
         let grad_norm = sq.sqrt();
         // The reduction runs after the backward, so all of it is exposed.
         let timing = ReduceTiming { comm, exposed: comm };

@@ -79,6 +79,10 @@ fn evaluate(model: &mut Replica, batch: &mut Batch, sampler: &mut Sampler, batch
         sampler.next_batch(batch)?;
         sum += model.eval(batch)?;
     }
+    // The evaluation's stream-ordered TP calls are checked like a step's.
+    if let Some(m) = model.device_model_mut() {
+        m.check_collectives()?;
+    }
     let mut mean = [sum / batches.max(1) as f64];
     dp.all_reduce(&mut mean, ReduceOp::Avg)?;
     Ok(mean[0])

@@ -65,8 +65,7 @@ pub(crate) struct IpcState {
     eligible: Option<std::result::Result<(), String>>,
     /// Peers' allocations mapped here, by (peer, IPC handle).
     cache: HashMap<(usize, [u8; 64]), Mapping>,
-    /// Collectives asked for, and how many of them ran here.
-    calls: u64,
+    /// Collectives that ran here.
     ipc_calls: u64,
 }
 
@@ -92,9 +91,18 @@ fn boot_id_hash() -> i64 {
 }
 
 impl IpcState {
-    /// (calls that took the IPC path, collective calls made).
-    pub(crate) fn path_counts(&self) -> (u64, u64) {
-        (self.ipc_calls, self.calls)
+    /// Calls that took the IPC path.
+    pub(crate) fn ipc_calls(&self) -> u64 {
+        self.ipc_calls
+    }
+
+    /// Whether peers' memory may be mapped: a GPU arm (or emu) whose ranks all run on this node,
+    /// each in its own process (exchanged once, agreed everywhere; collective on first use).
+    pub(crate) fn eligible(&mut self, comm: &Communicator, dev: &Device) -> Result<bool> {
+        if matches!(dev, Device::Cpu) || comm.size() == 1 {
+            return Ok(false);
+        }
+        Ok(self.check_eligible(comm, dev)?.is_ok())
     }
 
     /// Closes every cached mapping (after the device finished using them).
@@ -147,16 +155,12 @@ impl IpcState {
         n: usize,
         dtype: DType,
     ) -> Result<bool> {
-        self.calls += 1;
         if cfg.ipc == GpuIpc::Off {
             return Ok(false);
         }
-        if matches!(dev, Device::Cpu | Device::Emu(_)) {
+        if matches!(dev, Device::Cpu) {
             return match cfg.ipc {
-                GpuIpc::On => {
-                    let arm = if matches!(dev, Device::Cpu) { "CPU" } else { "emu" };
-                    Err(forced(&format!("the {arm} device has no IPC handles (use MESHTRAIN_GPU_IPC=auto or off)")))
-                }
+                GpuIpc::On => Err(forced("the CPU device has no IPC handles (use MESHTRAIN_GPU_IPC=auto or off)")),
                 _ => Ok(false),
             };
         }

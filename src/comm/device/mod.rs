@@ -1,6 +1,10 @@
 //! Collectives on device buffers ([`DeviceBuffer`] + [`Device`]) over a host [`Communicator`].
 //!
-//! Two paths carry them:
+//! Three paths carry them:
+//! - **Stream-ordered** ([`oneshot`], small calls between GPUs of one node, the tensor- and
+//!   sequence-parallel calls of every layer): each rank publishes its input into a workspace its
+//!   peers mapped once, signals a flag and waits for the peers' flags in kernels on its own
+//!   stream; no host sync, no host message per call. Errors are found at [`GpuCommState::check`].
 //! - **IPC** ([`ipc`], GPUs of one node): every rank maps its peers' buffers through IPC handles
 //!   exchanged over the host communicator, and the GPU reduce kernels read peers' memory
 //!   directly; mappings are cached per (peer, allocation). Used when every rank of the
@@ -9,8 +13,10 @@
 //!   send/recv): chunks go through pinned host memory and the host collectives, double-buffered.
 //!
 //! Environment (read by [`GpuCommConfig::from_env`], the same on every rank):
-//! `MESHTRAIN_GPU_IPC=auto|on|off` (`on` where IPC is impossible is an error) and
-//! `MESHTRAIN_GPU_STAGE_CHUNK` (bytes per staged chunk, e.g. `4M`).
+//! `MESHTRAIN_GPU_IPC=auto|on|off` (`on` where IPC is impossible is an error; `off` also turns the
+//! stream-ordered path off), `MESHTRAIN_GPU_STAGE_CHUNK` (bytes per staged chunk, e.g. `4M`) and
+//! `MESHTRAIN_GPU_ONESHOT` (largest bytes a rank publishes in a stream-ordered call, default
+//! `1M`; `0` turns the path off).
 //!
 //! Invariants: every member calls the same collectives in the same order with the same counts,
 //! element type and operator (as for the host API); the path choice depends only on facts every
@@ -19,6 +25,7 @@
 //! bytes. A [`GpuCommState`] belongs to one (communicator, device) pair.
 
 pub mod ipc;
+pub mod oneshot;
 pub mod staged;
 #[cfg(test)]
 mod tests;
@@ -49,16 +56,19 @@ pub struct GpuCommConfig {
     pub ipc: GpuIpc,
     /// Bytes per staged chunk (the host collective's buffer size per step).
     pub stage_chunk: usize,
+    /// Largest bytes one rank publishes in a stream-ordered call (0: never stream-ordered).
+    pub oneshot_bytes: usize,
 }
 
 impl Default for GpuCommConfig {
     fn default() -> Self {
-        GpuCommConfig { ipc: GpuIpc::Auto, stage_chunk: 4 << 20 }
+        GpuCommConfig { ipc: GpuIpc::Auto, stage_chunk: 4 << 20, oneshot_bytes: 1 << 20 }
     }
 }
 
 impl GpuCommConfig {
-    /// Defaults overridden by `MESHTRAIN_GPU_IPC` and `MESHTRAIN_GPU_STAGE_CHUNK`.
+    /// Defaults overridden by `MESHTRAIN_GPU_IPC`, `MESHTRAIN_GPU_STAGE_CHUNK` and
+    /// `MESHTRAIN_GPU_ONESHOT`.
     pub fn from_env() -> Result<Self> {
         let mut c = GpuCommConfig::default();
         let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
@@ -76,23 +86,32 @@ impl GpuCommConfig {
                 .filter(|&n| n > 0)
                 .ok_or_else(|| Error::config("MESHTRAIN_GPU_STAGE_CHUNK", format!("`{v}` is not a positive size like 4M")))?;
         }
+        if let Some(v) = get("MESHTRAIN_GPU_ONESHOT") {
+            c.oneshot_bytes = crate::bench::collectives::parse_size(&v)
+                .ok()
+                .filter(|&n| n <= 1 << 30)
+                .ok_or_else(|| Error::config("MESHTRAIN_GPU_ONESHOT", format!("`{v}` is not a size from 0 to 1G like 1M")))?;
+        }
         Ok(c)
     }
 }
 
-/// What device collectives keep between calls: the configuration, the staging memory and the
-/// IPC state (the agreed eligibility and the cache of peers' mappings). One per (communicator,
-/// device) pair; [`GpuCommState::bind`] gives the collectives.
+/// What device collectives keep between calls: the configuration, the staging memory, the
+/// IPC state (the agreed eligibility and the cache of peers' mappings) and the stream-ordered
+/// workspaces. One per (communicator, device) pair; [`GpuCommState::bind`] gives the collectives.
 pub struct GpuCommState {
     cfg: GpuCommConfig,
     staging: Option<Staging>,
     ipc: ipc::IpcState,
+    oneshot: oneshot::OneShot,
+    /// Collective calls other than send/recv.
+    calls: u64,
 }
 
 impl GpuCommState {
     /// State for `cfg`; allocates nothing until the first call.
     pub fn new(cfg: GpuCommConfig) -> Self {
-        GpuCommState { cfg, staging: None, ipc: ipc::IpcState::default() }
+        GpuCommState { cfg, staging: None, ipc: ipc::IpcState::default(), oneshot: oneshot::OneShot::default(), calls: 0 }
     }
 
     /// The collectives of `comm` on `dev`'s buffers.
@@ -102,13 +121,28 @@ impl GpuCommState {
 
     /// (calls that took the IPC path, collective calls other than send/recv) so far.
     pub fn path_counts(&self) -> (u64, u64) {
-        self.ipc.path_counts()
+        (self.ipc.ipc_calls(), self.calls)
+    }
+
+    /// Calls that took the stream-ordered path so far.
+    pub fn stream_ordered_calls(&self) -> u64 {
+        self.oneshot.calls()
+    }
+
+    /// Collective: waits for this rank's queued device collectives and returns an error on every
+    /// rank if a stream-ordered call failed on any (a peer silent past the deadline, or in a
+    /// different collective), naming the rank, the peer and the calls. The training step runs it
+    /// once per step before applying an update; results of calls after a failure are unusable.
+    pub fn check(&mut self, comm: &Communicator, dev: &Device) -> Result<()> {
+        self.oneshot.check(comm, dev)
     }
 
     /// Closes every peer mapping this rank cached, then waits for every rank to do the same
     /// (collective). Call it before freeing buffers that IPC collectives used: a peer must not
-    /// hold a mapping of a freed allocation.
+    /// hold a mapping of a freed allocation. The stream-ordered workspaces are freed too (set up
+    /// again by the next call).
     pub fn release_mappings(&mut self, comm: &Communicator, dev: &Device) -> Result<()> {
+        self.oneshot.release(comm, dev)?;
         self.ipc.release(dev)?;
         comm.barrier()
     }
@@ -261,7 +295,13 @@ impl DeviceCollectives<'_> {
 
     /// Runs one collective on the path chosen for it.
     fn run(&mut self, op: Op, mut bufs: Bufs, n: usize, dtype: DType) -> Result<()> {
-        let (comm, dev) = (self.comm, self.dev);
+        let (comm, dev, st) = (self.comm, self.dev, &mut *self.state);
+        st.calls += 1;
+        let cap = if st.cfg.ipc == GpuIpc::Off { 0 } else { st.cfg.oneshot_bytes };
+        let ipc = &mut st.ipc;
+        if st.oneshot.try_call(cap, || ipc.eligible(comm, dev), comm, dev, op, &mut bufs, n, dtype)? {
+            return Ok(());
+        }
         if self.state.ipc.try_call(&self.state.cfg, comm, dev, op, &mut bufs, n, dtype)? {
             return Ok(());
         }

@@ -155,11 +155,21 @@ impl DeviceGpt {
         self.release_units(&[])
     }
 
-    /// Closes the gathers' peer mappings (collective over the data-parallel group; no-op without
-    /// ZeRO-3).
+    /// Checks the gathers' last calls, then closes their peer mappings (collective over the
+    /// data-parallel group; no-op without ZeRO-3).
     pub fn release_param_shards(&mut self) -> Result<()> {
+        self.check_param_shards()?;
         match &mut self.shards {
             Some(z) => z.coll.release_mappings(&z.comm, &self.dev),
+            None => Ok(()),
+        }
+    }
+
+    /// Collective over the data-parallel group (no-op without ZeRO-3): an error on every member
+    /// if a stream-ordered parameter gather failed on any.
+    pub(super) fn check_param_shards(&mut self) -> Result<()> {
+        match &mut self.shards {
+            Some(z) => z.coll.check(&z.comm, &self.dev),
             None => Ok(()),
         }
     }

@@ -299,8 +299,8 @@ fn selftest_device(world: &World, args: &SelftestArgs, kind: &str) -> Result<()>
     };
     let comm = world.communicator()?;
     let dev = Device::open(kind, world.local_rank)?;
-    let (fails, ipc, calls) = selftest::check_device_job(&comm, &dev, &args.counts, args.large)?;
-    report_selftest(world, &comm, &fails, &format!("device path: {ipc} of {calls} collective calls over IPC"))
+    let (fails, paths) = selftest::check_device_job(&comm, &dev, &args.counts, args.large)?;
+    report_selftest(world, &comm, &fails, &paths)
 }
 
 fn selftest(world: &World, args: &SelftestArgs) -> Result<()> {

@@ -229,15 +229,20 @@ pub fn check_device_all(
 
 /// `meshtrain selftest --device`: every device collective on `dev` (counts with every operator,
 /// `large` with f32 and every operator), configured from the environment. Returns the failures
-/// and how many calls took the IPC path, of how many.
-pub fn check_device_job(c: &Communicator, dev: &Device, counts: &[usize], large: usize) -> Result<(Vec<String>, u64, u64)> {
+/// and which paths this rank's calls took (IPC among collectives, FI_HMEM direct among send/recv).
+pub fn check_device_job(c: &Communicator, dev: &Device, counts: &[usize], large: usize) -> Result<(Vec<String>, String)> {
     let mut state = GpuCommState::new(crate::comm::device::GpuCommConfig::from_env()?);
     let mut fails = check_device_all(c, dev, &mut state, counts, &ReduceOp::ALL)?;
     if large > 0 {
         fails.extend(check_device_type::<f32>(c, dev, &mut state, &[large], &ReduceOp::ALL)?);
     }
     let (ipc, calls) = state.path_counts();
-    Ok((fails, ipc, calls))
+    let (direct, staged) = state.direct_counts();
+    let paths = format!(
+        "device path: {ipc} of {calls} collective calls over IPC; send/recv: {direct} of {} FI_HMEM direct",
+        direct + staged
+    );
+    Ok((fails, paths))
 }
 
 /// Mismatched calls, for the fingerprint test (`meshtrain selftest --mismatch CASE`, hidden):

@@ -1,0 +1,82 @@
+//! Which transport carries links (`MESHTRAIN_TRANSPORT`) and whether device buffers may travel
+//! over libfabric without host staging (`MESHTRAIN_GPU_DIRECT`), parsed from the environment.
+//!
+//! Why a module of its own: [`super::net::NetConfig::with_env`] and the pre-MPI check of every
+//! variable ([`crate::bootstrap`]) must parse these the same way, and the combination rules
+//! (`MESHTRAIN_GPU_DIRECT=on` needs libfabric links) belong next to the parsing.
+//!
+//! Invariant: every function here only reads the environment (and sysfs for `auto`), so every rank
+//! with the same environment and node type gets the same answer.
+
+use super::ofi::{self, OfiUse};
+use crate::error::{Error, Result};
+
+/// Whether device send/recv over libfabric links post the device buffer itself (FI_HMEM
+/// registration) instead of staging it through pinned host memory (`MESHTRAIN_GPU_DIRECT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuDirect {
+    /// Direct where both ends' endpoints offer FI_HMEM; staged otherwise (the choice is logged).
+    #[default]
+    Auto,
+    /// Always direct; an error where impossible.
+    On,
+    /// Always staged.
+    Off,
+}
+
+impl GpuDirect {
+    /// `MESHTRAIN_GPU_DIRECT` (`auto` when unset or empty).
+    pub fn from_env() -> Result<GpuDirect> {
+        match var("MESHTRAIN_GPU_DIRECT").map(|v| v.to_ascii_lowercase()).as_deref() {
+            None | Some("auto") => Ok(GpuDirect::Auto),
+            Some("on") => Ok(GpuDirect::On),
+            Some("off") => Ok(GpuDirect::Off),
+            Some(other) => Err(Error::config("MESHTRAIN_GPU_DIRECT", format!("`{other}` is not auto, on or off"))),
+        }
+    }
+}
+
+fn var(key: &str) -> Option<String> {
+    std::env::var(key).ok().filter(|v| !v.is_empty())
+}
+
+/// `MESHTRAIN_TRANSPORT` (`auto`, `shm`, `tcp` or `ofi`, any case; see [`super::ofi`]): whether
+/// pairs on one node use TCP instead of shared memory, and where libfabric carries links.
+pub fn transport_from_env() -> Result<(bool, OfiUse)> {
+    let transport = var("MESHTRAIN_TRANSPORT").unwrap_or_else(|| "auto".into()).to_ascii_lowercase();
+    Ok(match transport.as_str() {
+        "tcp" => (true, OfiUse::Never),
+        "shm" => (false, OfiUse::Never),
+        "ofi" => (false, OfiUse::Always),
+        "auto" if ofi::fabric_nic_present() => (false, OfiUse::BetweenNodes),
+        "auto" => (false, OfiUse::Never),
+        _ => {
+            return Err(Error::config(
+                "MESHTRAIN_TRANSPORT",
+                format!("{transport:?}: expected auto, shm, tcp or ofi (any case)"),
+            ))
+        }
+    })
+}
+
+/// `MESHTRAIN_GPU_DIRECT`, checked against where libfabric carries links: `on` without any
+/// libfabric link (or without the `ofi` feature) is a configuration error saying why.
+pub fn gpu_direct_from_env(ofi: OfiUse) -> Result<GpuDirect> {
+    let mode = GpuDirect::from_env()?;
+    if mode == GpuDirect::On {
+        if !cfg!(feature = "ofi") {
+            return Err(Error::config("MESHTRAIN_GPU_DIRECT", "on, but this build has no libfabric (cargo feature `ofi`)"));
+        }
+        if ofi == OfiUse::Never {
+            let transport = var("MESHTRAIN_TRANSPORT").unwrap_or_else(|| "auto".into());
+            return Err(Error::config(
+                "MESHTRAIN_GPU_DIRECT",
+                format!(
+                    "on, but MESHTRAIN_TRANSPORT={transport} puts no link on libfabric, and device buffers \
+                     only skip host staging over libfabric (use MESHTRAIN_TRANSPORT=ofi, or auto on a node with a fabric NIC)"
+                ),
+            ));
+        }
+    }
+    Ok(mode)
+}

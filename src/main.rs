@@ -151,7 +151,8 @@ struct SelftestArgs {
 #[derive(Args)]
 struct BenchArgs {
     /// What to measure: a collective name, `all` (every collective), `step` (a training step of
-    /// the model on CPU against its own GEMM rate) or `checkpoint` (save/load bandwidth).
+    /// the model on CPU against its own GEMM rate), `checkpoint` (save/load bandwidth) or
+    /// `device-sendrecv` (device buffers between members 0 and 1, direct or staged).
     what: String,
     /// `step`: named model size.
     #[arg(long, default_value = "d12")]
@@ -202,6 +203,9 @@ struct BenchArgs {
     /// Print CSV (header + one line per size).
     #[arg(long)]
     csv: bool,
+    /// `device-sendrecv`: device kind of the buffers (cpu, cuda, hip, emu; default emu).
+    #[arg(long)]
+    device: Option<String>,
 }
 
 impl BenchArgs {
@@ -288,15 +292,35 @@ fn bench(world: &World, args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// `meshtrain selftest --device KIND`: the device collectives, checked bit for bit.
-fn selftest_device(world: &World, args: &SelftestArgs, kind: &str) -> Result<()> {
-    let kind = match kind {
+/// `meshtrain bench device-sendrecv --device KIND`: device send/recv ping-pong, members 0 and 1.
+fn bench_device_p2p(world: &World, args: &BenchArgs) -> Result<()> {
+    let kind = device_kind(args.device.as_deref().unwrap_or("emu"))?;
+    let comm = world.communicator()?;
+    let dev = Device::open(kind, world.local_rank)?;
+    let sizes: Vec<usize> = std::iter::successors(Some(args.min), |&s| Some(s * args.factor.max(2))).take_while(|&s| s <= args.max).collect();
+    let rows = meshtrain::bench::device_p2p::bench_device_sendrecv(&comm, &dev, &sizes, args.warmup, args.iters)?;
+    if world.rank == 0 {
+        println!("# device send/recv, members 0 and 1, {kind:?} buffers; bytes, one-way us, GB/s");
+        for r in rows {
+            println!("{} {:.1} {:.3}", r.bytes, r.one_way_s * 1e6, r.bytes as f64 / r.one_way_s / 1e9);
+        }
+    }
+    Ok(())
+}
+
+fn device_kind(kind: &str) -> Result<DeviceKind> {
+    Ok(match kind {
         "cpu" => DeviceKind::Cpu,
         "cuda" => DeviceKind::Cuda,
         "hip" => DeviceKind::Hip,
         "emu" => DeviceKind::Emu,
         other => return Err(Error::config("--device", format!("`{other}` is not cpu, cuda, hip or emu"))),
-    };
+    })
+}
+
+/// `meshtrain selftest --device KIND`: the device collectives, checked bit for bit.
+fn selftest_device(world: &World, args: &SelftestArgs, kind: &str) -> Result<()> {
+    let kind = device_kind(kind)?;
     let comm = world.communicator()?;
     let dev = Device::open(kind, world.local_rank)?;
     let (fails, paths) = selftest::check_device_job(&comm, &dev, &args.counts, args.large)?;
@@ -445,6 +469,7 @@ fn main() {
             }
             Ok(())
         }),
+        Command::Bench(args) if args.what == "device-sendrecv" => with_world(|w| bench_device_p2p(w, args)),
         Command::Bench(args) => with_world(|w| bench(w, args)),
         Command::Train(args) => {
             let cfg = JobConfig::load(&args.job, &args.sets);

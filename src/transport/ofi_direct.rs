@@ -38,8 +38,8 @@ pub(crate) const CAP_ALLOWED: u8 = 2;
 /// `MESHTRAIN_GPU_DIRECT=on` on the sender.
 pub(crate) const CAP_FORCED: u8 = 4;
 
-/// Largest single direct message.
-const DIRECT_MSG: usize = 8 << 20;
+/// Largest single direct message (a window of them keeps the NIC busy while each completes).
+const DIRECT_MSG: usize = 1 << 20;
 /// Direct messages posted at once per transfer.
 const WINDOW: usize = 8;
 
@@ -122,16 +122,7 @@ impl DirectPeer {
     /// `Ok` when device transfers on this link go direct, else why they are staged. The same on
     /// both ends (it depends only on the two capability bytes).
     pub fn choice(&self) -> std::result::Result<(), String> {
-        let (peer, prov) = (self.waits.peer, self.provider());
-        let (lo, hi) = if self.mine <= self.theirs { (self.mine, self.theirs) } else { (self.theirs, self.mine) };
-        let both = |bit: u8| lo & bit != 0 && hi & bit != 0;
-        if !both(CAP_ALLOWED) {
-            return Err(format!("MESHTRAIN_GPU_DIRECT=off on this rank or rank {peer}"));
-        }
-        if !both(CAP_HMEM) {
-            return Err(format!("provider {prov} does not offer FI_HMEM on this rank or rank {peer}"));
-        }
-        Ok(())
+        choose(self.mine, self.theirs, self.waits.peer, self.provider())
     }
 
     /// Whether either end has `MESHTRAIN_GPU_DIRECT=on` (a staged choice is then an error).
@@ -215,6 +206,19 @@ impl DirectPeer {
     }
 }
 
+/// The path for capability bytes `mine` and `theirs` (symmetric in them: both ends of a link get
+/// the same answer); `Err` says why the link stages.
+fn choose(mine: u8, theirs: u8, peer: usize, provider: &str) -> std::result::Result<(), String> {
+    let both = |bit: u8| mine & theirs & bit != 0;
+    if !both(CAP_ALLOWED) {
+        return Err(format!("MESHTRAIN_GPU_DIRECT=off on this rank or rank {peer}"));
+    }
+    if !both(CAP_HMEM) {
+        return Err(format!("provider {provider} does not offer FI_HMEM on this rank or rank {peer}"));
+    }
+    Ok(())
+}
+
 /// The operation contexts of one transfer; on drop, cancels what is still posted and waits for it,
 /// leaking the contexts if the provider does not let go in time.
 struct Posted {
@@ -242,5 +246,27 @@ impl Drop for Posted {
             log::warn!("ofi: device-direct transfer failed with operations still posted; leaking their contexts");
             std::mem::forget(std::mem::take(&mut self.ops));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_ends_choose_the_same_path_for_every_pair_of_capability_bytes() {
+        let all = CAP_HMEM | CAP_ALLOWED | CAP_FORCED;
+        for a in 0..=all {
+            for b in 0..=all {
+                let direct = choose(a, b, 1, "p").is_ok();
+                assert_eq!(direct, choose(b, a, 0, "p").is_ok(), "caps {a:#b} / {b:#b}");
+                let want = a & b & CAP_HMEM != 0 && a & b & CAP_ALLOWED != 0;
+                assert_eq!(direct, want, "caps {a:#b} / {b:#b}");
+            }
+        }
+        let why = choose(CAP_HMEM | CAP_ALLOWED, CAP_ALLOWED, 3, "tcp;ofi_rxm").unwrap_err();
+        assert_eq!(why, "provider tcp;ofi_rxm does not offer FI_HMEM on this rank or rank 3");
+        let why = choose(CAP_HMEM | CAP_ALLOWED, CAP_HMEM, 2, "shm").unwrap_err();
+        assert_eq!(why, "MESHTRAIN_GPU_DIRECT=off on this rank or rank 2");
     }
 }

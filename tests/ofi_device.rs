@@ -11,7 +11,8 @@
 
 mod common;
 
-use std::time::Duration;
+use std::io::{BufRead, BufReader};
+use std::time::{Duration, Instant};
 
 /// The device selftest on `np` ranks over libfabric `provider` with extra `envs`.
 fn device_selftest(np: usize, provider: &str, large: usize, envs: &[(&str, &str)]) -> common::Finished {
@@ -99,4 +100,52 @@ fn gpu_direct_on_over_tcp_transport_is_a_config_error() {
 #[test]
 fn gpu_direct_on_over_a_provider_without_fi_hmem_is_a_config_error() {
     on_is_an_error("ofi", "tcp;ofi_rxm", "provider tcp;ofi_rxm does not offer FI_HMEM");
+}
+
+/// Rank 1 SIGKILLed in the middle of a loop of direct device transfers: rank 0 exits by itself,
+/// within the deadline, with an error blaming rank 1 (never a hang in a posted receive).
+#[test]
+fn killed_peer_during_direct_transfers_is_named() {
+    const DEADLINE_S: u64 = 20;
+    let mut cmd = common::mpirun(2);
+    cmd.args(["bench", "device-sendrecv", "--device", "emu", "--min", "4M", "--max", "4M", "--warmup", "0", "--iters", "1000000"])
+        .env("MESHTRAIN_TRANSPORT", "ofi")
+        .env("FI_PROVIDER", "shm")
+        .env("MESHTRAIN_GPU_DIRECT", "on")
+        .env("MESHTRAIN_TIMEOUT", DEADLINE_S.to_string())
+        .env("RUST_LOG", "info");
+    let mut child = common::spawn(cmd);
+    let mpirun_pid = child.id();
+    let stderr = child.stderr.take().expect("piped stderr");
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line.clone());
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+    // Kill only once the direct transfers run (start-up, emu kernels included, may take a while).
+    let started = "device send to rank 1: FI_HMEM direct";
+    while !rx.recv_timeout(Duration::from_secs(120)).expect("rank 0 starts direct transfers").contains(started) {}
+    std::thread::sleep(Duration::from_secs(2));
+    let pids = common::rank_pids(mpirun_pid);
+    let victim = pids.iter().find(|p| p.0 == 1).expect("rank 1 runs").1;
+    assert!(std::process::Command::new("kill").args(["-KILL", &victim.to_string()]).status().unwrap().success());
+    let killed_at = Instant::now();
+    while common::rank_pids(mpirun_pid).iter().any(|p| p.1 != victim) && killed_at.elapsed() < Duration::from_secs(DEADLINE_S + 60) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let took = killed_at.elapsed();
+    // mpirun may linger once a rank died by a signal: `wait` stops it.
+    let out = common::wait(child, Duration::from_secs(5));
+    let stderr = reader.join().expect("stderr reader");
+    assert!(took < Duration::from_secs(DEADLINE_S + 15), "rank 0 took {took:?} after the kill:\n{stderr}");
+    assert!(!out.success(), "the job reported success after rank 1 was killed");
+    assert!(
+        stderr.lines().any(|l| l.contains(",0]<stderr>:meshtrain: error") && l.contains("blame: rank 1:")),
+        "rank 0 did not blame rank 1:\n{stderr}"
+    );
 }

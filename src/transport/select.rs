@@ -27,7 +27,12 @@ pub enum GpuDirect {
 impl GpuDirect {
     /// `MESHTRAIN_GPU_DIRECT` (`auto` when unset or empty).
     pub fn from_env() -> Result<GpuDirect> {
-        match var("MESHTRAIN_GPU_DIRECT").map(|v| v.to_ascii_lowercase()).as_deref() {
+        GpuDirect::parse(var("MESHTRAIN_GPU_DIRECT").as_deref())
+    }
+
+    /// A value of `MESHTRAIN_GPU_DIRECT` (any case; `None`: unset).
+    fn parse(value: Option<&str>) -> Result<GpuDirect> {
+        match value.map(|v| v.to_ascii_lowercase()).as_deref() {
             None | Some("auto") => Ok(GpuDirect::Auto),
             Some("on") => Ok(GpuDirect::On),
             Some("off") => Ok(GpuDirect::Off),
@@ -62,13 +67,18 @@ pub fn transport_from_env() -> Result<(bool, OfiUse)> {
 /// `MESHTRAIN_GPU_DIRECT`, checked against where libfabric carries links: `on` without any
 /// libfabric link (or without the `ofi` feature) is a configuration error saying why.
 pub fn gpu_direct_from_env(ofi: OfiUse) -> Result<GpuDirect> {
-    let mode = GpuDirect::from_env()?;
+    let transport = var("MESHTRAIN_TRANSPORT").unwrap_or_else(|| "auto".into());
+    check_gpu_direct(GpuDirect::from_env()?, ofi, &transport)
+}
+
+/// `mode`, or the error for `on` where libfabric carries no link (`transport`: the variable's
+/// value, for the message).
+fn check_gpu_direct(mode: GpuDirect, ofi: OfiUse, transport: &str) -> Result<GpuDirect> {
     if mode == GpuDirect::On {
         if !cfg!(feature = "ofi") {
             return Err(Error::config("MESHTRAIN_GPU_DIRECT", "on, but this build has no libfabric (cargo feature `ofi`)"));
         }
         if ofi == OfiUse::Never {
-            let transport = var("MESHTRAIN_TRANSPORT").unwrap_or_else(|| "auto".into());
             return Err(Error::config(
                 "MESHTRAIN_GPU_DIRECT",
                 format!(
@@ -79,4 +89,34 @@ pub fn gpu_direct_from_env(ofi: OfiUse) -> Result<GpuDirect> {
         }
     }
     Ok(mode)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_direct_values_parse_in_any_case_and_others_name_the_variable() {
+        assert_eq!(GpuDirect::parse(None).unwrap(), GpuDirect::Auto);
+        assert_eq!(GpuDirect::parse(Some("AUTO")).unwrap(), GpuDirect::Auto);
+        assert_eq!(GpuDirect::parse(Some("On")).unwrap(), GpuDirect::On);
+        assert_eq!(GpuDirect::parse(Some("off")).unwrap(), GpuDirect::Off);
+        let err = GpuDirect::parse(Some("yes")).unwrap_err().to_string();
+        assert!(err.contains("MESHTRAIN_GPU_DIRECT") && err.contains("`yes` is not auto, on or off"), "{err}");
+    }
+
+    #[test]
+    fn gpu_direct_on_needs_libfabric_links() {
+        for mode in [GpuDirect::Auto, GpuDirect::Off] {
+            assert_eq!(check_gpu_direct(mode, OfiUse::Never, "tcp").unwrap(), mode);
+        }
+        let err = check_gpu_direct(GpuDirect::On, OfiUse::Never, "tcp").unwrap_err().to_string();
+        let why = if cfg!(feature = "ofi") { "MESHTRAIN_TRANSPORT=tcp puts no link on libfabric" } else { "no libfabric" };
+        assert!(err.contains("MESHTRAIN_GPU_DIRECT") && err.contains(why), "{err}");
+        if cfg!(feature = "ofi") {
+            for ofi in [OfiUse::BetweenNodes, OfiUse::Always] {
+                assert_eq!(check_gpu_direct(GpuDirect::On, ofi, "ofi").unwrap(), GpuDirect::On);
+            }
+        }
+    }
 }

@@ -13,7 +13,7 @@ use crate::error::Error;
 const COUNTS: [usize; 6] = [0, 1, 2, 13, 97, 331];
 
 fn state(stage_chunk: usize) -> GpuCommState {
-    GpuCommState::new(GpuCommConfig { ipc: GpuIpc::Auto, stage_chunk })
+    GpuCommState::new(GpuCommConfig { ipc: GpuIpc::Auto, stage_chunk, ..Default::default() })
 }
 
 #[test]
@@ -88,7 +88,7 @@ fn wrong_sizes_are_errors_naming_the_operation_and_bytes() {
 fn ipc_forced_on_with_the_cpu_device_is_a_config_error() {
     let errors = run_ranks(3, CommConfig::default(), |c| {
         let dev = Device::Cpu;
-        let mut st = GpuCommState::new(GpuCommConfig { ipc: GpuIpc::On, stage_chunk: 64 });
+        let mut st = GpuCommState::new(GpuCommConfig { ipc: GpuIpc::On, stage_chunk: 64, ..Default::default() });
         let mut buf = dev.upload(&[1.0f32; 5]).unwrap();
         st.bind(&c, &dev).all_reduce(&mut buf, 5, DType::F32, ReduceOp::Sum).unwrap_err()
     });
@@ -101,7 +101,7 @@ fn ipc_forced_on_with_the_cpu_device_is_a_config_error() {
 #[test]
 fn ipc_off_and_auto_agree_on_the_cpu_arm() {
     run_ranks(4, CommConfig::default(), |c| {
-        let mut off = GpuCommState::new(GpuCommConfig { ipc: GpuIpc::Off, stage_chunk: 40 });
+        let mut off = GpuCommState::new(GpuCommConfig { ipc: GpuIpc::Off, stage_chunk: 40, ..Default::default() });
         let fails = check_device_type::<bf16>(&c, &Device::Cpu, &mut off, &[0, 13, 97], &ReduceOp::ALL).unwrap();
         assert_eq!(fails, Vec::<String>::new());
     });

@@ -1,9 +1,7 @@
 //! Device send/recv over libfabric across real rank processes: the emu arm's buffers (host memory
 //! playing the device, registered as FI_HMEM_SYSTEM) posted directly where the provider offers
-//! FI_HMEM and it was asked for (`shm` here, with `MESHTRAIN_GPU_DIRECT=on`: `auto` asks it of
-//! fabric providers only), staged through host memory where it does not (`tcp;ofi_rxm`), under
-//! `auto` over `shm`, or with `off`; `on` where impossible is a configuration error naming the
-//! variable.
+//! FI_HMEM (`shm` here), staged through host memory where it does not (`tcp;ofi_rxm`) or where
+//! `MESHTRAIN_GPU_DIRECT=off`; `on` where impossible is a configuration error naming the variable.
 //!
 //! `meshtrain selftest --device emu` checks every device collective bit for bit, send/recv among
 //! them in a ring (counts 0, 1, odd, and a large one of several MiB that spans many direct
@@ -48,7 +46,7 @@ fn direct_counts(out: &common::Finished, what: &str) -> (u64, u64) {
 fn emu_send_recv_goes_direct_over_the_shm_provider_bit_exact() {
     // 3_000_017 f32 = 12 MB: more direct messages than the window holds, and an odd tail.
     for (np, large) in [(2, 3_000_017), (3, 0)] {
-        let out = device_selftest(np, "shm", large, &[("MESHTRAIN_GPU_DIRECT", "on")]);
+        let out = device_selftest(np, "shm", large, &[]);
         let (direct, calls) = direct_counts(&out, &format!("direct selftest on {np} ranks"));
         assert!(direct > 0 && direct == calls, "{np} ranks: {direct} of {calls} send/recv calls direct");
         for line in ["device send to rank 1: FI_HMEM direct (provider shm, iface FI_HMEM_SYSTEM)", "device buffers: FI_HMEM registration"] {
@@ -58,17 +56,12 @@ fn emu_send_recv_goes_direct_over_the_shm_provider_bit_exact() {
 }
 
 #[test]
-fn auto_stages_over_providers_other_than_fabric_ones() {
-    let endpoint = "staged through host memory (auto asks FI_HMEM of cxi, verbs and efa only";
-    for provider in ["tcp;ofi_rxm", "shm"] {
-        let out = device_selftest(2, provider, 0, &[]);
-        let (direct, calls) = direct_counts(&out, &format!("selftest over {provider}"));
-        assert!(direct == 0 && calls > 0, "{direct} of {calls} send/recv calls direct over {provider}");
-        let why = format!("device send to rank 1: staged (provider {provider}: FI_HMEM not in use on this rank or rank 1");
-        for line in [why.as_str(), endpoint] {
-            assert!(out.stderr.contains(line), "no `{line}` in the log:\n{}", out.stderr);
-        }
-    }
+fn emu_send_recv_stages_where_the_provider_has_no_fi_hmem() {
+    let out = device_selftest(2, "tcp;ofi_rxm", 0, &[]);
+    let (direct, calls) = direct_counts(&out, "selftest over tcp;ofi_rxm");
+    assert!(direct == 0 && calls > 0, "{direct} of {calls} send/recv calls direct over tcp;ofi_rxm");
+    let why = "device send to rank 1: staged (provider tcp;ofi_rxm does not offer FI_HMEM on this rank or rank 1)";
+    assert!(out.stderr.contains(why), "no `{why}` in the log:\n{}", out.stderr);
 }
 
 #[test]
@@ -106,7 +99,7 @@ fn gpu_direct_on_over_tcp_transport_is_a_config_error() {
 
 #[test]
 fn gpu_direct_on_over_a_provider_without_fi_hmem_is_a_config_error() {
-    on_is_an_error("ofi", "tcp;ofi_rxm", "provider tcp;ofi_rxm: FI_HMEM not in use on this rank or rank");
+    on_is_an_error("ofi", "tcp;ofi_rxm", "provider tcp;ofi_rxm does not offer FI_HMEM");
 }
 
 /// Rank 1 SIGKILLed in the middle of a loop of direct device transfers: rank 0 exits by itself,

@@ -42,11 +42,6 @@ pub enum OfiUse {
 /// Providers that mean a real fabric NIC is present (auto mode uses libfabric only then).
 pub const FABRIC_PROVIDERS: [&str; 3] = ["cxi", "verbs", "efa"];
 
-/// Whether a provider name (libfabric's `a;b` syntax for layered ones) involves a fabric provider.
-pub fn is_fabric_provider(provider: &str) -> bool {
-    provider.split(';').any(|q| FABRIC_PROVIDERS.contains(&q))
-}
-
 /// The provider asked for: `MESHTRAIN_OFI_PROVIDER`, else `FI_PROVIDER` (None: libfabric chooses).
 pub fn provider_from_env() -> Option<String> {
     ["MESHTRAIN_OFI_PROVIDER", "FI_PROVIDER"]
@@ -120,7 +115,7 @@ mod imp {
     use std::time::{Duration, Instant};
 
     use super::super::ofi_direct::{DirectPeer, CAP_ALLOWED, CAP_FORCED, CAP_HMEM};
-    use super::super::ofi_ep::{Endpoint, HmemAsk, OpSlot, RegBuf, BUSY, FAILED};
+    use super::super::ofi_ep::{Endpoint, OpSlot, RegBuf, BUSY, FAILED};
     use super::super::select::GpuDirect;
     use super::super::shm::PeerWatch;
     use super::super::{RecvLink, SendLink, Waiter};
@@ -170,7 +165,7 @@ mod imp {
         fn endpoint(&self, local_rank: usize) -> Result<Arc<Endpoint>> {
             self.endpoint
                 .get_or_init(|| {
-                    let ep = Endpoint::open(self.provider.as_deref(), local_rank, self.hmem_ask()).map_err(|e| e.to_string())?;
+                    let ep = Endpoint::open(self.provider.as_deref(), local_rank, self.gpu_direct != GpuDirect::Off).map_err(|e| e.to_string())?;
                     self.log_open(&ep);
                     Ok(Arc::new(ep))
                 })
@@ -180,13 +175,10 @@ mod imp {
 
         fn log_open(&self, ep: &Endpoint) {
             let i = ep.info();
-            let gpu = match (self.gpu_direct, i.hmem, is_fabric_provider(&i.provider)) {
-                (GpuDirect::Off, _, _) => "staged through host memory (MESHTRAIN_GPU_DIRECT=off)",
-                (_, true, _) => "FI_HMEM registration, posted directly where the peer's endpoint has it too",
-                (GpuDirect::Auto, false, false) => {
-                    "staged through host memory (auto asks FI_HMEM of cxi, verbs and efa only; MESHTRAIN_GPU_DIRECT=on asks any provider)"
-                }
-                (_, false, _) => "staged through host memory (the provider does not offer FI_HMEM)",
+            let gpu = match (self.gpu_direct, i.hmem) {
+                (GpuDirect::Off, _) => "staged through host memory (MESHTRAIN_GPU_DIRECT=off)",
+                (_, true) => "FI_HMEM registration, posted directly where the peer offers it too",
+                (_, false) => "staged through host memory (the provider does not offer FI_HMEM)",
             };
             log::info!(
                 "ofi: rank {}: libfabric {}.{}, provider {}, fabric {}, domain {}, mr_mode {}, {} tag bits; \
@@ -293,14 +285,6 @@ mod imp {
     }
 
     impl OfiNet {
-        fn hmem_ask(&self) -> HmemAsk {
-            match self.gpu_direct {
-                GpuDirect::Off => HmemAsk::Never,
-                GpuDirect::Auto => HmemAsk::FabricProviders,
-                GpuDirect::On => HmemAsk::Any,
-            }
-        }
-
         /// This side's device-direct capability byte (see [`super::super::ofi_direct`]).
         fn capabilities(&self, ep: &Endpoint) -> u8 {
             let hmem = if ep.info().hmem { CAP_HMEM } else { 0 };

@@ -13,11 +13,9 @@
 //! Buffers are registered once (when the provider's mr_mode has FI_MR_LOCAL) and kept in a
 //! per-size pool for reuse by later links: the registration cache.
 //!
-//! Device memory (FI_HMEM): when asked ([`HmemAsk`]), the endpoint is opened with the FI_HMEM
-//! capability (and the FI_MR_HMEM mode bit, which makes registering device buffers mandatory) of
-//! the same provider it would use anyway, so asking never changes the provider. By default it is
-//! asked of fabric providers only: with `shm`, an FI_HMEM endpoint made host all-reduce ~20%
-//! slower here (4 MiB, 2 ranks), a cost every job would pay for a path only device send/recv use. [`Endpoint::register`] registers any
+//! Device memory (FI_HMEM): when asked, the endpoint is opened with the FI_HMEM capability (and the
+//! FI_MR_HMEM mode bit, which makes registering device buffers mandatory) of the same provider it
+//! would use anyway, so asking never changes the provider. [`Endpoint::register`] registers any
 //! memory interface with `fi_mr_regattr`, honouring the same mode bits as host buffers; keys are
 //! unique per endpoint unless the provider chooses them (FI_MR_PROV_KEY).
 
@@ -28,7 +26,7 @@ use std::ptr;
 use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use super::ofi::is_fabric_provider;
+use super::ofi::FABRIC_PROVIDERS;
 use super::ofi_sys as sys;
 use crate::error::{Error, Result};
 
@@ -190,16 +188,6 @@ fn check(what: &str, code: i64) -> Result<()> {
     }
 }
 
-/// Whether to open the endpoint with FI_HMEM (`MESHTRAIN_GPU_DIRECT`: off, auto, on).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HmemAsk {
-    Never,
-    /// Where the provider is a fabric provider (cxi, verbs, efa) that offers it.
-    FabricProviders,
-    /// Where the provider offers it.
-    Any,
-}
-
 /// Runtime libfabric version (major, minor).
 pub fn library_version() -> (u32, u32) {
     // SAFETY: a plain query without arguments.
@@ -259,16 +247,14 @@ fn cstr(p: *const std::os::raw::c_char) -> String {
 impl Endpoint {
     /// Opens an endpoint on the first provider matching `provider`; when a fabric provider offers
     /// several domains (NICs), on domain number `local_rank % domains` so that ranks of one node
-    /// spread over them. As `hmem` asks, the same provider's FI_HMEM variant where it offers one.
-    pub fn open(provider: Option<&str>, local_rank: usize, hmem: HmemAsk) -> Result<Endpoint> {
+    /// spread over them. With `want_hmem`, the same provider's FI_HMEM variant where it offers one.
+    pub fn open(provider: Option<&str>, local_rank: usize, want_hmem: bool) -> Result<Endpoint> {
         let list = getinfo(provider, 0)?;
         let mut hmem_list = ptr::null_mut();
-        if hmem != HmemAsk::Never && !list.is_null() {
+        if want_hmem && !list.is_null() {
             // SAFETY: reading the first entry of the list fi_getinfo returned.
             let first = cstr(unsafe { (*(*list).fabric_attr).prov_name });
-            if hmem == HmemAsk::Any || is_fabric_provider(&first) {
-                hmem_list = getinfo(Some(&first), sys::FI_HMEM).unwrap_or(ptr::null_mut());
-            }
+            hmem_list = getinfo(Some(&first), sys::FI_HMEM).unwrap_or(ptr::null_mut());
         }
         let result = match hmem_list.is_null() {
             true => Self::open_from(list, local_rank, false),
@@ -304,7 +290,7 @@ impl Endpoint {
         // Several domains of a fabric provider are NICs: ranks of a node spread over them. Other
         // providers list network interfaces (loopback among them): those use the preferred one.
         let nic = match entries.first() {
-            Some((_, prov, _)) if is_fabric_provider(prov) => local_rank,
+            Some((_, prov, _)) if FABRIC_PROVIDERS.iter().any(|f| prov.split(';').any(|q| q == *f)) => local_rank,
             _ => 0,
         };
         let Some(&(chosen, _, _)) = entries.get(nic % entries.len().max(1)) else {

@@ -31,7 +31,7 @@ use super::accept::MAX_HANDSHAKES;
 use super::handshake::{self, Request};
 use super::shm::{self, PeerWatch, Segment};
 use super::ofi::{self, OfiNet, OfiUse};
-use super::select::{self, GpuDirect};
+use super::select::{self, parse_size, GpuDirect};
 use super::tcp::{self, tcp_link};
 use super::{AbortState, Connector, Link, LinkKind, PeerMemory, Waiter};
 use crate::error::{Error, Result};
@@ -127,18 +127,6 @@ impl NetConfig {
         check("MESHTRAIN_TCP_CHUNK", self.tcp_chunk, tcp::MAX_TCP_CHUNK)?;
         check("MESHTRAIN_TCP_DEPTH", self.tcp_depth, tcp::MAX_TCP_DEPTH)
     }
-}
-
-/// `123`, `64K`, `4M`, `1G` (powers of 1024).
-fn parse_size(s: &str) -> Option<usize> {
-    let s = s.trim();
-    let (digits, unit) = match s.char_indices().last()? {
-        (i, 'k' | 'K') => (&s[..i], 1usize << 10),
-        (i, 'm' | 'M') => (&s[..i], 1 << 20),
-        (i, 'g' | 'G') => (&s[..i], 1 << 30),
-        _ => (s, 1),
-    };
-    digits.parse::<usize>().ok()?.checked_mul(unit)
 }
 
 /// Where a rank listens and which node it runs on (from the bootstrap's address exchange).
@@ -788,15 +776,5 @@ mod tests {
         got.read_exact(&mut buf).expect("read");
         assert_eq!(&buf, b"hello");
         drop(idle);
-    }
-
-    #[test]
-    fn sizes_parse_with_suffixes() {
-        assert_eq!(parse_size("4096"), Some(4096));
-        assert_eq!(parse_size("512K"), Some(512 << 10));
-        assert_eq!(parse_size("2m"), Some(2 << 20));
-        assert_eq!(parse_size("1G"), Some(1 << 30));
-        assert_eq!(parse_size("x"), None);
-        assert_eq!(parse_size(""), None);
     }
 }

@@ -1,5 +1,6 @@
 //! Which transport carries links (`MESHTRAIN_TRANSPORT`) and whether device buffers may travel
-//! over libfabric without host staging (`MESHTRAIN_GPU_DIRECT`), parsed from the environment.
+//! over libfabric without host staging (`MESHTRAIN_GPU_DIRECT`), parsed from the environment, and
+//! the size syntax of the link variables (`MESHTRAIN_{SHM,TCP}_CHUNK`).
 //!
 //! Why a module of its own: [`super::net::NetConfig::with_env`] and the pre-MPI check of every
 //! variable ([`crate::bootstrap`]) must parse these the same way, and the combination rules
@@ -91,9 +92,31 @@ fn check_gpu_direct(mode: GpuDirect, ofi: OfiUse, transport: &str) -> Result<Gpu
     Ok(mode)
 }
 
+/// `123`, `64K`, `4M`, `1G` (powers of 1024).
+pub(super) fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (digits, unit) = match s.char_indices().last()? {
+        (i, 'k' | 'K') => (&s[..i], 1usize << 10),
+        (i, 'm' | 'M') => (&s[..i], 1 << 20),
+        (i, 'g' | 'G') => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    digits.parse::<usize>().ok()?.checked_mul(unit)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("512K"), Some(512 << 10));
+        assert_eq!(parse_size("2m"), Some(2 << 20));
+        assert_eq!(parse_size("1G"), Some(1 << 30));
+        assert_eq!(parse_size("x"), None);
+        assert_eq!(parse_size(""), None);
+    }
 
     #[test]
     fn gpu_direct_values_parse_in_any_case_and_others_name_the_variable() {

@@ -19,6 +19,9 @@
 //! slot's previous send completed. Every wait drives progress on the shared endpoint and checks the
 //! deadline, the job-wide abort and the peer's liveness.
 //!
+//! Device buffers: each link also carries a device-direct side ([`super::ofi_direct`]) with a
+//! receive key of its own, agreed through one capability byte per side in the setup message.
+//!
 //! Selection (`MESHTRAIN_TRANSPORT`): `ofi` uses libfabric for every pair; `auto` between nodes only
 //! when the node has a NIC for a fabric provider (cxi, verbs, efa; see [`fabric_nic_present`]); `shm`/`tcp` never. The provider comes from
 //! `MESHTRAIN_OFI_PROVIDER`, else `FI_PROVIDER`, else libfabric's preference. Without the `ofi`

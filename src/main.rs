@@ -152,7 +152,8 @@ struct SelftestArgs {
 struct BenchArgs {
     /// What to measure: a collective name, `all` (every collective), `step` (a training step of
     /// the model on CPU against its own GEMM rate), `checkpoint` (save/load bandwidth) or
-    /// `device` (the device all-reduce per path: stream-ordered, IPC, staged).
+    /// `device` (the device all-reduce per path: stream-ordered, IPC, staged), `device-sendrecv`
+    /// (device buffers between members 0 and 1, direct or staged).
     what: String,
     /// `step`: named model size.
     #[arg(long, default_value = "d12")]
@@ -203,9 +204,10 @@ struct BenchArgs {
     /// Print CSV (header + one line per size).
     #[arg(long)]
     csv: bool,
-    /// `device`: the device whose all-reduce is timed per path (cuda, hip, emu, cpu).
-    #[arg(long, default_value = "cuda")]
-    device: String,
+    /// `device`, `device-sendrecv`: device kind of the buffers (cuda, hip, emu, cpu; default cuda
+    /// for `device`, emu for `device-sendrecv`).
+    #[arg(long)]
+    device: Option<String>,
 }
 
 impl BenchArgs {
@@ -292,6 +294,22 @@ fn bench(world: &World, args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// `meshtrain bench device-sendrecv --device KIND`: device send/recv ping-pong, members 0 and 1.
+fn bench_device_p2p(world: &World, args: &BenchArgs) -> Result<()> {
+    let kind = device_kind(args.device.as_deref().unwrap_or("emu"))?;
+    let comm = world.communicator()?;
+    let dev = Device::open(kind, world.local_rank)?;
+    let sizes: Vec<usize> = std::iter::successors(Some(args.min), |&s| Some(s * args.factor.max(2))).take_while(|&s| s <= args.max).collect();
+    let rows = meshtrain::bench::device_p2p::bench_device_sendrecv(&comm, &dev, &sizes, args.warmup, args.iters)?;
+    if world.rank == 0 {
+        println!("# device send/recv, members 0 and 1, {kind:?} buffers; bytes, one-way us, GB/s");
+        for r in rows {
+            println!("{} {:.1} {:.3}", r.bytes, r.one_way_s * 1e6, r.bytes as f64 / r.one_way_s / 1e9);
+        }
+    }
+    Ok(())
+}
+
 /// The device kind a `--device` flag names.
 fn device_kind(kind: &str) -> Result<DeviceKind> {
     Ok(match kind {
@@ -312,7 +330,7 @@ fn selftest_device(world: &World, args: &SelftestArgs, kind: &str) -> Result<()>
         return selftest::device_mismatch(&comm, &dev, case);
     }
     let (fails, paths) = selftest::check_device_job(&comm, &dev, &args.counts, args.large)?;
-    report_selftest(world, &comm, &fails, &format!("device path: {paths}"))
+    report_selftest(world, &comm, &fails, &paths)
 }
 
 fn selftest(world: &World, args: &SelftestArgs) -> Result<()> {
@@ -458,10 +476,11 @@ fn main() {
             Ok(())
         }),
         Command::Bench(args) if args.what == "device" => with_world(|w| {
-            let dev = Device::open(device_kind(&args.device)?, w.local_rank)?;
+            let dev = Device::open(device_kind(args.device.as_deref().unwrap_or("cuda"))?, w.local_rank)?;
             let c = w.communicator()?;
             meshtrain::bench::device::run(&c, &dev, args.min, args.max, args.factor, args.warmup, args.iters)
         }),
+        Command::Bench(args) if args.what == "device-sendrecv" => with_world(|w| bench_device_p2p(w, args)),
         Command::Bench(args) => with_world(|w| bench(w, args)),
         Command::Train(args) => {
             let cfg = JobConfig::load(&args.job, &args.sets);

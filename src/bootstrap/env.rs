@@ -39,6 +39,7 @@ pub const RUNTIME_VARS: &[(&str, &str)] = &[
     ("MESHTRAIN_GPU_IPC", "auto, on or off"),
     ("MESHTRAIN_GPU_STAGE_CHUNK", "a size > 0 (K/M/G suffix)"),
     ("MESHTRAIN_GPU_ONESHOT", "a size 0..=1G (K/M/G suffix; 0 = off)"),
+    ("MESHTRAIN_GPU_DIRECT", "auto, on or off (on needs libfabric links: MESHTRAIN_TRANSPORT=ofi, or auto with a fabric NIC)"),
     ("MESHTRAIN_OFI_PROVIDER", "a libfabric provider name, e.g. cxi, verbs, tcp or shm (else FI_PROVIDER)"),
     ("MESHTRAIN_OFI_PROFILE", "frontier"),
     ("MESHTRAIN_FAULT", "test only: stall-bootstrap@RANK"),

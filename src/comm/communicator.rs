@@ -723,6 +723,27 @@ impl Communicator {
         })
     }
 
+    /// The device-direct side of the link to member `peer` (opening the link if needed); `None`
+    /// for links other than libfabric ones.
+    #[cfg(feature = "ofi")]
+    pub(crate) fn direct_peer(&self, peer: usize) -> Result<Option<Arc<crate::transport::DirectPeer>>> {
+        self.check_peer("device-direct", peer)?;
+        let mut st = self.lock();
+        let w = self.waiter("connect", st.seq, 0);
+        self.open_links(&mut st, &[peer], &w)?;
+        Ok(st.links[peer].as_ref().and_then(|l| l.send.direct()))
+    }
+
+    /// A point-to-point call (`send`, else receive) of `count` `dtype` elements with member `peer`
+    /// whose bytes `f` moves itself (the device-direct path): numbered, timed, recorded and
+    /// failing like [`Communicator::send`] and [`Communicator::recv_into`].
+    #[cfg(feature = "ofi")]
+    pub(crate) fn run_direct(&self, send: bool, peer: usize, count: usize, dtype: DType, f: impl FnOnce(&Waiter) -> Result<()>) -> Result<()> {
+        let p = OpPrint { kind: OpKind::SendRecv, dtype, reduce: None, root: None, count: count as u64, seq: 0 };
+        let (op, print) = if send { ("send", Print::Send(p, peer)) } else { ("recv", Print::Recv(p, peer)) };
+        self.run(op, count * dtype.size(), Sched::Pair, print, |_, _, w| f(w))
+    }
+
     /// Waits until every member has called `barrier`.
     pub fn barrier(&self) -> Result<()> {
         let mut token = [0u8];

@@ -230,7 +230,8 @@ pub fn check_device_all(
 
 /// `meshtrain selftest --device`: every device collective on `dev` (counts with every operator,
 /// `large` with f32 and every operator), configured from the environment. Returns the failures
-/// and the paths taken: "I of C collective calls over IPC, S stream-ordered".
+/// and the paths taken: "device path: I of C collective calls over IPC, S stream-ordered; send/recv:
+/// D of T FI_HMEM direct".
 pub fn check_device_job(c: &Communicator, dev: &Device, counts: &[usize], large: usize) -> Result<(Vec<String>, String)> {
     let mut state = GpuCommState::new(crate::comm::device::GpuCommConfig::from_env()?);
     let mut fails = check_device_all(c, dev, &mut state, counts, &ReduceOp::ALL)?;
@@ -239,7 +240,12 @@ pub fn check_device_job(c: &Communicator, dev: &Device, counts: &[usize], large:
     }
     let (ipc, calls) = state.path_counts();
     let streamed = state.stream_ordered_calls();
-    Ok((fails, format!("{ipc} of {calls} collective calls over IPC, {streamed} stream-ordered")))
+    let (direct, staged) = state.direct_counts();
+    let paths = format!(
+        "device path: {ipc} of {calls} collective calls over IPC, {streamed} stream-ordered; send/recv: {direct} of {} FI_HMEM direct",
+        direct + staged
+    );
+    Ok((fails, paths))
 }
 
 /// Device collectives that go wrong, for the stream-ordered error tests (`meshtrain selftest

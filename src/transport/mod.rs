@@ -26,7 +26,10 @@ pub mod handshake;
 pub mod net;
 pub mod ofi;
 #[cfg(feature = "ofi")]
+mod ofi_direct;
+#[cfg(feature = "ofi")]
 mod ofi_ep;
+pub mod select;
 pub mod shm;
 pub mod tcp;
 #[cfg(feature = "ofi")]
@@ -40,6 +43,8 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 pub use cma::PeerMemory;
+#[cfg(feature = "ofi")]
+pub use ofi_direct::{DirectMr, DirectPeer, MemIface};
 
 /// Which transport carries a link.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +68,11 @@ pub trait SendLink: Send {
     fn max_chunk(&self) -> usize;
     /// Number of chunks that may be in flight before `reserve` blocks.
     fn depth(&self) -> usize;
+    /// The link's device-direct path (libfabric links only): device buffers posted as they are.
+    #[cfg(feature = "ofi")]
+    fn direct(&self) -> Option<Arc<DirectPeer>> {
+        None
+    }
 }
 
 /// The receiving half of a link from one peer.

@@ -31,6 +31,7 @@ use super::accept::MAX_HANDSHAKES;
 use super::handshake::{self, Request};
 use super::shm::{self, PeerWatch, Segment};
 use super::ofi::{self, OfiNet, OfiUse};
+use super::select::{self, parse_size, GpuDirect};
 use super::tcp::{self, tcp_link};
 use super::{AbortState, Connector, Link, LinkKind, PeerMemory, Waiter};
 use crate::error::{Error, Result};
@@ -56,6 +57,8 @@ pub struct NetConfig {
     pub ofi: OfiUse,
     /// libfabric provider (None: libfabric's preference).
     pub ofi_provider: Option<String>,
+    /// Whether device buffers may be posted to libfabric directly (`MESHTRAIN_GPU_DIRECT`).
+    pub gpu_direct: GpuDirect,
     /// Limit for each handshake and link setup exchange.
     pub handshake_timeout: Duration,
     /// Slot size of shared-memory links.
@@ -78,6 +81,7 @@ impl NetConfig {
             force_tcp: false,
             ofi: OfiUse::Never,
             ofi_provider: None,
+            gpu_direct: GpuDirect::Auto,
             handshake_timeout: Duration::from_secs(5),
             shm_chunk: shm::DEFAULT_SHM_CHUNK,
             shm_depth: shm::DEFAULT_SHM_DEPTH,
@@ -87,25 +91,13 @@ impl NetConfig {
         }
     }
 
-    /// Applies `MESHTRAIN_TRANSPORT` (`auto`, `shm`, `tcp` or `ofi`; see [`super::ofi`]), the
+    /// Applies `MESHTRAIN_TRANSPORT` and `MESHTRAIN_GPU_DIRECT` (see [`super::select`]), the
     /// libfabric provider, `MESHTRAIN_SHM_CHUNK`, `MESHTRAIN_SHM_DEPTH`,
     /// `MESHTRAIN_TCP_CHUNK` and `MESHTRAIN_TCP_DEPTH` (sizes accept a K/M/G suffix).
     pub fn with_env(mut self) -> Result<NetConfig> {
         let var = |key: &str| std::env::var(key).ok().filter(|v| !v.is_empty());
-        let transport = var("MESHTRAIN_TRANSPORT").unwrap_or_else(|| "auto".into()).to_ascii_lowercase();
-        (self.force_tcp, self.ofi) = match transport.as_str() {
-            "tcp" => (true, OfiUse::Never),
-            "shm" => (false, OfiUse::Never),
-            "ofi" => (false, OfiUse::Always),
-            "auto" if ofi::fabric_nic_present() => (false, OfiUse::BetweenNodes),
-            "auto" => (false, OfiUse::Never),
-            _ => {
-                return Err(Error::config(
-                    "MESHTRAIN_TRANSPORT",
-                    format!("{transport:?}: expected auto, shm, tcp or ofi (any case)"),
-                ))
-            }
-        };
+        (self.force_tcp, self.ofi) = select::transport_from_env()?;
+        self.gpu_direct = select::gpu_direct_from_env(self.ofi)?;
         self.ofi_provider = ofi::provider_from_env();
         for (key, field) in [
             ("MESHTRAIN_SHM_CHUNK", &mut self.shm_chunk),
@@ -135,18 +127,6 @@ impl NetConfig {
         check("MESHTRAIN_TCP_CHUNK", self.tcp_chunk, tcp::MAX_TCP_CHUNK)?;
         check("MESHTRAIN_TCP_DEPTH", self.tcp_depth, tcp::MAX_TCP_DEPTH)
     }
-}
-
-/// `123`, `64K`, `4M`, `1G` (powers of 1024).
-fn parse_size(s: &str) -> Option<usize> {
-    let s = s.trim();
-    let (digits, unit) = match s.char_indices().last()? {
-        (i, 'k' | 'K') => (&s[..i], 1usize << 10),
-        (i, 'm' | 'M') => (&s[..i], 1 << 20),
-        (i, 'g' | 'G') => (&s[..i], 1 << 30),
-        _ => (s, 1),
-    };
-    digits.parse::<usize>().ok()?.checked_mul(unit)
 }
 
 /// Where a rank listens and which node it runs on (from the bootstrap's address exchange).
@@ -193,7 +173,7 @@ impl NetConnector {
         let bind = SocketAddr::new(cfg.bind_ip, 0);
         let acceptor = Acceptor::start(rank, size, secret, cfg.handshake_timeout, bind)?;
         let shm_prefix = shm_prefix(&cfg.job_tag, &secret);
-        let ofi = OfiNet::new(rank, cfg.ofi_provider.clone());
+        let ofi = OfiNet::new(rank, cfg.ofi_provider.clone(), cfg.gpu_direct);
         Ok(NetConnector {
             rank,
             size,
@@ -796,15 +776,5 @@ mod tests {
         got.read_exact(&mut buf).expect("read");
         assert_eq!(&buf, b"hello");
         drop(idle);
-    }
-
-    #[test]
-    fn sizes_parse_with_suffixes() {
-        assert_eq!(parse_size("4096"), Some(4096));
-        assert_eq!(parse_size("512K"), Some(512 << 10));
-        assert_eq!(parse_size("2m"), Some(2 << 20));
-        assert_eq!(parse_size("1G"), Some(1 << 30));
-        assert_eq!(parse_size("x"), None);
-        assert_eq!(parse_size(""), None);
     }
 }

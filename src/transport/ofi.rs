@@ -19,6 +19,9 @@
 //! slot's previous send completed. Every wait drives progress on the shared endpoint and checks the
 //! deadline, the job-wide abort and the peer's liveness.
 //!
+//! Device buffers: each link also carries a device-direct side ([`super::ofi_direct`]) with a
+//! receive key of its own, agreed through one capability byte per side in the setup message.
+//!
 //! Selection (`MESHTRAIN_TRANSPORT`): `ofi` uses libfabric for every pair; `auto` between nodes only
 //! when the node has a NIC for a fabric provider (cxi, verbs, efa; see [`fabric_nic_present`]); `shm`/`tcp` never. The provider comes from
 //! `MESHTRAIN_OFI_PROVIDER`, else `FI_PROVIDER`, else libfabric's preference. Without the `ofi`
@@ -101,6 +104,8 @@ pub fn fabric_environment() -> Vec<String> {
 
 #[cfg(feature = "ofi")]
 pub use imp::{fabric_nic_present, OfiNet};
+#[cfg(feature = "ofi")]
+pub(crate) use imp::{Waits, DRAIN_LIMIT, SEQ_MASK};
 
 #[cfg(not(feature = "ofi"))]
 pub use stub::{fabric_nic_present, OfiNet};
@@ -112,17 +117,20 @@ mod imp {
     use std::sync::{Arc, OnceLock};
     use std::time::{Duration, Instant};
 
-    use super::super::ofi_ep::{hmem_offered, Endpoint, OpSlot, RegBuf, BUSY, FAILED};
+    use super::super::ofi_direct::{DirectPeer, CAP_ALLOWED, CAP_FORCED, CAP_HMEM};
+    use super::super::ofi_ep::{Endpoint, OpSlot, RegBuf, BUSY, FAILED};
+    use super::super::select::GpuDirect;
     use super::super::shm::PeerWatch;
     use super::super::{RecvLink, SendLink, Waiter};
     use super::*;
 
     /// Largest endpoint address accepted from a peer (the setup message is the address length as
-    /// u16, the address, the receive key as u32).
+    /// u16, the address, the receive key and the device-direct receive key as u32, and the
+    /// device-direct capability byte; see [`super::super::ofi_direct`]).
     const MAX_NAME: usize = 1024;
     /// Low tag bits holding the chunk sequence number; the receive key sits above them.
     const SEQ_BITS: u32 = 28;
-    const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
+    pub(crate) const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
     /// Receive keys fit in 20 bits, so tags fit in 48 (what cxi matches on).
     const KEY_BITS: u32 = 20;
     const MAX_KEY: u32 = (1 << KEY_BITS) - 1;
@@ -131,7 +139,7 @@ mod imp {
     /// Polls before a waiting call starts yielding the CPU between polls.
     const SPIN_POLLS: u32 = 200;
     /// How long a dropped link waits for its posted operations to finish before leaking them.
-    const DRAIN_LIMIT: Duration = Duration::from_secs(2);
+    pub(crate) const DRAIN_LIMIT: Duration = Duration::from_secs(2);
 
     /// True when this node has a NIC that a fabric provider drives: a Slingshot device
     /// (`/sys/class/cxi`) or an RDMA device (`/sys/class/infiniband`: InfiniBand, RoCE, EFA). Read
@@ -149,17 +157,18 @@ mod imp {
         provider: Option<String>,
         endpoint: OnceLock<std::result::Result<Arc<Endpoint>, String>>,
         next_key: AtomicU32,
+        gpu_direct: GpuDirect,
     }
 
     impl OfiNet {
-        pub fn new(rank: usize, provider: Option<String>) -> OfiNet {
-            OfiNet { rank, provider, endpoint: OnceLock::new(), next_key: AtomicU32::new(1) }
+        pub fn new(rank: usize, provider: Option<String>, gpu_direct: GpuDirect) -> OfiNet {
+            OfiNet { rank, provider, endpoint: OnceLock::new(), next_key: AtomicU32::new(1), gpu_direct }
         }
 
         fn endpoint(&self, local_rank: usize) -> Result<Arc<Endpoint>> {
             self.endpoint
                 .get_or_init(|| {
-                    let ep = Endpoint::open(self.provider.as_deref(), local_rank).map_err(|e| e.to_string())?;
+                    let ep = Endpoint::open(self.provider.as_deref(), local_rank, self.gpu_direct != GpuDirect::Off).map_err(|e| e.to_string())?;
                     self.log_open(&ep);
                     Ok(Arc::new(ep))
                 })
@@ -169,10 +178,14 @@ mod imp {
 
         fn log_open(&self, ep: &Endpoint) {
             let i = ep.info();
-            let hmem = if hmem_offered(Some(&i.provider)) { "FI_HMEM offered" } else { "no FI_HMEM" };
+            let gpu = match (self.gpu_direct, i.hmem) {
+                (GpuDirect::Off, _) => "staged through host memory (MESHTRAIN_GPU_DIRECT=off)",
+                (_, true) => "FI_HMEM registration, posted directly where the peer offers it too",
+                (_, false) => "staged through host memory (the provider does not offer FI_HMEM)",
+            };
             log::info!(
                 "ofi: rank {}: libfabric {}.{}, provider {}, fabric {}, domain {}, mr_mode {}, {} tag bits; \
-                 GPU buffers: staged through host memory ({hmem}; device registration not implemented)",
+                 device buffers: {gpu}",
                 self.rank,
                 i.library_version.0,
                 i.library_version.1,
@@ -208,25 +221,44 @@ mod imp {
                     format!("provider {} matches {} tag bits, links need {}", ep.info().provider, ep.info().max_tag_bits, SEQ_BITS + KEY_BITS),
                 ));
             }
-            let key = self.next_key.fetch_add(1, Ordering::Relaxed);
-            if key > MAX_KEY {
-                return Err(w.fail(peer, "more than 2^20 libfabric links opened by this process"));
+            // One key for the chunk FIFO, one for device-direct messages (own tag space).
+            let key = self.next_key.fetch_add(2, Ordering::Relaxed);
+            let direct_key = key + 1;
+            if direct_key > MAX_KEY {
+                return Err(w.fail(peer, "more than 2^19 libfabric links opened by this process"));
             }
+            let caps = self.capabilities(&ep);
             let name = ep.name();
-            let mut msg = Vec::with_capacity(6 + name.len());
+            let mut msg = Vec::with_capacity(11 + name.len());
             msg.extend_from_slice(&(name.len() as u16).to_le_bytes());
             msg.extend_from_slice(name);
             msg.extend_from_slice(&key.to_le_bytes());
+            msg.extend_from_slice(&direct_key.to_le_bytes());
+            msg.push(caps);
             stream.write_all(&msg).map_err(|e| w.fail(peer, format!("sending libfabric address: {e}")))?;
-            let (peer_name, peer_key) = read_address(&mut stream, w.deadline.saturating_duration_since(Instant::now()))
+            let theirs = read_address(&mut stream, w.deadline.saturating_duration_since(Instant::now()))
                 .map_err(|e| w.fail(peer, format!("reading libfabric address: {e}")))?;
-            if peer_name.len() != name.len() || peer_key == 0 || peer_key > MAX_KEY {
-                return Err(w.fail(peer, format!("libfabric address of {} bytes / key {peer_key}: not of this provider", peer_name.len())));
+            let (peer_name, peer_key, peer_direct_key) = (theirs.name, theirs.key, theirs.direct_key);
+            let bad_key = |k: u32| k == 0 || k > MAX_KEY;
+            if peer_name.len() != name.len() || bad_key(peer_key) || bad_key(peer_direct_key) || peer_key == peer_direct_key {
+                return Err(w.fail(
+                    peer,
+                    format!("libfabric address of {} bytes / keys {peer_key}, {peer_direct_key}: not of this provider", peer_name.len()),
+                ));
             }
             let addr = ep.insert_peer(&peer_name).map_err(|e| w.fail(peer, e.to_string()))?;
             let watch = Arc::new(PeerWatch::new(stream, pid));
             let waits = |ep: &Arc<Endpoint>| Waits { ep: ep.clone(), peer, watch: watch.clone() };
+            let direct = DirectPeer::new(
+                waits(&ep),
+                addr,
+                (peer_direct_key as u64) << SEQ_BITS,
+                (direct_key as u64) << SEQ_BITS,
+                caps,
+                theirs.caps,
+            );
             let send = OfiSend {
+                direct: Arc::new(direct),
                 waits: waits(&ep),
                 dest: addr,
                 tag_base: (peer_key as u64) << SEQ_BITS,
@@ -247,7 +279,27 @@ mod imp {
         }
     }
 
-    fn read_address(stream: &mut TcpStream, limit: Duration) -> std::io::Result<(Vec<u8>, u32)> {
+    /// What a peer sent at link setup.
+    struct PeerSetup {
+        name: Vec<u8>,
+        key: u32,
+        direct_key: u32,
+        caps: u8,
+    }
+
+    impl OfiNet {
+        /// This side's device-direct capability byte (see [`super::super::ofi_direct`]).
+        fn capabilities(&self, ep: &Endpoint) -> u8 {
+            let hmem = if ep.info().hmem { CAP_HMEM } else { 0 };
+            hmem | match self.gpu_direct {
+                GpuDirect::Off => 0,
+                GpuDirect::Auto => CAP_ALLOWED,
+                GpuDirect::On => CAP_ALLOWED | CAP_FORCED,
+            }
+        }
+    }
+
+    fn read_address(stream: &mut TcpStream, limit: Duration) -> std::io::Result<PeerSetup> {
         stream.set_read_timeout(Some(limit.max(Duration::from_millis(1))))?;
         let mut len = [0u8; 2];
         stream.read_exact(&mut len)?;
@@ -257,10 +309,11 @@ mod imp {
         }
         let mut name = vec![0u8; len];
         stream.read_exact(&mut name)?;
-        let mut key = [0u8; 4];
-        stream.read_exact(&mut key)?;
+        let mut rest = [0u8; 9];
+        stream.read_exact(&mut rest)?;
         stream.set_read_timeout(None)?;
-        Ok((name, u32::from_le_bytes(key)))
+        let word = |at: usize| u32::from_le_bytes([rest[at], rest[at + 1], rest[at + 2], rest[at + 3]]);
+        Ok(PeerSetup { name, key: word(0), direct_key: word(4), caps: rest[8] })
     }
 
     /// Registered buffers and operation contexts of one direction of a link.
@@ -312,16 +365,16 @@ mod imp {
     }
 
     /// What every wait of a link needs: the endpoint to progress and the peer to watch.
-    struct Waits {
-        ep: Arc<Endpoint>,
-        peer: usize,
+    pub(crate) struct Waits {
+        pub(crate) ep: Arc<Endpoint>,
+        pub(crate) peer: usize,
         watch: Arc<PeerWatch>,
     }
 
     impl Waits {
         /// Drives progress until `op` is no longer busy; errors on failure, deadline, abort or a
         /// dead peer.
-        fn until_idle(&self, op: &OpSlot, w: &Waiter) -> Result<()> {
+        pub(crate) fn until_idle(&self, op: &OpSlot, w: &Waiter) -> Result<()> {
             let mut polls = 0u32;
             let mut next_check = Instant::now() + LIVENESS_PERIOD;
             loop {
@@ -348,6 +401,7 @@ mod imp {
     }
 
     struct OfiSend {
+        direct: Arc<DirectPeer>,
         waits: Waits,
         dest: u64,
         tag_base: u64,
@@ -382,6 +436,10 @@ mod imp {
 
         fn depth(&self) -> usize {
             self.slots.ops.len()
+        }
+
+        fn direct(&self) -> Option<Arc<DirectPeer>> {
+            Some(self.direct.clone())
         }
     }
 
@@ -445,7 +503,7 @@ mod stub {
     pub struct OfiNet;
 
     impl OfiNet {
-        pub fn new(_rank: usize, _provider: Option<String>) -> OfiNet {
+        pub fn new(_rank: usize, _provider: Option<String>, _gpu_direct: crate::transport::select::GpuDirect) -> OfiNet {
             OfiNet
         }
 

@@ -12,6 +12,12 @@
 //! goes to the backlog and is retried by every later progress call, before the CQ is read, in order.
 //! Buffers are registered once (when the provider's mr_mode has FI_MR_LOCAL) and kept in a
 //! per-size pool for reuse by later links: the registration cache.
+//!
+//! Device memory (FI_HMEM): when asked, the endpoint is opened with the FI_HMEM capability (and the
+//! FI_MR_HMEM mode bit, which makes registering device buffers mandatory) of the same provider it
+//! would use anyway, so asking never changes the provider. [`Endpoint::register`] registers any
+//! memory interface with `fi_mr_regattr`, honouring the same mode bits as host buffers; keys are
+//! unique per endpoint unless the provider chooses them (FI_MR_PROV_KEY).
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{CStr, CString};
@@ -91,6 +97,28 @@ pub(crate) struct RegBuf {
 // endpoint's mutex held; the buffer is plain owned memory.
 unsafe impl Send for RegBuf {}
 
+/// A registration made by [`Endpoint::register`]; closed only by [`Endpoint::close_mr`].
+pub(crate) struct DeviceMr {
+    mr: *mut sys::fid_mr,
+    /// Descriptor to pass with every operation on the registered memory.
+    pub desc: *mut c_void,
+}
+
+// SAFETY: the handle and descriptor are only passed to libfabric calls made with the endpoint's
+// mutex held.
+unsafe impl Send for DeviceMr {}
+unsafe impl Sync for DeviceMr {}
+
+/// libfabric's name of a memory interface, for logs and errors.
+pub(crate) fn iface_name(iface: sys::fi_hmem_iface) -> &'static str {
+    match iface {
+        sys::fi_hmem_iface_FI_HMEM_SYSTEM => "FI_HMEM_SYSTEM",
+        sys::fi_hmem_iface_FI_HMEM_CUDA => "FI_HMEM_CUDA",
+        sys::fi_hmem_iface_FI_HMEM_ROCR => "FI_HMEM_ROCR",
+        _ => "other",
+    }
+}
+
 /// A send refused with -FI_EAGAIN, to retry.
 struct Backlogged {
     slot: *const OpSlot,
@@ -110,6 +138,8 @@ pub struct EndpointInfo {
     pub library_version: (u32, u32),
     pub mr_mode: String,
     pub max_tag_bits: u32,
+    /// Opened with FI_HMEM: device buffers may be registered and posted.
+    pub hmem: bool,
 }
 
 struct Handles {
@@ -121,6 +151,9 @@ struct Handles {
     av: *mut sys::fid_av,
     mr_local: bool,
     mr_endpoint: bool,
+    mr_prov_key: bool,
+    /// Next requested key for registrations (used when the provider does not choose keys).
+    next_mr_key: u64,
     peers: HashMap<Vec<u8>, u64>,
     backlog: VecDeque<Backlogged>,
     pool: HashMap<usize, Vec<RegBuf>>,
@@ -188,6 +221,9 @@ fn getinfo(provider: Option<&str>, extra_caps: u64) -> Result<*mut sys::fi_info>
             | sys::FI_MR_ALLOCATED
             | sys::FI_MR_VIRT_ADDR
             | sys::FI_MR_PROV_KEY) as i32;
+        if extra_caps & sys::FI_HMEM != 0 {
+            dom.mr_mode |= sys::FI_MR_HMEM as i32;
+        }
         if let Some(p) = provider {
             let c = CString::new(p).map_err(|_| Error::config("FI_PROVIDER", "contains NUL"))?;
             (*(*hints).fabric_attr).prov_name = libc::strdup(c.as_ptr());
@@ -208,31 +244,33 @@ fn cstr(p: *const std::os::raw::c_char) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
-/// Whether `provider` offers FI_HMEM (registration of GPU memory) with RDM tagged endpoints.
-pub fn hmem_offered(provider: Option<&str>) -> bool {
-    match getinfo(provider, sys::FI_HMEM) {
-        Ok(list) => {
-            // SAFETY: frees the list fi_getinfo allocated.
-            unsafe { sys::fi_freeinfo(list) };
-            !list.is_null()
-        }
-        Err(_) => false,
-    }
-}
-
 impl Endpoint {
     /// Opens an endpoint on the first provider matching `provider`; when a fabric provider offers
     /// several domains (NICs), on domain number `local_rank % domains` so that ranks of one node
-    /// spread over them.
-    pub fn open(provider: Option<&str>, local_rank: usize) -> Result<Endpoint> {
+    /// spread over them. With `want_hmem`, the same provider's FI_HMEM variant where it offers one.
+    pub fn open(provider: Option<&str>, local_rank: usize, want_hmem: bool) -> Result<Endpoint> {
         let list = getinfo(provider, 0)?;
-        let result = Self::open_from(list, local_rank);
-        // SAFETY: the chosen entry was duplicated; the list itself is no longer used.
-        unsafe { sys::fi_freeinfo(list) };
+        let mut hmem_list = ptr::null_mut();
+        if want_hmem && !list.is_null() {
+            // SAFETY: reading the first entry of the list fi_getinfo returned.
+            let first = cstr(unsafe { (*(*list).fabric_attr).prov_name });
+            hmem_list = getinfo(Some(&first), sys::FI_HMEM).unwrap_or(ptr::null_mut());
+        }
+        let result = match hmem_list.is_null() {
+            true => Self::open_from(list, local_rank, false),
+            false => Self::open_from(hmem_list, local_rank, true),
+        };
+        // SAFETY: the chosen entry was duplicated; the lists themselves are no longer used.
+        unsafe {
+            sys::fi_freeinfo(list);
+            if !hmem_list.is_null() {
+                sys::fi_freeinfo(hmem_list);
+            }
+        }
         result
     }
 
-    fn open_from(list: *mut sys::fi_info, local_rank: usize) -> Result<Endpoint> {
+    fn open_from(list: *mut sys::fi_info, local_rank: usize, hmem: bool) -> Result<Endpoint> {
         // Entries of the first (preferred) provider, one per domain.
         let mut entries = Vec::new();
         let mut cur = list;
@@ -271,6 +309,8 @@ impl Endpoint {
                 av: ptr::null_mut(),
                 mr_local: false,
                 mr_endpoint: false,
+                mr_prov_key: false,
+                next_mr_key: 1,
                 peers: HashMap::new(),
                 backlog: VecDeque::new(),
                 pool: HashMap::new(),
@@ -279,6 +319,7 @@ impl Endpoint {
             let dom = &*(*info).domain_attr;
             h.mr_local = dom.mr_mode as u64 & sys::FI_MR_LOCAL as u64 != 0 || (*info).mode & sys::FI_LOCAL_MR != 0;
             h.mr_endpoint = dom.mr_mode as u64 & sys::FI_MR_ENDPOINT as u64 != 0;
+            h.mr_prov_key = dom.mr_mode as u64 & sys::FI_MR_PROV_KEY as u64 != 0;
             let mut fabric = ptr::null_mut();
             check("fi_fabric", sys::fi_fabric((*info).fabric_attr, &mut fabric, ptr::null_mut()) as i64)?;
             h.fabric = fabric;
@@ -321,6 +362,7 @@ impl Endpoint {
                     0 => 64,
                     f => 64 - f.leading_zeros(),
                 },
+                hmem,
             };
             Ok(Endpoint { handles: Mutex::new(h), name, info: info_out })
         }
@@ -365,19 +407,27 @@ impl Endpoint {
         let data = vec![0u8; len];
         let (mut mr, mut desc) = (ptr::null_mut(), ptr::null_mut());
         if h.mr_local {
-            let access = (sys::FI_SEND | sys::FI_RECV) as u64;
-            // SAFETY: `data` is allocated (FI_MR_ALLOCATED) and stays at this address until the
+            // `data` is allocated (FI_MR_ALLOCATED) and stays at this address until the
             // registration is closed (the Vec is never resized; RegBuf owns both).
-            unsafe {
-                check("fi_mr_reg", sys::mt_fi_mr_reg(h.domain, data.as_ptr() as *const c_void, len, access, &mut mr) as i64)?;
-                if h.mr_endpoint {
-                    check("fi_mr_bind", sys::mt_fi_mr_bind_ep(mr, h.ep) as i64)?;
-                    check("fi_mr_enable", sys::mt_fi_mr_enable(mr) as i64)?;
-                }
-                desc = sys::mt_fi_mr_desc(mr);
-            }
+            (mr, desc) = h.register(data.as_ptr(), len, sys::fi_hmem_iface_FI_HMEM_SYSTEM, 0)?;
         }
         Ok(RegBuf { data, mr, desc })
+    }
+
+    /// Registers `len` bytes at `addr` of memory interface `iface` (`device`: the CUDA ordinal)
+    /// for local sends and receives; returns the registration and its descriptor. The caller
+    /// keeps the memory allocated until it passes the registration to [`Endpoint::close_mr`].
+    pub fn register(&self, addr: *const u8, len: usize, iface: sys::fi_hmem_iface, device: i32) -> Result<DeviceMr> {
+        let (mr, desc) = self.lock().register(addr, len, iface, device)?;
+        Ok(DeviceMr { mr, desc })
+    }
+
+    /// Closes a registration made by [`Endpoint::register`].
+    pub fn close_mr(&self, mr: DeviceMr) {
+        let _h = self.lock();
+        // SAFETY: the registration was made on this domain and no operation posted with its
+        // descriptor is outstanding (the direct path waits for every one before returning).
+        unsafe { sys::mt_fi_close(&mut (*mr.mr).fid) };
     }
 
     /// Returns a buffer to the registration cache.
@@ -387,9 +437,15 @@ impl Endpoint {
 
     /// Posts a tagged send of `buf[..len]` to `dest`; a full queue puts it in the backlog.
     pub fn send(&self, slot: &OpSlot, buf: &RegBuf, len: usize, dest: u64, tag: u64) -> Result<()> {
+        self.send_raw(slot, buf.data.as_ptr(), len, buf.desc, dest, tag)
+    }
+
+    /// Posts a tagged send of `len` bytes at `buf` (registered with descriptor `desc`, or null
+    /// where the provider needs none) to `dest`; the memory stays valid until `slot` completes.
+    pub fn send_raw(&self, slot: &OpSlot, buf: *const u8, len: usize, desc: *mut c_void, dest: u64, tag: u64) -> Result<()> {
         slot.state.store(BUSY, Ordering::Release);
         let mut h = self.lock();
-        let item = Backlogged { slot, buf: buf.data.as_ptr(), len, desc: buf.desc, dest, tag };
+        let item = Backlogged { slot, buf, len, desc, dest, tag };
         if !h.backlog.is_empty() {
             h.backlog.push_back(item);
             return Ok(());
@@ -409,13 +465,20 @@ impl Endpoint {
 
     /// Posts a tagged receive into `buf` for a message from `src` with exactly `tag`.
     pub fn recv(&self, slot: &OpSlot, buf: &mut RegBuf, src: u64, tag: u64) -> Result<()> {
+        let len = buf.data.len();
+        self.recv_raw(slot, buf.data.as_mut_ptr(), len, buf.desc, src, tag)
+    }
+
+    /// Posts a tagged receive of at most `len` bytes into `buf` (descriptor `desc`) for a message
+    /// from `src` with exactly `tag`; the memory stays valid until `slot` completes.
+    pub fn recv_raw(&self, slot: &OpSlot, buf: *mut u8, len: usize, desc: *mut c_void, src: u64, tag: u64) -> Result<()> {
         slot.state.store(BUSY, Ordering::Release);
         let h = self.lock();
         loop {
             // SAFETY: the buffer and slot stay alive and in place until the completion is read (the
             // link cancels and drains before freeing them).
             let rc = unsafe {
-                sys::mt_fi_trecv(h.ep, buf.data.as_mut_ptr() as *mut c_void, buf.data.len(), buf.desc, src, tag, slot.context())
+                sys::mt_fi_trecv(h.ep, buf as *mut c_void, len, desc, src, tag, slot.context())
             };
             if rc == -(sys::FI_EAGAIN as isize) {
                 h.progress_locked_read();
@@ -464,6 +527,29 @@ impl Endpoint {
 }
 
 impl Handles {
+    /// Registers memory (see [`Endpoint::register`]) honouring FI_MR_ENDPOINT (bind, enable) and
+    /// FI_MR_PROV_KEY (else a key unique on this endpoint is requested).
+    fn register(&mut self, addr: *const u8, len: usize, iface: sys::fi_hmem_iface, device: i32) -> Result<(*mut sys::fid_mr, *mut c_void)> {
+        let access = (sys::FI_SEND | sys::FI_RECV) as u64;
+        let key = if self.mr_prov_key { 0 } else { self.next_mr_key };
+        self.next_mr_key += 1;
+        let mut mr = ptr::null_mut();
+        // SAFETY: the caller keeps [addr, addr + len) allocated until the registration is closed.
+        unsafe {
+            let rc = sys::mt_fi_mr_regattr(self.domain, addr as *const c_void, len, access, key, iface as i32, device, &mut mr);
+            check(&format!("fi_mr_regattr ({len} bytes, iface {})", iface_name(iface)), rc as i64)?;
+            if self.mr_endpoint {
+                let bound = check("fi_mr_bind", sys::mt_fi_mr_bind_ep(mr, self.ep) as i64)
+                    .and_then(|_| check("fi_mr_enable", sys::mt_fi_mr_enable(mr) as i64));
+                if let Err(e) = bound {
+                    sys::mt_fi_close(&mut (*mr).fid);
+                    return Err(e);
+                }
+            }
+            Ok((mr, sys::mt_fi_mr_desc(mr)))
+        }
+    }
+
     /// Ok(true) posted, Ok(false) the provider said -FI_EAGAIN.
     fn try_send(&self, item: &Backlogged) -> Result<bool> {
         // SAFETY: see `Endpoint::send`: buffer and slot stay alive until the completion is read.

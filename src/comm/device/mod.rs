@@ -11,12 +11,14 @@
 //!   communicator runs on this node, in its own process, on a GPU whose buffers can be exported.
 //! - **Staged** ([`staged`], everything else: other nodes, the CPU arm, `MESHTRAIN_GPU_IPC=off`,
 //!   send/recv): chunks go through pinned host memory and the host collectives, double-buffered.
+//! - **Direct** (`direct`, send/recv over a libfabric link whose two ends offer FI_HMEM): the
+//!   device buffer is registered and posted itself; `MESHTRAIN_GPU_DIRECT=auto|on|off`.
 //!
 //! Environment (read by [`GpuCommConfig::from_env`], the same on every rank):
 //! `MESHTRAIN_GPU_IPC=auto|on|off` (`on` where IPC is impossible is an error; `off` also turns the
 //! stream-ordered path off), `MESHTRAIN_GPU_STAGE_CHUNK` (bytes per staged chunk, e.g. `4M`) and
 //! `MESHTRAIN_GPU_ONESHOT` (largest bytes a rank publishes in a stream-ordered call, default
-//! `1M`; `0` turns the path off).
+//! `1M`; `0` turns the path off); `MESHTRAIN_GPU_DIRECT` is parsed by [`crate::transport::select`].
 //!
 //! Invariants: every member calls the same collectives in the same order with the same counts,
 //! element type and operator (as for the host API); the path choice depends only on facts every
@@ -24,6 +26,8 @@
 //! open status); sizes are checked before anything moves, with errors naming the operation and
 //! bytes. A [`GpuCommState`] belongs to one (communicator, device) pair.
 
+#[cfg(feature = "ofi")]
+mod direct;
 pub mod ipc;
 pub mod oneshot;
 pub mod staged;
@@ -36,6 +40,7 @@ use crate::comm::{block_range, Communicator, DType, ReduceOp};
 use crate::device::pinned::Staging;
 use crate::device::{Device, DeviceBuffer};
 use crate::error::{Error, Result};
+use crate::transport::select::GpuDirect;
 use staged::{pipeline, Blocked, Flat, HostCall, Plan};
 
 /// Whether device collectives may map peers' buffers (`MESHTRAIN_GPU_IPC`).
@@ -58,19 +63,21 @@ pub struct GpuCommConfig {
     pub stage_chunk: usize,
     /// Largest bytes one rank publishes in a stream-ordered call (0: never stream-ordered).
     pub oneshot_bytes: usize,
+    /// Whether send/recv may post device buffers to libfabric directly.
+    pub gpu_direct: GpuDirect,
 }
 
 impl Default for GpuCommConfig {
     fn default() -> Self {
-        GpuCommConfig { ipc: GpuIpc::Auto, stage_chunk: 4 << 20, oneshot_bytes: 1 << 20 }
+        GpuCommConfig { ipc: GpuIpc::Auto, stage_chunk: 4 << 20, oneshot_bytes: 1 << 20, gpu_direct: GpuDirect::Auto }
     }
 }
 
 impl GpuCommConfig {
     /// Defaults overridden by `MESHTRAIN_GPU_IPC`, `MESHTRAIN_GPU_STAGE_CHUNK` and
-    /// `MESHTRAIN_GPU_ONESHOT`.
+    /// `MESHTRAIN_GPU_ONESHOT`; `MESHTRAIN_GPU_DIRECT`.
     pub fn from_env() -> Result<Self> {
-        let mut c = GpuCommConfig::default();
+        let mut c = GpuCommConfig { gpu_direct: GpuDirect::from_env()?, ..GpuCommConfig::default() };
         let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         if let Some(v) = get("MESHTRAIN_GPU_IPC") {
             c.ipc = match v.to_ascii_lowercase().as_str() {
@@ -106,12 +113,22 @@ pub struct GpuCommState {
     oneshot: oneshot::OneShot,
     /// Collective calls other than send/recv.
     calls: u64,
+    #[cfg(feature = "ofi")]
+    direct: direct::DirectState,
 }
 
 impl GpuCommState {
     /// State for `cfg`; allocates nothing until the first call.
     pub fn new(cfg: GpuCommConfig) -> Self {
-        GpuCommState { cfg, staging: None, ipc: ipc::IpcState::default(), oneshot: oneshot::OneShot::default(), calls: 0 }
+        GpuCommState {
+            cfg,
+            staging: None,
+            ipc: ipc::IpcState::default(),
+            oneshot: oneshot::OneShot::default(),
+            calls: 0,
+            #[cfg(feature = "ofi")]
+            direct: direct::DirectState::default(),
+        }
     }
 
     /// The collectives of `comm` on `dev`'s buffers.
@@ -137,13 +154,24 @@ impl GpuCommState {
         self.oneshot.check(comm, dev)
     }
 
-    /// Closes every peer mapping this rank cached, then waits for every rank to do the same
-    /// (collective). Call it before freeing buffers that IPC collectives used: a peer must not
-    /// hold a mapping of a freed allocation. The stream-ordered workspaces are freed too (set up
-    /// again by the next call).
+    /// (send/recv calls posted straight from/to the device buffer, send/recv calls staged) so far.
+    pub fn direct_counts(&self) -> (u64, u64) {
+        #[cfg(feature = "ofi")]
+        return self.direct.counts();
+        #[cfg(not(feature = "ofi"))]
+        (0, 0)
+    }
+
+    /// Closes every peer mapping and device-direct registration this rank cached, then waits for
+    /// every rank to do the same (collective). Call it before freeing buffers that IPC
+    /// collectives or device send/recv used: a peer must not hold a mapping of a freed
+    /// allocation, nor may a new allocation inherit a registration. The stream-ordered
+    /// workspaces are freed too (set up again by the next call).
     pub fn release_mappings(&mut self, comm: &Communicator, dev: &Device) -> Result<()> {
         self.oneshot.release(comm, dev)?;
         self.ipc.release(dev)?;
+        #[cfg(feature = "ofi")]
+        self.direct.release();
         comm.barrier()
     }
 }
@@ -271,17 +299,26 @@ impl DeviceCollectives<'_> {
     }
 
     /// Sends the first `n` elements of `buf` to member `peer` (which calls [`Self::recv_into`]
-    /// with the same count). Always staged.
+    /// with the same count). Direct over libfabric where both ends allow it, else staged.
     pub fn send(&mut self, buf: &DeviceBuffer, n: usize, dtype: DType, peer: usize) -> Result<()> {
         self.check_peer("send", peer)?;
         check_buf("send", "buf", self.dev, buf, n, dtype)?;
+        #[cfg(feature = "ofi")]
+        if self.state.direct.try_p2p(self.state.cfg.gpu_direct, self.comm, self.dev, &mut Bufs::ReadOnly(buf), n, dtype, peer)? {
+            return Ok(());
+        }
         self.flat(Bufs::ReadOnly(buf), n, dtype, (true, false), &|r| HostCall::Send(r, peer))
     }
 
-    /// Receives `n` elements from member `peer` into the start of `buf`. Always staged.
+    /// Receives `n` elements from member `peer` into the start of `buf`. Direct over libfabric
+    /// where both ends allow it, else staged.
     pub fn recv_into(&mut self, buf: &mut DeviceBuffer, n: usize, dtype: DType, peer: usize) -> Result<()> {
         self.check_peer("recv", peer)?;
         check_buf("recv", "buf", self.dev, buf, n, dtype)?;
+        #[cfg(feature = "ofi")]
+        if self.state.direct.try_p2p(self.state.cfg.gpu_direct, self.comm, self.dev, &mut Bufs::InPlace(buf), n, dtype, peer)? {
+            return Ok(());
+        }
         self.flat(Bufs::InPlace(buf), n, dtype, (false, true), &|r| HostCall::Recv(r, peer))
     }
 

@@ -22,9 +22,18 @@ int mt_fi_getname(struct fid_ep *ep, void *addr, size_t *addrlen) { return fi_ge
 int mt_fi_av_insert(struct fid_av *av, const void *addr, fi_addr_t *fi_addr) {
     return fi_av_insert(av, addr, 1, fi_addr, 0, NULL);
 }
-int mt_fi_mr_reg(struct fid_domain *domain, const void *buf, size_t len, uint64_t access,
-                 struct fid_mr **mr) {
-    return fi_mr_reg(domain, buf, len, access, 0, 0, 0, mr, NULL);
+int mt_fi_mr_regattr(struct fid_domain *domain, const void *buf, size_t len, uint64_t access,
+                     uint64_t key, int iface, int device, struct fid_mr **mr) {
+    struct iovec iov = {.iov_base = (void *)buf, .iov_len = len};
+    struct fi_mr_attr attr = {0};
+    attr.mr_iov = &iov;
+    attr.iov_count = 1;
+    attr.access = access;
+    attr.requested_key = key;
+    attr.iface = (enum fi_hmem_iface)iface;
+    if (attr.iface == FI_HMEM_CUDA)
+        attr.device.cuda = device;
+    return fi_mr_regattr(domain, &attr, 0, mr);
 }
 void *mt_fi_mr_desc(struct fid_mr *mr) { return fi_mr_desc(mr); }
 int mt_fi_mr_bind_ep(struct fid_mr *mr, struct fid_ep *ep) { return fi_mr_bind(mr, &ep->fid, 0); }

@@ -21,8 +21,10 @@ int mt_fi_ep_bind(struct fid_ep *ep, struct fid *bfid, uint64_t flags);
 int mt_fi_enable(struct fid_ep *ep);
 int mt_fi_getname(struct fid_ep *ep, void *addr, size_t *addrlen);
 int mt_fi_av_insert(struct fid_av *av, const void *addr, fi_addr_t *fi_addr);
-int mt_fi_mr_reg(struct fid_domain *domain, const void *buf, size_t len, uint64_t access,
-                 struct fid_mr **mr);
+/* Registers [buf, buf + len) of memory interface `iface` (enum fi_hmem_iface; `device` is the
+ * CUDA ordinal for FI_HMEM_CUDA, ignored otherwise) with the requested key `key`. */
+int mt_fi_mr_regattr(struct fid_domain *domain, const void *buf, size_t len, uint64_t access,
+                     uint64_t key, int iface, int device, struct fid_mr **mr);
 void *mt_fi_mr_desc(struct fid_mr *mr);
 int mt_fi_mr_bind_ep(struct fid_mr *mr, struct fid_ep *ep);
 int mt_fi_mr_enable(struct fid_mr *mr);

@@ -1,0 +1,168 @@
+//! Path C: device send/recv posted straight from and to the device buffer over a libfabric link
+//! (FI_HMEM registration), skipping the copy through pinned host memory.
+//!
+//! When: the link to the peer is a libfabric link, both ends' endpoints were opened with FI_HMEM
+//! and neither has `MESHTRAIN_GPU_DIRECT=off` ([`crate::transport::DirectPeer::choice`], which
+//! both ends compute from the same two capability bytes exchanged at link setup, so they always
+//! agree). Otherwise the call is staged ([`super::staged`]); with `MESHTRAIN_GPU_DIRECT=on` that
+//! is a configuration error naming the variable and why. The choice is logged once per
+//! (communicator state, peer, direction).
+//!
+//! Registrations are cached per (address, length) of the buffer and closed when the state is
+//! dropped or [`DirectState::release`] runs (which [`super::GpuCommState::release_mappings`]
+//! calls): as for IPC mappings, release them before freeing buffers that device send/recv used,
+//! since a new allocation at the same address must not inherit an old registration.
+
+use std::collections::{HashMap, HashSet};
+
+use crate::comm::device::Bufs;
+use crate::comm::{Communicator, DType};
+use crate::device::{Device, DeviceBuffer};
+use crate::error::{Error, Result};
+use crate::transport::select::GpuDirect;
+use crate::transport::{DirectMr, MemIface};
+
+/// Registrations kept at most; beyond, the cache starts over (bounded pinned memory).
+const MAX_REGISTRATIONS: usize = 64;
+
+/// One direction of a point-to-point device transfer.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum Dir {
+    Send,
+    Recv,
+}
+
+/// The direct path's state of one (communicator, device) pair.
+#[derive(Default)]
+pub(crate) struct DirectState {
+    regs: HashMap<(usize, usize), DirectMr>,
+    logged: HashSet<(usize, Dir)>,
+    direct: u64,
+    staged: u64,
+}
+
+impl DirectState {
+    /// (send/recv calls that went direct, send/recv calls staged) so far.
+    pub(crate) fn counts(&self) -> (u64, u64) {
+        (self.direct, self.staged)
+    }
+
+    /// Closes every cached registration.
+    pub(crate) fn release(&mut self) {
+        self.regs.clear();
+    }
+
+    /// Sends (`Bufs::ReadOnly`) or receives (`Bufs::InPlace`) the first `count` elements of the
+    /// buffer to or from member `peer` directly when the link allows; `Ok(false)`: the caller
+    /// stages the call instead.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn try_p2p(
+        &mut self,
+        mode: GpuDirect,
+        comm: &Communicator,
+        dev: &Device,
+        buf: &mut Bufs,
+        count: usize,
+        dtype: DType,
+        peer: usize,
+    ) -> Result<bool> {
+        let dir = if matches!(buf, Bufs::ReadOnly(_)) { Dir::Send } else { Dir::Recv };
+        if mode == GpuDirect::Off {
+            self.staged(comm, peer, dir, "MESHTRAIN_GPU_DIRECT=off");
+            return Ok(false);
+        }
+        let world = comm.world_rank(peer);
+        let Some(link) = comm.direct_peer(peer)? else {
+            let why = "the link is not a libfabric link";
+            if mode == GpuDirect::On {
+                return Err(forced_error(world, why));
+            }
+            self.staged(comm, peer, dir, why);
+            return Ok(false);
+        };
+        if let Err(why) = link.choice() {
+            if link.forced() {
+                return Err(forced_error(world, &why));
+            }
+            self.staged(comm, peer, dir, &why);
+            return Ok(false);
+        }
+        let (addr, len, iface) = memory(dev, buf)?;
+        let key = (addr as usize, len);
+        if !self.regs.contains_key(&key) {
+            if self.regs.len() >= MAX_REGISTRATIONS {
+                self.regs.clear();
+            }
+            let mr = link.register(addr, len, iface).map_err(|e| match e {
+                Error::Fabric(why) => Error::Fabric(format!(
+                    "device-direct {} with rank {world}: {why} (MESHTRAIN_GPU_DIRECT=off stages through host memory instead)",
+                    dir.name()
+                )),
+                other => other,
+            })?;
+            self.regs.insert(key, mr);
+        }
+        let mr = &self.regs[&key];
+        if self.logged.insert((peer, dir)) {
+            log::info!("device {} rank {world}: FI_HMEM direct (provider {}, iface {})", dir.phrase(), link.provider(), iface.name());
+        }
+        let bytes = count * dtype.size();
+        comm.run_direct(dir == Dir::Send, peer, count, dtype, |w| match dir {
+            Dir::Send => link.send(mr, addr, bytes, w),
+            Dir::Recv => link.recv(mr, addr, bytes, w),
+        })?;
+        self.direct += 1;
+        Ok(true)
+    }
+
+    fn staged(&mut self, comm: &Communicator, peer: usize, dir: Dir, why: &str) {
+        self.staged += 1;
+        if self.logged.insert((peer, dir)) {
+            log::info!("device {} rank {}: staged ({why})", dir.phrase(), comm.world_rank(peer));
+        }
+    }
+}
+
+impl Dir {
+    fn name(self) -> &'static str {
+        match self {
+            Dir::Send => "send",
+            Dir::Recv => "recv",
+        }
+    }
+
+    fn phrase(self) -> &'static str {
+        match self {
+            Dir::Send => "send to",
+            Dir::Recv => "recv from",
+        }
+    }
+}
+
+/// Error for `MESHTRAIN_GPU_DIRECT=on` where a transfer cannot go direct.
+fn forced_error(peer: usize, why: &str) -> Error {
+    Error::config(
+        "MESHTRAIN_GPU_DIRECT",
+        format!("on, but device send/recv with rank {peer} cannot skip host staging: {why}"),
+    )
+}
+
+/// Start address, length and memory interface of the call's buffer (whose arm the caller
+/// checked against `dev`); host memory is borrowed for writing when the call receives.
+fn memory(dev: &Device, bufs: &mut Bufs) -> Result<(*mut u8, usize, MemIface)> {
+    let host = match bufs {
+        Bufs::ReadOnly(DeviceBuffer::Host(h) | DeviceBuffer::Emu(h)) => Some(h.bytes().as_ptr() as *mut u8),
+        Bufs::InPlace(DeviceBuffer::Host(h) | DeviceBuffer::Emu(h)) => Some(h.bytes_mut().as_mut_ptr()),
+        _ => None,
+    };
+    let buf = bufs.input()?;
+    let len = buf.len();
+    if let Some(p) = host {
+        return Ok((p, len, MemIface::System));
+    }
+    let address = buf.device_address(dev, "device-direct", 0)? as *mut u8;
+    Ok(match (dev, buf) {
+        (Device::Cuda(d), _) => (address, len, MemIface::Cuda(d.ordinal())),
+        _ => (address, len, MemIface::Rocr),
+    })
+}

@@ -78,13 +78,14 @@ fn deviation(np: usize, case: &str, want: &str) {
     }
 }
 
-/// Member 1 all-reduces 2000 elements where the others reduce 1000: the flag's fingerprint names
-/// both calls on every rank (rank 0's record comes first).
+/// Member 1 all-reduces 2000 elements (or takes the maximum) where the others sum 1000: the flag's
+/// fingerprint names both calls on every rank (rank 0's record comes first).
 #[test]
 fn a_different_call_is_an_error_on_every_rank() {
     for np in [2, 3] {
         deviation(np, "count", "rank 0, call 2: rank 1 made a different call: all_reduce sum of 2000 f32");
     }
+    deviation(2, "op", "rank 0, call 2: rank 1 made a different call: all_reduce max of 1000 f32");
 }
 
 /// Member 1 never makes the second call: the others' waits give up at half the deadline

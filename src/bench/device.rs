@@ -3,8 +3,9 @@
 //!
 //! For each size the same in-place f32 sum all-reduce is timed over the paths that apply on this
 //! job: stream-ordered (`oneshot`, workspaces mapped once, flags on the device), IPC (peer
-//! buffers mapped per call, host agreement rounds) and staged (pinned host memory and the host
-//! collectives). A row is `iters` back-to-back calls between two device synchronizations (how a
+//! buffers mapped per call, host agreement rounds), FI_HMEM rings (device memory posted to
+//! libfabric, with `MESHTRAIN_TRANSPORT=ofi` over a provider that offers FI_HMEM) and staged
+//! (pinned host memory and the host collectives). A path that does not apply shows the one taken. A row is `iters` back-to-back calls between two device synchronizations (how a
 //! training step issues them: the stream-ordered path queues work and returns, so consecutive
 //! calls overlap their launch latency), divided by `iters`, the slowest rank's time. The result
 //! of the last call is checked against the exact sum on every rank (inputs are small integers).
@@ -16,6 +17,7 @@ use crate::comm::{Communicator, DType, ReduceOp};
 use crate::device::ipc::alloc_shareable;
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::transport::select::GpuDirect;
 
 /// One path's setting.
 struct Path {
@@ -23,12 +25,13 @@ struct Path {
     cfg: GpuCommConfig,
 }
 
-fn paths(max_bytes: usize) -> [Path; 3] {
+fn paths(max_bytes: usize) -> [Path; 4] {
     let base = GpuCommConfig::default();
     [
         Path { name: "stream-ordered", cfg: GpuCommConfig { oneshot_bytes: max_bytes, ..base.clone() } },
         Path { name: "ipc", cfg: GpuCommConfig { oneshot_bytes: 0, ipc: GpuIpc::Auto, ..base.clone() } },
-        Path { name: "staged", cfg: GpuCommConfig { ipc: GpuIpc::Off, ..base } },
+        Path { name: "fabric-ring", cfg: GpuCommConfig { ipc: GpuIpc::Off, gpu_direct: GpuDirect::Auto, ..base.clone() } },
+        Path { name: "staged", cfg: GpuCommConfig { ipc: GpuIpc::Off, gpu_direct: GpuDirect::Off, ..base } },
     ]
 }
 
@@ -41,7 +44,7 @@ pub fn run(c: &Communicator, dev: &Device, min: usize, max: usize, factor: usize
     let mut buf = alloc_shareable(dev, max.next_multiple_of(4))?;
     if me == 0 {
         println!("# device all-reduce (f32 sum, in place) on {} over {k} ranks: us per call (slowest rank), path taken", dev.arm());
-        println!("{:>10} {:>16} {:>16} {:>16}", "bytes", "stream-ordered", "ipc", "staged");
+        println!("{:>10} {:>16} {:>16} {:>16} {:>16}", "bytes", "stream-ordered", "ipc", "fabric-ring", "staged");
     }
     let mut bytes = min.next_multiple_of(4);
     while bytes <= max {
@@ -77,6 +80,8 @@ pub fn run(c: &Communicator, dev: &Device, min: usize, max: usize, factor: usize
             let (ipc, calls) = state.path_counts();
             let took = if state.stream_ordered_calls() > 0 {
                 "stream-ordered"
+            } else if state.ring_calls() > 0 {
+                "fabric-ring"
             } else if ipc == calls {
                 "ipc"
             } else {
@@ -86,7 +91,7 @@ pub fn run(c: &Communicator, dev: &Device, min: usize, max: usize, factor: usize
             state.release_mappings(c, dev)?;
         }
         if me == 0 {
-            println!("{bytes:>10} {:>16} {:>16} {:>16}", cells[0], cells[1], cells[2]);
+            println!("{bytes:>10} {:>16} {:>16} {:>16} {:>16}", cells[0], cells[1], cells[2], cells[3]);
         }
         bytes = bytes.saturating_mul(factor);
     }

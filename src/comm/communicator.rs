@@ -744,6 +744,14 @@ impl Communicator {
         self.run(op, count * dtype.size(), Sched::Pair, print, |_, _, w| f(w))
     }
 
+    /// A collective whose bytes `f` moves itself over direct links (the device FI_HMEM rings),
+    /// numbered, timed, recorded and failing like the host collective `print` describes; `f` gets
+    /// the call's numbered print to check against the peers'.
+    #[cfg(feature = "ofi")]
+    pub(crate) fn run_direct_collective(&self, op: &'static str, print: OpPrint, bytes: usize, f: impl FnOnce(&Waiter, &OpPrint) -> Result<()>) -> Result<()> {
+        self.run(op, bytes, Sched::Pair, Print::Collective(print), |st, _, w| f(w, &st.print.unwrap_or(print)))
+    }
+
     /// Waits until every member has called `barrier`.
     pub fn barrier(&self) -> Result<()> {
         let mut token = [0u8];

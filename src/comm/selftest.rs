@@ -230,8 +230,8 @@ pub fn check_device_all(
 
 /// `meshtrain selftest --device`: every device collective on `dev` (counts with every operator,
 /// `large` with f32 and every operator), configured from the environment. Returns the failures
-/// and the paths taken: "device path: I of C collective calls over IPC, S stream-ordered; send/recv:
-/// D of T FI_HMEM direct".
+/// and the paths taken: "device path: I of C collective calls over IPC, S stream-ordered, R over
+/// FI_HMEM rings; send/recv: D of T FI_HMEM direct".
 pub fn check_device_job(c: &Communicator, dev: &Device, counts: &[usize], large: usize) -> Result<(Vec<String>, String)> {
     let mut state = GpuCommState::new(crate::comm::device::GpuCommConfig::from_env()?);
     let mut fails = check_device_all(c, dev, &mut state, counts, &ReduceOp::ALL)?;
@@ -242,7 +242,8 @@ pub fn check_device_job(c: &Communicator, dev: &Device, counts: &[usize], large:
     let streamed = state.stream_ordered_calls();
     let (direct, staged) = state.direct_counts();
     let paths = format!(
-        "device path: {ipc} of {calls} collective calls over IPC, {streamed} stream-ordered; send/recv: {direct} of {} FI_HMEM direct",
+        "device path: {ipc} of {calls} collective calls over IPC, {streamed} stream-ordered, {} over FI_HMEM rings; send/recv: {direct} of {} FI_HMEM direct",
+        state.ring_calls(),
         direct + staged
     );
     Ok((fails, paths))
@@ -250,7 +251,8 @@ pub fn check_device_job(c: &Communicator, dev: &Device, counts: &[usize], large:
 
 /// Device collectives that go wrong, for the stream-ordered error tests (`meshtrain selftest
 /// --device D --mismatch CASE`, hidden): member 1 deviates (`count`: an all-reduce of 2000
-/// instead of 1000 f32; `skip`: no call at all) and then every member checks. Every member must
+/// instead of 1000 f32; `op`: a maximum instead of a sum; `skip`: no call at all) and then every
+/// member checks. Every member must
 /// get the error naming the failing rank and calls; `Ok` never comes back.
 pub fn device_mismatch(c: &Communicator, dev: &Device, case: &str) -> Result<()> {
     let mut state = GpuCommState::new(crate::comm::device::GpuCommConfig::from_env()?);
@@ -262,9 +264,10 @@ pub fn device_mismatch(c: &Communicator, dev: &Device, case: &str) -> Result<()>
     coll.all_reduce(&mut buf, 1000, DType::F32, ReduceOp::Sum)?;
     match (case, odd) {
         ("count", true) => coll.all_reduce(&mut buf, 2000, DType::F32, ReduceOp::Sum)?,
+        ("op", true) => coll.all_reduce(&mut buf, 1000, DType::F32, ReduceOp::Max)?,
         ("skip", true) => {}
-        ("count" | "skip", false) => coll.all_reduce(&mut buf, 1000, DType::F32, ReduceOp::Sum)?,
-        _ => return Err(crate::Error::InvalidArgument(format!("selftest --device --mismatch: `{case}` is not count or skip"))),
+        ("count" | "op" | "skip", false) => coll.all_reduce(&mut buf, 1000, DType::F32, ReduceOp::Sum)?,
+        _ => return Err(crate::Error::InvalidArgument(format!("selftest --device --mismatch: `{case}` is not count, op or skip"))),
     }
     state.check(c, dev)?;
     Err(crate::Error::Check(format!("selftest --device --mismatch {case}: the deviation was not detected")))

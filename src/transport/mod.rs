@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 pub use cma::PeerMemory;
 #[cfg(feature = "ofi")]
-pub use ofi_direct::{DirectMr, DirectPeer, MemIface};
+pub use ofi_direct::{direct_transfer, DirectLeg, DirectMr, DirectPeer, MemIface};
 
 /// Which transport carries a link.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

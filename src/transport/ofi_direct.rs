@@ -16,7 +16,9 @@
 //! `len` bytes is `max(1, ceil(len / DIRECT_MSG))` messages, message `s` of the direction tagged
 //! `key << SEQ_BITS | s mod 2^SEQ_BITS`; every receive matches exactly one tag from exactly the
 //! peer's address, and a completion with another tag or length is an error naming the peer (a
-//! stray message is never data). At most [`WINDOW`] messages are posted at a time; every wait
+//! stray message is never data). A call may run several legs at once (a ring hop: the send to
+//! one neighbour and the receive from the other), each with its own sequence numbers and window.
+//! At most [`WINDOW`] messages per leg are posted at a time; every wait
 //! checks the deadline, the job-wide abort and the peer's liveness. A call returns only when all
 //! its operations completed; on an error it cancels and drains them first (leaking their contexts
 //! if the provider never lets go, so that no completion can land in freed memory).
@@ -142,65 +144,119 @@ impl DirectPeer {
 
     /// Sends `len` bytes at `at` (the start of `mr`'s memory, for reading) to the peer.
     pub fn send(&self, mr: &DirectMr, at: *const u8, len: usize, w: &Waiter) -> Result<()> {
-        self.transfer(mr, at as *mut u8, len, true, w)
+        direct_transfer(&[DirectLeg { link: self, mr, offset: (at as usize).wrapping_sub(mr.addr as usize), len, send: true }], w)
     }
 
     /// Receives exactly `len` bytes from the peer into `at` (the start of `mr`'s memory, for
     /// writing).
     pub fn recv(&self, mr: &DirectMr, at: *mut u8, len: usize, w: &Waiter) -> Result<()> {
-        self.transfer(mr, at, len, false, w)
+        direct_transfer(&[DirectLeg { link: self, mr, offset: (at as usize).wrapping_sub(mr.addr as usize), len, send: false }], w)
     }
 
-    fn transfer(&self, mr: &DirectMr, start: *mut u8, len: usize, send: bool, w: &Waiter) -> Result<()> {
-        let peer = self.waits.peer;
-        if len > mr.len || start != mr.addr {
-            return Err(w.fail(peer, format!("direct transfer of {len} bytes outside its {}-byte registration", mr.len)));
+    /// The first sequence number of `messages` new messages in one direction.
+    fn reserve(&self, send: bool, messages: usize) -> u64 {
+        let mut seqs = self.seqs.lock().unwrap_or_else(|e| e.into_inner());
+        let next = if send { &mut seqs.0 } else { &mut seqs.1 };
+        let first = *next;
+        *next += messages as u64;
+        first
+    }
+}
+
+/// One direction of a direct transfer: `len` bytes at `offset` into `mr`'s memory, sent to
+/// (`send`) or received from the link's peer.
+pub struct DirectLeg<'a> {
+    /// The link to the peer.
+    pub link: &'a DirectPeer,
+    /// The registration of the memory the bytes are in.
+    pub mr: &'a DirectMr,
+    /// Start of the bytes, from the registration's start.
+    pub offset: usize,
+    /// Bytes moved.
+    pub len: usize,
+    /// Sent to the peer (else received from it).
+    pub send: bool,
+}
+
+/// Runs every leg at once (a ring step: the send to one neighbour and the receive from the
+/// other), each with its own window of posted messages, and returns when all completed. Posting
+/// every leg's first window before waiting on any keeps a ring of such calls deadlock-free.
+pub fn direct_transfer(legs: &[DirectLeg], w: &Waiter) -> Result<()> {
+    let mut active = Vec::with_capacity(legs.len());
+    for leg in legs {
+        if leg.offset.checked_add(leg.len).is_none_or(|end| end > leg.mr.len) {
+            let why = format!("direct transfer of {} bytes at offset {} outside its {}-byte registration", leg.len, leg.offset, leg.mr.len);
+            return Err(w.fail(leg.link.waits.peer, why));
         }
-        let messages = len.div_ceil(DIRECT_MSG).max(1);
-        let first = {
-            let mut seqs = self.seqs.lock().unwrap_or_else(|e| e.into_inner());
-            let next = if send { &mut seqs.0 } else { &mut seqs.1 };
-            let first = *next;
-            *next += messages as u64;
-            first
-        };
-        let posted = Posted { ep: self.waits.ep.clone(), ops: (0..WINDOW.min(messages)).map(|_| OpSlot::new()).collect() };
-        let base = if send { self.send_base } else { self.recv_base };
-        let tag = |m: usize| base | ((first + m as u64) & SEQ_MASK);
-        let piece = |m: usize| m * DIRECT_MSG..((m + 1) * DIRECT_MSG).min(len);
-        let finish = |m: usize| -> Result<()> {
-            let op = &posted.ops[m % posted.ops.len()];
-            self.waits.until_idle(op, w)?;
-            let (got_tag, got_len) = (op.tag.load(Ordering::Relaxed), op.len.load(Ordering::Relaxed));
-            if !send && (got_tag != tag(m) || got_len != piece(m).len()) {
-                return Err(w.fail(
-                    peer,
-                    format!(
-                        "stray libfabric message on the device-direct path: tag {got_tag:#x} ({got_len} bytes), expected {:#x} ({} bytes)",
-                        tag(m),
-                        piece(m).len()
-                    ),
-                ));
+        let messages = leg.len.div_ceil(DIRECT_MSG).max(1);
+        let first = leg.link.reserve(leg.send, messages);
+        let ops = (0..WINDOW.min(messages)).map(|_| OpSlot::new()).collect();
+        active.push(Active { leg, first, messages, posted: Posted { ep: leg.link.waits.ep.clone(), ops } });
+    }
+    let most = active.iter().map(|a| a.messages).max().unwrap_or(0);
+    for m in 0..most {
+        for a in active.iter().filter(|a| m < a.messages) {
+            if m >= a.window() {
+                a.finish(m - a.window(), w)?;
             }
-            Ok(())
-        };
-        for m in 0..messages {
-            if m >= posted.ops.len() {
-                finish(m - posted.ops.len())?;
-            }
-            let (op, r) = (&posted.ops[m % posted.ops.len()], piece(m));
-            // SAFETY: `r` lies within the registered `len` bytes (checked above); the memory stays
-            // valid until every operation completed (this call waits, or `Posted` drains).
-            let at = unsafe { start.add(r.start) };
-            let posted_op = if send {
-                self.waits.ep.send_raw(op, at, r.len(), mr.desc(), self.addr, tag(m))
-            } else {
-                self.waits.ep.recv_raw(op, at, r.len(), mr.desc(), self.addr, tag(m))
-            };
-            posted_op.map_err(|e| w.fail(peer, e.to_string()))?;
+            a.post(m, w)?;
         }
-        for m in messages.saturating_sub(posted.ops.len())..messages {
-            finish(m)?;
+    }
+    for a in &active {
+        for m in a.messages.saturating_sub(a.window())..a.messages {
+            a.finish(m, w)?;
+        }
+    }
+    Ok(())
+}
+
+/// A leg in flight: its messages' first sequence number and the contexts of its window.
+struct Active<'a> {
+    leg: &'a DirectLeg<'a>,
+    first: u64,
+    messages: usize,
+    posted: Posted,
+}
+
+impl Active<'_> {
+    fn window(&self) -> usize {
+        self.posted.ops.len()
+    }
+
+    fn tag(&self, m: usize) -> u64 {
+        let base = if self.leg.send { self.leg.link.send_base } else { self.leg.link.recv_base };
+        base | ((self.first + m as u64) & SEQ_MASK)
+    }
+
+    /// Bytes of message `m`, relative to the leg's offset.
+    fn piece(&self, m: usize) -> std::ops::Range<usize> {
+        m * DIRECT_MSG..((m + 1) * DIRECT_MSG).min(self.leg.len)
+    }
+
+    fn post(&self, m: usize, w: &Waiter) -> Result<()> {
+        let (leg, op, r) = (self.leg, &self.posted.ops[m % self.window()], self.piece(m));
+        // SAFETY: `offset + r` lies within the registered `len` bytes (checked in
+        // `direct_transfer`); the memory stays valid until every operation completed
+        // (`direct_transfer` waits, or `Posted` drains).
+        let at = unsafe { leg.mr.addr.add(leg.offset + r.start) };
+        let (ep, addr) = (&leg.link.waits.ep, leg.link.addr);
+        let posted = if leg.send {
+            ep.send_raw(op, at, r.len(), leg.mr.desc(), addr, self.tag(m))
+        } else {
+            ep.recv_raw(op, at, r.len(), leg.mr.desc(), addr, self.tag(m))
+        };
+        posted.map_err(|e| w.fail(leg.link.waits.peer, e.to_string()))
+    }
+
+    fn finish(&self, m: usize, w: &Waiter) -> Result<()> {
+        let op = &self.posted.ops[m % self.window()];
+        let link = self.leg.link;
+        link.waits.until_idle(op, w)?;
+        let (got_tag, got_len) = (op.tag.load(Ordering::Relaxed), op.len.load(Ordering::Relaxed));
+        let (tag, len) = (self.tag(m), self.piece(m).len());
+        if !self.leg.send && (got_tag != tag || got_len != len) {
+            let why = format!("stray libfabric message on the device-direct path: tag {got_tag:#x} ({got_len} bytes), expected {tag:#x} ({len} bytes)");
+            return Err(w.fail(link.waits.peer, why));
         }
         Ok(())
     }

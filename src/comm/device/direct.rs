@@ -20,7 +20,7 @@ use crate::comm::{Communicator, DType};
 use crate::device::{Device, DeviceBuffer};
 use crate::error::{Error, Result};
 use crate::transport::select::GpuDirect;
-use crate::transport::{DirectMr, MemIface};
+use crate::transport::{DirectMr, DirectPeer, MemIface};
 
 /// Registrations kept at most; beyond, the cache starts over (bounded pinned memory).
 const MAX_REGISTRATIONS: usize = 64;
@@ -32,10 +32,54 @@ enum Dir {
     Recv,
 }
 
+/// Registrations of whole buffers, keyed by (address, length); one endpoint per process, so a
+/// registration serves every link.
+#[derive(Default)]
+pub(crate) struct Registrations(HashMap<(usize, usize), DirectMr>);
+
+/// A buffer's memory as libfabric registers it: start, length, interface.
+pub(crate) type Memory = (*mut u8, usize, MemIface);
+
+impl Registrations {
+    /// Registers whatever of `want` is not registered yet on `link`'s endpoint (starting the
+    /// cache over first if it would exceed [`MAX_REGISTRATIONS`], so all of `want` stay).
+    pub(crate) fn ensure(&mut self, link: &DirectPeer, want: &[Memory], what: &str) -> Result<()> {
+        let missing = want.iter().filter(|(a, l, _)| !self.0.contains_key(&(*a as usize, *l))).count();
+        if self.0.len() + missing > MAX_REGISTRATIONS {
+            self.0.clear();
+        }
+        for &(addr, len, iface) in want {
+            if let std::collections::hash_map::Entry::Vacant(slot) = self.0.entry((addr as usize, len)) {
+                let mr = link.register(addr, len, iface).map_err(|e| match e {
+                    Error::Fabric(why) => Error::Fabric(format!(
+                        "{what}: {why} (MESHTRAIN_GPU_DIRECT=off stages through host memory instead)"
+                    )),
+                    other => other,
+                })?;
+                slot.insert(mr);
+            }
+        }
+        Ok(())
+    }
+
+    /// The registration of `mem` ([`Registrations::ensure`]d before).
+    pub(crate) fn get(&self, mem: &Memory) -> Result<&DirectMr> {
+        self.0
+            .get(&(mem.0 as usize, mem.1))
+            .ok_or_else(|| Error::InvalidArgument(format!("device-direct: {} bytes at {:p} are not registered", mem.1, mem.0)))
+    }
+
+    /// Closes every registration.
+    pub(crate) fn clear(&mut self) {
+        self.0.clear();
+    }
+}
+
 /// The direct path's state of one (communicator, device) pair.
 #[derive(Default)]
 pub(crate) struct DirectState {
-    regs: HashMap<(usize, usize), DirectMr>,
+    pub(crate) regs: Registrations,
+    pub(crate) ring: super::fabric_ring::RingState,
     logged: HashSet<(usize, Dir)>,
     direct: u64,
     staged: u64,
@@ -50,6 +94,11 @@ impl DirectState {
     /// Closes every cached registration.
     pub(crate) fn release(&mut self) {
         self.regs.clear();
+    }
+
+    /// Collective calls that ran as FI_HMEM rings so far.
+    pub(crate) fn ring_calls(&self) -> u64 {
+        self.ring.calls()
     }
 
     /// Sends (`Bufs::ReadOnly`) or receives (`Bufs::InPlace`) the first `count` elements of the
@@ -87,22 +136,13 @@ impl DirectState {
             self.staged(comm, peer, dir, &why);
             return Ok(false);
         }
-        let (addr, len, iface) = memory(dev, buf)?;
-        let key = (addr as usize, len);
-        if !self.regs.contains_key(&key) {
-            if self.regs.len() >= MAX_REGISTRATIONS {
-                self.regs.clear();
-            }
-            let mr = link.register(addr, len, iface).map_err(|e| match e {
-                Error::Fabric(why) => Error::Fabric(format!(
-                    "device-direct {} with rank {world}: {why} (MESHTRAIN_GPU_DIRECT=off stages through host memory instead)",
-                    dir.name()
-                )),
-                other => other,
-            })?;
-            self.regs.insert(key, mr);
-        }
-        let mr = &self.regs[&key];
+        let mem = memory(dev, buf)?;
+        let (addr, iface) = (mem.0, mem.2);
+        self.regs.ensure(&link, &[mem], &format!("device-direct {} with rank {world}", dir.name()))?;
+        let mr = self.regs.get(&mem)?;
+        // Kernels queued on the buffer (writing what is sent, or reading what a receive
+        // overwrites) finish before the NIC touches it.
+        dev.synchronize()?;
         if self.logged.insert((peer, dir)) {
             log::info!("device {} rank {world}: FI_HMEM direct (provider {}, iface {})", dir.phrase(), link.provider(), iface.name());
         }
@@ -149,7 +189,7 @@ fn forced_error(peer: usize, why: &str) -> Error {
 
 /// Start address, length and memory interface of the call's buffer (whose arm the caller
 /// checked against `dev`); host memory is borrowed for writing when the call receives.
-fn memory(dev: &Device, bufs: &mut Bufs) -> Result<(*mut u8, usize, MemIface)> {
+fn memory(dev: &Device, bufs: &mut Bufs) -> Result<Memory> {
     let host = match bufs {
         Bufs::ReadOnly(DeviceBuffer::Host(h) | DeviceBuffer::Emu(h)) => Some(h.bytes().as_ptr() as *mut u8),
         Bufs::InPlace(DeviceBuffer::Host(h) | DeviceBuffer::Emu(h)) => Some(h.bytes_mut().as_mut_ptr()),
@@ -160,9 +200,16 @@ fn memory(dev: &Device, bufs: &mut Bufs) -> Result<(*mut u8, usize, MemIface)> {
     if let Some(p) = host {
         return Ok((p, len, MemIface::System));
     }
+    device_memory(dev, buf)
+}
+
+/// Start, length and memory interface of a buffer of the CUDA, HIP or emu arm (emu memory is
+/// host memory, registered as FI_HMEM_SYSTEM).
+pub(crate) fn device_memory(dev: &Device, buf: &DeviceBuffer) -> Result<Memory> {
     let address = buf.device_address(dev, "device-direct", 0)? as *mut u8;
-    Ok(match (dev, buf) {
-        (Device::Cuda(d), _) => (address, len, MemIface::Cuda(d.ordinal())),
-        _ => (address, len, MemIface::Rocr),
+    Ok(match dev {
+        Device::Cuda(d) => (address, buf.len(), MemIface::Cuda(d.ordinal())),
+        Device::Emu(_) => (address, buf.len(), MemIface::System),
+        _ => (address, buf.len(), MemIface::Rocr),
     })
 }

@@ -28,6 +28,8 @@
 
 #[cfg(feature = "ofi")]
 mod direct;
+#[cfg(feature = "ofi")]
+mod fabric_ring;
 pub mod ipc;
 pub mod oneshot;
 pub mod staged;
@@ -152,6 +154,15 @@ impl GpuCommState {
     /// once per step before applying an update; results of calls after a failure are unusable.
     pub fn check(&mut self, comm: &Communicator, dev: &Device) -> Result<()> {
         self.oneshot.check(comm, dev)
+    }
+
+    /// Collective calls that ran as FI_HMEM rings (device memory to device memory across links)
+    /// so far.
+    pub fn ring_calls(&self) -> u64 {
+        #[cfg(feature = "ofi")]
+        return self.direct.ring_calls();
+        #[cfg(not(feature = "ofi"))]
+        0
     }
 
     /// (send/recv calls posted straight from/to the device buffer, send/recv calls staged) so far.
@@ -341,6 +352,13 @@ impl DeviceCollectives<'_> {
         }
         if self.state.ipc.try_call(&self.state.cfg, comm, dev, op, &mut bufs, n, dtype)? {
             return Ok(());
+        }
+        #[cfg(feature = "ofi")]
+        {
+            let (st, cfg) = (&mut self.state.direct, &self.state.cfg);
+            if st.ring.try_call(&mut st.regs, cfg.gpu_direct, cfg.stage_chunk, comm, dev, op, &mut bufs, n, dtype)? {
+                return Ok(());
+            }
         }
         self.run_staged(op, bufs, n, dtype)
     }

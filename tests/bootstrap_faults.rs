@@ -43,7 +43,7 @@ fn every_rank_says(out: &common::Finished, np: usize, needles: &[&str]) {
 #[test]
 fn bad_runtime_variables_fail_every_rank_with_the_variable_and_allowed_values() {
     let cases: [(&str, &str, &str); 7] = [
-        ("MESHTRAIN_TRANSPORT", "infiniband", "auto, shm, tcp or ofi"),
+        ("MESHTRAIN_TRANSPORT", "infiniband", "auto, shm, tcp, ofi or shm+ofi"),
         ("MESHTRAIN_TRANSPRT", "tcp", "did you mean MESHTRAIN_TRANSPORT?"),
         ("MESHTRAIN_BIND_ADDR", "10.255.255.1", "cannot be bound"),
         ("MESHTRAIN_SOCKET_IFNAME", "nosuch0", "does not exist"),

@@ -23,7 +23,7 @@ use super::ifaddr;
 
 /// Runtime variables and what they accept (the README's Environment table lists the same).
 pub const RUNTIME_VARS: &[(&str, &str)] = &[
-    ("MESHTRAIN_TRANSPORT", "auto, shm, tcp or ofi (any case)"),
+    ("MESHTRAIN_TRANSPORT", "auto, shm, tcp, ofi or shm+ofi (any case)"),
     ("MESHTRAIN_BIND_ADDR", "an IP address of this host, or 0.0.0.0"),
     ("MESHTRAIN_SOCKET_IFNAME", "the name of an interface with an IPv4 address"),
     ("MESHTRAIN_TIMEOUT", "seconds > 0"),

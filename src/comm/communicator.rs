@@ -315,6 +315,11 @@ impl Communicator {
         self.members[r]
     }
 
+    /// Node of member `r` (hostname and boot id; an index every rank agrees on).
+    pub fn node_of(&self, r: usize) -> usize {
+        self.connector.node_of(self.members[r])
+    }
+
     /// How long a blocking operation of this communicator waits for a peer (`MESHTRAIN_TIMEOUT`).
     pub fn timeout(&self) -> std::time::Duration {
         self.cfg.timeout

@@ -231,7 +231,7 @@ pub fn check_device_all(
 /// `meshtrain selftest --device`: every device collective on `dev` (counts with every operator,
 /// `large` with f32 and every operator), configured from the environment. Returns the failures
 /// and the paths taken: "device path: I of C collective calls over IPC, S stream-ordered, R over
-/// FI_HMEM rings; send/recv: D of T FI_HMEM direct".
+/// FI_HMEM rings, H hierarchical; send/recv: D of T FI_HMEM direct".
 pub fn check_device_job(c: &Communicator, dev: &Device, counts: &[usize], large: usize) -> Result<(Vec<String>, String)> {
     let mut state = GpuCommState::new(crate::comm::device::GpuCommConfig::from_env()?);
     let mut fails = check_device_all(c, dev, &mut state, counts, &ReduceOp::ALL)?;
@@ -242,8 +242,10 @@ pub fn check_device_job(c: &Communicator, dev: &Device, counts: &[usize], large:
     let streamed = state.stream_ordered_calls();
     let (direct, staged) = state.direct_counts();
     let paths = format!(
-        "device path: {ipc} of {calls} collective calls over IPC, {streamed} stream-ordered, {} over FI_HMEM rings; send/recv: {direct} of {} FI_HMEM direct",
+        "device path: {ipc} of {calls} collective calls over IPC, {streamed} stream-ordered, {} over FI_HMEM rings, {} hierarchical; \
+         send/recv: {direct} of {} FI_HMEM direct",
         state.ring_calls(),
+        state.hierarchical_calls(),
         direct + staged
     );
     Ok((fails, paths))

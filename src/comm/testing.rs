@@ -100,6 +100,8 @@ pub struct MemConnector {
     hub: Arc<Hub>,
     abort: Arc<AbortState>,
     peer_memory: bool,
+    /// Rank `r` runs on node `r % nodes`.
+    nodes: usize,
 }
 
 impl Hub {
@@ -115,8 +117,8 @@ impl Connector for MemConnector {
     fn size(&self) -> usize {
         self.size
     }
-    fn node_of(&self, _rank: usize) -> usize {
-        0
+    fn node_of(&self, rank: usize) -> usize {
+        rank % self.nodes
     }
     fn connect(&self, comm_id: u64, peer: usize, _w: &Waiter) -> Result<Link> {
         let send = MemSend { fifo: self.hub.fifo(comm_id, self.rank, peer), slot: Vec::new(), peer };
@@ -137,7 +139,17 @@ pub fn run_ranks<R: Send + 'static>(
     cfg: CommConfig,
     f: impl Fn(Communicator) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
-    spawn_ranks(k, cfg, true, f)
+    spawn_ranks(k, 1, cfg, true, f)
+}
+
+/// As [`run_ranks`], rank `r` counting as running on node `r % nodes`.
+pub fn run_ranks_on_nodes<R: Send + 'static>(
+    k: usize,
+    nodes: usize,
+    cfg: CommConfig,
+    f: impl Fn(Communicator) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    spawn_ranks(k, nodes, cfg, true, f)
 }
 
 /// As [`run_ranks`], over links that cannot read the peer's memory (like TCP links).
@@ -146,11 +158,12 @@ pub fn run_ranks_without_peer_memory<R: Send + 'static>(
     cfg: CommConfig,
     f: impl Fn(Communicator) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
-    spawn_ranks(k, cfg, false, f)
+    spawn_ranks(k, 1, cfg, false, f)
 }
 
 fn spawn_ranks<R: Send + 'static>(
     k: usize,
+    nodes: usize,
     cfg: CommConfig,
     peer_memory: bool,
     f: impl Fn(Communicator) -> R + Send + Sync + 'static,
@@ -162,7 +175,7 @@ fn spawn_ranks<R: Send + 'static>(
             let (hub, f, cfg) = (hub.clone(), f.clone(), cfg.clone());
             std::thread::spawn(move || {
                 let abort = Arc::new(AbortState::default());
-                let conn = MemConnector { rank, size: k, hub, abort, peer_memory };
+                let conn = MemConnector { rank, size: k, hub, abort, peer_memory, nodes };
                 f(Communicator::world(Arc::new(conn), cfg).expect("world communicator"))
             })
         })

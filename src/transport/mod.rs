@@ -220,6 +220,18 @@ pub struct Waiter {
     pub abort: Arc<AbortState>,
 }
 
+/// One round of progress of this process's libfabric endpoint, run by every wait on any link:
+/// with a manual-progress provider (the `shm` provider's large transfers, `ofi_rxm` rendezvous),
+/// a peer's transfer to or from this rank may need this rank's calls into the provider to
+/// complete, also while this rank waits on a shared-memory or TCP link (otherwise two ranks each
+/// waiting on the other's link kind deadlock). Set once, when the endpoint opens.
+static ENDPOINT_PROGRESS: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>> = std::sync::OnceLock::new();
+
+/// Installs [`ENDPOINT_PROGRESS`] (the first call wins: one endpoint per process).
+pub(crate) fn set_endpoint_progress(f: Box<dyn Fn() + Send + Sync>) {
+    let _ = ENDPOINT_PROGRESS.set(f);
+}
+
 impl Waiter {
     /// A waiter for `op` that times out `timeout` from now.
     pub fn new(rank: usize, op: &'static str, seq: u64, bytes: usize, timeout: Duration, abort: Arc<AbortState>) -> Self {
@@ -227,8 +239,12 @@ impl Waiter {
         Waiter { rank, op, seq, bytes, start, deadline: start + timeout, abort }
     }
 
-    /// Errors if the job was aborted or the deadline passed while waiting for `peer`.
+    /// Errors if the job was aborted or the deadline passed while waiting for `peer`; drives the
+    /// libfabric endpoint's progress meanwhile ([`ENDPOINT_PROGRESS`]).
     pub fn check(&self, peer: usize) -> Result<()> {
+        if let Some(progress) = ENDPOINT_PROGRESS.get() {
+            progress();
+        }
         if self.abort.is_set() {
             return Err(Error::Aborted {
                 rank: self.rank,

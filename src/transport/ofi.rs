@@ -170,7 +170,15 @@ mod imp {
                 .get_or_init(|| {
                     let ep = Endpoint::open(self.provider.as_deref(), local_rank, self.gpu_direct != GpuDirect::Off).map_err(|e| e.to_string())?;
                     self.log_open(&ep);
-                    Ok(Arc::new(ep))
+                    let ep = Arc::new(ep);
+                    let weak = Arc::downgrade(&ep);
+                    super::super::set_endpoint_progress(Box::new(move || {
+                        // Failures surface in the waits on the endpoint's own links.
+                        if let Some(ep) = weak.upgrade() {
+                            let _ = ep.progress();
+                        }
+                    }));
+                    Ok(ep)
                 })
                 .clone()
                 .map_err(Error::Fabric)

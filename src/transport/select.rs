@@ -46,7 +46,7 @@ fn var(key: &str) -> Option<String> {
     std::env::var(key).ok().filter(|v| !v.is_empty())
 }
 
-/// `MESHTRAIN_TRANSPORT` (`auto`, `shm`, `tcp` or `ofi`, any case; see [`super::ofi`]): whether
+/// `MESHTRAIN_TRANSPORT` (`auto`, `shm`, `tcp`, `ofi` or `shm+ofi`, any case; see [`super::ofi`]): whether
 /// pairs on one node use TCP instead of shared memory, and where libfabric carries links.
 pub fn transport_from_env() -> Result<(bool, OfiUse)> {
     let transport = var("MESHTRAIN_TRANSPORT").unwrap_or_else(|| "auto".into()).to_ascii_lowercase();
@@ -54,12 +54,13 @@ pub fn transport_from_env() -> Result<(bool, OfiUse)> {
         "tcp" => (true, OfiUse::Never),
         "shm" => (false, OfiUse::Never),
         "ofi" => (false, OfiUse::Always),
+        "shm+ofi" => (false, OfiUse::BetweenNodes),
         "auto" if ofi::fabric_nic_present() => (false, OfiUse::BetweenNodes),
         "auto" => (false, OfiUse::Never),
         _ => {
             return Err(Error::config(
                 "MESHTRAIN_TRANSPORT",
-                format!("{transport:?}: expected auto, shm, tcp or ofi (any case)"),
+                format!("{transport:?}: expected auto, shm, tcp, ofi or shm+ofi (any case)"),
             ))
         }
     })

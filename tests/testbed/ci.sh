@@ -12,6 +12,9 @@
 #   strangers     while a selftest runs, 4 KiB of random bytes go to every TCP port the ranks listen
 #                 on (meshtrain's own listener and the libfabric provider's): the selftest must still
 #                 pass bit-exact (a stray is rejected or ignored, never taken as data).
+#   shm+ofi       shm within a node and libfabric's shm provider between nodes: selftest on 4
+#                 ranks, and the emu device selftest, whose all-reduces run in three stages
+#                 (IPC within the nodes, FI_HMEM rings between them).
 # MT_TESTBED_TRANSPORTS (default "tcp ofi"; ofi runs the tcp;ofi_rxm provider on the data network) lists MESHTRAIN_TRANSPORT values to run the checks under;
 # MT_TESTBED_NP (default: 2 3 5 8 for ofi, 4 for tcp) the selftest rank counts.
 set -uo pipefail
@@ -40,7 +43,8 @@ job() {
 }
 
 selftest() {
-  local np=$1 name="selftest-$np-$TRANSPORT"
+  local np=$1
+  local name="selftest-$np-$TRANSPORT"
   DEADLINE_OF_JOB=60 job "$name" "$np" "$BIN" selftest --counts 0,1,13,4099 --large 300001
   if grep -q "selftest: $np ranks: 0 mismatches" "$LOG/$name" && grep -q "ranks on 2 node(s)" "$LOG/$name"; then
     ok "$name"
@@ -155,7 +159,31 @@ strangers() {
   fi
 }
 
+# device_hierarchical: the emu device selftest on 4 ranks (2 per node) over shm within a node and
+# libfabric's shm provider (FI_HMEM) between them: every non-empty all-reduce must run in three
+# stages (reduce-scatter over IPC within the node, all-reduce of each rank's half as an FI_HMEM
+# ring between the nodes, all-gather within), every other non-empty reduce-scatter, all-gather and
+# broadcast as a ring across the nodes, bit-exact. 7 types x 3 counts x 5 operators + 5 on the large
+# count = 110 three-stage all-reduces; 7 x 3 x 7 + 7 = 154 rings.
+device_hierarchical() {
+  local name="device-hierarchical"
+  DEADLINE_OF_JOB=60 job "$name" 4 -x RUST_LOG=info "$BIN" selftest --device emu --counts 0,1,13,4099 --large 300017
+  if grep -q "selftest: 4 ranks: 0 mismatches; .* 154 over FI_HMEM rings, 110 hierarchical" "$LOG/$name" &&
+    grep -q "device all-reduce: hierarchical over 2 nodes x 2 ranks" "$LOG/$name"; then
+    ok "$name"
+  else
+    bad "$name" "no clean three-stage device selftest" "$LOG/$name"
+  fi
+}
+
 bash $NETNS up 2 || exit 1
+# Mixed links: shared memory within a node, libfabric between nodes, over the shm provider, which
+# moves large messages only while both ends call into it (a rank waiting on a shared-memory link
+# must keep its endpoint progressing, or two ranks each waiting on the other's link kind hang).
+TRANSPORT=shm+ofi
+export MESHTRAIN_TRANSPORT=$TRANSPORT FI_PROVIDER=shm
+selftest 4
+device_hierarchical
 for TRANSPORT in ${MT_TESTBED_TRANSPORTS:-tcp ofi}; do
   export MESHTRAIN_TRANSPORT=$TRANSPORT FI_PROVIDER="tcp;ofi_rxm"
   # TCP's collectives are covered at 2..8 ranks on one node by `make test`; the testbed adds the

@@ -131,6 +131,8 @@ impl IpcState {
         pids.sort_unstable();
         let verdict = if let Some(r) = rows.iter().position(|r| r[0] != rows[0][0]) {
             Err(format!("rank {r} runs on another node than rank 0"))
+        } else if let Some(r) = (0..comm.size()).find(|&r| comm.node_of(r) != comm.node_of(0)) {
+            Err(format!("rank {r} runs on another host than rank 0 (another hostname)"))
         } else if let Some(r) = rows.iter().position(|r| r[2] != rows[0][2]) {
             Err(format!("rank {r} uses another device arm than rank 0"))
         } else if pids.windows(2).any(|w| w[0] == w[1]) {

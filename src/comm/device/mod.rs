@@ -1,6 +1,6 @@
 //! Collectives on device buffers ([`DeviceBuffer`] + [`Device`]) over a host [`Communicator`].
 //!
-//! Three paths carry them:
+//! Six paths carry them, tried in this order:
 //! - **Stream-ordered** ([`oneshot`], small calls between GPUs of one node, the tensor- and
 //!   sequence-parallel calls of every layer): each rank publishes its input into a workspace its
 //!   peers mapped once, signals a flag and waits for the peers' flags in kernels on its own
@@ -9,10 +9,17 @@
 //!   exchanged over the host communicator, and the GPU reduce kernels read peers' memory
 //!   directly; mappings are cached per (peer, allocation). Used when every rank of the
 //!   communicator runs on this node, in its own process, on a GPU whose buffers can be exported.
-//! - **Staged** ([`staged`], everything else: other nodes, the CPU arm, `MESHTRAIN_GPU_IPC=off`,
-//!   send/recv): chunks go through pinned host memory and the host collectives, double-buffered.
+//! - **Hierarchical** (`hier`, all-reduce over several nodes with the same number of ranks
+//!   each): reduce-scatter within the node, all-reduce of each rank's block between nodes,
+//!   all-gather within the node, each stage on its own best path.
+//! - **FI_HMEM rings** (`fabric_ring`, all-reduce, reduce-scatter, all-gather and broadcast when
+//!   every rank's ring links are libfabric links whose ends offer FI_HMEM): ring hops post the
+//!   device buffers themselves.
 //! - **Direct** (`direct`, send/recv over a libfabric link whose two ends offer FI_HMEM): the
 //!   device buffer is registered and posted itself; `MESHTRAIN_GPU_DIRECT=auto|on|off`.
+//! - **Staged** ([`staged`], everything else: the CPU arm, `MESHTRAIN_GPU_IPC=off` within a node,
+//!   links without FI_HMEM): chunks go through pinned host memory and the host collectives,
+//!   double-buffered.
 //!
 //! Environment (read by [`GpuCommConfig::from_env`], the same on every rank):
 //! `MESHTRAIN_GPU_IPC=auto|on|off` (`on` where IPC is impossible is an error; `off` also turns the
@@ -30,6 +37,7 @@
 mod direct;
 #[cfg(feature = "ofi")]
 mod fabric_ring;
+mod hier;
 pub mod ipc;
 pub mod oneshot;
 pub mod staged;
@@ -113,6 +121,7 @@ pub struct GpuCommState {
     staging: Option<Staging>,
     ipc: ipc::IpcState,
     oneshot: oneshot::OneShot,
+    hier: hier::HierState,
     /// Collective calls other than send/recv.
     calls: u64,
     #[cfg(feature = "ofi")]
@@ -127,6 +136,7 @@ impl GpuCommState {
             staging: None,
             ipc: ipc::IpcState::default(),
             oneshot: oneshot::OneShot::default(),
+            hier: hier::HierState::default(),
             calls: 0,
             #[cfg(feature = "ofi")]
             direct: direct::DirectState::default(),
@@ -153,7 +163,13 @@ impl GpuCommState {
     /// different collective), naming the rank, the peer and the calls. The training step runs it
     /// once per step before applying an update; results of calls after a failure are unusable.
     pub fn check(&mut self, comm: &Communicator, dev: &Device) -> Result<()> {
-        self.oneshot.check(comm, dev)
+        self.oneshot.check(comm, dev)?;
+        self.hier.check(dev)
+    }
+
+    /// All-reduces that ran in three stages across nodes (within, between, within) so far.
+    pub fn hierarchical_calls(&self) -> u64 {
+        self.hier.calls()
     }
 
     /// Collective calls that ran as FI_HMEM rings (device memory to device memory across links)
@@ -179,6 +195,7 @@ impl GpuCommState {
     /// allocation, nor may a new allocation inherit a registration. The stream-ordered
     /// workspaces are freed too (set up again by the next call).
     pub fn release_mappings(&mut self, comm: &Communicator, dev: &Device) -> Result<()> {
+        self.hier.release(dev)?;
         self.oneshot.release(comm, dev)?;
         self.ipc.release(dev)?;
         #[cfg(feature = "ofi")]
@@ -351,6 +368,10 @@ impl DeviceCollectives<'_> {
             return Ok(());
         }
         if self.state.ipc.try_call(&self.state.cfg, comm, dev, op, &mut bufs, n, dtype)? {
+            return Ok(());
+        }
+        let st = &mut *self.state;
+        if st.hier.try_all_reduce(&st.cfg, comm, dev, op, &mut bufs, n, dtype)? {
             return Ok(());
         }
         #[cfg(feature = "ofi")]

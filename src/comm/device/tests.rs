@@ -4,7 +4,7 @@
 
 use crate::comm::device::{GpuCommConfig, GpuCommState, GpuIpc};
 use crate::comm::selftest::{check_device_all, check_device_type};
-use crate::comm::testing::run_ranks;
+use crate::comm::testing::{run_ranks, run_ranks_on_nodes};
 use crate::comm::{CommConfig, DType, ReduceOp};
 use crate::device::Device;
 use crate::error::Error;
@@ -108,3 +108,26 @@ fn ipc_off_and_auto_agree_on_the_cpu_arm() {
 }
 
 use half::bf16;
+
+/// Every all-reduce on ranks spread evenly over several nodes runs in three stages (reduce-scatter
+/// within the node, all-reduce of the block between nodes, all-gather within), exact for every
+/// dtype and operator (`avg` divided once), with the scratch block growing from count to count;
+/// an uneven spread stays flat. In-process ranks share one process, so the stages themselves are
+/// staged here (IPC needs a process per rank; `tests/testbed/ci.sh` runs them over IPC and rings).
+#[test]
+fn all_reduce_across_nodes_runs_in_three_stages() {
+    for (k, nodes, three_stage) in [(4, 2, true), (6, 2, true), (6, 3, true), (5, 2, false), (3, 3, false)] {
+        let calls = run_ranks_on_nodes(k, nodes, CommConfig::default(), |c| {
+            let dev = Device::open(crate::config::DeviceKind::Emu, 0).unwrap();
+            let mut st = state(40);
+            let fails = check_device_all(&c, &dev, &mut st, &[0, 1, 13, 97], &ReduceOp::ALL).unwrap();
+            assert_eq!(fails, Vec::<String>::new());
+            st.check(&c, &dev).unwrap();
+            st.release_mappings(&c, &dev).unwrap();
+            st.hierarchical_calls()
+        });
+        // 7 dtypes x 3 non-empty counts x 5 operators.
+        let want = if three_stage { 7 * 3 * 5 } else { 0 };
+        assert!(calls.iter().all(|&n| n == want), "{k} ranks on {nodes} nodes: {calls:?}");
+    }
+}

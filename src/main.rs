@@ -152,7 +152,7 @@ struct SelftestArgs {
 struct BenchArgs {
     /// What to measure: a collective name, `all` (every collective), `step` (a training step of
     /// the model on CPU against its own GEMM rate), `checkpoint` (save/load bandwidth) or
-    /// `device` (the device all-reduce per path: stream-ordered, IPC, staged), `device-sendrecv`
+    /// `device` (a device collective per path: stream-ordered, IPC, FI_HMEM ring, staged), `device-sendrecv`
     /// (device buffers between members 0 and 1, direct or staged).
     what: String,
     /// `step`: named model size.
@@ -204,6 +204,9 @@ struct BenchArgs {
     /// Print CSV (header + one line per size).
     #[arg(long)]
     csv: bool,
+    /// `device`: the collective timed (all_reduce, all_gather, broadcast).
+    #[arg(long, default_value = "all_reduce")]
+    coll: String,
     /// `device`, `device-sendrecv`: device kind of the buffers (cuda, hip, emu, cpu; default cuda
     /// for `device`, emu for `device-sendrecv`).
     #[arg(long)]
@@ -454,6 +457,8 @@ fn with_world(f: impl FnOnce(&World) -> Result<()>) -> Result<()> {
 fn fail(e: &Error) -> ! {
     // One write, so that launchers that tag output by line keep the message whole.
     let _ = std::io::stderr().write_all(format!("meshtrain: error: {e}\n").as_bytes());
+    // The exit skips the libfabric endpoint's close, which would remove its shm region.
+    meshtrain::transport::ofi::remove_own_shm_regions();
     std::process::exit(e.exit_code());
 }
 
@@ -478,7 +483,8 @@ fn main() {
         Command::Bench(args) if args.what == "device" => with_world(|w| {
             let dev = Device::open(device_kind(args.device.as_deref().unwrap_or("cuda"))?, w.local_rank)?;
             let c = w.communicator()?;
-            meshtrain::bench::device::run(&c, &dev, args.min, args.max, args.factor, args.warmup, args.iters)
+            let what = meshtrain::bench::device::Timed::parse(&args.coll)?;
+            meshtrain::bench::device::run(&c, &dev, what, args.min, args.max, args.factor, args.warmup, args.iters)
         }),
         Command::Bench(args) if args.what == "device-sendrecv" => with_world(|w| bench_device_p2p(w, args)),
         Command::Bench(args) => with_world(|w| bench(w, args)),

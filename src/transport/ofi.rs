@@ -102,6 +102,22 @@ pub fn fabric_environment() -> Vec<String> {
     v
 }
 
+/// Removes `/dev/shm/<pid>:*`, the shared-memory regions libfabric's `shm` provider names after
+/// the process id (`<pid>:0:0` with 1.17). Before this process opens its endpoint, such a region
+/// can only be left by a dead process that had the same pid, and it makes `fi_enable` fail with
+/// "Device or resource busy"; when this process exits on an error without closing its endpoint,
+/// the region is its own (16 MiB of tmpfs each, otherwise never freed). Peers that mapped a
+/// region keep their mapping.
+pub fn remove_own_shm_regions() {
+    let prefix = format!("{}:", std::process::id());
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
+    for entry in dir.flatten() {
+        if entry.file_name().to_str().is_some_and(|n| n.starts_with(&prefix)) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
 #[cfg(feature = "ofi")]
 pub use imp::{fabric_nic_present, OfiNet};
 #[cfg(feature = "ofi")]
@@ -168,6 +184,7 @@ mod imp {
         fn endpoint(&self, local_rank: usize) -> Result<Arc<Endpoint>> {
             self.endpoint
                 .get_or_init(|| {
+                    remove_own_shm_regions();
                     let ep = Endpoint::open(self.provider.as_deref(), local_rank, self.gpu_direct != GpuDirect::Off).map_err(|e| e.to_string())?;
                     self.log_open(&ep);
                     let ep = Arc::new(ep);
@@ -528,5 +545,23 @@ mod stub {
         ) -> Result<(Box<dyn SendLink>, Box<dyn RecvLink>)> {
             Err(Error::NotCompiled("libfabric (cargo feature `ofi`)"))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Only regions named after this process go; another pid's stays.
+    #[test]
+    fn own_shm_regions_are_removed_and_no_others() {
+        let own = format!("/dev/shm/{}:0:7", std::process::id());
+        // A pid above the kernel's maximum (4194304) belongs to no process.
+        let other = "/dev/shm/4194399:0:7";
+        std::fs::write(&own, b"stale").unwrap();
+        std::fs::write(other, b"not ours").unwrap();
+        super::remove_own_shm_regions();
+        let (own_left, other_left) = (std::path::Path::new(&own).exists(), std::path::Path::new(other).exists());
+        std::fs::remove_file(other).unwrap();
+        assert!(!own_left, "{own} was left");
+        assert!(other_left, "{other} was removed");
     }
 }

@@ -228,6 +228,7 @@ pub struct Waiter {
 static ENDPOINT_PROGRESS: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>> = std::sync::OnceLock::new();
 
 /// Installs [`ENDPOINT_PROGRESS`] (the first call wins: one endpoint per process).
+#[cfg(feature = "ofi")]
 pub(crate) fn set_endpoint_progress(f: Box<dyn Fn() + Send + Sync>) {
     let _ = ENDPOINT_PROGRESS.set(f);
 }

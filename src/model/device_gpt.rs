@@ -11,13 +11,15 @@
 //! rounding that differs from the f32 reference is the bf16 rounding of GEMM inputs (relative
 //! 2^-9 per element), which is what the tolerances of the equivalence tests are derived from.
 //!
-//! Tensor parallelism (`device_tp.rs`): with a [`DeviceTp`] group the model holds the TP rank's
-//! shard of [`ShardLayout`] (the CPU shard executor's layout, so checkpoints, initialisation and
-//! the optimizer's span lists are shared with it) and runs the Megatron split of `stage.rs`, with
-//! or without sequence parallelism (`device_gpt/layers.rs`); without a group the layout is the
-//! whole model's (one shard).
+//! This is the one executor of every training layout on every device arm, the CPU's included;
+//! the single-rank [`super::Gpt`] exists only as the reference the tests compare it with.
 //!
-//! Pipeline parallelism: like the CPU [`super::Stage`], the model may be one pipeline stage
+//! Tensor parallelism (`device_tp.rs`): with a [`DeviceTp`] group the model holds the TP rank's
+//! shard of [`ShardLayout`] (the layout checkpoints, initialisation and the optimizer's span
+//! lists share) and runs the Megatron split, with or without sequence parallelism
+//! (`device_gpt/layers.rs`); without a group the layout is the whole model's (one shard).
+//!
+//! Pipeline parallelism: the model may be one pipeline stage
 //! ([`StageSpec`]: chunks of blocks, the embedding on the first stage, the head on the last) with
 //! one activation slot per micro-batch in flight ([`DeviceGpt::forward_stage`],
 //! [`DeviceGpt::backward_stage`]); hidden states enter and leave through host memory, where the
@@ -38,7 +40,6 @@ use super::device_acts::{ActDims, Scratch, SlotActs};
 use super::device_linear::Linear;
 use crate::device::ops_attention::AttnWork;
 use super::device_tp::DeviceTp;
-use super::stage::{StageInput, StageOutput};
 use super::tp_layout::{ShardLayout, StageSpec};
 use super::vocab_parallel::real_columns;
 use super::GptConfig;
@@ -123,6 +124,24 @@ pub struct DeviceGpt {
     shards: Option<ParamShards>,
     /// Gradients are freed once reduced and allocated again when written (ZeRO-2/3).
     release_grads: bool,
+}
+
+/// What a stage's forward consumes.
+#[derive(Debug, Clone, Copy)]
+pub enum StageInput<'a> {
+    /// Token ids (B, T), for the first stage (all rows, also with sequence parallelism).
+    Tokens(&'a [u32]),
+    /// The previous stage's output: (B*T/tp, C) rows with sequence parallelism, else (B*T, C).
+    Hidden(&'a [f32]),
+}
+
+/// What a stage's forward produces.
+#[derive(Debug, Clone, Copy)]
+pub enum StageOutput<'a> {
+    /// Hidden state for the next stage, shaped like [`StageInput::Hidden`].
+    Hidden(&'a [f32]),
+    /// Mean cross-entropy over the micro-batch (last stage; the same on every TP rank).
+    Loss(f32),
 }
 
 /// Receives a unit's final gradients (a flat range) during [`DeviceGpt::backward_reducing`].
@@ -473,7 +492,7 @@ impl DeviceGpt {
         self.chunks.len() == 1 && self.chunks[0].embeds && self.chunks[0].ends
     }
 
-    /// Runs chunk `chunk` on one micro-batch into `slot` (see [`super::Stage::forward`]): the
+    /// Runs chunk `chunk` on one micro-batch into `slot` : the
     /// embedding chunk takes tokens, the others the previous stage's hidden state (B*T, C); the
     /// model's last chunk takes `targets` and returns the mean loss, the others their output.
     pub fn forward_stage(
@@ -493,8 +512,7 @@ impl DeviceGpt {
         }
     }
 
-    /// Accumulates the gradients of `slot`'s micro-batch through chunk `chunk` (see
-    /// [`super::Stage::backward`]): `grad_output` is d(hidden output) (B*T, C), None on the
+    /// Accumulates the gradients of `slot`'s micro-batch through chunk `chunk` : `grad_output` is d(hidden output) (B*T, C), None on the
     /// model's last chunk. Returns d(hidden input) for the previous stage (None when embedding).
     pub fn backward_stage(&mut self, chunk: usize, slot: usize, grad_output: Option<&[f32]>) -> Result<Option<&[f32]>> {
         if let Some(g) = grad_output {

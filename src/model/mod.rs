@@ -28,28 +28,16 @@ pub mod layernorm;
 pub mod layout;
 pub mod linear;
 pub mod parallel;
-pub mod param_gate;
 pub mod residual;
 pub mod sample;
-pub mod stage;
-mod stage_buffers;
-mod stage_compute;
-#[cfg(test)]
-mod stage_tests;
-#[cfg(test)]
-mod device_tp_tests;
-pub mod tp_comm;
 pub mod tp_layout;
 pub mod vocab_parallel;
 
-pub use device_gpt::{DeviceGpt, Precision};
+pub use device_gpt::{DeviceGpt, Precision, StageInput, StageOutput};
 pub use device_tp::DeviceTp;
 pub use float::Float;
 pub use gpt::Gpt;
 pub use layout::{ParamEntry, ParamLayout, TpSplit};
-pub use param_gate::ParamGate;
-pub use stage::{Stage, StageInput, StageOutput};
-pub use tp_comm::{NoTp, TpComm};
 pub use tp_layout::{ShardEntry, ShardLayout, StageSpec};
 
 use crate::error::{Error, Result};

@@ -21,16 +21,13 @@
 //! clipping agrees everywhere.
 
 use std::ops::Range;
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use super::buckets::{plan_buckets, OverlapReducer, ReduceTiming, Reduction};
-use super::param_gather::ParamGather;
 use crate::comm::stats::CommStats;
-use crate::comm::{Communicator, ReduceOp};
+use crate::comm::Communicator;
 use crate::error::{Error, Result};
-use crate::memory::zero_release;
-use crate::optim::{clip_scale, scale_grads, sum_of_squares, AdamW, AdamWState};
+use crate::optim::AdamWState;
 
 /// How gradients and optimizer state are laid out across the data-parallel group.
 pub struct DataParallel {
@@ -83,20 +80,6 @@ impl DataParallel {
         self.zero >= 2
     }
 
-    /// The ZeRO-3 parameter gate over this layout's buckets and owned blocks, gathering on a
-    /// communicator of its own (collective over `dp`), its waited-nanoseconds counter, and the
-    /// traffic counters of its communicator.
-    pub fn param_gate(
-        &self,
-        dp: &Communicator,
-        units: &[Range<usize>],
-    ) -> Result<(ParamGather, Arc<AtomicU64>, Arc<CommStats>)> {
-        let comm = dp.split(Some(0), dp.rank() as i64)?.expect("every rank joins color 0");
-        let stats = comm.stats();
-        let (gate, waited) = ParamGather::new(comm, units, self.reducer.buckets().to_vec(), self.owned())?;
-        Ok((gate, waited, stats))
-    }
-
     /// Elements of optimizer state this rank holds (m and v each).
     pub fn state_len(&self) -> usize {
         self.states.iter().map(|s| s.m.len()).sum()
@@ -130,78 +113,5 @@ impl DataParallel {
     /// The flat ranges this rank updates.
     pub fn owned(&self) -> Vec<Range<usize>> {
         self.states.iter().map(|s| s.range()).collect()
-    }
-
-    /// Starts a step of `micro_batches` micro-batches.
-    pub fn begin(&mut self, micro_batches: usize) {
-        self.reducer.begin(micro_batches);
-    }
-
-    /// Hook for a reporting backward: the gradients `range` are final, with values `data` (the
-    /// model's buffer; ZeRO-2/3 zero it and give its pages back once staged).
-    pub fn on_final(&mut self, range: Range<usize>, data: &mut [f32]) {
-        self.reducer.on_final(range, data);
-        if self.zero >= 2 {
-            zero_release(data);
-        }
-    }
-
-    /// Finishes the reduction, clips by the global norm (`max_norm` 0 = off), applies AdamW at
-    /// learning rate `lr`, and leaves identical `params` on every data-parallel rank (ZeRO-3: the
-    /// owned blocks only). `counted` says which elements this rank counts in the norm; partial
-    /// norms are summed over `groups` (the tensor- and pipeline-parallel groups) and, with ZeRO,
-    /// over `dp`. `grads` is the model's buffer (read only at ZeRO-0). `apply` sees the global
-    /// norm before anything changes; `false` (the same on every rank) skips the update.
-    #[allow(clippy::too_many_arguments)]
-    pub fn step(
-        &mut self,
-        dp: &Communicator,
-        groups: &[&Communicator],
-        counted: &[(Range<usize>, bool)],
-        opt: &AdamW,
-        lr: f64,
-        max_norm: f64,
-        params: &mut [f32],
-        grads: &mut [f32],
-        apply: &mut dyn FnMut(f64) -> Result<bool>,
-    ) -> Result<StepOutcome> {
-        let timing = self.reducer.finish(grads)?;
-        let DataParallel { zero, reducer, states, .. } = self;
-        let sharded = *zero > 0;
-        let mut partial = 0.0f64;
-        for (b, s) in states.iter().enumerate() {
-            let owned = s.range();
-            let g = if sharded { reducer.shard_grads(b) } else { &mut grads[owned.clone()] };
-            for (span, _) in counted.iter().filter(|(_, c)| *c) {
-                let (lo, hi) = (owned.start.max(span.start), owned.end.min(span.end));
-                if lo < hi {
-                    partial += sum_of_squares(&g[lo - owned.start..hi - owned.start]);
-                }
-            }
-        }
-        let mut sq = [partial];
-        if sharded {
-            dp.all_reduce(&mut sq, ReduceOp::Sum)?;
-        }
-        for g in groups {
-            g.all_reduce(&mut sq, ReduceOp::Sum)?;
-        }
-        let grad_norm = sq[0].sqrt();
-        if !apply(grad_norm)? {
-            return Ok(StepOutcome { grad_norm, timing });
-        }
-        let scale = clip_scale(grad_norm, max_norm);
-        for (b, s) in states.iter_mut().enumerate() {
-            let r = s.range();
-            let g = if sharded { reducer.shard_grads(b) } else { &mut grads[r.clone()] };
-            scale_grads(g, scale);
-            opt.step(s, lr, &mut params[r], g)?;
-        }
-        if sharded && *zero < 3 {
-            for b in reducer.buckets().to_vec() {
-                dp.all_gather(&mut params[b])?;
-            }
-        }
-        Ok(StepOutcome { grad_norm, timing })
     }
 }

@@ -19,7 +19,6 @@ mod grad_sync;
 mod memory_estimate;
 mod memory_fit;
 mod nonfinite;
-mod param_gather;
 mod pipeline;
 mod replica;
 mod shutdown;
@@ -32,7 +31,7 @@ use std::time::{Duration, Instant};
 use crate::bootstrap::World;
 use crate::comm::stats::CommStats;
 use crate::comm::{Communicator, ReduceOp};
-use crate::config::{DeviceKind, JobConfig, Precision};
+use crate::config::JobConfig;
 use crate::data::{open_source, Batch, Sampler, Split};
 use crate::error::Result;
 use crate::memory::{peak_rss_bytes, reset_peak_rss, rss_bytes};
@@ -41,7 +40,7 @@ use crate::device::{bind_cpu_threads, cpu_peak_tflops, Device};
 use crate::parallel::grid::{Grid, GridShape};
 use crate::parallel::schedule::Schedule;
 use crate::parallel::stage_split;
-use crate::optim::{AdamW, AdamWConfig, DecayMask, LrSchedule};
+use crate::optim::{AdamWConfig, LrSchedule};
 
 use device_step::DeviceStep;
 use nonfinite::{NonFiniteGuard, Verdict};
@@ -67,11 +66,6 @@ pub struct TrainReport {
     pub tokens_per_s: f64,
 }
 
-/// Whether the job trains the device model (a GPU, or bf16 numerics on the CPU).
-fn uses_device_model(cfg: &JobConfig) -> bool {
-    cfg.device != DeviceKind::Cpu || cfg.precision != Precision::Fp32
-}
-
 /// Mean validation loss over `batches` micro-batches on every rank, averaged over the group.
 fn evaluate(model: &mut Replica, batch: &mut Batch, sampler: &mut Sampler, batches: usize, dp: &Communicator) -> Result<f64> {
     let mut sum = 0.0f64;
@@ -80,9 +74,7 @@ fn evaluate(model: &mut Replica, batch: &mut Batch, sampler: &mut Sampler, batch
         sum += model.eval(batch)?;
     }
     // The evaluation's stream-ordered TP calls are checked like a step's.
-    if let Some(m) = model.device_model_mut() {
-        m.check_collectives()?;
-    }
+    model.model_mut().check_collectives()?;
     let mut mean = [sum / batches.max(1) as f64];
     dp.all_reduce(&mut mean, ReduceOp::Avg)?;
     Ok(mean[0])
@@ -96,12 +88,8 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     let world_comm = world.communicator()?;
     config_agree::check(&world_comm, cfg)?;
     memory_fit::check(&world_comm, cfg, world.local_size)?;
-    let device_model = uses_device_model(cfg);
     cfg.validate_world(world.size)?;
-    let device = match device_model {
-        true => Some((Device::open(cfg.device, world.local_rank)?, cfg.precision)),
-        false => None,
-    };
+    let device = (Device::open(cfg.device, world.local_rank)?, cfg.precision);
     let leader = world.rank == 0;
     bind_cpu_threads(world.local_size);
     // What the process holds before the model exists (binary, libraries, MPI): the baseline of
@@ -148,8 +136,6 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         schedule,
         microbatches: cfg.parallel.microbatches,
         stage_layers,
-        // The device model shards its optimizer state itself (`device_zero.rs`).
-        shard_executor: cfg.parallel.zero >= 2 && !device_model,
         device,
     };
     let zero = cfg.parallel.zero;
@@ -162,28 +148,16 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     if dp.size() > 1 {
         traffic.push(("dp_buckets", sync.bucket_stats()));
     }
-    // Each rank initialises only its part of the model; a ZeRO-3 rank only its owned shard (the
-    // device model its whole host mirror, from which its device keeps the owned blocks).
+    // Each rank initialises its part of the model (its host copy; at ZeRO-3 its device keeps the
+    // owned blocks of it and gathers the units on a communicator of its own, so the gathers and
+    // the gradient reductions interleave).
     let owned = sync.owned();
-    model.initialize(&cfg.model, cfg.train.seed, (zero == 3).then_some(&owned[..]))?;
-    let gather_wait = if let (3, Some(m)) = (zero, model.device_model_mut()) {
-        // The device model keeps its blocks of the parameters on its device and gathers units
-        // on its own communicator (ZeRO-3's gathers and the gradient reductions interleave).
+    model.initialize(&cfg.model, cfg.train.seed)?;
+    if zero == 3 {
         let gathers = dp.split(Some(0), dp.rank() as i64)?.expect("every rank joins");
-        m.shard_params(gathers, sync.bucket_ranges(), &owned)?;
-        Arc::new(AtomicU64::new(0))
-    } else if zero == 3 {
-        let (gate, waited, stats) = sync.param_gate(&dp, &units)?;
-        if dp.size() > 1 {
-            traffic.push(("dp_params", stats));
-        }
-        model.set_param_gate(Box::new(gate))?;
-        model.release_gathered()?;
-        waited
-    } else {
-        Arc::new(AtomicU64::new(0))
-    };
-    let passes = if zero == 3 { model.gather_passes() } else { Vec::new() };
+        model.model_mut().shard_params(gathers, sync.bucket_ranges(), &owned)?;
+    }
+    let gather_wait = Arc::new(AtomicU64::new(0));
     let estimate = MemoryEstimate::new(&MemoryInputs {
         zero,
         n,
@@ -192,7 +166,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         buckets: sync.bucket_ranges(),
         units: &units,
         wte: model.wte(),
-        passes: &passes,
+        passes: &[],
         activations: model.activation_elements(),
     });
     if leader {
@@ -217,11 +191,9 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         eps: cfg.optim.eps,
         weight_decay: cfg.optim.weight_decay,
     };
-    let opt = AdamW::new(adamw, DecayMask::from_spans(model.decay_spans()));
     let maps = model.tensor_maps();
     if let Some(path) = &cfg.init_from {
         checkpointing::init_from(path, cfg, &maps, model.params_mut())?;
-        model.release_gathered()?;
     }
     let sched = LrSchedule::new(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.steps)?;
     let vocab = cfg.model.vocab_size;
@@ -252,7 +224,6 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     }
     if let Some(path) = resume_from {
         let r = checkpointing::restore(&path, cfg, &maps, model.params_mut(), &mut sync)?;
-        model.release_gathered()?;
         sampler.restore(r.sampler)?;
         (first_step, tokens_seen) = (r.step + 1, r.tokens_seen);
         if leader {
@@ -262,8 +233,8 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
 
     let peak = match (cfg.metrics.peak_tflops, model.device()) {
         (Some(p), _) => Some(p),
-        (None, None | Some(Device::Cpu)) => Some(cpu_peak_tflops(world.local_size)),
-        (None, Some(dev)) => dev.peak_tflops(cfg.precision),
+        (None, Device::Cpu) => Some(cpu_peak_tflops(world.local_size)),
+        (None, dev) => dev.peak_tflops(cfg.precision),
     };
     let flops = FlopCounter::new(&cfg.model, t, peak, world.size);
     let mut writer = match (&opts.metrics, leader) {
@@ -281,19 +252,17 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     // the peak covers the whole run.
     let peak_is_steps = reset_peak_rss().is_ok();
     let every_backward = sync.reduces_every_backward();
-    // The device model steps on its device (ZeRO 1-3: on its shard of the state); from here on
-    // its device weights and moments are the training state (stored back into the host copies
-    // before each checkpoint).
-    let mut device_step = match model.device_model_mut() {
-        Some(m) => {
-            let mut s = DeviceStep::new(m, &sync, m.layout().decay_spans(), &norm_spans, adamw)?;
-            s.load(m, &sync)?;
-            if leader {
-                println!("# device optimizer state per rank (ZeRO {zero}): {:.2} MB", s.device_bytes() as f64 / 1e6);
-            }
-            Some(s)
+    // The model steps on its device (ZeRO 1-3: on its shard of the state); from here on its
+    // device weights and moments are the training state (stored back into the host copies before
+    // each checkpoint).
+    let mut device_step = {
+        let m = model.model_mut();
+        let mut s = DeviceStep::new(m, &sync, m.layout().decay_spans(), &norm_spans, adamw)?;
+        s.load(m, &sync)?;
+        if leader {
+            println!("# device optimizer state per rank (ZeRO {zero}): {:.2} MB", s.device_bytes() as f64 / 1e6);
         }
-        None => None,
+        s
     };
 
     let mut last_step = first_step - 1;
@@ -307,21 +276,17 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         if !every_backward {
             model.zero_grad()?;
         }
-        if device_step.is_none() {
-            sync.begin(accum);
-        }
         for batch in batches.iter_mut() {
             sampler.next_batch(batch)?;
         }
         // The last backward (ZeRO-2/3: every backward) communicates, overlapped bucket by bucket
         // (the device step: after the backward, on the device).
         let round = model.round();
-        let mut device_events = |e: DeviceEvent| match (device_step.as_mut(), e) {
-            (Some(s), DeviceEvent::UnitFinal(m, unit)) => s.reduce_unit(m, &dp, accum, unit),
-            (Some(s), DeviceEvent::BackwardDone(m)) => s.after_backward(m, &dp, (accum, round)),
-            (None, _) => Ok(()),
+        let mut device_events = |e: DeviceEvent| match e {
+            DeviceEvent::UnitFinal(m, unit) => device_step.reduce_unit(m, &dp, accum, unit),
+            DeviceEvent::BackwardDone(m) => device_step.after_backward(m, &dp, (accum, round)),
         };
-        let loss_mean = model.run(&batches, every_backward, &mut |r, g| sync.on_final(r, g), &mut device_events)?;
+        let loss_mean = model.run(&batches, every_backward, &mut device_events)?;
         let loss_mean = guard.local_loss(step, world.rank, loss_mean);
         let lr = sched.lr(step - 1);
         // Every rank applies or skips the update alike (`nonfinite.rs`), before anything changes.
@@ -330,17 +295,10 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             verdict = guard.decide(&world_comm, step, loss_mean, norm)?;
             Ok(verdict == Verdict::Apply)
         };
-        let outcome = match (&mut device_step, model.device_model_mut()) {
-            (Some(s), Some(m)) => s.step(m, &dp, &norm_groups, accum, lr, cfg.optim.grad_clip, &mut apply)?,
-            _ => {
-                let (params, grads) = model.params_and_grads();
-                sync.step(&dp, &norm_groups, &norm_spans, &opt, lr, cfg.optim.grad_clip, params, grads, &mut apply)?
-            }
-        };
+        let outcome = device_step.step(model.model_mut(), &dp, &norm_groups, accum, lr, cfg.optim.grad_clip, &mut apply)?;
         if let Verdict::Skip(why) = &verdict {
             progress.println(&format!("# step {step}: {why}"));
         }
-        model.release_gathered()?;
         let param_wait = Duration::from_nanos(gather_wait.swap(0, Ordering::Relaxed));
         let mut loss = [loss_mean];
         dp.all_reduce(&mut loss, ReduceOp::Avg)?;
@@ -411,9 +369,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         let due = step == cfg.train.steps || cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0;
         if let (Some(dir), true) = (&cfg.checkpoint.dir, stopping || due) {
             let state = sampler.state();
-            if let (Some(s), Some(m)) = (&device_step, model.device_model_mut()) {
-                s.store(m, &mut sync)?;
-            }
+            device_step.store(model.model_mut(), &mut sync)?;
             let dir =
                 checkpointing::save(dir, &world_comm, &dp, cfg, adamw, &maps, model.params(), &sync, step, tokens_seen, state)?;
             progress.println(&format!("# checkpoint {}", dir.display()));
@@ -430,13 +386,10 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             break;
         }
     }
-    if let (Some(s), Some(m)) = (&mut device_step, model.device_model_mut()) {
-        s.finish(m, &dp)?;
-    }
-    if let Some(m) = model.device_model_mut() {
-        m.release_param_shards()?;
-        m.release_collectives()?;
-    }
+    device_step.finish(model.model(), &dp)?;
+    let m = model.model_mut();
+    m.release_param_shards()?;
+    m.release_collectives()?;
     progress.finish();
     report.tokens_per_s = if timed_s > 0.0 { tokens_per_step * timed_steps as f64 / timed_s } else { 0.0 };
     if leader {

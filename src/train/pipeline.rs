@@ -3,9 +3,9 @@
 //! action list that [`crate::parallel::schedule::actions`] gives for (schedule, rank, stages,
 //! micro-batches), moving activations and their gradients with point-to-point calls on the
 //! pipeline communicator. Chunk `c` of pipeline rank `r` is global stage `c * p + r`; the global
-//! stages' block ranges come from [`crate::parallel::stage_split`]. The stage runs on the CPU shard
-//! executor ([`Stage`]) or as the device model ([`DeviceGpt`]: a GPU, or bf16 numerics on the
-//! CPU); either way hidden states and their gradients cross between stages as host buffers.
+//! stages' block ranges come from [`crate::parallel::stage_split`]. The stage runs on the shard
+//! executor ([`DeviceGpt`], on any device arm); hidden states and their gradients cross between
+//! stages as host buffers.
 //!
 //! Invariants: every rank reads the same micro-batches (the first stage needs the tokens, the last
 //! the targets); micro-batch `mb` lives in one activation slot of each chunk from its forward to
@@ -25,51 +25,12 @@ use crate::data::Batch;
 use crate::error::{Error, Result};
 use crate::config::Precision;
 use crate::device::Device;
-use crate::model::{DeviceGpt, DeviceTp, GptConfig, ShardLayout, Stage, StageInput, StageOutput, StageSpec};
+use crate::model::{DeviceGpt, DeviceTp, GptConfig, ShardLayout, StageInput, StageOutput, StageSpec};
 use crate::parallel::schedule::{actions, simulate_ranks, Action, Delivery, Schedule};
-
-/// What runs a pipeline rank's chunks.
-pub enum StageExec {
-    /// The CPU shard executor, with its tensor-parallel communicator.
-    Host { stage: Box<Stage>, tp: Box<Communicator> },
-    /// The device model (its TP group inside).
-    Device(Box<DeviceGpt>),
-}
-
-impl StageExec {
-    fn forward(&mut self, chunk: usize, slot: usize, input: StageInput<'_>, targets: Option<&[u32]>) -> Result<StageOutput<'_>> {
-        match self {
-            StageExec::Host { stage, tp } => stage.forward(chunk, slot, input, targets, &**tp),
-            StageExec::Device(m) => m.forward_stage(chunk, slot, input, targets),
-        }
-    }
-
-    fn backward(&mut self, chunk: usize, slot: usize, grad_output: Option<&[f32]>) -> Result<Option<&[f32]>> {
-        match self {
-            StageExec::Host { stage, tp } => stage.backward(chunk, slot, grad_output, &**tp, &mut |_, _| {}),
-            StageExec::Device(m) => m.backward_stage(chunk, slot, grad_output),
-        }
-    }
-
-    /// The parameter layout of this rank's shard.
-    pub fn layout(&self) -> &ShardLayout {
-        match self {
-            StageExec::Host { stage, .. } => stage.layout(),
-            StageExec::Device(m) => m.layout(),
-        }
-    }
-
-    fn hidden_len(&self) -> usize {
-        match self {
-            StageExec::Host { stage, .. } => stage.hidden_len(),
-            StageExec::Device(m) => m.hidden_len(),
-        }
-    }
-}
 
 /// One pipeline rank of one tensor-parallel rank, with its message buffers.
 pub struct Pipeline {
-    exec: StageExec,
+    exec: Box<DeviceGpt>,
     spec: StageSpec,
     tp_rank: usize,
     pp: Communicator,
@@ -116,9 +77,9 @@ impl StepTiming {
 }
 
 impl Pipeline {
-    /// Pipeline rank `pp.rank()` of `pp.size()` for `cfg`, with zero parameters; `stages` are the
-    /// block ranges of all `pp.size() * schedule.chunks()` global stages. With `device`, the
-    /// stage is the device model on that device in that precision.
+    /// Pipeline rank `pp.rank()` of `pp.size()` for `cfg` on `dev` in `precision`, with zero
+    /// parameters; `stages` are the block ranges of all `pp.size() * schedule.chunks()` global
+    /// stages.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         cfg: GptConfig,
@@ -130,7 +91,7 @@ impl Pipeline {
         schedule: Schedule,
         microbatches: usize,
         stages: &[Range<usize>],
-        device: Option<(Device, Precision)>,
+        (dev, precision): (Device, Precision),
     ) -> Result<Self> {
         let (r, p, v) = (pp.rank(), pp.size(), schedule.chunks());
         if stages.len() != p * v {
@@ -147,18 +108,10 @@ impl Pipeline {
             last: r + 1 == p,
         };
         let tp_rank = tp.rank();
-        let exec = match device {
-            None => {
-                let stage = Stage::new(cfg, tp.rank(), tp.size(), spec.clone(), sequence_parallel, b, t, slots)?;
-                StageExec::Host { stage: Box::new(stage), tp: Box::new(tp) }
-            }
-            Some((dev, precision)) => {
-                let group = if tp.size() > 1 { Some(DeviceTp::new(tp)?) } else { None };
-                let n = ShardLayout::new(&cfg, tp_rank, group.as_ref().map_or(1, DeviceTp::size), &spec)?.total_len();
-                let m = DeviceGpt::stage(dev, cfg, (b, t), vec![0f32; n], precision, (group, sequence_parallel), spec.clone(), slots)?;
-                StageExec::Device(Box::new(m))
-            }
-        };
+        let group = if tp.size() > 1 { Some(DeviceTp::new(tp)?) } else { None };
+        let n = ShardLayout::new(&cfg, tp_rank, group.as_ref().map_or(1, DeviceTp::size), &spec)?.total_len();
+        let exec =
+            Box::new(DeviceGpt::stage(dev, cfg, (b, t), vec![0f32; n], precision, (group, sequence_parallel), spec.clone(), slots)?);
         let ends = r == 0 || r + 1 == p;
         let tied = if p > 1 { pp.split(ends.then_some(0), r as i64)? } else { None };
         let rows = exec.hidden_len();
@@ -186,13 +139,13 @@ impl Pipeline {
         self.microbatches
     }
 
-    /// What runs the stage.
-    pub fn exec(&self) -> &StageExec {
+    /// The stage's model.
+    pub fn exec(&self) -> &DeviceGpt {
         &self.exec
     }
 
-    /// What runs the stage, mutable.
-    pub fn exec_mut(&mut self) -> &mut StageExec {
+    /// The stage's model, mutable.
+    pub fn exec_mut(&mut self) -> &mut DeviceGpt {
         &mut self.exec
     }
 
@@ -238,7 +191,7 @@ impl Pipeline {
                         StageInput::Hidden(&act_in[k])
                     };
                     let targets = spec.ends(chunk).then_some(&batches[mb].targets[..]);
-                    match exec.forward(chunk, slot[k], input, targets)? {
+                    match exec.forward_stage(chunk, slot[k], input, targets)? {
                         StageOutput::Loss(l) => loss += f64::from(l),
                         StageOutput::Hidden(h) => act_out[k].copy_from_slice(h),
                     }
@@ -253,7 +206,7 @@ impl Pipeline {
                 Action::Backward { mb, chunk } => {
                     let k = mb * v + chunk;
                     let go = if spec.ends(chunk) { None } else { Some(&grad_in[k][..]) };
-                    if let Some(d) = exec.backward(chunk, slot[k], go)? {
+                    if let Some(d) = exec.backward_stage(chunk, slot[k], go)? {
                         grad_out[k].copy_from_slice(d);
                     }
                     bwd += t0.elapsed();
@@ -311,24 +264,12 @@ impl Pipeline {
         ])
     }
 
-    /// Sums the tied embedding's gradient between the first and the last stage, then hands the
-    /// gradients to `on_final(0..n, grads)` (the device model: if it reports to the host).
-    pub fn report_grads(&mut self, on_final: &mut dyn FnMut(Range<usize>, &mut [f32])) -> Result<()> {
-        match (&mut self.exec, &self.tied) {
-            (StageExec::Host { stage, .. }, tied) => {
-                if let (Some(tied), Some(wte)) = (tied, stage.layout().wte()) {
-                    tied.all_reduce(&mut stage.grads_mut()[wte], ReduceOp::Sum)?;
-                }
-                let g = stage.grads_mut();
-                on_final(0..g.len(), g);
-                Ok(())
-            }
-            (StageExec::Device(m), tied) => {
-                if let Some(tied) = tied {
-                    m.sum_tied_grads(tied)?;
-                }
-                m.report_grads(on_final)
-            }
+    /// Sums the tied embedding's gradient between the first and the last stage (once the round's
+    /// backwards are done, before the data-parallel reduction reads it).
+    pub fn sum_tied_grads(&mut self) -> Result<()> {
+        match &self.tied {
+            Some(tied) => self.exec.sum_tied_grads(tied),
+            None => Ok(()),
         }
     }
 
@@ -347,7 +288,7 @@ impl Pipeline {
             }
             let input =
                 if g == 0 { StageInput::Tokens(&batch.inputs) } else { StageInput::Hidden(&act_in[chunk]) };
-            match exec.forward(chunk, 0, input, (g == last).then_some(&batch.targets[..]))? {
+            match exec.forward_stage(chunk, 0, input, (g == last).then_some(&batch.targets[..]))? {
                 StageOutput::Loss(l) => loss[0] = f64::from(l),
                 StageOutput::Hidden(h) => act_out[chunk].copy_from_slice(h),
             }

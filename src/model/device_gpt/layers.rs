@@ -10,8 +10,7 @@
 //! row-parallel sums become reduce-scatters, d(residual) is all-gathered before the row-parallel
 //! backward, and the replicated tensors' gradients of each micro-batch are computed into scratch,
 //! summed over TP in one all-reduce and only then added to the accumulated gradients (summing the
-//! accumulated buffer would multiply earlier micro-batches by tp). This is the CPU stage's
-//! placement (`stage_compute.rs`), so both give the same values.
+//! accumulated buffer would multiply earlier micro-batches by tp).
 
 use super::{pair, DeviceGpt, Widths};
 use crate::device::{ops_attention, ops_vocab};

@@ -418,6 +418,11 @@ impl DeviceGpt {
     /// Whether [`DeviceGpt::report_grads`] brings the gradients to the host mirror (default on).
     pub fn set_host_reports(&mut self, on: bool) {
         self.host_reports = on;
+        // Without reports nothing reads the host gradients: give their memory back.
+        match on {
+            true => self.host_grads.resize(self.host_params.len(), 0.0),
+            false => self.host_grads = Vec::new(),
+        }
     }
 
     /// Brings the flat parameters `flat` (P, on this device) into the host mirror without marking

@@ -134,11 +134,6 @@ impl OverlapReducer {
         red
     }
 
-    /// The buckets, in readiness order.
-    pub fn buckets(&self) -> &[Range<usize>] {
-        &self.buckets
-    }
-
     /// The part of bucket `b` this rank owns (all of it with [`Reduction::AllReduce`]).
     pub fn shard(&self, b: usize) -> Range<usize> {
         let r = self.buckets[b].clone();
@@ -318,7 +313,8 @@ mod tests {
                 let n = 1000;
                 let thread_comm = c.split(Some(0), c.rank() as i64).unwrap().unwrap();
                 // Two units; small buckets so that more than MAX_STAGED are in play.
-                let mut red = OverlapReducer::new(thread_comm, plan_buckets(&[0..380, 380..n], 64), reduction);
+                let buckets = plan_buckets(&[0..380, 380..n], 64);
+                let mut red = OverlapReducer::new(thread_comm, buckets.clone(), reduction);
                 let mut g = vec![0f32; n];
                 // Two steps: the second must not see anything of the first (reused staging,
                 // shard accumulators).
@@ -333,7 +329,7 @@ mod tests {
                     }
                     red.finish(&mut g).unwrap();
                 }
-                (0..red.buckets().len())
+                (0..buckets.len())
                     .map(|b| {
                         let own = red.shard(b);
                         let v = if reduction == Reduction::AllReduce {

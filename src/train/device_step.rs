@@ -1,30 +1,43 @@
-//! The optimizer step of the device model on its device. At ZeRO 0 the gradients are packed into
-//! one flat buffer, averaged over the data-parallel group by the device collectives
-//! (`comm::device`: peers' GPU memory mapped over IPC within a node, staged through pinned host
-//! memory otherwise; a CPU device reduces its host buffers), clipped by their global norm (under
+//! The training step after the backward, on every device arm: data-parallel gradient
+//! reduction, the global-norm clip and AdamW, for ZeRO 0-3.
+//!
+//! The reduction is bucketed ([`DataParallel`]'s buckets) and where it runs is chosen once, here,
+//! by the memory the model's buffers live in:
+//! - host memory (the `cpu` arm): the backward hands each unit's gradients over as soon as they
+//!   are final (a pipeline stage: its whole buffer after the round), they are staged into
+//!   buckets and every full bucket is reduced on a communication thread with a communicator of
+//!   its own while the backward goes on ([`OverlapReducer`]); the step waits only for what is left;
+//! - device memory (cuda, hip, emu): the device collectives (`comm::device`: peers' memory mapped
+//!   within a node, stream-ordered small calls, libfabric rings or staging between nodes): at ZeRO
+//!   0 and 1 once after the last backward, at ZeRO 2 after every backward, unit by unit during
+//!   the backward of a whole model that frees its reduced gradients (ZeRO-2/3).
+//!
+//! At ZeRO 0 the reduced gradients are one flat buffer, clipped by their global norm (under
 //! tensor parallelism the squares of the elements this rank counts, summed over the TP group: a
-//! replicated tensor is counted once), AdamW runs on the flat f32 master weights, and the updated
-//! weights are copied back into the model's tensors. At ZeRO 1 and 2 the master weights, moments
-//! and reduced gradients are this rank's shard only, reduce-scattered and all-gathered bucket by
-//! bucket ([`super::device_zero`]). Nothing crosses to the host but the norm's block sums, so a
-//! GPU step is not bound by PCIe or by host memory bandwidth the way a host-mirror step is.
+//! replicated tensor is counted once), AdamW runs on the flat f32 master weights and the updated
+//! weights are copied back into the model's tensors. At ZeRO 1 to 3 the master weights, moments
+//! and reduced gradients are this rank's shard only ([`super::device_zero`]).
 //!
 //! Invariants: the flat buffers follow the layout table (an entry is an offset range); the
 //! device master weights and moments are the truth during training, the host copies (the model's
 //! mirror, [`DataParallel`]'s AdamW states) are refreshed by [`DeviceStep::store`] before a
-//! checkpoint and loaded by [`DeviceStep::load`] after initialisation or resume. The arithmetic is
-//! the host step's (same AdamW coefficients and expression, same clip scale): on the CPU device
-//! element for element (ZeRO 0: except the order in which the norm's squares add); on a GPU the
-//! compiler may also fuse multiply-adds, so results agree to rounding, not bit for bit.
+//! checkpoint and loaded by [`DeviceStep::load`] after initialisation or resume. The norm's
+//! squares are added per (bucket, counted span), in bucket order, so the CPU arm's norm is the
+//! same number whichever path reduced. On a GPU the compiler may fuse multiply-adds and the
+//! norm's block sums differ, so results agree with the CPU's to rounding, not bit for bit.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use super::buckets::ReduceTiming;
+use std::sync::Arc;
+
+use super::buckets::{OverlapReducer, ReduceTiming, Reduction};
 use super::device_zero::DeviceShards;
 use super::grad_sync::{DataParallel, StepOutcome};
 use crate::comm::device::{GpuCommConfig, GpuCommState};
+use crate::comm::stats::CommStats;
 use crate::comm::{Communicator, DType, ReduceOp};
+use crate::device::Device;
 use crate::device::ipc::alloc_shareable;
 use crate::device::ops::{self, AdamWBuffers, SUM_BLOCKS};
 use crate::device::DeviceBuffer;
@@ -47,7 +60,8 @@ struct WholeBuffers {
     v: DeviceBuffer,      // (P) second moments
     /// (range, decay) segments of the flat buffer.
     decay: Vec<(Range<usize>, bool)>,
-    /// Ranges whose squares this rank adds to the global norm (maximal runs).
+    /// Ranges whose squares this rank adds to the global norm: (bucket ∩ counted span), in
+    /// bucket order.
     counted: Vec<Range<usize>>,
     n: usize,
 }
@@ -61,20 +75,34 @@ pub struct DeviceStep {
     step: u64,
     /// The data-parallel gradient reduction on device buffers (IPC within a node, staged across).
     coll: GpuCommState,
+    /// Host-memory arms: the bucket reducer overlapping the backward, and its traffic counters.
+    overlap: Option<(OverlapReducer, Arc<CommStats>)>,
+    /// ZeRO-2/3: every backward's gradients are reduced (not only the step's last).
+    every_backward: bool,
 }
 
 impl DeviceStep {
-    /// Buffers for `model`'s parameters laid out as `sync` shards them (ZeRO 0: whole; ZeRO 1/2:
-    /// `sync`'s blocks of its buckets), with weight decay on the `decay` segments, counting the
-    /// `(range, counted)` spans `norm` in the gradient norm.
+    /// Buffers for `model`'s parameters laid out as `sync` shards them over `dp` (ZeRO 0: whole;
+    /// ZeRO 1-3: `sync`'s blocks of its buckets), with weight decay on the `decay` segments,
+    /// counting the `(range, counted)` spans `norm` in the gradient norm. Collective over `dp`
+    /// (a host-memory arm's reducer thread gets a communicator of its own).
     pub fn new(
         model: &DeviceGpt,
         sync: &DataParallel,
-        decay: Vec<(Range<usize>, bool)>,
-        norm: &[(Range<usize>, bool)],
+        dp: &Communicator,
+        (decay, norm): (Vec<(Range<usize>, bool)>, &[(Range<usize>, bool)]),
         config: AdamWConfig,
     ) -> Result<Self> {
         let dev = model.device();
+        let overlap = match dev {
+            Device::Cpu => {
+                let comm = dp.split(Some(0), dp.rank() as i64)?.expect("every rank joins color 0");
+                let stats = comm.stats();
+                let reduction = if sync.zero == 0 { Reduction::AllReduce } else { Reduction::ReduceScatter };
+                Some((OverlapReducer::new(comm, sync.bucket_ranges().to_vec(), reduction), stats))
+            }
+            _ => None,
+        };
         let state = match sync.zero {
             0 => {
                 let n = model.params().len();
@@ -85,7 +113,7 @@ impl DeviceStep {
                     m: flat()?,
                     v: flat()?,
                     decay,
-                    counted: counted_runs(norm),
+                    counted: bucket_spans(sync.bucket_ranges(), norm),
                     n,
                 })
             }
@@ -98,7 +126,27 @@ impl DeviceStep {
             config,
             step: 0,
             coll: GpuCommState::new(GpuCommConfig::from_env()?),
+            overlap,
+            every_backward: sync.reduces_every_backward(),
         })
+    }
+
+    /// Traffic counters of the overlapping reducer's communicator (host-memory arms).
+    pub fn bucket_stats(&self) -> Option<Arc<CommStats>> {
+        self.overlap.as_ref().map(|(_, s)| s.clone())
+    }
+
+    /// Whether a whole model's reporting backward should hand each unit's gradients to
+    /// [`DeviceStep::reduce_unit`] as they become final.
+    pub fn wants_units(&self, model: &DeviceGpt) -> bool {
+        model.releases_grads() || self.overlap.is_some() && model.is_whole()
+    }
+
+    /// Starts a step of `micro_batches` micro-batches (their gradients are averaged).
+    pub fn begin(&mut self, micro_batches: usize) {
+        if let Some((r, _)) = &mut self.overlap {
+            r.begin(micro_batches);
+        }
     }
 
     /// Device bytes of the optimizer state and its staging buffers.
@@ -159,9 +207,21 @@ impl DeviceStep {
 
     /// Runs after each backward (a pipeline: each reporting round) of a step of
     /// `(micro_batches, covered)`: `covered` of the step's micro-batches are in the model's
-    /// gradients; ZeRO-2 reduces them over `dp` into the shards there (and zeroes the model's
-    /// gradients).
+    /// gradients. A pipeline stage's gradients are final here: the host reducer stages them (at
+    /// ZeRO-2/3 then zeroes the model's); on device memory ZeRO-2 reduces them over `dp` into the
+    /// shards (and zeroes the model's gradients).
     pub fn after_backward(&mut self, model: &mut DeviceGpt, dp: &Communicator, batches: (usize, usize)) -> Result<()> {
+        if let Some((r, _)) = &mut self.overlap {
+            // A whole model handed its units over during the backward.
+            if !model.is_whole() {
+                let n = model.params().len();
+                model.host_grads_in(0..n, &mut |range, g| r.on_final(range, g))?;
+                if self.every_backward {
+                    model.zero_grad()?;
+                }
+            }
+            return Ok(());
+        }
         match &mut self.state {
             State::Sharded(s) => s.after_backward(model, dp, &mut self.coll, batches),
             State::Whole(_) => Ok(()),
@@ -169,8 +229,12 @@ impl DeviceStep {
     }
 
     /// During a backward that hands each unit's gradients over as they become final
-    /// ([`DeviceGpt::backward_reducing`], ZeRO-2/3 on a whole model): reduces the unit `unit`.
+    /// ([`DeviceGpt::backward_reducing`]): reduces the unit `unit` (host memory: stages it and
+    /// launches its complete buckets; device memory, ZeRO-2/3: reduce-scatters its buckets).
     pub fn reduce_unit(&mut self, model: &DeviceGpt, dp: &Communicator, micro_batches: usize, unit: Range<usize>) -> Result<()> {
+        if let Some((r, _)) = &mut self.overlap {
+            return model.host_grads_in(unit, &mut |range, g| r.on_final(range, g));
+        }
         match &mut self.state {
             State::Sharded(s) if s.per_unit() => s.reduce_unit(model, dp, &mut self.coll, micro_batches, unit),
             _ => Err(Error::Check("a unit's gradients reached a device step that reduces them whole".into())),
@@ -195,11 +259,27 @@ impl DeviceStep {
     ) -> Result<StepOutcome> {
         // The step's stream-ordered TP calls are only checked here: before anything is applied.
         model.check_collectives()?;
-        let (mut sq, comm) = match &mut self.state {
-            State::Whole(w) => w.reduce_and_square(model, dp, &mut self.coll, &mut self.partials, micro_batches)?,
-            State::Sharded(s) => s.reduce_and_square(model, dp, &mut self.coll, &mut self.partials, micro_batches)?,
+        let (mut sq, timing) = match (&mut self.overlap, &mut self.state) {
+            (Some((r, _)), State::Whole(w)) => {
+                let timing = r.finish(ops::host_mut("reduced gradients", &mut w.grads)?.view_mut::<f32>(w.n))?;
+                (w.square(model.device(), &mut self.partials)?, timing)
+            }
+            (Some((r, _)), State::Sharded(s)) => {
+                let timing = r.finish(&mut [])?;
+                s.take_reduced(model, r)?;
+                (s.square(model, dp, &mut self.partials)?, timing)
+            }
+            (None, State::Whole(w)) => {
+                let comm = w.reduce(model, dp, &mut self.coll, micro_batches)?;
+                // The reduction runs after the backward, so all of it is exposed.
+                (w.square(model.device(), &mut self.partials)?, ReduceTiming { comm, exposed: comm })
+            }
+            (None, State::Sharded(s)) => {
+                let comm = s.reduce_all(model, dp, &mut self.coll, micro_batches)?;
+                (s.square(model, dp, &mut self.partials)?, ReduceTiming { comm, exposed: comm })
+            }
         };
-        if self.step == 0 && dp.size() > 1 {
+        if self.step == 0 && dp.size() > 1 && self.overlap.is_none() {
             let (ipc, calls) = self.coll.path_counts();
             let path = if ipc == calls { "mapped peer memory (IPC)" } else { "staging through host memory" };
             log::info!("data-parallel gradient reduction over {} ranks: {path}", dp.size());
@@ -211,8 +291,6 @@ impl DeviceStep {
         }
         self.coll.check(dp, model.device())?;
         let grad_norm = sq.sqrt();
-        // The reduction runs after the backward, so all of it is exposed.
-        let timing = ReduceTiming { comm, exposed: comm };
         if !apply(grad_norm)? {
             return Ok(StepOutcome { grad_norm, timing });
         }
@@ -227,16 +305,9 @@ impl DeviceStep {
 }
 
 impl WholeBuffers {
-    /// Packs the gradients, averages them over the micro-batches and `dp`, and returns this
-    /// rank's sum of squares of the counted elements and the reduction time.
-    fn reduce_and_square(
-        &mut self,
-        model: &DeviceGpt,
-        dp: &Communicator,
-        coll: &mut GpuCommState,
-        partials: &mut DeviceBuffer,
-        micro_batches: usize,
-    ) -> Result<(f64, Duration)> {
+    /// Packs the gradients and averages them over the micro-batches and `dp` with the device
+    /// collectives; returns the reduction time.
+    fn reduce(&mut self, model: &DeviceGpt, dp: &Communicator, coll: &mut GpuCommState, micro_batches: usize) -> Result<Duration> {
         model.pack_grads(&mut self.grads)?;
         let dev = model.device();
         if micro_batches > 1 {
@@ -249,12 +320,16 @@ impl WholeBuffers {
         if dp.size() > 1 {
             coll.bind(dp, dev).all_reduce(&mut self.grads, self.n, DType::F32, ReduceOp::Avg)?;
         }
-        let comm = t0.elapsed();
+        Ok(t0.elapsed())
+    }
+
+    /// This rank's sum of squares of the counted elements of the reduced gradients.
+    fn square(&self, dev: &Device, partials: &mut DeviceBuffer) -> Result<f64> {
         let mut sq = 0.0f64;
         for r in &self.counted {
             sq += ops::sum_squares(dev, partials, &self.grads, r.start, r.len())?;
         }
-        Ok((sq, comm))
+        Ok(sq)
     }
 
     /// Clips by `scale`, applies AdamW step `step` at `lr` and sets the model's tensors.
@@ -271,17 +346,19 @@ impl WholeBuffers {
     }
 }
 
-/// The counted ranges of `(range, counted)` spans, adjacent ones merged (one range on a rank that
-/// counts everything, so the norm adds up as over the whole buffer).
-fn counted_runs(spans: &[(Range<usize>, bool)]) -> Vec<Range<usize>> {
-    let mut runs: Vec<Range<usize>> = Vec::new();
-    for (r, _) in spans.iter().filter(|(_, c)| *c) {
-        match runs.last_mut() {
-            Some(last) if last.end == r.start => last.end = r.end,
-            _ => runs.push(r.clone()),
+/// The counted parts of `(range, counted)` spans cut at the bucket boundaries, in bucket order
+/// (each bucket's parts in span order).
+fn bucket_spans(buckets: &[Range<usize>], spans: &[(Range<usize>, bool)]) -> Vec<Range<usize>> {
+    let mut out = Vec::new();
+    for b in buckets {
+        for (r, _) in spans.iter().filter(|(_, c)| *c) {
+            let (lo, hi) = (b.start.max(r.start), b.end.min(r.end));
+            if lo < hi {
+                out.push(lo..hi);
+            }
         }
     }
-    runs
+    out
 }
 
 /// The flat moments and the step count of `sync`'s states (ZeRO 0: they cover every element).

@@ -30,6 +30,7 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
+use super::buckets::OverlapReducer;
 use super::grad_sync::DataParallel;
 use crate::comm::device::GpuCommState;
 use crate::comm::{Communicator, DType, ReduceOp};
@@ -247,22 +248,33 @@ impl DeviceShards {
         Ok(())
     }
 
-    /// Finishes the step's reduction (ZeRO-1: the only one) and returns this rank's sum of the
-    /// squares of its counted shard elements, summed over `dp`, and the reduction time.
-    pub fn reduce_and_square(
-        &mut self,
-        model: &DeviceGpt,
-        dp: &Communicator,
-        coll: &mut GpuCommState,
-        partials: &mut DeviceBuffer,
-        micro_batches: usize,
-    ) -> Result<(f64, Duration)> {
+    /// Finishes the step's reduction on the device (ZeRO-1: the only one) and returns the time
+    /// spent in it this step.
+    pub fn reduce_all(&mut self, model: &DeviceGpt, dp: &Communicator, coll: &mut GpuCommState, micro_batches: usize) -> Result<Duration> {
         if !self.every_backward {
             self.reduce(model, dp, coll, micro_batches, micro_batches)?;
         }
         if self.reduced != micro_batches || self.shards.iter().any(|s| s.fresh) {
             return Err(Error::Check(format!("{} micro-batches reduced in a step of {micro_batches}, or a bucket never", self.reduced)));
         }
+        self.reduced = 0;
+        for s in &mut self.shards {
+            s.fresh = true;
+        }
+        Ok(std::mem::take(&mut self.comm))
+    }
+
+    /// Takes the step's reduced gradient shards from the host reducer (which reduced them while
+    /// the backward ran), bucket by bucket.
+    pub fn take_reduced(&mut self, model: &DeviceGpt, reducer: &mut OverlapReducer) -> Result<()> {
+        for (k, s) in self.shards.iter_mut().enumerate() {
+            model.device().copy_to_device(&mut s.grads, reducer.shard_grads(k))?;
+        }
+        Ok(())
+    }
+
+    /// This rank's sum of the squares of its counted shard elements, summed over `dp`.
+    pub fn square(&self, model: &DeviceGpt, dp: &Communicator, partials: &mut DeviceBuffer) -> Result<f64> {
         let dev = model.device();
         let mut sq = [0.0f64];
         for s in &self.shards {
@@ -271,12 +283,7 @@ impl DeviceShards {
             }
         }
         dp.all_reduce(&mut sq, ReduceOp::Sum)?;
-        let comm = std::mem::take(&mut self.comm);
-        self.reduced = 0;
-        for s in &mut self.shards {
-            s.fresh = true;
-        }
-        Ok((sq[0], comm))
+        Ok(sq[0])
     }
 
     /// Scales the shards' gradients by `scale`, applies AdamW step `step` at `lr`, and gathers the
@@ -320,13 +327,14 @@ impl DeviceShards {
 
 #[cfg(test)]
 mod tests {
+    use super::super::buckets::{OverlapReducer, Reduction};
     use super::super::device_step::DeviceStep;
     use super::*;
     use crate::comm::testing::run_ranks;
     use crate::comm::CommConfig;
     use crate::device::Device;
     use crate::model::{Gpt, GptConfig, Precision};
-    use crate::optim::{AdamW, DecayMask};
+    use crate::optim::{clip_scale, scale_grads, sum_of_squares, AdamW, AdamWState, DecayMask};
 
     const B: usize = 2;
     const T: usize = 16;
@@ -336,14 +344,46 @@ mod tests {
         (0..B * T).map(|i| ((i * 7 + rank * 13 + k * 5 + step * 31) % 256) as u32).collect()
     }
 
-    /// Three bf16 steps of two micro-batches on each of two ranks, once through the host-mirror
-    /// step ([`DataParallel::step`] on the device model's host copies, as the device model ran at
-    /// ZeRO 1 before the device shards) and once through the device shards: the parameters,
-    /// moments, step counts and gradient norms are bit for bit the same on the CPU device, with
-    /// clipping active and buckets that cut tensors apart; at ZeRO 2 the model hands each unit's
-    /// gradients to the step as soon as they are final and frees them.
+    /// The reference optimizer step on host slices, written out: the reducer's averaged shards,
+    /// the norm's squares per (bucket shard, counted span) summed over `dp`, the clip factor,
+    /// AdamW per shard and the buckets all-gathered. Returns the pre-clip norm.
+    fn reference_step(
+        red: &mut OverlapReducer,
+        (states, buckets): (&mut [AdamWState<f32>], &[Range<usize>]),
+        dp: &Communicator,
+        (opt, lr, max_norm): (&AdamW, f64, f64),
+        params: &mut [f32],
+    ) -> f64 {
+        red.finish(&mut []).unwrap();
+        let mut sq = [0.0f64];
+        for (b, s) in states.iter().enumerate() {
+            let own = s.range();
+            sq[0] += sum_of_squares(red.shard_grads(b));
+            debug_assert_eq!(own.len(), red.shard_grads(b).len());
+        }
+        dp.all_reduce(&mut sq, ReduceOp::Sum).unwrap();
+        let norm = sq[0].sqrt();
+        let scale = clip_scale(norm, max_norm);
+        for (b, s) in states.iter_mut().enumerate() {
+            let g = red.shard_grads(b);
+            scale_grads(g, scale);
+            let r = s.range();
+            opt.step(s, lr, &mut params[r], g).unwrap();
+        }
+        for b in buckets {
+            dp.all_gather(&mut params[b.clone()]).unwrap();
+        }
+        norm
+    }
+
+    /// Three bf16 steps of two micro-batches on each of two ranks, once through a reference step
+    /// written out on host slices over the model's reported gradients ([`reference_step`]) and
+    /// once through the device step with its sharded state: the parameters, moments, step counts
+    /// and gradient norms are bit for bit the same on the CPU device, with clipping active and
+    /// buckets that cut tensors apart; at ZeRO 2 the model hands each unit's gradients to the
+    /// step as soon as they are final and frees them.
     #[test]
-    fn device_shards_step_exactly_as_the_host_mirror_step() {
+    fn device_shards_step_exactly_as_the_reference_step() {
         for zero in [1u8, 2] {
             let results = run_ranks(2, CommConfig::default(), move |c| {
                 let cfg = GptConfig::named("tiny").unwrap();
@@ -358,38 +398,43 @@ mod tests {
                 // The model's units, as the trainer plans buckets (inside them: ZeRO-2 reduces unit by
                 // unit during the backward).
                 let (bucket, units) = (5000, dev.units());
-                let mut host_sync = DataParallel::new(&c, &units, zero, bucket).unwrap();
-                let mut dev_sync = DataParallel::new(&c, &units, zero, bucket).unwrap();
+                let mut host_sync = DataParallel::new((c.rank(), c.size()), &units, zero, bucket).unwrap();
+                let mut dev_sync = DataParallel::new((c.rank(), c.size()), &units, zero, bucket).unwrap();
                 assert!(dev_sync.buckets() > 3);
-                let mut step = DeviceStep::new(&dev, &dev_sync, decay, &norm, adamw).unwrap();
+                let buckets = host_sync.bucket_ranges().to_vec();
+                let red_comm = c.split(Some(0), c.rank() as i64).unwrap().unwrap();
+                let mut red = OverlapReducer::new(red_comm, buckets.clone(), Reduction::ReduceScatter);
+                let mut step = DeviceStep::new(&dev, &dev_sync, &c, (decay, &norm), adamw).unwrap();
                 step.load(&mut dev, &dev_sync).unwrap();
                 let (accum, lr, max_norm) = (2, 1e-3, 0.5);
                 for s in 0..3 {
                     host.zero_grad().unwrap();
                     dev.zero_grad().unwrap();
-                    host_sync.begin(accum);
+                    red.begin(accum);
+                    step.begin(accum);
                     for k in 0..accum {
                         let tokens = batch(s, c.rank(), k);
                         host.forward(&tokens, &tokens).unwrap();
                         let report = zero == 2 || k + 1 == accum;
-                        host.backward(report, &mut |r, g| host_sync.on_final(r, g)).unwrap();
+                        host.backward(report, &mut |r, g| red.on_final(r, g)).unwrap();
                         if zero == 2 {
                             host.zero_grad().unwrap();
                         }
                         dev.forward(&tokens, &tokens).unwrap();
-                        if zero == 2 {
-                            // Each unit reduced as soon as its gradients are final, then freed.
+                        if report {
+                            // Each unit handed over as soon as its gradients are final (ZeRO-2: then freed).
                             dev.backward_reducing(&mut |m, unit| step.reduce_unit(m, &c, accum, unit)).unwrap();
                         } else {
-                            dev.backward(true, &mut |_, _| panic!("the device step reads the device gradients")).unwrap();
+                            dev.backward(false, &mut |_, _| panic!("the device step reads the device gradients")).unwrap();
                         }
                         step.after_backward(&mut dev, &c, (accum, 1)).unwrap();
                     }
-                    let (params, grads) = host.params_and_grads();
-                    let want = host_sync.step(&c, &[], &norm, &opt, lr, max_norm, params, grads, &mut |_| Ok(true)).unwrap();
+                    let mut params = host.params().to_vec();
+                    let want = reference_step(&mut red, (host_sync.states_mut(), &buckets), &c, (&opt, lr, max_norm), &mut params);
+                    host.params_and_grads().0.copy_from_slice(&params);
                     let got = step.step(&mut dev, &c, &[], accum, lr, max_norm, &mut |_| Ok(true)).unwrap();
-                    assert!(want.grad_norm > max_norm, "clipping is exercised");
-                    assert_eq!(got.grad_norm.to_bits(), want.grad_norm.to_bits(), "ZeRO {zero} step {s}");
+                    assert!(want > max_norm, "clipping is exercised");
+                    assert_eq!(got.grad_norm.to_bits(), want.to_bits(), "ZeRO {zero} step {s}");
                 }
                 step.store(&mut dev, &mut dev_sync).unwrap();
                 let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());

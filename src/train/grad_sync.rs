@@ -1,5 +1,4 @@
-//! Data-parallel gradient synchronisation and the optimizer step, for ZeRO stages 0-3, all with
-//! bucketed reduction overlapped with the backward pass ([`super::buckets`]):
+//! How the data-parallel group shares gradients and optimizer state, for ZeRO stages 0-3:
 //!
 //! | stage | gradients reduced by | resident per rank (fp32, Ψ parameters, N ranks)         |
 //! |-------|----------------------|----------------------------------------------------------|
@@ -8,24 +7,20 @@
 //! | 2     | reduce-scatter each micro-batch | params 4Ψ, grads 4Ψ/N shard, AdamW 8Ψ/N     |
 //! | 3     | reduce-scatter each micro-batch | params 4Ψ/N, grads 4Ψ/N shard, AdamW 8Ψ/N   |
 //!
-//! plus working buffers (staging buckets, the units being computed, see `memory_estimate.rs`).
-//! With ZeRO >= 1 a rank's shard is block `dp_rank` of every bucket (an offset range per bucket):
-//! its AdamW state and its reduced gradients cover exactly those ranges. ZeRO-1/2 all-gather the
-//! updated parameters bucket by bucket; ZeRO-2/3 give a gradient range's pages back as soon as it
-//! is staged (the model's flat gradient buffer is then mostly unbacked); ZeRO-3 keeps only the
-//! owned blocks of the parameters and gathers the rest unit by unit ([`super::param_gather`]).
+//! The flat gradient buffer is cut into buckets ([`super::buckets::plan_buckets`]); with ZeRO >= 1
+//! a rank's shard is block `dp_rank` of every bucket (an offset range per bucket): its AdamW state
+//! and its reduced gradients cover exactly those ranges. The step that reduces, clips and updates
+//! is [`super::device_step::DeviceStep`], on every device arm; this type is only the plan and the
+//! host copy of the optimizer state that checkpoints read and write.
 //!
-//! Invariants: after [`DataParallel::step`] every data-parallel rank holds bit-identical
-//! parameters (ZeRO-3: bit-identical blocks, identical gathers); the optimizer sees the mean
-//! gradient over ranks and micro-batches; the global gradient norm is the same on every rank, so
-//! clipping agrees everywhere.
+//! Invariants: buckets are disjoint, contiguous, cover the buffer and never straddle a unit at
+//! ZeRO >= 2 (units are reduced as they become final, and ZeRO-3 gathers by bucket); every rank
+//! of the group plans the same buckets; the states' ranges are the owned blocks, in bucket order.
 
 use std::ops::Range;
-use std::sync::Arc;
 
-use super::buckets::{plan_buckets, OverlapReducer, ReduceTiming, Reduction};
-use crate::comm::stats::CommStats;
-use crate::comm::Communicator;
+use super::buckets::{plan_buckets, ReduceTiming};
+use crate::comm::block_range;
 use crate::error::{Error, Result};
 use crate::optim::AdamWState;
 
@@ -33,9 +28,8 @@ use crate::optim::AdamWState;
 pub struct DataParallel {
     /// ZeRO stage (0-3, see the module documentation).
     pub zero: u8,
-    reducer: OverlapReducer,
-    /// Traffic of the reduction thread's communicator.
-    bucket_stats: Arc<CommStats>,
+    /// Gradient buckets, in readiness order (last elements first).
+    buckets: Vec<Range<usize>>,
     /// One AdamW state per bucket, covering that bucket's owned range.
     states: Vec<AdamWState<f32>>,
 }
@@ -50,28 +44,29 @@ pub struct StepOutcome {
 
 impl DataParallel {
     /// Layout for the parameters `units` (contiguous ranges partitioning the flat buffer, in
-    /// order) on `dp`'s ranks at ZeRO `zero` with buckets of `bucket_elems` gradients. Collective
-    /// over `dp` (it makes the communication thread's own communicator).
-    pub fn new(dp: &Communicator, units: &[Range<usize>], zero: u8, bucket_elems: usize) -> Result<Self> {
+    /// order) on rank `dp_rank` of `dp_size` at ZeRO `zero`, with buckets of `bucket_elems`
+    /// gradients.
+    pub fn new((dp_rank, dp_size): (usize, usize), units: &[Range<usize>], zero: u8, bucket_elems: usize) -> Result<Self> {
         if zero > 3 {
             return Err(Error::config("parallel.zero", format!("{zero} is not a ZeRO stage (0-3)")));
         }
-        let thread_comm = dp.split(Some(0), dp.rank() as i64)?.expect("every rank joins color 0");
-        let bucket_stats = thread_comm.stats();
         let n = units.last().map_or(0, |u| u.end);
-        // ZeRO-3 gathers parameters bucket by bucket and the device model at ZeRO-2/3 reduces
-        // gradients unit by unit as they become final, so those buckets must not straddle units.
         let whole = 0..n;
         let buckets = if zero >= 2 { plan_buckets(units, bucket_elems) } else { plan_buckets(std::slice::from_ref(&whole), bucket_elems) };
-        let reduction = if zero == 0 { Reduction::AllReduce } else { Reduction::ReduceScatter };
-        let reducer = OverlapReducer::new(thread_comm, buckets, reduction);
-        let states = (0..reducer.buckets().len())
+        let states = buckets
+            .iter()
             .map(|b| {
-                let r = reducer.shard(b);
-                AdamWState::new(r.start, r.len())
+                let own = match zero {
+                    0 => b.clone(),
+                    _ => {
+                        let blk = block_range(b.len(), dp_size, dp_rank);
+                        b.start + blk.start..b.start + blk.end
+                    }
+                };
+                AdamWState::new(own.start, own.len())
             })
             .collect();
-        Ok(DataParallel { zero, reducer, bucket_stats, states })
+        Ok(DataParallel { zero, buckets, states })
     }
 
     /// Whether every backward reports its gradients (ZeRO-2/3 reduce each micro-batch so that
@@ -85,11 +80,6 @@ impl DataParallel {
         self.states.iter().map(|s| s.m.len()).sum()
     }
 
-    /// Traffic counters of the gradient-bucket communicator.
-    pub fn bucket_stats(&self) -> Arc<CommStats> {
-        self.bucket_stats.clone()
-    }
-
     /// Number of gradient buckets.
     pub fn buckets(&self) -> usize {
         self.states.len()
@@ -97,7 +87,7 @@ impl DataParallel {
 
     /// The gradient buckets, in readiness order.
     pub fn bucket_ranges(&self) -> &[Range<usize>] {
-        self.reducer.buckets()
+        &self.buckets
     }
 
     /// AdamW states, one per bucket (covering this rank's part of it).

@@ -144,10 +144,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     let norm_spans = model.norm_spans();
     let units = model.units();
     let bucket_elems = ((cfg.parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1);
-    let mut sync = DataParallel::new(&dp, &units, zero, bucket_elems)?;
-    if dp.size() > 1 {
-        traffic.push(("dp_buckets", sync.bucket_stats()));
-    }
+    let mut sync = DataParallel::new((dp.rank(), dp.size()), &units, zero, bucket_elems)?;
     // Each rank initialises its part of the model (its host copy; at ZeRO-3 its device keeps the
     // owned blocks of it and gathers the units on a communicator of its own, so the gathers and
     // the gradient reductions interleave).
@@ -257,13 +254,16 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     // each checkpoint).
     let mut device_step = {
         let m = model.model_mut();
-        let mut s = DeviceStep::new(m, &sync, m.layout().decay_spans(), &norm_spans, adamw)?;
+        let mut s = DeviceStep::new(m, &sync, &dp, (m.layout().decay_spans(), &norm_spans), adamw)?;
         s.load(m, &sync)?;
         if leader {
             println!("# device optimizer state per rank (ZeRO {zero}): {:.2} MB", s.device_bytes() as f64 / 1e6);
         }
         s
     };
+    if let (Some(stats), true) = (device_step.bucket_stats(), dp.size() > 1) {
+        traffic.push(("dp_buckets", stats));
+    }
 
     let mut last_step = first_step - 1;
     let mut guard = NonFiniteGuard::new(&cfg.train);
@@ -279,6 +279,8 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         for batch in batches.iter_mut() {
             sampler.next_batch(batch)?;
         }
+        device_step.begin(accum);
+        let units_wanted = device_step.wants_units(model.model());
         // The last backward (ZeRO-2/3: every backward) communicates, overlapped bucket by bucket
         // (the device step: after the backward, on the device).
         let round = model.round();
@@ -286,7 +288,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             DeviceEvent::UnitFinal(m, unit) => device_step.reduce_unit(m, &dp, accum, unit),
             DeviceEvent::BackwardDone(m) => device_step.after_backward(m, &dp, (accum, round)),
         };
-        let loss_mean = model.run(&batches, every_backward, &mut device_events)?;
+        let loss_mean = model.run(&batches, (every_backward, units_wanted), &mut device_events)?;
         let loss_mean = guard.local_loss(step, world.rank, loss_mean);
         let lr = sched.lr(step - 1);
         // Every rank applies or skips the update alike (`nonfinite.rs`), before anything changes.

@@ -136,14 +136,15 @@ impl Replica {
         }
     }
 
-    /// Forward and backward of every batch, adding into the gradients. `device` hears when a
-    /// backward is done (in each one with `every_backward`, else in the last; a pipeline once per
-    /// reporting round, after the tied embedding's gradient is summed) or, when the model frees
-    /// reduced gradients, each unit as it becomes final. Returns the mean loss.
+    /// Forward and backward of every batch, adding into the gradients. Reporting backwards are
+    /// every one with `every_backward`, else the last (a pipeline: reporting rounds). `device`
+    /// hears when a backward is done (a pipeline: after each reporting round, once the tied
+    /// embedding's gradient is summed) and, with `units` (a whole model), each unit as its
+    /// gradients become final in a reporting backward. Returns the mean loss.
     pub fn run(
         &mut self,
         batches: &[Batch],
-        every_backward: bool,
+        (every_backward, units): (bool, bool),
         device: &mut dyn FnMut(DeviceEvent) -> Result<()>,
     ) -> Result<f64> {
         let mut sum = 0.0;
@@ -160,9 +161,10 @@ impl Replica {
             return Ok(sum / batches.len() as f64);
         }
         let m = self.model_mut();
-        for b in batches {
+        for (i, b) in batches.iter().enumerate() {
             sum += m.forward(&b.inputs, &b.targets)?;
-            if m.releases_grads() {
+            let reporting = every_backward || i + 1 == batches.len();
+            if m.releases_grads() || units && reporting {
                 m.backward_reducing(&mut |m, unit| device(DeviceEvent::UnitFinal(m, unit)))?;
             } else {
                 m.backward(false, &mut |_, _| {})?;

@@ -54,6 +54,21 @@ pub(super) enum Use {
 }
 
 impl DeviceGpt {
+    /// Hands the gradients of the flat range `r` to `f(range, values)`, one piece per layout
+    /// entry, as host slices: on arms whose buffers are host memory (the CPU, emu), without a
+    /// copy. Other arms are an error naming the arm.
+    pub fn host_grads_in(&self, r: Range<usize>, f: &mut dyn FnMut(Range<usize>, &[f32])) -> Result<()> {
+        for (i, p) in entry_parts(&self.layout, r) {
+            let e = &self.layout.entries()[i];
+            if self.grads[i].len() < e.len * 4 {
+                return Err(Error::Check(format!("the gradients of `{}` were handed over after being freed", e.name)));
+            }
+            let g = ops::host("host_grads_in", &self.grads[i])?.view::<f32>(e.len);
+            f(p.clone(), &g[p.start - e.offset..p.end - e.offset]);
+        }
+        Ok(())
+    }
+
     /// Copies the device gradients of the flat range `r` into `dst` (`r.len()` elements from 0).
     pub fn pack_grads_range(&self, r: Range<usize>, dst: &mut DeviceBuffer) -> Result<()> {
         for (i, p) in entry_parts(&self.layout, r.clone()) {

@@ -17,6 +17,7 @@ pub mod comm;
 pub mod config;
 pub mod data;
 pub mod device;
+pub mod dtype;
 pub mod error;
 pub mod memory;
 pub mod metrics;

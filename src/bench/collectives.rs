@@ -15,7 +15,7 @@ use half::{bf16, f16};
 use mpi::collective::SystemOperation;
 use mpi::traits::{CommunicatorCollectives, Root};
 
-use crate::comm::dtype::{exact_input, exact_result};
+use crate::dtype::{exact_input, exact_result};
 pub use crate::comm::stats::bus_factor;
 use crate::comm::{block_range, Communicator, DType, Element, ReduceOp};
 use crate::error::{Error, Result};

@@ -28,7 +28,7 @@ use crate::comm::algo::read;
 use crate::comm::algo::ring::{self, RingShape};
 use crate::comm::block_range;
 use crate::comm::config::{Algo, Cma, CommConfig};
-use crate::comm::dtype::{DType, Element, ReduceOp, Reducer};
+use crate::dtype::{DType, Element, ReduceOp, Reducer};
 use crate::comm::fingerprint::{self, LinkPrints, OpKind, OpPrint};
 use crate::comm::flight;
 use crate::comm::primitives::{Pipe, Rx, Tx};

@@ -15,7 +15,6 @@ pub mod algo;
 pub mod communicator;
 pub mod config;
 pub mod device;
-pub mod dtype;
 pub mod fingerprint;
 pub mod flight;
 pub mod primitives;
@@ -31,7 +30,9 @@ use std::ops::Range;
 
 pub use communicator::Communicator;
 pub use config::{Algo, Cma, CommConfig};
-pub use dtype::{DType, Element, ReduceOp};
+// The element types moved to the crate-root leaf [`crate::dtype`]; re-exported here so that code
+// written against `comm::{DType, ReduceOp, ...}` keeps compiling.
+pub use crate::dtype::{self, DType, Element, ReduceOp};
 
 /// Element range of block `i` when `n` elements are cut into `k` near-equal contiguous blocks.
 pub fn block_range(n: usize, k: usize, i: usize) -> Range<usize> {

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::{Communicator, Print, Sched};
-use crate::comm::dtype::DType;
+use crate::dtype::DType;
 use crate::comm::fingerprint::{OpKind, OpPrint};
 use crate::error::Result;
 use crate::transport::Waiter;

@@ -18,6 +18,7 @@ pub mod config;
 pub mod data;
 pub mod device;
 pub mod dtype;
+pub mod env;
 pub mod error;
 pub mod memory;
 pub mod metrics;

@@ -50,18 +50,6 @@ pub struct CollBench {
     pub csv: bool,
 }
 
-/// Parses `4K`, `64M`, `1G`, `512` (binary multiples) into bytes.
-pub fn parse_size(s: &str) -> std::result::Result<usize, String> {
-    let t = s.trim();
-    let (num, mult) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
-        Some('K') => (&t[..t.len() - 1], 1usize << 10),
-        Some('M') => (&t[..t.len() - 1], 1 << 20),
-        Some('G') => (&t[..t.len() - 1], 1 << 30),
-        _ => (t, 1),
-    };
-    num.parse::<usize>().map(|n| n * mult).map_err(|_| format!("`{s}` is not a size like 4K, 64M or 1G"))
-}
-
 /// One result row.
 #[derive(Debug, Clone)]
 pub struct Row {
@@ -390,15 +378,6 @@ pub fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_parse_with_binary_suffixes() {
-        assert_eq!(parse_size("4K"), Ok(4096));
-        assert_eq!(parse_size("64m"), Ok(64 << 20));
-        assert_eq!(parse_size("1G"), Ok(1 << 30));
-        assert_eq!(parse_size("100"), Ok(100));
-        assert!(parse_size("4X").is_err());
-    }
 
     #[test]
     fn bus_factors_match_nccl_tests() {

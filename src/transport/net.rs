@@ -30,10 +30,11 @@ use super::accept::Acceptor;
 use super::accept::MAX_HANDSHAKES;
 use super::handshake::{self, Request};
 use super::shm::{self, PeerWatch, Segment};
-use super::ofi::{self, OfiNet, OfiUse};
-use super::select::{self, parse_size, GpuDirect};
+use super::ofi::{OfiNet, OfiUse};
+use super::select::{self, GpuDirect};
 use super::tcp::{self, tcp_link};
 use super::{AbortState, Connector, Link, LinkKind, PeerMemory, Waiter};
+use crate::env;
 use crate::error::{Error, Result};
 
 /// Tags with this bit are used by [`Connector::connect`]; raw streams use the tags below it.
@@ -95,19 +96,14 @@ impl NetConfig {
     /// libfabric provider, `MESHTRAIN_SHM_CHUNK`, `MESHTRAIN_SHM_DEPTH`,
     /// `MESHTRAIN_TCP_CHUNK` and `MESHTRAIN_TCP_DEPTH` (sizes accept a K/M/G suffix).
     pub fn with_env(mut self) -> Result<NetConfig> {
-        let var = |key: &str| std::env::var(key).ok().filter(|v| !v.is_empty());
         (self.force_tcp, self.ofi) = select::transport_from_env()?;
         self.gpu_direct = select::gpu_direct_from_env(self.ofi)?;
-        self.ofi_provider = ofi::provider_from_env();
-        for (key, field) in [
-            ("MESHTRAIN_SHM_CHUNK", &mut self.shm_chunk),
-            ("MESHTRAIN_SHM_DEPTH", &mut self.shm_depth),
-            ("MESHTRAIN_TCP_CHUNK", &mut self.tcp_chunk),
-            ("MESHTRAIN_TCP_DEPTH", &mut self.tcp_depth),
-        ] {
-            if let Some(v) = var(key) {
-                *field = parse_size(&v)
-                    .ok_or_else(|| Error::config(key, format!("{v:?} is not a number (K/M/G suffixes allowed)")))?;
+        self.ofi_provider = env::ofi_provider();
+        let sizes = [env::shm_chunk()?, env::shm_depth()?, env::tcp_chunk()?, env::tcp_depth()?];
+        let fields = [&mut self.shm_chunk, &mut self.shm_depth, &mut self.tcp_chunk, &mut self.tcp_depth];
+        for (field, v) in fields.into_iter().zip(sizes) {
+            if let Some(v) = v {
+                *field = v;
             }
         }
         self.validate()?;

@@ -21,11 +21,13 @@
 //!   links without FI_HMEM): chunks go through pinned host memory and the host collectives,
 //!   double-buffered.
 //!
-//! Environment (read by [`GpuCommConfig::from_env`], the same on every rank):
+//! Environment (parsed by [`crate::env`], applied by [`GpuCommConfig::from_env`], the same on
+//! every rank):
 //! `MESHTRAIN_GPU_IPC=auto|on|off` (`on` where IPC is impossible is an error; `off` also turns the
-//! stream-ordered path off), `MESHTRAIN_GPU_STAGE_CHUNK` (bytes per staged chunk, e.g. `4M`) and
+//! stream-ordered path off), `MESHTRAIN_GPU_STAGE_CHUNK` (bytes per staged chunk, e.g. `4M`),
 //! `MESHTRAIN_GPU_ONESHOT` (largest bytes a rank publishes in a stream-ordered call, default
-//! `1M`; `0` turns the path off); `MESHTRAIN_GPU_DIRECT` is parsed by [`crate::transport::select`].
+//! `1M`; `0` turns the path off) and `MESHTRAIN_GPU_DIRECT` (checked against the transport by
+//! [`crate::transport::select`]).
 //!
 //! Invariants: every member calls the same collectives in the same order with the same counts,
 //! element type and operator (as for the host API); the path choice depends only on facts every
@@ -49,20 +51,10 @@ use std::ops::Range;
 use crate::comm::{block_range, Communicator, DType, ReduceOp};
 use crate::device::pinned::Staging;
 use crate::device::{Device, DeviceBuffer};
+pub use crate::env::{GpuDirect, GpuIpc};
+use crate::env;
 use crate::error::{Error, Result};
-use crate::transport::select::GpuDirect;
 use staged::{pipeline, Blocked, Flat, HostCall, Plan};
-
-/// Whether device collectives may map peers' buffers (`MESHTRAIN_GPU_IPC`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GpuIpc {
-    /// Where every rank is on this node and the buffers can be exported; staged otherwise.
-    Auto,
-    /// Always; an error where impossible.
-    On,
-    /// Never: always staged.
-    Off,
-}
 
 /// Tunables of the device collectives (the same on every rank).
 #[derive(Debug, Clone)]
@@ -87,29 +79,15 @@ impl GpuCommConfig {
     /// Defaults overridden by `MESHTRAIN_GPU_IPC`, `MESHTRAIN_GPU_STAGE_CHUNK` and
     /// `MESHTRAIN_GPU_ONESHOT`; `MESHTRAIN_GPU_DIRECT`.
     pub fn from_env() -> Result<Self> {
-        let mut c = GpuCommConfig { gpu_direct: GpuDirect::from_env()?, ..GpuCommConfig::default() };
-        let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-        if let Some(v) = get("MESHTRAIN_GPU_IPC") {
-            c.ipc = match v.to_ascii_lowercase().as_str() {
-                "auto" => GpuIpc::Auto,
-                "on" => GpuIpc::On,
-                "off" => GpuIpc::Off,
-                _ => return Err(Error::config("MESHTRAIN_GPU_IPC", format!("`{v}` is not auto, on or off"))),
-            };
-        }
-        if let Some(v) = get("MESHTRAIN_GPU_STAGE_CHUNK") {
-            c.stage_chunk = crate::bench::collectives::parse_size(&v)
-                .ok()
-                .filter(|&n| n > 0)
-                .ok_or_else(|| Error::config("MESHTRAIN_GPU_STAGE_CHUNK", format!("`{v}` is not a positive size like 4M")))?;
-        }
-        if let Some(v) = get("MESHTRAIN_GPU_ONESHOT") {
-            c.oneshot_bytes = crate::bench::collectives::parse_size(&v)
-                .ok()
-                .filter(|&n| n <= 1 << 30)
-                .ok_or_else(|| Error::config("MESHTRAIN_GPU_ONESHOT", format!("`{v}` is not a size from 0 to 1G like 1M")))?;
-        }
-        Ok(c)
+        let d = GpuCommConfig::default();
+        // Read in this order so that, of several bad variables, the same one is reported as before.
+        let gpu_direct = env::gpu_direct()?;
+        Ok(GpuCommConfig {
+            ipc: env::gpu_ipc()?.unwrap_or(d.ipc),
+            stage_chunk: env::gpu_stage_chunk()?.unwrap_or(d.stage_chunk),
+            oneshot_bytes: env::gpu_oneshot()?.unwrap_or(d.oneshot_bytes),
+            gpu_direct,
+        })
     }
 }
 

@@ -334,7 +334,6 @@ impl NetConnector {
                 send: Box::new(send),
                 recv: Box::new(recv),
                 memory: PeerMemory::new(pid),
-                prints: Default::default(),
             });
         }
         send_setup(&mut stream, SETUP_TCP, self.cfg.tcp_chunk, self.cfg.tcp_depth)
@@ -346,7 +345,6 @@ impl NetConnector {
             send: Box::new(send),
             recv: Box::new(recv),
             memory: None,
-            prints: Default::default(),
         })
     }
 
@@ -359,7 +357,7 @@ impl NetConnector {
         let pid = if self.node_of(peer) == here { self.peer(peer)?.pid } else { 0 };
         let local_rank = (0..self.rank).filter(|&r| self.node_of(r) == here).count();
         let (send, recv) = self.ofi.link(stream, peer, pid, chunk, depth, local_rank, w)?;
-        Ok(Link { peer, kind: LinkKind::Ofi, send, recv, memory: None, prints: Default::default() })
+        Ok(Link { peer, kind: LinkKind::Ofi, send, recv, memory: None })
     }
 
     /// Higher rank: reads the lower rank's setup message and builds its half of the link.
@@ -397,7 +395,6 @@ impl NetConnector {
                     send: Box::new(send),
                     recv: Box::new(recv),
                     memory: PeerMemory::new(pid),
-                    prints: Default::default(),
                 })
             }
             SETUP_TCP => {
@@ -409,7 +406,6 @@ impl NetConnector {
                     send: Box::new(send),
                     recv: Box::new(recv),
                     memory: None,
-                    prints: Default::default(),
                 })
             }
             SETUP_OFI => self.ofi_link(stream, peer, chunk, depth, w),

@@ -27,7 +27,7 @@ use crate::comm::algo::direct::{self, DirectShape, Peers};
 use crate::comm::algo::read;
 use crate::comm::algo::ring::{self, RingShape};
 use crate::comm::block_range;
-use crate::comm::config::{Algo, Cma, CommConfig};
+use crate::comm::tuning::{Algo, Cma, CommConfig};
 use crate::dtype::{DType, Element, ReduceOp, Reducer};
 use crate::comm::fingerprint::{self, LinkPrints, OpKind, OpPrint};
 use crate::comm::flight;

@@ -34,7 +34,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::direct::{device_memory, Memory, Registrations};
+use super::p2p::{device_memory, Memory, Registrations};
 use super::path::{DeviceCall, DevicePath, PathCtx};
 use super::{Bufs, Op};
 use crate::comm::fingerprint::{self, OpKind, OpPrint, PRINT_LEN};

@@ -6,8 +6,8 @@
 //!   sequence-parallel calls of every layer): each rank publishes its input into a workspace its
 //!   peers mapped once, signals a flag and waits for the peers' flags in kernels on its own
 //!   stream; no host sync, no host message per call. Errors are found at [`GpuCommState::check`].
-//! - **IPC** ([`ipc`], GPUs of one node): every rank maps its peers' buffers through IPC handles
-//!   exchanged over the host communicator, and the GPU reduce kernels read peers' memory
+//! - **IPC** ([`peer_mapped`], GPUs of one node): every rank maps its peers' buffers through IPC
+//!   handles exchanged over the host communicator, and the GPU reduce kernels read peers' memory
 //!   directly; mappings are cached per (peer, allocation). Used when every rank of the
 //!   communicator runs on this node, in its own process, on a GPU whose buffers can be exported.
 //! - **Hierarchical** (`hier`, all-reduce over several nodes with the same number of ranks
@@ -16,7 +16,7 @@
 //! - **FI_HMEM rings** (`fabric_ring`, all-reduce, reduce-scatter, all-gather and broadcast when
 //!   every rank's ring links are libfabric links whose ends offer FI_HMEM): ring hops post the
 //!   device buffers themselves.
-//! - **Direct** (`direct`, send/recv over a libfabric link whose two ends offer FI_HMEM): the
+//! - **Point-to-point** (`p2p`, send/recv over a libfabric link whose two ends offer FI_HMEM): the
 //!   device buffer is registered and posted itself; `MESHTRAIN_GPU_DIRECT=auto|on|off`.
 //! - **Staged** ([`staged`], everything else: the CPU arm, `MESHTRAIN_GPU_IPC=off` within a node,
 //!   links without FI_HMEM): chunks go through pinned host memory and the host collectives,
@@ -37,13 +37,13 @@
 //! bytes. A [`GpuCommState`] belongs to one (communicator, device) pair.
 
 #[cfg(feature = "ofi")]
-mod direct;
-#[cfg(feature = "ofi")]
 mod fabric_ring;
 mod hier;
-pub mod ipc;
 pub mod oneshot;
+#[cfg(feature = "ofi")]
+mod p2p;
 pub(crate) mod path;
+pub mod peer_mapped;
 pub mod staged;
 #[cfg(test)]
 mod tests;
@@ -96,9 +96,9 @@ impl GpuCommConfig {
 /// [`GpuCommState::bind`] gives the collectives.
 pub struct GpuCommState {
     cfg: GpuCommConfig,
-    peers: ipc::PeerAccess,
+    peers: peer_mapped::PeerAccess,
     #[cfg(feature = "ofi")]
-    regs: direct::Registrations,
+    regs: p2p::Registrations,
     paths: Paths,
     /// Collective calls other than send/recv.
     calls: u64,
@@ -109,9 +109,9 @@ impl GpuCommState {
     pub fn new(cfg: GpuCommConfig) -> Self {
         GpuCommState {
             cfg,
-            peers: ipc::PeerAccess::default(),
+            peers: peer_mapped::PeerAccess::default(),
             #[cfg(feature = "ofi")]
-            regs: direct::Registrations::default(),
+            regs: p2p::Registrations::default(),
             paths: Paths::default(),
             calls: 0,
         }

@@ -1,9 +1,9 @@
 //! Path 0: stream-ordered device collectives for small calls (the tensor- and sequence-parallel
 //! all-reduces, all-gathers and reduce-scatters of every layer), between GPUs of one node.
 //!
-//! Why: the IPC path ([`super::ipc`]) synchronizes the stream and runs host agreement rounds in
-//! every call (export, phase ends), a few hundred microseconds that dominate a call of a few
-//! kilobytes. Here a call only queues work on the caller's stream and returns: no host thread
+//! Why: the IPC path ([`super::peer_mapped`]) synchronizes the stream and runs host agreement
+//! rounds in every call (export, phase ends), a few hundred microseconds that dominate a call of a
+//! few kilobytes. Here a call only queues work on the caller's stream and returns: no host thread
 //! waits, no host message is sent.
 //!
 //! How: once per state (collectively), every rank allocates a shareable workspace, its peers map

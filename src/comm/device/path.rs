@@ -7,14 +7,14 @@
 //! place that says which paths an operation may take and in which order (like NCCL's tuner).
 //!
 //! The order (the first path that takes a call runs it; the staged path takes every call):
-//! - collectives: stream-ordered ([`super::oneshot`]), IPC ([`super::ipc`]), hierarchical
+//! - collectives: stream-ordered ([`super::oneshot`]), IPC ([`super::peer_mapped`]), hierarchical
 //!   ([`super::hier`]), FI_HMEM ring (`fabric_ring`), staged ([`super::staged`]). Cheapest
 //!   first: the stream-ordered path only queues kernels (small calls within a node); IPC
 //!   synchronizes and maps peers' buffers (any size within a node); the hierarchical all-reduce
 //!   splits a call that spans nodes into stages that choose again inside each node and between
 //!   nodes; rings post device memory to the NIC between nodes; staging through pinned host
 //!   memory works everywhere, the CPU arm included.
-//! - send/recv: point-to-point FI_HMEM (`direct`), staged.
+//! - send/recv: point-to-point FI_HMEM (`p2p`), staged.
 //!
 //! Invariants: a path takes or declines a call only from facts every member agrees on (the
 //! configuration, agreed eligibility, the call itself), so every member runs a call on the same
@@ -22,7 +22,7 @@
 //! buffers; the staged path never declines, so every call runs somewhere.
 
 use super::hier::HierState;
-use super::ipc::{IpcState, PeerAccess};
+use super::peer_mapped::{IpcState, PeerAccess};
 use super::oneshot::OneShot;
 use super::staged::Staged;
 use super::{Bufs, GpuCommConfig, Op};
@@ -30,7 +30,7 @@ use crate::comm::{Communicator, DType};
 use crate::device::Device;
 use crate::error::{Error, Result};
 #[cfg(feature = "ofi")]
-use super::direct::{DirectState, Registrations};
+use super::p2p::{P2pState, Registrations};
 #[cfg(feature = "ofi")]
 use super::fabric_ring::RingState;
 
@@ -98,7 +98,7 @@ pub(crate) struct Paths {
     #[cfg(feature = "ofi")]
     pub(crate) ring: RingState,
     #[cfg(feature = "ofi")]
-    pub(crate) p2p: DirectState,
+    pub(crate) p2p: P2pState,
     pub(crate) staged: Staged,
 }
 

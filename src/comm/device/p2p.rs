@@ -10,8 +10,9 @@
 //!
 //! Registrations ([`Registrations`], shared with the FI_HMEM rings) are cached per (address,
 //! length) of the buffer and closed when the state is dropped or
-//! [`super::GpuCommState::release_mappings`] runs: as for IPC mappings, release them before freeing buffers that device send/recv used,
-//! since a new allocation at the same address must not inherit an old registration.
+//! [`super::GpuCommState::release_mappings`] runs: as for IPC mappings, release them before
+//! freeing buffers that device send/recv used, since a new allocation at the same address must
+//! not inherit an old registration.
 
 use std::collections::{HashMap, HashSet};
 
@@ -79,13 +80,13 @@ impl Registrations {
 /// The point-to-point direct path's state of one (communicator, device) pair (the registrations
 /// are shared with the rings: [`PathCtx::regs`]).
 #[derive(Default)]
-pub(crate) struct DirectState {
+pub(crate) struct P2pState {
     logged: HashSet<(usize, Dir)>,
     direct: u64,
     staged: u64,
 }
 
-impl DirectState {
+impl P2pState {
     /// (send/recv calls that went direct, send/recv calls staged) so far.
     pub(crate) fn counts(&self) -> (u64, u64) {
         (self.direct, self.staged)
@@ -99,7 +100,7 @@ impl DirectState {
     }
 }
 
-impl DevicePath for DirectState {
+impl DevicePath for P2pState {
     fn name(&self) -> &'static str {
         "p2p"
     }

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use meshtrain::comm::dtype::Reducer;
+use meshtrain::dtype::Reducer;
 use meshtrain::comm::{DType, ReduceOp};
 
 fn main() {

@@ -9,7 +9,8 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-use meshtrain::bench::collectives::{self, parse_size, CollBench, COLLECTIVES};
+use meshtrain::bench::collectives::{self, CollBench, COLLECTIVES};
+use meshtrain::env::parse_size;
 use meshtrain::bench::step::{run_step_bench, StepBenchArgs};
 use meshtrain::config::JobConfig;
 use meshtrain::checkpoint;

@@ -17,7 +17,7 @@ mod common;
 use common::gpu::{open, rng};
 use meshtrain::config::DeviceKind;
 use half::{bf16, f16};
-use meshtrain::comm::dtype::Reducer;
+use meshtrain::dtype::Reducer;
 use meshtrain::comm::{DType, ReduceOp};
 use meshtrain::device::gemm::{Batch, Gemm, GemmInput, Operand};
 use meshtrain::device::ops::{self, AdamWBuffers};

@@ -15,7 +15,7 @@ use half::{bf16, f16};
 use mpi::collective::SystemOperation;
 use mpi::traits::{CommunicatorCollectives, Root};
 
-use crate::comm::dtype::{exact_input, exact_result};
+use crate::dtype::{exact_input, exact_result};
 pub use crate::comm::stats::bus_factor;
 use crate::comm::{block_range, Communicator, DType, Element, ReduceOp};
 use crate::error::{Error, Result};
@@ -48,18 +48,6 @@ pub struct CollBench {
     pub vs_mpi: bool,
     /// Print CSV instead of a table.
     pub csv: bool,
-}
-
-/// Parses `4K`, `64M`, `1G`, `512` (binary multiples) into bytes.
-pub fn parse_size(s: &str) -> std::result::Result<usize, String> {
-    let t = s.trim();
-    let (num, mult) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
-        Some('K') => (&t[..t.len() - 1], 1usize << 10),
-        Some('M') => (&t[..t.len() - 1], 1 << 20),
-        Some('G') => (&t[..t.len() - 1], 1 << 30),
-        _ => (t, 1),
-    };
-    num.parse::<usize>().map(|n| n * mult).map_err(|_| format!("`{s}` is not a size like 4K, 64M or 1G"))
 }
 
 /// One result row.
@@ -390,15 +378,6 @@ pub fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_parse_with_binary_suffixes() {
-        assert_eq!(parse_size("4K"), Ok(4096));
-        assert_eq!(parse_size("64m"), Ok(64 << 20));
-        assert_eq!(parse_size("1G"), Ok(1 << 30));
-        assert_eq!(parse_size("100"), Ok(100));
-        assert!(parse_size("4X").is_err());
-    }
 
     #[test]
     fn bus_factors_match_nccl_tests() {

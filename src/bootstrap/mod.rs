@@ -1,7 +1,8 @@
 //! Bootstrap: MPI discovers the ranks and carries one broadcast of the unique id; everything after
 //! that is meshtrain's own.
 //!
-//! Failure: the runtime `MESHTRAIN_*` variables are checked ([`env`]) before MPI carries anything,
+//! Failure: the runtime `MESHTRAIN_*` variables are checked ([`preflight`]) before MPI carries
+//! anything,
 //! and any failure of the bootstrap prints the error prefixed by the rank and ends the whole job
 //! with `MPI_Abort`; the start-up reads on the control channel have a deadline
 //! (`MESHTRAIN_BOOTSTRAP_TIMEOUT`) and name the rank that stalled.
@@ -18,7 +19,7 @@
 //! whole job is on one node, else the first up, non-loopback IPv4 interface.
 
 mod control;
-pub mod env;
+pub mod preflight;
 mod ifaddr;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -27,6 +28,7 @@ use std::sync::Arc;
 use mpi::traits::{Communicator as _, Root as _};
 
 use crate::comm::{CommConfig, Communicator};
+use crate::env;
 use crate::error::{Error, Result};
 use crate::transport::net::{NetConfig, NetConnector, PeerInfo};
 use crate::transport::{AbortState, Connector, Waiter};
@@ -147,8 +149,8 @@ fn bind_ip(single_node: bool) -> Result<IpAddr> {
     if let Some(ip) = env::bind_addr()? {
         return Ok(ip);
     }
-    if let Some(name) = std::env::var("MESHTRAIN_SOCKET_IFNAME").ok().filter(|v| !v.is_empty()) {
-        return env::interface_ip(&name);
+    if let Some(name) = env::socket_ifname() {
+        return preflight::interface_ip(&name);
     }
     if single_node {
         return Ok(IpAddr::V4(Ipv4Addr::LOCALHOST));
@@ -256,7 +258,7 @@ impl World {
     pub fn init() -> Result<World> {
         // Checked before MPI_Init; the site profile is applied then too, because MPI's own
         // libfabric reads the FI_* variables it sets.
-        let checked = env::validate_runtime_env().and_then(|()| crate::transport::ofi::apply_site_profile());
+        let checked = preflight::validate_runtime_env().and_then(|()| crate::transport::ofi::apply_site_profile());
         let universe = mpi::initialize().ok_or_else(|| boot(0, "MPI was already initialized"))?;
         let mpi_world = universe.world();
         let (rank, size) = (mpi_world.rank() as usize, mpi_world.size() as usize);

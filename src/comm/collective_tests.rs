@@ -3,7 +3,7 @@
 //! The single-copy schedules run forced on (in-process ranks read each other's memory through the
 //! same system call as separate processes), and the fallback runs over links that cannot read.
 
-use crate::comm::dtype::{exact_input as value, exact_result as expected};
+use crate::dtype::{exact_input as value, exact_result as expected};
 use crate::comm::probe::Reads;
 use crate::comm::selftest::{check_all, check_type};
 use crate::comm::testing::{run_ranks, run_ranks_without_peer_memory};

@@ -27,8 +27,8 @@ use crate::comm::algo::direct::{self, DirectShape, Peers};
 use crate::comm::algo::read;
 use crate::comm::algo::ring::{self, RingShape};
 use crate::comm::block_range;
-use crate::comm::config::{Algo, Cma, CommConfig};
-use crate::comm::dtype::{DType, Element, ReduceOp, Reducer};
+use crate::comm::tuning::{Algo, Cma, CommConfig};
+use crate::dtype::{DType, Element, ReduceOp, Reducer};
 use crate::comm::fingerprint::{self, LinkPrints, OpKind, OpPrint};
 use crate::comm::flight;
 use crate::comm::primitives::{Pipe, Rx, Tx};
@@ -57,7 +57,7 @@ pub struct Communicator {
 
 struct State {
     /// Link with each member (by communicator rank), opened on demand.
-    links: Vec<Option<Link>>,
+    links: Vec<Option<MemberLink>>,
     seq: u64,
     /// Collective calls so far (the fingerprint's number; point-to-point calls do not count).
     collectives: u64,
@@ -179,17 +179,33 @@ impl Call<'_> {
     }
 }
 
+/// A member's link and the current call's fingerprints on it (kept here: the transport carries
+/// bytes and knows nothing of calls).
+struct MemberLink {
+    link: Link,
+    prints: LinkPrints,
+}
+
+impl MemberLink {
+    fn tx(&mut self) -> Tx<'_> {
+        Tx::new(&mut *self.link.send, &mut self.prints.send, self.link.peer)
+    }
+    fn rx(&mut self) -> Rx<'_> {
+        Rx::new(&mut *self.link.recv, &mut self.prints.expect, self.link.peer)
+    }
+}
+
 /// The links of a communicator, addressed by member rank (for the direct schedules).
-struct LinkTable<'a>(&'a mut [Option<Link>]);
+struct LinkTable<'a>(&'a mut [Option<MemberLink>]);
 
 impl Peers for LinkTable<'_> {
     fn tx(&mut self, to: usize) -> Tx<'_> {
-        let l = self.0[to].as_mut().expect("link opened before use");
-        Tx::new(&mut *l.send, &mut l.prints.send, l.peer)
+        self.0[to].as_mut().expect("link opened before use").tx()
     }
     fn rx(&mut self, from: usize) -> Rx<'_> {
         let l = self.0[from].as_mut().expect("link opened before use");
-        Rx::new(&mut *l.recv, &mut l.prints.expect, l.peer).with_memory(l.memory.as_ref())
+        let memory = l.link.memory.as_ref();
+        Rx::new(&mut *l.link.recv, &mut l.prints.expect, l.link.peer).with_memory(memory)
     }
     fn pipe(&mut self, from: usize, to: usize) -> Pipe<'_> {
         ring_pipe(self.0, from, to)
@@ -197,20 +213,18 @@ impl Peers for LinkTable<'_> {
 }
 
 /// The pipe of a ring position: receive from `prev`, send to `next` (member ranks).
-fn ring_pipe(links: &mut [Option<Link>], prev: usize, next: usize) -> Pipe<'_> {
+fn ring_pipe(links: &mut [Option<MemberLink>], prev: usize, next: usize) -> Pipe<'_> {
     if prev == next {
         let l = links[prev].as_mut().expect("ring link opened");
+        let MemberLink { link, prints } = l;
         return Pipe {
-            rx: Rx::new(&mut *l.recv, &mut l.prints.expect, l.peer),
-            tx: Tx::new(&mut *l.send, &mut l.prints.send, l.peer),
+            rx: Rx::new(&mut *link.recv, &mut prints.expect, link.peer),
+            tx: Tx::new(&mut *link.send, &mut prints.send, link.peer),
         };
     }
     let [p, n] = links.get_disjoint_mut([prev, next]).expect("prev != next, both in range");
     let (p, n) = (p.as_mut().expect("ring link opened"), n.as_mut().expect("ring link opened"));
-    Pipe {
-        rx: Rx::new(&mut *p.recv, &mut p.prints.expect, p.peer),
-        tx: Tx::new(&mut *n.send, &mut n.prints.send, n.peer),
-    }
+    Pipe { rx: p.rx(), tx: n.tx() }
 }
 
 /// How a call is fingerprinted and numbered (see [`crate::comm::fingerprint`]).
@@ -374,15 +388,14 @@ impl Communicator {
         });
         todo.dedup();
         for p in todo {
-            let mut link = self.connector.connect(self.id, self.members[p], w)?;
-            link.prints = LinkPrints::armed(st.print);
+            let link = self.connector.connect(self.id, self.members[p], w)?;
             if link.send.max_chunk() < self.cfg.chunk_bytes + fingerprint::PRINT_LEN || link.send.depth() < 2 {
                 return Err(w.fail(
                     link.peer,
                     "link too small for the configured chunk size and a fingerprint (or fewer than 2 slots)",
                 ));
             }
-            st.links[p] = Some(link);
+            st.links[p] = Some(MemberLink { link, prints: LinkPrints::armed(st.print) });
         }
         Ok(())
     }

@@ -20,7 +20,7 @@
 
 use std::fmt;
 
-use crate::comm::dtype::{DType, ReduceOp};
+use crate::dtype::{DType, ReduceOp};
 use crate::error::Error;
 
 /// Bytes of a print on the wire.

@@ -3,7 +3,7 @@
 //! Layering: [`primitives`] turns links into NCCL's message primitives (copies through a link's
 //! FIFO, and single-copy reads of a peer's buffer where the link allows them); [`algo`] holds the
 //! schedules (ring, direct, read) as plain functions over those primitives; [`communicator`] owns
-//! the links of one group of ranks, chooses a schedule per call ([`config`] holds the tunables)
+//! the links of one group of ranks, chooses a schedule per call ([`tuning`] holds the tunables)
 //! and exposes the typed, `Result` returning API. No algorithm knows which transport or device
 //! carries its bytes.
 //!
@@ -13,15 +13,14 @@
 
 pub mod algo;
 pub mod communicator;
-pub mod config;
 pub mod device;
-pub mod dtype;
 pub mod fingerprint;
 pub mod flight;
 pub mod primitives;
 pub mod probe;
 pub mod selftest;
 pub mod stats;
+pub mod tuning;
 #[cfg(test)]
 mod collective_tests;
 #[cfg(test)]
@@ -30,8 +29,10 @@ pub(crate) mod testing;
 use std::ops::Range;
 
 pub use communicator::Communicator;
-pub use config::{Algo, Cma, CommConfig};
-pub use dtype::{DType, Element, ReduceOp};
+pub use tuning::{Algo, Cma, CommConfig};
+// The element types moved to the crate-root leaf [`crate::dtype`]; re-exported here so that code
+// written against `comm::{DType, ReduceOp, ...}` keeps compiling.
+pub use crate::dtype::{self, DType, Element, ReduceOp};
 
 /// Element range of block `i` when `n` elements are cut into `k` near-equal contiguous blocks.
 pub fn block_range(n: usize, k: usize, i: usize) -> Range<usize> {

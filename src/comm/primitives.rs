@@ -19,7 +19,7 @@
 //! that fails answers `give_up_reading` instead, which releases the owner's buffer just the same
 //! (the reader reports its own error).
 
-use crate::comm::dtype::Reducer;
+use crate::dtype::Reducer;
 use crate::comm::fingerprint::{self, OpPrint};
 use crate::error::Result;
 use crate::transport::{PeerMemory, RecvLink, SendLink, Waiter};

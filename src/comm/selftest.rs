@@ -12,7 +12,7 @@ use std::fmt::Debug;
 
 use half::{bf16, f16};
 
-use crate::comm::dtype::{exact_input as value, exact_result as expected};
+use crate::dtype::{exact_input as value, exact_result as expected};
 use crate::comm::device::GpuCommState;
 use crate::comm::{block_range, Communicator, DType, Element, ReduceOp};
 use crate::device::ipc::alloc_shareable;

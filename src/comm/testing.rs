@@ -125,7 +125,7 @@ impl Connector for MemConnector {
         let recv = MemRecv { fifo: self.hub.fifo(comm_id, peer, self.rank), msg: Vec::new(), peer };
         // Every in-process rank is this process, so single-copy reads of a peer read our own memory.
         let memory = if self.peer_memory { PeerMemory::new(std::process::id()) } else { None };
-        Ok(Link { peer, kind: LinkKind::Shm, send: Box::new(send), recv: Box::new(recv), memory, prints: Default::default() })
+        Ok(Link { peer, kind: LinkKind::Shm, send: Box::new(send), recv: Box::new(recv), memory })
     }
     fn abort(&self) -> &Arc<AbortState> {
         &self.abort

@@ -207,7 +207,7 @@ fn describe_fault(args: &[KernelArg], addr: u64, write: i32) -> String {
 /// The loaded module for `source`, compiled and loaded at most once per process.
 fn module(source: &str, entries: &[String]) -> Result<&'static Module> {
     static LOADED: OnceLock<Mutex<HashMap<String, &'static Module>>> = OnceLock::new();
-    let cxx = std::env::var("MESHTRAIN_EMU_CXX").unwrap_or_else(|_| "g++".into());
+    let cxx = crate::env::emu_cxx();
     let version = Command::new(&cxx)
         .arg("--version")
         .output()
@@ -257,9 +257,7 @@ fn module(source: &str, entries: &[String]) -> Result<&'static Module> {
 
 /// The cached shared object for `key`, compiling it first when missing.
 fn compile(cxx: &str, source: &str, key: &str) -> Result<PathBuf> {
-    let dir = std::env::var_os("MESHTRAIN_EMU_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| std::env::temp_dir().join("meshtrain-emu"));
+    let dir = crate::env::emu_cache();
     let lib = dir.join(format!("kernels-{key}.so"));
     if lib.is_file() {
         return Ok(lib);

@@ -79,7 +79,7 @@ impl HipDevice {
                 .unwrap_or("HIP_VISIBLE_DEVICES");
             let ordinal = pick_ordinal(local_rank, count.max(0) as usize, var)?;
             check("set device", hip::hipSetDevice(ordinal as i32))?;
-            let arch = std::env::var("MESHTRAIN_HIP_ARCH").unwrap_or_else(|_| "gfx90a".into());
+            let arch = crate::env::hip_arch();
             let dir = std::env::temp_dir().join(format!("meshtrain-hip-{}-{local_rank}", std::process::id()));
             let code = compile_hip_kernels(&arch, &dir)?;
             let image = std::fs::read(&code).map_err(|e| Error::io(format!("read {}", code.display()), e))?;

@@ -9,7 +9,7 @@
 
 use std::collections::HashSet;
 
-use crate::comm::{DType, ReduceOp};
+use crate::dtype::{DType, ReduceOp};
 
 /// Local headers the kernels include, by name (compat.h includes emu.h only when MT_EMU is
 /// defined, so the GPU compilers see its text but skip it).

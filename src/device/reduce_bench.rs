@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use super::ops::reduce;
 use super::Device;
-use crate::comm::{DType, ReduceOp};
+use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 
 /// One measured kernel.

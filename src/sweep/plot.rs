@@ -31,8 +31,8 @@ const FONT_PATHS: [&str; 5] = [
 fn ensure_font() -> Result<()> {
     static FONT: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     FONT.get_or_init(|| {
-        let candidates: Vec<PathBuf> = match std::env::var_os("MESHTRAIN_FONT") {
-            Some(p) => vec![PathBuf::from(p)],
+        let candidates: Vec<PathBuf> = match crate::env::font() {
+            Some(p) => vec![p],
             None => FONT_PATHS.iter().map(PathBuf::from).collect(),
         };
         let path = candidates.iter().find(|p| p.is_file()).ok_or_else(|| {

@@ -197,7 +197,7 @@ pub fn run_points(plan: &SweepPlan) -> Result<Vec<PathBuf>> {
 /// The commit meshtrain was built from when known: `MESHTRAIN_GIT_SHA`, else `git rev-parse HEAD`
 /// in the current directory.
 fn git_sha() -> Option<String> {
-    if let Ok(sha) = std::env::var("MESHTRAIN_GIT_SHA") {
+    if let Some(sha) = crate::env::git_sha() {
         return Some(sha);
     }
     let out = Command::new("git").args(["rev-parse", "HEAD"]).output().ok()?;

@@ -96,8 +96,6 @@ pub struct Link {
     /// Direct read access to the peer's memory, when the transport offers it (shared memory with a
     /// known peer pid). Whether reads are actually permitted is probed by the communicator.
     pub memory: Option<PeerMemory>,
-    /// The current call's fingerprints on this link (kept by the communicator).
-    pub prints: crate::comm::fingerprint::LinkPrints,
 }
 
 /// Opens links between ranks. The network implementation authenticates every connection with the

@@ -30,10 +30,11 @@ use super::accept::Acceptor;
 use super::accept::MAX_HANDSHAKES;
 use super::handshake::{self, Request};
 use super::shm::{self, PeerWatch, Segment};
-use super::ofi::{self, OfiNet, OfiUse};
-use super::select::{self, parse_size, GpuDirect};
+use super::ofi::{OfiNet, OfiUse};
+use super::select::{self, GpuDirect};
 use super::tcp::{self, tcp_link};
 use super::{AbortState, Connector, Link, LinkKind, PeerMemory, Waiter};
+use crate::env;
 use crate::error::{Error, Result};
 
 /// Tags with this bit are used by [`Connector::connect`]; raw streams use the tags below it.
@@ -95,19 +96,14 @@ impl NetConfig {
     /// libfabric provider, `MESHTRAIN_SHM_CHUNK`, `MESHTRAIN_SHM_DEPTH`,
     /// `MESHTRAIN_TCP_CHUNK` and `MESHTRAIN_TCP_DEPTH` (sizes accept a K/M/G suffix).
     pub fn with_env(mut self) -> Result<NetConfig> {
-        let var = |key: &str| std::env::var(key).ok().filter(|v| !v.is_empty());
         (self.force_tcp, self.ofi) = select::transport_from_env()?;
         self.gpu_direct = select::gpu_direct_from_env(self.ofi)?;
-        self.ofi_provider = ofi::provider_from_env();
-        for (key, field) in [
-            ("MESHTRAIN_SHM_CHUNK", &mut self.shm_chunk),
-            ("MESHTRAIN_SHM_DEPTH", &mut self.shm_depth),
-            ("MESHTRAIN_TCP_CHUNK", &mut self.tcp_chunk),
-            ("MESHTRAIN_TCP_DEPTH", &mut self.tcp_depth),
-        ] {
-            if let Some(v) = var(key) {
-                *field = parse_size(&v)
-                    .ok_or_else(|| Error::config(key, format!("{v:?} is not a number (K/M/G suffixes allowed)")))?;
+        self.ofi_provider = env::ofi_provider();
+        let sizes = [env::shm_chunk()?, env::shm_depth()?, env::tcp_chunk()?, env::tcp_depth()?];
+        let fields = [&mut self.shm_chunk, &mut self.shm_depth, &mut self.tcp_chunk, &mut self.tcp_depth];
+        for (field, v) in fields.into_iter().zip(sizes) {
+            if let Some(v) = v {
+                *field = v;
             }
         }
         self.validate()?;
@@ -338,7 +334,6 @@ impl NetConnector {
                 send: Box::new(send),
                 recv: Box::new(recv),
                 memory: PeerMemory::new(pid),
-                prints: Default::default(),
             });
         }
         send_setup(&mut stream, SETUP_TCP, self.cfg.tcp_chunk, self.cfg.tcp_depth)
@@ -350,7 +345,6 @@ impl NetConnector {
             send: Box::new(send),
             recv: Box::new(recv),
             memory: None,
-            prints: Default::default(),
         })
     }
 
@@ -363,7 +357,7 @@ impl NetConnector {
         let pid = if self.node_of(peer) == here { self.peer(peer)?.pid } else { 0 };
         let local_rank = (0..self.rank).filter(|&r| self.node_of(r) == here).count();
         let (send, recv) = self.ofi.link(stream, peer, pid, chunk, depth, local_rank, w)?;
-        Ok(Link { peer, kind: LinkKind::Ofi, send, recv, memory: None, prints: Default::default() })
+        Ok(Link { peer, kind: LinkKind::Ofi, send, recv, memory: None })
     }
 
     /// Higher rank: reads the lower rank's setup message and builds its half of the link.
@@ -401,7 +395,6 @@ impl NetConnector {
                     send: Box::new(send),
                     recv: Box::new(recv),
                     memory: PeerMemory::new(pid),
-                    prints: Default::default(),
                 })
             }
             SETUP_TCP => {
@@ -413,7 +406,6 @@ impl NetConnector {
                     send: Box::new(send),
                     recv: Box::new(recv),
                     memory: None,
-                    prints: Default::default(),
                 })
             }
             SETUP_OFI => self.ofi_link(stream, peer, chunk, depth, w),

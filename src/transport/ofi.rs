@@ -29,6 +29,7 @@
 
 use std::net::TcpStream;
 
+use crate::env::{self, OfiProfile};
 use crate::error::{Error, Result};
 
 /// When links use libfabric.
@@ -44,13 +45,6 @@ pub enum OfiUse {
 
 /// Providers that mean a real fabric NIC is present (auto mode uses libfabric only then).
 pub const FABRIC_PROVIDERS: [&str; 3] = ["cxi", "verbs", "efa"];
-
-/// The provider asked for: `MESHTRAIN_OFI_PROVIDER`, else `FI_PROVIDER` (None: libfabric chooses).
-pub fn provider_from_env() -> Option<String> {
-    ["MESHTRAIN_OFI_PROVIDER", "FI_PROVIDER"]
-        .iter()
-        .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
-}
 
 /// Frontier (HPE Slingshot 11, cxi) settings applied by `MESHTRAIN_OFI_PROFILE=frontier`, each only
 /// where the variable is unset, before MPI and libfabric initialise.
@@ -76,12 +70,9 @@ pub const FRONTIER_PROFILE: [(&str, &str, &str); 5] = [
 /// Applies the site profile named by `MESHTRAIN_OFI_PROFILE` (only `frontier` exists); call before
 /// MPI_Init. Returns the variables it set.
 pub fn apply_site_profile() -> Result<Vec<String>> {
-    let Some(name) = std::env::var("MESHTRAIN_OFI_PROFILE").ok().filter(|v| !v.is_empty()) else {
+    let Some(OfiProfile::Frontier) = env::ofi_profile()? else {
         return Ok(Vec::new());
     };
-    if name != "frontier" {
-        return Err(Error::config("MESHTRAIN_OFI_PROFILE", format!("`{name}`: the only profile is `frontier`")));
-    }
     let mut set = Vec::new();
     for (key, value, _) in FRONTIER_PROFILE {
         if std::env::var_os(key).is_none() {

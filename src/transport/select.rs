@@ -1,76 +1,38 @@
 //! Which transport carries links (`MESHTRAIN_TRANSPORT`) and whether device buffers may travel
-//! over libfabric without host staging (`MESHTRAIN_GPU_DIRECT`), parsed from the environment, and
-//! the size syntax of the link variables (`MESHTRAIN_{SHM,TCP}_CHUNK`).
+//! over libfabric without host staging (`MESHTRAIN_GPU_DIRECT`): the values [`crate::env`] parsed,
+//! turned into link choices.
 //!
 //! Why a module of its own: [`super::net::NetConfig::with_env`] and the pre-MPI check of every
-//! variable ([`crate::bootstrap`]) must parse these the same way, and the combination rules
-//! (`MESHTRAIN_GPU_DIRECT=on` needs libfabric links) belong next to the parsing.
+//! variable ([`crate::bootstrap`]) must decide these the same way, and the rules that need the
+//! transport's knowledge (`auto` looks for a fabric NIC; `MESHTRAIN_GPU_DIRECT=on` needs libfabric
+//! links) belong to the transport, not to the environment module.
 //!
 //! Invariant: every function here only reads the environment (and sysfs for `auto`), so every rank
 //! with the same environment and node type gets the same answer.
 
 use super::ofi::{self, OfiUse};
+use crate::env::{self, Transport};
 use crate::error::{Error, Result};
 
-/// Whether device send/recv over libfabric links post the device buffer itself (FI_HMEM
-/// registration) instead of staging it through pinned host memory (`MESHTRAIN_GPU_DIRECT`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum GpuDirect {
-    /// Direct where both ends' endpoints offer FI_HMEM; staged otherwise (the choice is logged).
-    #[default]
-    Auto,
-    /// Always direct; an error where impossible.
-    On,
-    /// Always staged.
-    Off,
-}
-
-impl GpuDirect {
-    /// `MESHTRAIN_GPU_DIRECT` (`auto` when unset or empty).
-    pub fn from_env() -> Result<GpuDirect> {
-        GpuDirect::parse(var("MESHTRAIN_GPU_DIRECT").as_deref())
-    }
-
-    /// A value of `MESHTRAIN_GPU_DIRECT` (any case; `None`: unset).
-    fn parse(value: Option<&str>) -> Result<GpuDirect> {
-        match value.map(|v| v.to_ascii_lowercase()).as_deref() {
-            None | Some("auto") => Ok(GpuDirect::Auto),
-            Some("on") => Ok(GpuDirect::On),
-            Some("off") => Ok(GpuDirect::Off),
-            Some(other) => Err(Error::config("MESHTRAIN_GPU_DIRECT", format!("`{other}` is not auto, on or off"))),
-        }
-    }
-}
-
-fn var(key: &str) -> Option<String> {
-    std::env::var(key).ok().filter(|v| !v.is_empty())
-}
+pub use crate::env::GpuDirect;
 
 /// `MESHTRAIN_TRANSPORT` (`auto`, `shm`, `tcp`, `ofi` or `shm+ofi`, any case; see [`super::ofi`]): whether
 /// pairs on one node use TCP instead of shared memory, and where libfabric carries links.
 pub fn transport_from_env() -> Result<(bool, OfiUse)> {
-    let transport = var("MESHTRAIN_TRANSPORT").unwrap_or_else(|| "auto".into()).to_ascii_lowercase();
-    Ok(match transport.as_str() {
-        "tcp" => (true, OfiUse::Never),
-        "shm" => (false, OfiUse::Never),
-        "ofi" => (false, OfiUse::Always),
-        "shm+ofi" => (false, OfiUse::BetweenNodes),
-        "auto" if ofi::fabric_nic_present() => (false, OfiUse::BetweenNodes),
-        "auto" => (false, OfiUse::Never),
-        _ => {
-            return Err(Error::config(
-                "MESHTRAIN_TRANSPORT",
-                format!("{transport:?}: expected auto, shm, tcp, ofi or shm+ofi (any case)"),
-            ))
-        }
+    Ok(match env::transport()? {
+        Transport::Tcp => (true, OfiUse::Never),
+        Transport::Shm => (false, OfiUse::Never),
+        Transport::Ofi => (false, OfiUse::Always),
+        Transport::ShmOfi => (false, OfiUse::BetweenNodes),
+        Transport::Auto if ofi::fabric_nic_present() => (false, OfiUse::BetweenNodes),
+        Transport::Auto => (false, OfiUse::Never),
     })
 }
 
 /// `MESHTRAIN_GPU_DIRECT`, checked against where libfabric carries links: `on` without any
 /// libfabric link (or without the `ofi` feature) is a configuration error saying why.
 pub fn gpu_direct_from_env(ofi: OfiUse) -> Result<GpuDirect> {
-    let transport = var("MESHTRAIN_TRANSPORT").unwrap_or_else(|| "auto".into());
-    check_gpu_direct(GpuDirect::from_env()?, ofi, &transport)
+    check_gpu_direct(env::gpu_direct()?, ofi, env::transport()?.name())
 }
 
 /// `mode`, or the error for `on` where libfabric carries no link (`transport`: the variable's
@@ -93,41 +55,9 @@ fn check_gpu_direct(mode: GpuDirect, ofi: OfiUse, transport: &str) -> Result<Gpu
     Ok(mode)
 }
 
-/// `123`, `64K`, `4M`, `1G` (powers of 1024).
-pub(super) fn parse_size(s: &str) -> Option<usize> {
-    let s = s.trim();
-    let (digits, unit) = match s.char_indices().last()? {
-        (i, 'k' | 'K') => (&s[..i], 1usize << 10),
-        (i, 'm' | 'M') => (&s[..i], 1 << 20),
-        (i, 'g' | 'G') => (&s[..i], 1 << 30),
-        _ => (s, 1),
-    };
-    digits.parse::<usize>().ok()?.checked_mul(unit)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_parse_with_suffixes() {
-        assert_eq!(parse_size("4096"), Some(4096));
-        assert_eq!(parse_size("512K"), Some(512 << 10));
-        assert_eq!(parse_size("2m"), Some(2 << 20));
-        assert_eq!(parse_size("1G"), Some(1 << 30));
-        assert_eq!(parse_size("x"), None);
-        assert_eq!(parse_size(""), None);
-    }
-
-    #[test]
-    fn gpu_direct_values_parse_in_any_case_and_others_name_the_variable() {
-        assert_eq!(GpuDirect::parse(None).unwrap(), GpuDirect::Auto);
-        assert_eq!(GpuDirect::parse(Some("AUTO")).unwrap(), GpuDirect::Auto);
-        assert_eq!(GpuDirect::parse(Some("On")).unwrap(), GpuDirect::On);
-        assert_eq!(GpuDirect::parse(Some("off")).unwrap(), GpuDirect::Off);
-        let err = GpuDirect::parse(Some("yes")).unwrap_err().to_string();
-        assert!(err.contains("MESHTRAIN_GPU_DIRECT") && err.contains("`yes` is not auto, on or off"), "{err}");
-    }
 
     #[test]
     fn gpu_direct_on_needs_libfabric_links() {

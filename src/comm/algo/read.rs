@@ -20,7 +20,7 @@ use std::ops::Range;
 use crate::comm::algo::direct::{DirectShape, Peers};
 use crate::comm::algo::ring::{self, RingShape};
 use crate::comm::block_range;
-use crate::comm::dtype::Reducer;
+use crate::dtype::Reducer;
 use crate::error::Result;
 use crate::transport::Waiter;
 

@@ -11,7 +11,7 @@
 use std::ops::Range;
 
 use crate::comm::block_range;
-use crate::comm::dtype::Reducer;
+use crate::dtype::Reducer;
 use crate::comm::primitives::{Input, Pipe};
 use crate::error::Result;
 use crate::transport::Waiter;

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::{Communicator, Print, Sched};
-use crate::comm::dtype::DType;
+use crate::dtype::DType;
 use crate::comm::fingerprint::{OpKind, OpPrint};
 use crate::error::Result;
 use crate::transport::Waiter;
@@ -18,7 +18,7 @@ impl Communicator {
         let mut st = self.lock();
         let w = self.waiter("connect", st.seq, 0);
         self.open_links(&mut st, &[peer], &w)?;
-        Ok(st.links[peer].as_ref().and_then(|l| l.send.direct()))
+        Ok(st.links[peer].as_ref().and_then(|l| l.link.send.direct()))
     }
 
     /// A point-to-point call (`send`, else receive) of `count` `dtype` elements with member `peer`

@@ -34,7 +34,8 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::direct::{device_memory, Memory, Registrations};
+use super::p2p::{device_memory, Memory, Registrations};
+use super::path::{DeviceCall, DevicePath, PathCtx};
 use super::{Bufs, Op};
 use crate::comm::fingerprint::{self, OpKind, OpPrint, PRINT_LEN};
 use crate::comm::{block_range, Communicator, DType, ReduceOp};
@@ -68,22 +69,19 @@ impl RingState {
     pub(crate) fn calls(&self) -> u64 {
         self.calls
     }
+}
 
-    /// Runs `op` as a ring when every member's ring links go direct; `Ok(false)`: the caller
-    /// stages it. `slot` is the most bytes of a piece.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn try_call(
-        &mut self,
-        regs: &mut Registrations,
-        mode: GpuDirect,
-        slot: usize,
-        comm: &Communicator,
-        dev: &Device,
-        op: Op,
-        bufs: &mut Bufs,
-        n: usize,
-        dtype: DType,
-    ) -> Result<bool> {
+impl DevicePath for RingState {
+    fn name(&self) -> &'static str {
+        "fabric-ring"
+    }
+
+    /// Runs the call as a ring when every member's ring links go direct; `Ok(false)`: the next
+    /// path. A piece is at most `MESHTRAIN_GPU_STAGE_CHUNK` bytes.
+    fn try_call(&mut self, cx: &mut PathCtx, call: &mut DeviceCall) -> Result<bool> {
+        let (comm, dev, regs, mode, slot) = (cx.comm, cx.dev, &mut *cx.regs, cx.cfg.gpu_direct, cx.cfg.stage_chunk);
+        let DeviceCall { op, bufs, n, dtype } = call;
+        let (op, n, dtype) = (*op, *n, *dtype);
         let k = comm.size();
         let ringed = matches!(op, Op::AllReduce(_) | Op::ReduceScatter(_) | Op::AllGather | Op::Broadcast(_));
         if k < 2 || n == 0 || !ringed || matches!(dev, Device::Cpu) {
@@ -160,6 +158,8 @@ fn describe(op: Op, dtype: DType, n: usize) -> (&'static str, OpPrint) {
         Op::AllGather => ("all_gather", OpKind::AllGather, None, None),
         Op::Broadcast(r) => ("broadcast", OpKind::Broadcast, None, Some(r)),
         Op::Reduce(o, r) => ("reduce", OpKind::Reduce, Some(o), Some(r)),
+        // Never on this path ([`super::path::order`]); described for completeness.
+        Op::Send(_) | Op::Recv(_) => ("send/recv", OpKind::SendRecv, None, None),
         Op::AllToAll => ("all_to_all", OpKind::AllToAll, None, None),
     };
     (name, OpPrint { kind, dtype, reduce, root, count: n as u64, seq: 0 })

@@ -16,6 +16,7 @@
 //! grows; before it is replaced both parts release their mappings and registrations, on every
 //! rank at the same call (its size depends only on `n` and `L`).
 
+use super::path::{DeviceCall, DevicePath, PathCtx};
 use super::{Bufs, GpuCommConfig, GpuCommState, GpuIpc, Op};
 use crate::comm::{block_range, Communicator, DType, ReduceOp};
 use crate::device::ipc::alloc_shareable;
@@ -48,32 +49,6 @@ impl HierState {
         self.calls
     }
 
-    /// Runs an all-reduce in three stages when the communicator spans nodes evenly; `Ok(false)`:
-    /// the caller tries the flat paths (decided identically on every rank).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn try_all_reduce(
-        &mut self,
-        cfg: &GpuCommConfig,
-        comm: &Communicator,
-        dev: &Device,
-        op: Op,
-        bufs: &mut Bufs,
-        n: usize,
-        dtype: DType,
-    ) -> Result<bool> {
-        let (Op::AllReduce(op), Bufs::InPlace(buf)) = (op, bufs) else { return Ok(false) };
-        if n == 0 {
-            return Ok(false);
-        }
-        if self.plan.is_none() {
-            self.plan = Some(plan(cfg, comm, dev)?.map(Box::new));
-        }
-        let Some(Some(stages)) = &mut self.plan else { return Ok(false) };
-        stages.all_reduce(comm.size(), dev, buf, n, dtype, op)?;
-        self.calls += 1;
-        Ok(true)
-    }
-
     /// Collective: [`GpuCommState::check`] of both parts (no-op where flat).
     pub(crate) fn check(&mut self, dev: &Device) -> Result<()> {
         if let Some(Some(s)) = &mut self.plan {
@@ -89,6 +64,28 @@ impl HierState {
             Some(Some(s)) => s.release(dev),
             _ => Ok(()),
         }
+    }
+}
+
+impl DevicePath for HierState {
+    fn name(&self) -> &'static str {
+        "hierarchical"
+    }
+
+    /// Runs an all-reduce in three stages when the communicator spans nodes evenly; `Ok(false)`:
+    /// the next path (decided identically on every rank).
+    fn try_call(&mut self, cx: &mut PathCtx, call: &mut DeviceCall) -> Result<bool> {
+        let (Op::AllReduce(op), Bufs::InPlace(buf)) = (call.op, &mut call.bufs) else { return Ok(false) };
+        if call.n == 0 {
+            return Ok(false);
+        }
+        if self.plan.is_none() {
+            self.plan = Some(plan(cx.cfg, cx.comm, cx.dev)?.map(Box::new));
+        }
+        let Some(Some(stages)) = &mut self.plan else { return Ok(false) };
+        stages.all_reduce(cx.comm.size(), cx.dev, buf, call.n, call.dtype, op)?;
+        self.calls += 1;
+        Ok(true)
     }
 }
 

@@ -1,12 +1,13 @@
 //! Collectives on device buffers ([`DeviceBuffer`] + [`Device`]) over a host [`Communicator`].
 //!
-//! Six paths carry them, tried in this order:
+//! Six paths carry them, each behind the one [`path::DevicePath`] trait; [`path::order`] is the
+//! one place that says which paths an operation may take and in which order:
 //! - **Stream-ordered** ([`oneshot`], small calls between GPUs of one node, the tensor- and
 //!   sequence-parallel calls of every layer): each rank publishes its input into a workspace its
 //!   peers mapped once, signals a flag and waits for the peers' flags in kernels on its own
 //!   stream; no host sync, no host message per call. Errors are found at [`GpuCommState::check`].
-//! - **IPC** ([`ipc`], GPUs of one node): every rank maps its peers' buffers through IPC handles
-//!   exchanged over the host communicator, and the GPU reduce kernels read peers' memory
+//! - **IPC** ([`peer_mapped`], GPUs of one node): every rank maps its peers' buffers through IPC
+//!   handles exchanged over the host communicator, and the GPU reduce kernels read peers' memory
 //!   directly; mappings are cached per (peer, allocation). Used when every rank of the
 //!   communicator runs on this node, in its own process, on a GPU whose buffers can be exported.
 //! - **Hierarchical** (`hier`, all-reduce over several nodes with the same number of ranks
@@ -15,17 +16,19 @@
 //! - **FI_HMEM rings** (`fabric_ring`, all-reduce, reduce-scatter, all-gather and broadcast when
 //!   every rank's ring links are libfabric links whose ends offer FI_HMEM): ring hops post the
 //!   device buffers themselves.
-//! - **Direct** (`direct`, send/recv over a libfabric link whose two ends offer FI_HMEM): the
+//! - **Point-to-point** (`p2p`, send/recv over a libfabric link whose two ends offer FI_HMEM): the
 //!   device buffer is registered and posted itself; `MESHTRAIN_GPU_DIRECT=auto|on|off`.
 //! - **Staged** ([`staged`], everything else: the CPU arm, `MESHTRAIN_GPU_IPC=off` within a node,
 //!   links without FI_HMEM): chunks go through pinned host memory and the host collectives,
 //!   double-buffered.
 //!
-//! Environment (read by [`GpuCommConfig::from_env`], the same on every rank):
+//! Environment (parsed by [`crate::env`], applied by [`GpuCommConfig::from_env`], the same on
+//! every rank):
 //! `MESHTRAIN_GPU_IPC=auto|on|off` (`on` where IPC is impossible is an error; `off` also turns the
-//! stream-ordered path off), `MESHTRAIN_GPU_STAGE_CHUNK` (bytes per staged chunk, e.g. `4M`) and
+//! stream-ordered path off), `MESHTRAIN_GPU_STAGE_CHUNK` (bytes per staged chunk, e.g. `4M`),
 //! `MESHTRAIN_GPU_ONESHOT` (largest bytes a rank publishes in a stream-ordered call, default
-//! `1M`; `0` turns the path off); `MESHTRAIN_GPU_DIRECT` is parsed by [`crate::transport::select`].
+//! `1M`; `0` turns the path off) and `MESHTRAIN_GPU_DIRECT` (checked against the transport by
+//! [`crate::transport::select`]).
 //!
 //! Invariants: every member calls the same collectives in the same order with the same counts,
 //! element type and operator (as for the host API); the path choice depends only on facts every
@@ -34,35 +37,23 @@
 //! bytes. A [`GpuCommState`] belongs to one (communicator, device) pair.
 
 #[cfg(feature = "ofi")]
-mod direct;
-#[cfg(feature = "ofi")]
 mod fabric_ring;
 mod hier;
-pub mod ipc;
 pub mod oneshot;
+#[cfg(feature = "ofi")]
+mod p2p;
+pub(crate) mod path;
+pub mod peer_mapped;
 pub mod staged;
 #[cfg(test)]
 mod tests;
 
-use std::ops::Range;
-
-use crate::comm::{block_range, Communicator, DType, ReduceOp};
-use crate::device::pinned::Staging;
+use crate::comm::{Communicator, DType, ReduceOp};
 use crate::device::{Device, DeviceBuffer};
+pub use crate::env::{GpuDirect, GpuIpc};
+use crate::env;
 use crate::error::{Error, Result};
-use crate::transport::select::GpuDirect;
-use staged::{pipeline, Blocked, Flat, HostCall, Plan};
-
-/// Whether device collectives may map peers' buffers (`MESHTRAIN_GPU_IPC`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GpuIpc {
-    /// Where every rank is on this node and the buffers can be exported; staged otherwise.
-    Auto,
-    /// Always; an error where impossible.
-    On,
-    /// Never: always staged.
-    Off,
-}
+use path::{DeviceCall, PathCtx, Paths};
 
 /// Tunables of the device collectives (the same on every rank).
 #[derive(Debug, Clone)]
@@ -87,45 +78,30 @@ impl GpuCommConfig {
     /// Defaults overridden by `MESHTRAIN_GPU_IPC`, `MESHTRAIN_GPU_STAGE_CHUNK` and
     /// `MESHTRAIN_GPU_ONESHOT`; `MESHTRAIN_GPU_DIRECT`.
     pub fn from_env() -> Result<Self> {
-        let mut c = GpuCommConfig { gpu_direct: GpuDirect::from_env()?, ..GpuCommConfig::default() };
-        let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-        if let Some(v) = get("MESHTRAIN_GPU_IPC") {
-            c.ipc = match v.to_ascii_lowercase().as_str() {
-                "auto" => GpuIpc::Auto,
-                "on" => GpuIpc::On,
-                "off" => GpuIpc::Off,
-                _ => return Err(Error::config("MESHTRAIN_GPU_IPC", format!("`{v}` is not auto, on or off"))),
-            };
-        }
-        if let Some(v) = get("MESHTRAIN_GPU_STAGE_CHUNK") {
-            c.stage_chunk = crate::bench::collectives::parse_size(&v)
-                .ok()
-                .filter(|&n| n > 0)
-                .ok_or_else(|| Error::config("MESHTRAIN_GPU_STAGE_CHUNK", format!("`{v}` is not a positive size like 4M")))?;
-        }
-        if let Some(v) = get("MESHTRAIN_GPU_ONESHOT") {
-            c.oneshot_bytes = crate::bench::collectives::parse_size(&v)
-                .ok()
-                .filter(|&n| n <= 1 << 30)
-                .ok_or_else(|| Error::config("MESHTRAIN_GPU_ONESHOT", format!("`{v}` is not a size from 0 to 1G like 1M")))?;
-        }
-        Ok(c)
+        let d = GpuCommConfig::default();
+        // Read in this order so that, of several bad variables, the same one is reported as before.
+        let gpu_direct = env::gpu_direct()?;
+        Ok(GpuCommConfig {
+            ipc: env::gpu_ipc()?.unwrap_or(d.ipc),
+            stage_chunk: env::gpu_stage_chunk()?.unwrap_or(d.stage_chunk),
+            oneshot_bytes: env::gpu_oneshot()?.unwrap_or(d.oneshot_bytes),
+            gpu_direct,
+        })
     }
 }
 
-/// What device collectives keep between calls: the configuration, the staging memory, the
-/// IPC state (the agreed eligibility and the cache of peers' mappings) and the stream-ordered
-/// workspaces. One per (communicator, device) pair; [`GpuCommState::bind`] gives the collectives.
+/// What device collectives keep between calls: the configuration, the state the paths share
+/// (the agreed peer-mapping eligibility, the FI_HMEM registrations) and every path's own (staging
+/// memory, IPC mappings, stream-ordered workspaces, ...). One per (communicator, device) pair;
+/// [`GpuCommState::bind`] gives the collectives.
 pub struct GpuCommState {
     cfg: GpuCommConfig,
-    staging: Option<Staging>,
-    ipc: ipc::IpcState,
-    oneshot: oneshot::OneShot,
-    hier: hier::HierState,
+    peers: peer_mapped::PeerAccess,
+    #[cfg(feature = "ofi")]
+    regs: p2p::Registrations,
+    paths: Paths,
     /// Collective calls other than send/recv.
     calls: u64,
-    #[cfg(feature = "ofi")]
-    direct: direct::DirectState,
 }
 
 impl GpuCommState {
@@ -133,13 +109,11 @@ impl GpuCommState {
     pub fn new(cfg: GpuCommConfig) -> Self {
         GpuCommState {
             cfg,
-            staging: None,
-            ipc: ipc::IpcState::default(),
-            oneshot: oneshot::OneShot::default(),
-            hier: hier::HierState::default(),
-            calls: 0,
+            peers: peer_mapped::PeerAccess::default(),
             #[cfg(feature = "ofi")]
-            direct: direct::DirectState::default(),
+            regs: p2p::Registrations::default(),
+            paths: Paths::default(),
+            calls: 0,
         }
     }
 
@@ -150,12 +124,12 @@ impl GpuCommState {
 
     /// (calls that took the IPC path, collective calls other than send/recv) so far.
     pub fn path_counts(&self) -> (u64, u64) {
-        (self.ipc.ipc_calls(), self.calls)
+        (self.paths.ipc.ipc_calls(), self.calls)
     }
 
     /// Calls that took the stream-ordered path so far.
     pub fn stream_ordered_calls(&self) -> u64 {
-        self.oneshot.calls()
+        self.paths.oneshot.calls()
     }
 
     /// Collective: waits for this rank's queued device collectives and returns an error on every
@@ -163,20 +137,20 @@ impl GpuCommState {
     /// different collective), naming the rank, the peer and the calls. The training step runs it
     /// once per step before applying an update; results of calls after a failure are unusable.
     pub fn check(&mut self, comm: &Communicator, dev: &Device) -> Result<()> {
-        self.oneshot.check(comm, dev)?;
-        self.hier.check(dev)
+        self.paths.oneshot.check(comm, dev)?;
+        self.paths.hier.check(dev)
     }
 
     /// All-reduces that ran in three stages across nodes (within, between, within) so far.
     pub fn hierarchical_calls(&self) -> u64 {
-        self.hier.calls()
+        self.paths.hier.calls()
     }
 
     /// Collective calls that ran as FI_HMEM rings (device memory to device memory across links)
     /// so far.
     pub fn ring_calls(&self) -> u64 {
         #[cfg(feature = "ofi")]
-        return self.direct.ring_calls();
+        return self.paths.ring.calls();
         #[cfg(not(feature = "ofi"))]
         0
     }
@@ -184,7 +158,7 @@ impl GpuCommState {
     /// (send/recv calls posted straight from/to the device buffer, send/recv calls staged) so far.
     pub fn direct_counts(&self) -> (u64, u64) {
         #[cfg(feature = "ofi")]
-        return self.direct.counts();
+        return self.paths.p2p.counts();
         #[cfg(not(feature = "ofi"))]
         (0, 0)
     }
@@ -195,11 +169,11 @@ impl GpuCommState {
     /// allocation, nor may a new allocation inherit a registration. The stream-ordered
     /// workspaces are freed too (set up again by the next call).
     pub fn release_mappings(&mut self, comm: &Communicator, dev: &Device) -> Result<()> {
-        self.hier.release(dev)?;
-        self.oneshot.release(comm, dev)?;
-        self.ipc.release(dev)?;
+        self.paths.hier.release(dev)?;
+        self.paths.oneshot.release(comm, dev)?;
+        self.paths.ipc.release(dev)?;
         #[cfg(feature = "ofi")]
-        self.direct.release();
+        self.regs.clear();
         comm.barrier()
     }
 }
@@ -253,8 +227,8 @@ fn check_rank(op: &str, what: &str, r: usize, comm: &Communicator) -> Result<()>
     Ok(())
 }
 
-/// One collective as both paths see it.
-#[derive(Clone, Copy)]
+/// One operation as the paths see it (its operator, root or peer included).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Op {
     AllReduce(ReduceOp),
     Broadcast(usize),
@@ -262,6 +236,31 @@ pub(crate) enum Op {
     ReduceScatter(ReduceOp),
     AllGather,
     AllToAll,
+    /// Send to a member (its buffer is only read).
+    Send(usize),
+    /// Receive from a member.
+    Recv(usize),
+}
+
+impl Op {
+    /// The operation's name, as the host API spells it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce(_) => "all_reduce",
+            Op::Broadcast(_) => "broadcast",
+            Op::Reduce(..) => "reduce",
+            Op::ReduceScatter(_) => "reduce_scatter",
+            Op::AllGather => "all_gather",
+            Op::AllToAll => "all_to_all",
+            Op::Send(_) => "send",
+            Op::Recv(_) => "recv",
+        }
+    }
+
+    /// Send or receive (not a collective: not counted, other paths).
+    pub(crate) fn is_p2p(self) -> bool {
+        matches!(self, Op::Send(_) | Op::Recv(_))
+    }
 }
 
 /// The collectives of one communicator on one device's buffers. Counts are elements of `dtype`;
@@ -331,11 +330,7 @@ impl DeviceCollectives<'_> {
     pub fn send(&mut self, buf: &DeviceBuffer, n: usize, dtype: DType, peer: usize) -> Result<()> {
         self.check_peer("send", peer)?;
         check_buf("send", "buf", self.dev, buf, n, dtype)?;
-        #[cfg(feature = "ofi")]
-        if self.state.direct.try_p2p(self.state.cfg.gpu_direct, self.comm, self.dev, &mut Bufs::ReadOnly(buf), n, dtype, peer)? {
-            return Ok(());
-        }
-        self.flat(Bufs::ReadOnly(buf), n, dtype, (true, false), &|r| HostCall::Send(r, peer))
+        self.run(Op::Send(peer), Bufs::ReadOnly(buf), n, dtype)
     }
 
     /// Receives `n` elements from member `peer` into the start of `buf`. Direct over libfabric
@@ -343,11 +338,7 @@ impl DeviceCollectives<'_> {
     pub fn recv_into(&mut self, buf: &mut DeviceBuffer, n: usize, dtype: DType, peer: usize) -> Result<()> {
         self.check_peer("recv", peer)?;
         check_buf("recv", "buf", self.dev, buf, n, dtype)?;
-        #[cfg(feature = "ofi")]
-        if self.state.direct.try_p2p(self.state.cfg.gpu_direct, self.comm, self.dev, &mut Bufs::InPlace(buf), n, dtype, peer)? {
-            return Ok(());
-        }
-        self.flat(Bufs::InPlace(buf), n, dtype, (false, true), &|r| HostCall::Recv(r, peer))
+        self.run(Op::Recv(peer), Bufs::InPlace(buf), n, dtype)
     }
 
     fn check_peer(&self, op: &str, peer: usize) -> Result<()> {
@@ -358,141 +349,20 @@ impl DeviceCollectives<'_> {
         Ok(())
     }
 
-    /// Runs one collective on the path chosen for it.
-    fn run(&mut self, op: Op, mut bufs: Bufs, n: usize, dtype: DType) -> Result<()> {
-        let (comm, dev, st) = (self.comm, self.dev, &mut *self.state);
-        st.calls += 1;
-        let cap = if st.cfg.ipc == GpuIpc::Off { 0 } else { st.cfg.oneshot_bytes };
-        let ipc = &mut st.ipc;
-        if st.oneshot.try_call(cap, || ipc.eligible(comm, dev), comm, dev, op, &mut bufs, n, dtype)? {
-            return Ok(());
-        }
-        if self.state.ipc.try_call(&self.state.cfg, comm, dev, op, &mut bufs, n, dtype)? {
-            return Ok(());
-        }
+    /// Runs one call on the path [`path::order`] chooses for it.
+    fn run(&mut self, op: Op, bufs: Bufs, n: usize, dtype: DType) -> Result<()> {
         let st = &mut *self.state;
-        if st.hier.try_all_reduce(&st.cfg, comm, dev, op, &mut bufs, n, dtype)? {
-            return Ok(());
+        if !op.is_p2p() {
+            st.calls += 1;
         }
-        #[cfg(feature = "ofi")]
-        {
-            let (st, cfg) = (&mut self.state.direct, &self.state.cfg);
-            if st.ring.try_call(&mut st.regs, cfg.gpu_direct, cfg.stage_chunk, comm, dev, op, &mut bufs, n, dtype)? {
-                return Ok(());
-            }
-        }
-        self.run_staged(op, bufs, n, dtype)
-    }
-
-    fn run_staged(&mut self, op: Op, bufs: Bufs, n: usize, dtype: DType) -> Result<()> {
-        let (k, me, es, chunk) = (self.comm.size(), self.comm.rank(), dtype.size(), self.state.cfg.stage_chunk);
-        match op {
-            Op::AllReduce(o) => self.flat(bufs, n, dtype, (true, true), &|r| HostCall::AllReduce(r, o)),
-            Op::Broadcast(root) => self.flat(bufs, n, dtype, (me == root, me != root), &|r| HostCall::Broadcast(r, root)),
-            Op::Reduce(o, root) => self.flat(bufs, n, dtype, (true, me == root), &|r| HostCall::Reduce(r, o, root)),
-            Op::ReduceScatter(o) => self.reduce_scatter_staged(bufs, Blocked::new(n, k, es, chunk), dtype, o),
-            Op::AllGather => self.all_gather_staged(bufs, Blocked::new(n, k, es, chunk), dtype),
-            Op::AllToAll => self.all_to_all_staged(bufs, Blocked::new(n, k, es, chunk), dtype),
-        }
-    }
-
-    /// A staged call on the whole element range, chunk by chunk: `(down, up)` says whether this
-    /// rank downloads its input and uploads the result; `call` makes the host call of a chunk's
-    /// slot bytes.
-    fn flat(
-        &mut self,
-        bufs: Bufs,
-        n: usize,
-        dtype: DType,
-        (down, up): (bool, bool),
-        call: &dyn Fn(Range<usize>) -> HostCall,
-    ) -> Result<()> {
-        let flat = &Flat::new(n, dtype.size(), self.state.cfg.stage_chunk);
-        let copy = |on: bool| {
-            move |c: usize, out: &mut Vec<_>| {
-                if on {
-                    flat.copy(c, out)
-                }
-            }
+        let mut cx = PathCtx {
+            comm: self.comm,
+            dev: self.dev,
+            cfg: &st.cfg,
+            peers: &mut st.peers,
+            #[cfg(feature = "ofi")]
+            regs: &mut st.regs,
         };
-        let plan = Plan {
-            chunks: flat.chunks(),
-            slot_bytes: flat.per * flat.esize,
-            down: copy(down),
-            host: |c: usize| call(0..flat.bytes(c).len()),
-            up: copy(up),
-        };
-        self.staged(bufs, dtype, plan)
-    }
-
-    fn reduce_scatter_staged(&mut self, bufs: Bufs, blk: Blocked, dtype: DType, op: ReduceOp) -> Result<()> {
-        let (me, out_at) = (self.comm.rank(), blk.all_bytes());
-        let mine = |c: usize| blk.piece(me, c);
-        let plan = Plan {
-            chunks: blk.chunks(),
-            slot_bytes: out_at + blk.m * blk.esize,
-            down: |c: usize, out: &mut Vec<_>| {
-                out.extend((0..blk.k).map(|b| (blk.piece_bytes(b, c).start, blk.packed_at(b, c), blk.piece_bytes(b, c).len())))
-            },
-            host: |c: usize| HostCall::ReduceScatter {
-                input: 0..blk.packed_bytes(c),
-                output: out_at..out_at + mine(c).len() * blk.esize,
-                op,
-            },
-            up: |c: usize, out: &mut Vec<_>| out.push((mine(c).start * blk.esize, out_at, mine(c).len() * blk.esize)),
-        };
-        self.staged(bufs, dtype, plan)
-    }
-
-    fn all_gather_staged(&mut self, bufs: Bufs, blk: Blocked, dtype: DType) -> Result<()> {
-        let (me, out_at) = (self.comm.rank(), blk.m * blk.esize);
-        let mine = |c: usize| blk.piece(me, c);
-        let plan = Plan {
-            chunks: blk.chunks(),
-            slot_bytes: out_at + blk.all_bytes(),
-            down: |c: usize, out: &mut Vec<_>| out.push((mine(c).start * blk.esize, 0, mine(c).len() * blk.esize)),
-            host: |c: usize| HostCall::AllGather {
-                input: 0..mine(c).len() * blk.esize,
-                output: out_at..out_at + blk.packed_bytes(c),
-            },
-            up: |c: usize, out: &mut Vec<_>| {
-                out.extend((0..blk.k).map(|b| (blk.piece_bytes(b, c).start, out_at + blk.packed_at(b, c), blk.piece_bytes(b, c).len())))
-            },
-        };
-        self.staged(bufs, dtype, plan)
-    }
-
-    fn all_to_all_staged(&mut self, bufs: Bufs, blk: Blocked, dtype: DType) -> Result<()> {
-        let (me, k, es, out_at) = (self.comm.rank(), blk.k, blk.esize, blk.all_bytes());
-        let slot_len = block_range(blk.n, k, me).len();
-        let mine = |c: usize| blk.piece(me, c);
-        let plan = Plan {
-            chunks: blk.chunks(),
-            slot_bytes: 2 * out_at,
-            down: |c: usize, out: &mut Vec<_>| {
-                out.extend((0..k).map(|b| (blk.piece_bytes(b, c).start, blk.packed_at(b, c), blk.piece_bytes(b, c).len())))
-            },
-            host: |c: usize| HostCall::AllToAll { input: 0..blk.packed_bytes(c), output: out_at..out_at + k * mine(c).len() * es },
-            up: |c: usize, out: &mut Vec<_>| {
-                let p = mine(c);
-                out.extend((0..k).map(|s| ((s * slot_len + p.start) * es, out_at + s * p.len() * es, p.len() * es)))
-            },
-        };
-        self.staged(bufs, dtype, plan)
-    }
-
-    /// Runs a staged plan, growing the staging memory to what it needs first.
-    fn staged<D, H, U>(&mut self, mut bufs: Bufs, dtype: DType, plan: Plan<D, H, U>) -> Result<()>
-    where
-        D: Fn(usize, &mut Vec<(usize, usize, usize)>),
-        H: Fn(usize) -> HostCall,
-        U: Fn(usize, &mut Vec<(usize, usize, usize)>),
-    {
-        if self.state.staging.as_ref().is_none_or(|s| s.slot_bytes() < plan.slot_bytes) {
-            self.state.staging = None;
-            self.state.staging = Some(Staging::new(self.dev, plan.slot_bytes)?);
-        }
-        let stage = self.state.staging.as_mut().expect("allocated above");
-        pipeline(self.comm, self.dev, stage, dtype, &mut bufs, plan)
+        st.paths.run(&mut cx, DeviceCall { op, bufs, n, dtype })
     }
 }

@@ -1,9 +1,9 @@
 //! Path 0: stream-ordered device collectives for small calls (the tensor- and sequence-parallel
 //! all-reduces, all-gathers and reduce-scatters of every layer), between GPUs of one node.
 //!
-//! Why: the IPC path ([`super::ipc`]) synchronizes the stream and runs host agreement rounds in
-//! every call (export, phase ends), a few hundred microseconds that dominate a call of a few
-//! kilobytes. Here a call only queues work on the caller's stream and returns: no host thread
+//! Why: the IPC path ([`super::peer_mapped`]) synchronizes the stream and runs host agreement
+//! rounds in every call (export, phase ends), a few hundred microseconds that dominate a call of a
+//! few kilobytes. Here a call only queues work on the caller's stream and returns: no host thread
 //! waits, no host message is sent.
 //!
 //! How: once per state (collectively), every rank allocates a shareable workspace, its peers map
@@ -35,7 +35,8 @@
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::comm::device::{Bufs, Op};
+use super::path::{DeviceCall, DevicePath, PathCtx};
+use crate::comm::device::{Bufs, GpuIpc, Op};
 use crate::comm::{block_range, Communicator, DType, ReduceOp};
 use crate::device::ipc::{self as dipc, Mapping};
 use crate::device::{ops, Device, DeviceBuffer, KernelArg, LaunchDims};
@@ -60,6 +61,8 @@ fn fingerprint(op: Op, n: usize, dtype: DType) -> u64 {
         Op::ReduceScatter(o) => (4, Some(o), 0),
         Op::AllGather => (5, None, 0),
         Op::AllToAll => (6, None, 0),
+        // Never on this path ([`super::path::order`]); numbered so that the print stays total.
+        Op::Send(p) | Op::Recv(p) => (7, None, p),
     };
     let rop = rop.map_or(0, |o| 1 + ReduceOp::ALL.iter().position(|x| *x == o).unwrap_or(7) as u64);
     let dt = DType::ALL.iter().position(|d| *d == dtype).unwrap_or(7) as u64;
@@ -68,8 +71,8 @@ fn fingerprint(op: Op, n: usize, dtype: DType) -> u64 {
 
 /// `fingerprint` in words ("all_reduce sum of 4096 f32").
 fn describe(fp: u64) -> String {
-    const OPS: [&str; 7] = ["?", "all_reduce", "broadcast", "reduce", "reduce_scatter", "all_gather", "all_to_all"];
-    let op = OPS[(fp >> 61) as usize % 7];
+    const OPS: [&str; 8] = ["?", "all_reduce", "broadcast", "reduce", "reduce_scatter", "all_gather", "all_to_all", "send/recv"];
+    let op = OPS[(fp >> 61) as usize];
     let rop = match (fp >> 58) & 7 {
         0 => String::new(),
         r => ReduceOp::ALL.get(r as usize - 1).map_or("?".into(), |o| format!(" {}", o.name())),
@@ -120,41 +123,6 @@ impl OneShot {
         self.calls
     }
 
-    /// Runs `op` here when it applies: `Ok(false)` sends the caller to the other paths (decided
-    /// identically on every rank). `usable` says whether peer mapping is allowed and eligible.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn try_call(
-        &mut self,
-        cap: usize,
-        usable: impl FnOnce() -> Result<bool>,
-        comm: &Communicator,
-        dev: &Device,
-        op: Op,
-        bufs: &mut Bufs,
-        n: usize,
-        dtype: DType,
-    ) -> Result<bool> {
-        if let Some(why) = &self.failed {
-            return Err(Error::Device(why.clone()));
-        }
-        let k = comm.size();
-        if cap == 0 || k == 1 || n == 0 || publish_bytes(op, n, k, dtype) > cap || matches!(dev, Device::Cpu) {
-            return Ok(false);
-        }
-        if self.ready.is_none() {
-            let ready = if usable()? { setup(comm, dev, cap)? } else { None };
-            self.ready = Some(ready);
-        }
-        let Some(Some(r)) = &mut self.ready else { return Ok(false) };
-        if publish_bytes(op, n, k, dtype) > r.cap {
-            return Ok(false);
-        }
-        r.seq += 1;
-        r.call(comm, dev, op, bufs, n, dtype)?;
-        self.calls += 1;
-        Ok(true)
-    }
-
     /// Collective: waits for this rank's queued calls, then every rank learns whether any call
     /// failed anywhere; an error names the failing rank, its peer and both calls.
     pub(crate) fn check(&mut self, comm: &Communicator, dev: &Device) -> Result<()> {
@@ -190,6 +158,37 @@ impl OneShot {
         }
         self.ready = None;
         Ok(())
+    }
+}
+
+impl DevicePath for OneShot {
+    fn name(&self) -> &'static str {
+        "stream-ordered"
+    }
+
+    /// Runs the call here when it is small enough and the members may map each other's memory
+    /// (decided identically on every rank; the first such call sets the workspaces up).
+    fn try_call(&mut self, cx: &mut PathCtx, call: &mut DeviceCall) -> Result<bool> {
+        if let Some(why) = &self.failed {
+            return Err(Error::Device(why.clone()));
+        }
+        let (k, op, n, dtype) = (cx.comm.size(), call.op, call.n, call.dtype);
+        let cap = if cx.cfg.ipc == GpuIpc::Off { 0 } else { cx.cfg.oneshot_bytes };
+        if cap == 0 || k == 1 || n == 0 || op.is_p2p() || publish_bytes(op, n, k, dtype) > cap || matches!(cx.dev, Device::Cpu) {
+            return Ok(false);
+        }
+        if self.ready.is_none() {
+            let ready = if cx.peers.eligible(cx.comm, cx.dev)? { setup(cx.comm, cx.dev, cap)? } else { None };
+            self.ready = Some(ready);
+        }
+        let Some(Some(r)) = &mut self.ready else { return Ok(false) };
+        if publish_bytes(op, n, k, dtype) > r.cap {
+            return Ok(false);
+        }
+        r.seq += 1;
+        r.call(cx.comm, cx.dev, call)?;
+        self.calls += 1;
+        Ok(true)
     }
 }
 
@@ -281,7 +280,8 @@ impl Ready {
     }
 
     /// One call: publish, signal, wait, compute (all queued on the stream).
-    fn call(&mut self, comm: &Communicator, dev: &Device, op: Op, bufs: &mut Bufs, n: usize, dtype: DType) -> Result<()> {
+    fn call(&mut self, comm: &Communicator, dev: &Device, call: &mut DeviceCall) -> Result<()> {
+        let (op, n, dtype) = (call.op, call.n, call.dtype);
         let (k, me, es) = (comm.size(), comm.rank(), dtype.size());
         let parity = (self.seq % 2) as usize;
         let fp = fingerprint(op, n, dtype);
@@ -293,7 +293,7 @@ impl Ready {
         if publish > 0 {
             let s = self.slot(parity);
             let mut dst = dipc::part_mut(&mut self.workspace, s.start..s.start + publish)?;
-            dev.copy_on_device(&mut dst, &*dipc::part(bufs.input()?, 0..publish)?)?;
+            dev.copy_on_device(&mut dst, &*dipc::part(call.bufs.input()?, 0..publish)?)?;
         }
         let one = LaunchDims::linear(1, 64);
         let (par, seq) = (parity as i32, self.seq);
@@ -309,29 +309,46 @@ impl Ready {
             KernelArg::BufAt(&self.workspace, ERROR_AT),
         ];
         dev.launch("oneshot_wait", wait, &args)?;
-        self.compute(me, k, dev, op, bufs, n, dtype, parity)
+        Slots { ready: self, dev, me, k, dtype, parity }.compute(call)
+    }
+}
+
+/// The published slots of one call, as this rank reads them.
+struct Slots<'r> {
+    ready: &'r Ready,
+    dev: &'r Device,
+    me: usize,
+    k: usize,
+    dtype: DType,
+    /// Which slot of every workspace the call uses.
+    parity: usize,
+}
+
+impl Slots<'_> {
+    /// Bytes `range` of rank `p`'s slot.
+    fn of(&self, p: usize, range: Range<usize>) -> Result<dipc::Borrowed<'_>> {
+        self.ready.peer_slot(self.me, p, self.parity, range)
     }
 
     /// The kernels that read the published slots.
-    #[allow(clippy::too_many_arguments)]
-    fn compute(&self, me: usize, k: usize, dev: &Device, op: Op, bufs: &mut Bufs, n: usize, dtype: DType, parity: usize) -> Result<()> {
-        let es = dtype.size();
+    fn compute(&self, call: &mut DeviceCall) -> Result<()> {
+        let (me, k, dev, n, es) = (self.me, self.k, self.dev, call.n, self.dtype.size());
         let block = |b: usize| {
             let r = block_range(n, k, b);
             r.start * es..r.end * es
         };
-        match (op, bufs) {
-            (Op::AllReduce(o), Bufs::InPlace(buf)) => self.reduce_all(me, k, dev, dtype, o, buf, 0..n * es, parity),
-            (Op::Reduce(o, root), Bufs::InPlace(buf)) if root == me => self.reduce_all(me, k, dev, dtype, o, buf, 0..n * es, parity),
+        match (call.op, &mut call.bufs) {
+            (Op::AllReduce(o), Bufs::InPlace(buf)) => self.reduce_all(o, buf, 0..n * es),
+            (Op::Reduce(o, root), Bufs::InPlace(buf)) if root == me => self.reduce_all(o, buf, 0..n * es),
             (Op::Reduce(..), Bufs::InPlace(_)) => Ok(()),
             (Op::Broadcast(root), Bufs::InPlace(buf)) if root != me => {
-                dev.copy_on_device(&mut *dipc::part_mut(buf, 0..n * es)?, &*self.peer_slot(me, root, parity, 0..n * es)?)
+                dev.copy_on_device(&mut *dipc::part_mut(buf, 0..n * es)?, &*self.of(root, 0..n * es)?)
             }
             (Op::Broadcast(_), Bufs::InPlace(_)) => Ok(()),
-            (Op::ReduceScatter(o), Bufs::Split(_, recv)) => self.reduce_all(me, k, dev, dtype, o, recv, block(me), parity),
+            (Op::ReduceScatter(o), Bufs::Split(_, recv)) => self.reduce_all(o, recv, block(me)),
             (Op::AllGather, Bufs::Split(_, recv)) => (0..k).filter(|&p| !block(p).is_empty()).try_for_each(|p| {
                 let len = block(p).len();
-                dev.copy_on_device(&mut *dipc::part_mut(recv, block(p))?, &*self.peer_slot(me, p, parity, 0..len)?)
+                dev.copy_on_device(&mut *dipc::part_mut(recv, block(p))?, &*self.of(p, 0..len)?)
             }),
             (Op::AllToAll, Bufs::Split(_, recv)) => {
                 let mine = block(me);
@@ -340,7 +357,7 @@ impl Ready {
                 }
                 (0..k).try_for_each(|s| {
                     let dst = s * mine.len()..(s + 1) * mine.len();
-                    dev.copy_on_device(&mut *dipc::part_mut(recv, dst)?, &*self.peer_slot(me, s, parity, mine.clone())?)
+                    dev.copy_on_device(&mut *dipc::part_mut(recv, dst)?, &*self.of(s, mine.clone())?)
                 })
             }
             _ => Err(Error::InvalidArgument("oneshot: buffers do not match the collective".into())),
@@ -348,24 +365,14 @@ impl Ready {
     }
 
     /// `out[0..range.len()]` = the ranks' slot bytes `range` combined in rank order.
-    #[allow(clippy::too_many_arguments)]
-    fn reduce_all(
-        &self,
-        me: usize,
-        k: usize,
-        dev: &Device,
-        dtype: DType,
-        op: ReduceOp,
-        out: &mut DeviceBuffer,
-        range: Range<usize>,
-        parity: usize,
-    ) -> Result<()> {
+    fn reduce_all(&self, op: ReduceOp, out: &mut DeviceBuffer, range: Range<usize>) -> Result<()> {
         if range.is_empty() {
             return Ok(());
         }
+        let (dev, dtype, k) = (self.dev, self.dtype, self.k);
         let elems = range.len() / dtype.size();
         let mut acc = dipc::part_mut(out, 0..range.len())?;
-        let slot = |p: usize| self.peer_slot(me, p, parity, range.clone());
+        let slot = |p: usize| self.of(p, range.clone());
         ops::reduce(dev, dtype, op, &mut acc, &*slot(0)?, &*slot(1)?, elems)?;
         for p in 2..k {
             ops::reduce_into(dev, dtype, op, &mut acc, &*slot(p)?, elems)?;

@@ -16,10 +16,13 @@
 //! longer first, so they are exactly the `block_range` blocks of their concatenation, and the host
 //! collective on the concatenation moves each piece where the whole call would have. The chunk
 //! count depends only on (n, ranks, element size, chunk size), the same on every rank.
+//!
+//! As a path ([`Staged`]) it takes every call, so it is the last of every [`super::path::order`].
 
 use std::ops::Range;
 
-use crate::comm::device::Bufs;
+use super::path::{DeviceCall, DevicePath, PathCtx};
+use crate::comm::device::{Bufs, Op};
 use crate::comm::{block_range, Communicator, DType, Element, ReduceOp};
 use crate::device::pinned::Staging;
 use crate::device::Device;
@@ -139,6 +142,136 @@ where
     }
     stage.wait(dev, 0)?;
     stage.wait(dev, 1)
+}
+
+/// The staged path: the staging memory (grown to the largest plan so far) and the plans of every
+/// operation.
+#[derive(Default)]
+pub(crate) struct Staged {
+    staging: Option<Staging>,
+}
+
+impl DevicePath for Staged {
+    fn name(&self) -> &'static str {
+        "staged"
+    }
+
+    fn try_call(&mut self, cx: &mut PathCtx, call: &mut DeviceCall) -> Result<bool> {
+        let (k, me, es, chunk) = (cx.comm.size(), cx.comm.rank(), call.dtype.size(), cx.cfg.stage_chunk);
+        let blocked = Blocked::new(call.n, k, es, chunk);
+        match call.op {
+            Op::AllReduce(o) => self.flat(cx, call, (true, true), &|r| HostCall::AllReduce(r, o)),
+            Op::Broadcast(root) => self.flat(cx, call, (me == root, me != root), &|r| HostCall::Broadcast(r, root)),
+            Op::Reduce(o, root) => self.flat(cx, call, (true, me == root), &|r| HostCall::Reduce(r, o, root)),
+            Op::Send(peer) => self.flat(cx, call, (true, false), &|r| HostCall::Send(r, peer)),
+            Op::Recv(peer) => self.flat(cx, call, (false, true), &|r| HostCall::Recv(r, peer)),
+            Op::ReduceScatter(o) => self.reduce_scatter(cx, call, blocked, o),
+            Op::AllGather => self.all_gather(cx, call, blocked),
+            Op::AllToAll => self.all_to_all(cx, call, blocked),
+        }?;
+        Ok(true)
+    }
+}
+
+impl Staged {
+    /// A staged call on the whole element range, chunk by chunk: `(down, up)` says whether this
+    /// rank downloads its input and uploads the result; `host` makes the host call of a chunk's
+    /// slot bytes.
+    fn flat(
+        &mut self,
+        cx: &PathCtx,
+        call: &mut DeviceCall,
+        (down, up): (bool, bool),
+        host: &dyn Fn(Range<usize>) -> HostCall,
+    ) -> Result<()> {
+        let flat = &Flat::new(call.n, call.dtype.size(), cx.cfg.stage_chunk);
+        let copy = |on: bool| {
+            move |c: usize, out: &mut Vec<_>| {
+                if on {
+                    flat.copy(c, out)
+                }
+            }
+        };
+        let plan = Plan {
+            chunks: flat.chunks(),
+            slot_bytes: flat.per * flat.esize,
+            down: copy(down),
+            host: |c: usize| host(0..flat.bytes(c).len()),
+            up: copy(up),
+        };
+        self.stage(cx, call, plan)
+    }
+
+    fn reduce_scatter(&mut self, cx: &PathCtx, call: &mut DeviceCall, blk: Blocked, op: ReduceOp) -> Result<()> {
+        let (me, out_at) = (cx.comm.rank(), blk.all_bytes());
+        let mine = |c: usize| blk.piece(me, c);
+        let plan = Plan {
+            chunks: blk.chunks(),
+            slot_bytes: out_at + blk.m * blk.esize,
+            down: |c: usize, out: &mut Vec<_>| {
+                out.extend((0..blk.k).map(|b| (blk.piece_bytes(b, c).start, blk.packed_at(b, c), blk.piece_bytes(b, c).len())))
+            },
+            host: |c: usize| HostCall::ReduceScatter {
+                input: 0..blk.packed_bytes(c),
+                output: out_at..out_at + mine(c).len() * blk.esize,
+                op,
+            },
+            up: |c: usize, out: &mut Vec<_>| out.push((mine(c).start * blk.esize, out_at, mine(c).len() * blk.esize)),
+        };
+        self.stage(cx, call, plan)
+    }
+
+    fn all_gather(&mut self, cx: &PathCtx, call: &mut DeviceCall, blk: Blocked) -> Result<()> {
+        let (me, out_at) = (cx.comm.rank(), blk.m * blk.esize);
+        let mine = |c: usize| blk.piece(me, c);
+        let plan = Plan {
+            chunks: blk.chunks(),
+            slot_bytes: out_at + blk.all_bytes(),
+            down: |c: usize, out: &mut Vec<_>| out.push((mine(c).start * blk.esize, 0, mine(c).len() * blk.esize)),
+            host: |c: usize| HostCall::AllGather {
+                input: 0..mine(c).len() * blk.esize,
+                output: out_at..out_at + blk.packed_bytes(c),
+            },
+            up: |c: usize, out: &mut Vec<_>| {
+                out.extend((0..blk.k).map(|b| (blk.piece_bytes(b, c).start, out_at + blk.packed_at(b, c), blk.piece_bytes(b, c).len())))
+            },
+        };
+        self.stage(cx, call, plan)
+    }
+
+    fn all_to_all(&mut self, cx: &PathCtx, call: &mut DeviceCall, blk: Blocked) -> Result<()> {
+        let (me, k, es, out_at) = (cx.comm.rank(), blk.k, blk.esize, blk.all_bytes());
+        let slot_len = block_range(blk.n, k, me).len();
+        let mine = |c: usize| blk.piece(me, c);
+        let plan = Plan {
+            chunks: blk.chunks(),
+            slot_bytes: 2 * out_at,
+            down: |c: usize, out: &mut Vec<_>| {
+                out.extend((0..k).map(|b| (blk.piece_bytes(b, c).start, blk.packed_at(b, c), blk.piece_bytes(b, c).len())))
+            },
+            host: |c: usize| HostCall::AllToAll { input: 0..blk.packed_bytes(c), output: out_at..out_at + k * mine(c).len() * es },
+            up: |c: usize, out: &mut Vec<_>| {
+                let p = mine(c);
+                out.extend((0..k).map(|s| ((s * slot_len + p.start) * es, out_at + s * p.len() * es, p.len() * es)))
+            },
+        };
+        self.stage(cx, call, plan)
+    }
+
+    /// Runs a plan, growing the staging memory to what it needs first.
+    fn stage<D, H, U>(&mut self, cx: &PathCtx, call: &mut DeviceCall, plan: Plan<D, H, U>) -> Result<()>
+    where
+        D: Fn(usize, &mut Vec<(usize, usize, usize)>),
+        H: Fn(usize) -> HostCall,
+        U: Fn(usize, &mut Vec<(usize, usize, usize)>),
+    {
+        if self.staging.as_ref().is_none_or(|s| s.slot_bytes() < plan.slot_bytes) {
+            self.staging = None;
+            self.staging = Some(Staging::new(cx.dev, plan.slot_bytes)?);
+        }
+        let stage = self.staging.as_mut().expect("allocated above");
+        pipeline(cx.comm, cx.dev, stage, call.dtype, &mut call.bufs, plan)
+    }
 }
 
 /// Chunks of a flat `n`-element call: `per` elements each (the last may be shorter).

@@ -8,15 +8,17 @@
 //! is a configuration error naming the variable and why. The choice is logged once per
 //! (communicator state, peer, direction).
 //!
-//! Registrations are cached per (address, length) of the buffer and closed when the state is
-//! dropped or [`DirectState::release`] runs (which [`super::GpuCommState::release_mappings`]
-//! calls): as for IPC mappings, release them before freeing buffers that device send/recv used,
-//! since a new allocation at the same address must not inherit an old registration.
+//! Registrations ([`Registrations`], shared with the FI_HMEM rings) are cached per (address,
+//! length) of the buffer and closed when the state is dropped or
+//! [`super::GpuCommState::release_mappings`] runs: as for IPC mappings, release them before
+//! freeing buffers that device send/recv used, since a new allocation at the same address must
+//! not inherit an old registration.
 
 use std::collections::{HashMap, HashSet};
 
-use crate::comm::device::Bufs;
-use crate::comm::{Communicator, DType};
+use super::path::{DeviceCall, DevicePath, PathCtx};
+use crate::comm::device::{Bufs, Op};
+use crate::comm::Communicator;
 use crate::device::{Device, DeviceBuffer};
 use crate::error::{Error, Result};
 use crate::transport::select::GpuDirect;
@@ -75,47 +77,44 @@ impl Registrations {
     }
 }
 
-/// The direct path's state of one (communicator, device) pair.
+/// The point-to-point direct path's state of one (communicator, device) pair (the registrations
+/// are shared with the rings: [`PathCtx::regs`]).
 #[derive(Default)]
-pub(crate) struct DirectState {
-    pub(crate) regs: Registrations,
-    pub(crate) ring: super::fabric_ring::RingState,
+pub(crate) struct P2pState {
     logged: HashSet<(usize, Dir)>,
     direct: u64,
     staged: u64,
 }
 
-impl DirectState {
+impl P2pState {
     /// (send/recv calls that went direct, send/recv calls staged) so far.
     pub(crate) fn counts(&self) -> (u64, u64) {
         (self.direct, self.staged)
     }
 
-    /// Closes every cached registration.
-    pub(crate) fn release(&mut self) {
-        self.regs.clear();
+    fn staged(&mut self, comm: &Communicator, peer: usize, dir: Dir, why: &str) {
+        self.staged += 1;
+        if self.logged.insert((peer, dir)) {
+            log::info!("device {} rank {}: staged ({why})", dir.phrase(), comm.world_rank(peer));
+        }
+    }
+}
+
+impl DevicePath for P2pState {
+    fn name(&self) -> &'static str {
+        "p2p"
     }
 
-    /// Collective calls that ran as FI_HMEM rings so far.
-    pub(crate) fn ring_calls(&self) -> u64 {
-        self.ring.calls()
-    }
-
-    /// Sends (`Bufs::ReadOnly`) or receives (`Bufs::InPlace`) the first `count` elements of the
-    /// buffer to or from member `peer` directly when the link allows; `Ok(false)`: the caller
-    /// stages the call instead.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn try_p2p(
-        &mut self,
-        mode: GpuDirect,
-        comm: &Communicator,
-        dev: &Device,
-        buf: &mut Bufs,
-        count: usize,
-        dtype: DType,
-        peer: usize,
-    ) -> Result<bool> {
-        let dir = if matches!(buf, Bufs::ReadOnly(_)) { Dir::Send } else { Dir::Recv };
+    /// Sends (`Op::Send`, a read-only buffer) or receives (`Op::Recv`) the first `n` elements of
+    /// the buffer to or from the peer directly when the link allows; `Ok(false)`: the next path
+    /// (staged) runs the call instead.
+    fn try_call(&mut self, cx: &mut PathCtx, call: &mut DeviceCall) -> Result<bool> {
+        let (dir, peer) = match call.op {
+            Op::Send(peer) => (Dir::Send, peer),
+            Op::Recv(peer) => (Dir::Recv, peer),
+            _ => return Ok(false),
+        };
+        let (comm, dev, regs, mode) = (cx.comm, cx.dev, &mut *cx.regs, cx.cfg.gpu_direct);
         if mode == GpuDirect::Off {
             self.staged(comm, peer, dir, "MESHTRAIN_GPU_DIRECT=off");
             return Ok(false);
@@ -136,16 +135,17 @@ impl DirectState {
             self.staged(comm, peer, dir, &why);
             return Ok(false);
         }
-        let mem = memory(dev, buf)?;
+        let mem = memory(dev, &mut call.bufs)?;
         let (addr, iface) = (mem.0, mem.2);
-        self.regs.ensure(&link, &[mem], &format!("device-direct {} with rank {world}", dir.name()))?;
-        let mr = self.regs.get(&mem)?;
+        regs.ensure(&link, &[mem], &format!("device-direct {} with rank {world}", dir.name()))?;
+        let mr = regs.get(&mem)?;
         // Kernels queued on the buffer (writing what is sent, or reading what a receive
         // overwrites) finish before the NIC touches it.
         dev.synchronize()?;
         if self.logged.insert((peer, dir)) {
             log::info!("device {} rank {world}: FI_HMEM direct (provider {}, iface {})", dir.phrase(), link.provider(), iface.name());
         }
+        let (count, dtype) = (call.n, call.dtype);
         let bytes = count * dtype.size();
         comm.run_direct(dir == Dir::Send, peer, count, dtype, |w| match dir {
             Dir::Send => link.send(mr, addr, bytes, w),
@@ -153,13 +153,6 @@ impl DirectState {
         })?;
         self.direct += 1;
         Ok(true)
-    }
-
-    fn staged(&mut self, comm: &Communicator, peer: usize, dir: Dir, why: &str) {
-        self.staged += 1;
-        if self.logged.insert((peer, dir)) {
-            log::info!("device {} rank {}: staged ({why})", dir.phrase(), comm.world_rank(peer));
-        }
     }
 }
 

@@ -23,7 +23,8 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use crate::comm::device::{Bufs, GpuCommConfig, GpuIpc, Op};
+use super::path::{DeviceCall, DevicePath, PathCtx};
+use crate::comm::device::{Bufs, GpuIpc, Op};
 use crate::comm::{block_range, Communicator, DType, ReduceOp};
 use crate::device::ipc::{self as dipc, Mapping};
 use crate::device::{ops, Device, DeviceBuffer};
@@ -58,11 +59,18 @@ impl Record {
     }
 }
 
-/// Eligibility, the mapping cache and what the last call used.
+/// Whether the members may map each other's device memory: every rank in its own process on
+/// this node's kernel with the same device arm (exchanged once, agreed everywhere). Shared by
+/// this path and the stream-ordered one; a failed mapping here turns it off for both.
+#[derive(Default)]
+pub(crate) struct PeerAccess {
+    /// `None` until checked; then `Err(reason)` when peers' memory cannot be mapped.
+    verdict: Option<std::result::Result<(), String>>,
+}
+
+/// The mapping cache and the call count.
 #[derive(Default)]
 pub(crate) struct IpcState {
-    /// `None` until checked; then `Err(reason)` when the path cannot be used.
-    eligible: Option<std::result::Result<(), String>>,
     /// Peers' allocations mapped here, by (peer, IPC handle).
     cache: HashMap<(usize, [u8; 64]), Mapping>,
     /// Collectives that ran here.
@@ -90,31 +98,19 @@ fn boot_id_hash() -> i64 {
     id.trim().bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)) as i64
 }
 
-impl IpcState {
-    /// Calls that took the IPC path.
-    pub(crate) fn ipc_calls(&self) -> u64 {
-        self.ipc_calls
-    }
-
+impl PeerAccess {
     /// Whether peers' memory may be mapped: a GPU arm (or emu) whose ranks all run on this node,
     /// each in its own process (exchanged once, agreed everywhere; collective on first use).
     pub(crate) fn eligible(&mut self, comm: &Communicator, dev: &Device) -> Result<bool> {
         if matches!(dev, Device::Cpu) || comm.size() == 1 {
             return Ok(false);
         }
-        Ok(self.check_eligible(comm, dev)?.is_ok())
-    }
-
-    /// Closes every cached mapping (after the device finished using them).
-    pub(crate) fn release(&mut self, dev: &Device) -> Result<()> {
-        dev.synchronize()?;
-        self.cache.clear();
-        Ok(())
+        Ok(self.check(comm, dev)?.is_ok())
     }
 
     /// Whether every rank can map every other's memory (exchanged once, agreed everywhere).
-    fn check_eligible(&mut self, comm: &Communicator, dev: &Device) -> Result<std::result::Result<(), String>> {
-        if let Some(e) = &self.eligible {
+    fn check(&mut self, comm: &Communicator, dev: &Device) -> Result<std::result::Result<(), String>> {
+        if let Some(e) = &self.verdict {
             return Ok(e.clone());
         }
         let arm = match dev {
@@ -140,73 +136,34 @@ impl IpcState {
         } else {
             Ok(())
         };
-        self.eligible = Some(verdict.clone());
+        self.verdict = Some(verdict.clone());
         Ok(verdict)
     }
 
-    /// Runs `op` on the IPC path when it applies; `Ok(false)` sends the caller to the staged path
-    /// (decided identically on every rank).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn try_call(
-        &mut self,
-        cfg: &GpuCommConfig,
-        comm: &Communicator,
-        dev: &Device,
-        op: Op,
-        bufs: &mut Bufs,
-        n: usize,
-        dtype: DType,
-    ) -> Result<bool> {
-        if cfg.ipc == GpuIpc::Off {
-            return Ok(false);
-        }
-        if matches!(dev, Device::Cpu) {
-            return match cfg.ipc {
-                GpuIpc::On => Err(forced("the CPU device has no IPC handles (use MESHTRAIN_GPU_IPC=auto or off)")),
-                _ => Ok(false),
-            };
-        }
-        if comm.size() == 1 || n == 0 {
-            return Ok(false);
-        }
-        if let Err(why) = self.check_eligible(comm, dev)? {
-            return if cfg.ipc == GpuIpc::On { Err(forced(&why)) } else { Ok(false) };
-        }
-        let records = match self.exchange(comm, dev, bufs.input()?, n, dtype, op)? {
-            Ok(r) => r,
-            Err(why) if cfg.ipc == GpuIpc::On => return Err(forced(&why)),
-            Err(why) => {
-                log::debug!("rank {}: device collective staged: {why}", comm.rank());
-                return Ok(false);
-            }
-        };
-        let opened = self.open_peers(comm, dev, &records);
-        if let Err(e) = agree(comm, opened) {
-            if cfg.ipc == GpuIpc::On {
-                return Err(forced(&e.to_string()));
-            }
-            log::warn!("rank {}: IPC mapping failed, device collectives are staged from now on: {e}", comm.rank());
-            self.eligible = Some(Err(e.to_string()));
-            return Ok(false);
-        }
-        let run = Run { comm, dev, dtype, n, records: &records, cache: &self.cache };
-        run.op(op, bufs)?;
-        self.ipc_calls += 1;
-        Ok(true)
+    /// Turns peer mapping off for good (agreed: every rank calls it after the same failure).
+    fn refuse(&mut self, why: String) {
+        self.verdict = Some(Err(why));
+    }
+}
+
+impl IpcState {
+    /// Calls that took the IPC path.
+    pub(crate) fn ipc_calls(&self) -> u64 {
+        self.ipc_calls
+    }
+
+    /// Closes every cached mapping (after the device finished using them).
+    pub(crate) fn release(&mut self, dev: &Device) -> Result<()> {
+        dev.synchronize()?;
+        self.cache.clear();
+        Ok(())
     }
 
     /// Step 1: synchronize, export the input, all-gather the records; `Ok(Err(why))` when some
     /// rank could not export (agreed: every rank sees every record).
-    fn exchange(
-        &mut self,
-        comm: &Communicator,
-        dev: &Device,
-        input: &DeviceBuffer,
-        n: usize,
-        dtype: DType,
-        op: Op,
-    ) -> Result<std::result::Result<Vec<Record>, String>> {
-        let read_bytes = match op {
+    fn exchange(&mut self, comm: &Communicator, dev: &Device, call: &DeviceCall) -> Result<std::result::Result<Vec<Record>, String>> {
+        let (n, dtype, input) = (call.n, call.dtype, call.bufs.input()?);
+        let read_bytes = match call.op {
             Op::AllGather => block_range(n, comm.size(), comm.rank()).len(),
             _ => n,
         } * dtype.size();
@@ -247,6 +204,54 @@ impl IpcState {
             self.cache.insert((p, r.handle), m);
         }
         Ok(())
+    }
+}
+
+impl DevicePath for IpcState {
+    fn name(&self) -> &'static str {
+        "ipc"
+    }
+
+    /// Runs the call on the IPC path when it applies; `Ok(false)` sends it on to the next path
+    /// (decided identically on every rank).
+    fn try_call(&mut self, cx: &mut PathCtx, call: &mut DeviceCall) -> Result<bool> {
+        let (comm, dev, mode) = (cx.comm, cx.dev, cx.cfg.ipc);
+        if mode == GpuIpc::Off || call.op.is_p2p() {
+            return Ok(false);
+        }
+        if matches!(dev, Device::Cpu) {
+            return match mode {
+                GpuIpc::On => Err(forced("the CPU device has no IPC handles (use MESHTRAIN_GPU_IPC=auto or off)")),
+                _ => Ok(false),
+            };
+        }
+        if comm.size() == 1 || call.n == 0 {
+            return Ok(false);
+        }
+        if let Err(why) = cx.peers.check(comm, dev)? {
+            return if mode == GpuIpc::On { Err(forced(&why)) } else { Ok(false) };
+        }
+        let records = match self.exchange(comm, dev, call)? {
+            Ok(r) => r,
+            Err(why) if mode == GpuIpc::On => return Err(forced(&why)),
+            Err(why) => {
+                log::debug!("rank {}: device collective staged: {why}", comm.rank());
+                return Ok(false);
+            }
+        };
+        let opened = self.open_peers(comm, dev, &records);
+        if let Err(e) = agree(comm, opened) {
+            if mode == GpuIpc::On {
+                return Err(forced(&e.to_string()));
+            }
+            log::warn!("rank {}: IPC mapping failed, device collectives are staged from now on: {e}", comm.rank());
+            cx.peers.refuse(e.to_string());
+            return Ok(false);
+        }
+        let run = Run { comm, dev, dtype: call.dtype, n: call.n, records: &records, cache: &self.cache };
+        run.op(call.op, &mut call.bufs)?;
+        self.ipc_calls += 1;
+        Ok(true)
     }
 }
 

@@ -1,6 +1,10 @@
 //! Element types and reduction operators of the collectives, and the byte-level kernels that apply
 //! them.
 //!
+//! Why a leaf at the crate root: both the collectives ([`crate::comm`]) and the device arms
+//! ([`crate::device`], whose reduce kernels and buffers are typed by [`DType`]) need these types,
+//! and neither may import the other for them. This module imports nothing from the crate.
+//!
 //! Algorithms move and combine untyped byte ranges; the [`Reducer`] built once per operation knows
 //! the element type and the operator. Invariants:
 //! - every byte range handed to a kernel has a length that is a multiple of the element size;

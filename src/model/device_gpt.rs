@@ -379,6 +379,9 @@ impl DeviceGpt {
     }
 
     fn upload_params(&mut self) -> Result<()> {
+        if self.host_params.len() != self.layout.total_len() {
+            return Err(Error::Check("the host copy of the parameters was given back: the device holds the training state".into()));
+        }
         for i in 0..self.params.len() {
             self.ensure_entry(i)?;
             let e = &self.layout.entries()[i];
@@ -415,12 +418,33 @@ impl DeviceGpt {
         Ok(())
     }
 
+    /// The device, the layout table and every entry's f32 parameters and gradients, for an
+    /// optimizer that updates them in place (the parameters uploaded first if the host copy is
+    /// newer; the bf16 copies follow in [`DeviceGpt::refresh_params16`]).
+    pub fn tensors_mut(&mut self) -> Result<(&Device, &ShardLayout, &mut [DeviceBuffer], &mut [DeviceBuffer])> {
+        if self.params_stale && self.shards.is_none() {
+            self.upload_params()?;
+        }
+        Ok((&self.dev, &self.layout, &mut self.params, &mut self.grads))
+    }
+
+    /// Gives the host copy of the parameters back once the device holds the training state
+    /// (an optimizer on the device loaded it); [`DeviceGpt::host_params_from_device`] brings it
+    /// back for a checkpoint. Until then [`DeviceGpt::params`] is empty.
+    pub fn release_host_params(&mut self) -> Result<()> {
+        if self.params_stale && self.shards.is_none() {
+            self.upload_params()?;
+        }
+        self.host_params = Vec::new();
+        Ok(())
+    }
+
     /// Whether [`DeviceGpt::report_grads`] brings the gradients to the host mirror (default on).
     pub fn set_host_reports(&mut self, on: bool) {
         self.host_reports = on;
         // Without reports nothing reads the host gradients: give their memory back.
         match on {
-            true => self.host_grads.resize(self.host_params.len(), 0.0),
+            true => self.host_grads.resize(self.layout.total_len(), 0.0),
             false => self.host_grads = Vec::new(),
         }
     }

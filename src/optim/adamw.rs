@@ -71,7 +71,9 @@ impl DecayMask {
     }
 }
 
-/// Moments of the elements `offset..offset+m.len()` and the number of steps taken.
+/// Moments of the elements `offset..offset + len` and the number of steps taken. The moments may
+/// be given back ([`AdamWState::release`]) while a device holds them, and are brought back to
+/// their length ([`AdamWState::ensure`]) before they are read or written again.
 #[derive(Debug, Clone)]
 pub struct AdamWState<F> {
     /// First moments.
@@ -81,6 +83,7 @@ pub struct AdamWState<F> {
     /// Steps taken so far (the next step is `step + 1`).
     pub step: u64,
     offset: usize,
+    len: usize,
 }
 
 impl<F: Float> AdamWState<F> {
@@ -91,12 +94,25 @@ impl<F: Float> AdamWState<F> {
             v: vec![F::zero(); len],
             step: 0,
             offset,
+            len,
         }
     }
 
     /// The flat range this state covers.
     pub fn range(&self) -> Range<usize> {
-        self.offset..self.offset + self.m.len()
+        self.offset..self.offset + self.len
+    }
+
+    /// Gives the moments' memory back (a device holds the training state).
+    pub fn release(&mut self) {
+        self.m = Vec::new();
+        self.v = Vec::new();
+    }
+
+    /// Brings released moments back to their length (zeros until written).
+    pub fn ensure(&mut self) {
+        self.m.resize(self.len, F::zero());
+        self.v.resize(self.len, F::zero());
     }
 }
 

@@ -89,6 +89,9 @@ pub struct OverlapReducer {
     failed: Option<Error>,
 }
 
+/// Receives an all-reduced bucket: (bucket index, its flat range, the averaged values).
+pub type BucketSink<'a> = dyn FnMut(usize, Range<usize>, &[f32]) -> Result<()> + 'a;
+
 /// Timing of one step's gradient reduction.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ReduceTiming {
@@ -214,8 +217,8 @@ impl OverlapReducer {
     }
 
     /// Waits for one reduced bucket and files it: into the shard (ReduceScatter, returning the
-    /// buffer to the pool) or into `grads` (AllReduce).
-    fn receive_one(&mut self, grads: Option<&mut [f32]>) -> Result<()> {
+    /// buffer to the pool) or hands it to `sink(bucket, range, values)` (AllReduce).
+    fn receive_one(&mut self, sink: Option<&mut BucketSink>) -> Result<()> {
         let (b, data, busy) = self.worker.recv()?;
         self.in_flight -= 1;
         self.busy += busy;
@@ -234,9 +237,10 @@ impl OverlapReducer {
                 self.staged -= 1;
             }
             Reduction::AllReduce => {
-                let grads = grads.expect("all-reduced buckets are received in `finish` only");
-                grads[own].copy_from_slice(&data);
+                let sink = sink.expect("all-reduced buckets are received in `finish` only");
+                let r = sink(b, own, &data);
                 self.staging[b] = Some(data);
+                r?;
             }
         }
         Ok(())
@@ -245,9 +249,18 @@ impl OverlapReducer {
     /// Waits for every launched bucket; with [`Reduction::AllReduce`] writes the results into
     /// `grads`, with [`Reduction::ReduceScatter`] they are in [`OverlapReducer::shard_grads`].
     pub fn finish(&mut self, grads: &mut [f32]) -> Result<ReduceTiming> {
+        self.finish_with(&mut |_, r, data| {
+            grads[r].copy_from_slice(data);
+            Ok(())
+        })
+    }
+
+    /// [`OverlapReducer::finish`] handing each all-reduced bucket to `sink(bucket, range, values)`
+    /// as it arrives (in launch order) instead of writing one flat buffer.
+    pub fn finish_with(&mut self, sink: &mut BucketSink) -> Result<ReduceTiming> {
         let t0 = Instant::now();
         while self.in_flight > 0 && self.failed.is_none() {
-            if let Err(e) = self.receive_one(Some(&mut *grads)) {
+            if let Err(e) = self.receive_one(Some(&mut *sink)) {
                 self.failed = Some(e);
             }
         }

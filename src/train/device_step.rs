@@ -27,19 +27,18 @@
 //! norm's block sums differ, so results agree with the CPU's to rounding, not bit for bit.
 
 use std::ops::Range;
-use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
 use super::buckets::{OverlapReducer, ReduceTiming, Reduction};
+use super::device_whole::WholeState;
 use super::device_zero::DeviceShards;
 use super::grad_sync::{DataParallel, StepOutcome};
 use crate::comm::device::{GpuCommConfig, GpuCommState};
 use crate::comm::stats::CommStats;
-use crate::comm::{Communicator, DType, ReduceOp};
+use crate::comm::{Communicator, ReduceOp};
 use crate::device::Device;
-use crate::device::ipc::alloc_shareable;
-use crate::device::ops::{self, AdamWBuffers, SUM_BLOCKS};
+use crate::device::ops::SUM_BLOCKS;
 use crate::device::DeviceBuffer;
 use crate::error::{Error, Result};
 use crate::model::DeviceGpt;
@@ -48,22 +47,8 @@ use crate::optim::AdamWConfig;
 
 /// The device optimizer state: whole flat buffers (ZeRO 0) or this rank's shard (ZeRO 1/2).
 enum State {
-    Whole(WholeBuffers),
+    Whole(WholeState),
     Sharded(DeviceShards),
-}
-
-/// Flat optimizer buffers of the whole model (ZeRO 0).
-struct WholeBuffers {
-    params: DeviceBuffer, // (P) f32 master weights
-    grads: DeviceBuffer,  // (P) f32 gradients of the step (shareable: peers map it over IPC)
-    m: DeviceBuffer,      // (P) first moments
-    v: DeviceBuffer,      // (P) second moments
-    /// (range, decay) segments of the flat buffer.
-    decay: Vec<(Range<usize>, bool)>,
-    /// Ranges whose squares this rank adds to the global norm: (bucket ∩ counted span), in
-    /// bucket order.
-    counted: Vec<Range<usize>>,
-    n: usize,
 }
 
 /// The optimizer step of the device model on its device.
@@ -104,19 +89,7 @@ impl DeviceStep {
             _ => None,
         };
         let state = match sync.zero {
-            0 => {
-                let n = model.params().len();
-                let flat = || dev.alloc(n * 4);
-                State::Whole(WholeBuffers {
-                    params: flat()?,
-                    grads: alloc_shareable(dev, n * 4)?,
-                    m: flat()?,
-                    v: flat()?,
-                    decay,
-                    counted: bucket_spans(sync.bucket_ranges(), norm),
-                    n,
-                })
-            }
+            0 => State::Whole(WholeState::new(model, sync, (&decay, norm), overlap.is_none())?),
             1..=3 => State::Sharded(DeviceShards::new(model, sync, &decay, norm)?),
             z => return Err(Error::config("parallel.zero", format!("the device step runs ZeRO 0-3, not {z}"))),
         };
@@ -152,52 +125,34 @@ impl DeviceStep {
     /// Device bytes of the optimizer state and its staging buffers.
     pub fn device_bytes(&self) -> usize {
         match &self.state {
-            State::Whole(w) => 16 * w.n,
+            State::Whole(w) => w.device_bytes(),
             State::Sharded(s) => s.device_bytes(),
         }
     }
 
-    /// Takes the master weights from the model's host mirror and the moments and step count from
-    /// `sync`'s AdamW states (a fresh start or a resume), sets the model's tensors from them, and
-    /// stops the model's backward from bringing gradients to the host (this step reads them on
-    /// the device).
-    pub fn load(&mut self, model: &mut DeviceGpt, sync: &DataParallel) -> Result<()> {
+    /// Takes the master weights from the model's host copy and the moments and step count from
+    /// `sync`'s AdamW states (a fresh start or a resume) onto the device, stops the model's
+    /// backward from bringing gradients to the host (this step reads them on the device), and
+    /// gives the host copies' memory back: from here on the device holds the training state.
+    pub fn load(&mut self, model: &mut DeviceGpt, sync: &mut DataParallel) -> Result<()> {
         model.set_host_reports(false);
-        let w = match &mut self.state {
-            State::Sharded(s) => {
-                self.step = s.load(model, sync)?;
-                return Ok(());
-            }
-            State::Whole(w) => w,
+        self.step = match &mut self.state {
+            State::Sharded(s) => s.load(model, sync)?,
+            State::Whole(w) => w.load(model, sync)?,
         };
-        let dev = model.device();
-        dev.copy_to_device(&mut w.params, model.params())?;
-        let (m, v, step) = gather_moments(sync, w.n)?;
-        dev.copy_to_device(&mut w.m, &m)?;
-        dev.copy_to_device(&mut w.v, &v)?;
-        self.step = step;
-        model.unpack_params(&w.params)
+        sync.release_states();
+        Ok(())
     }
 
-    /// Copies the master weights to the model's host mirror and the moments and step count into
-    /// `sync`'s AdamW states, so a checkpoint sees the training state.
+    /// Brings the training state into the model's host copy of the parameters and `sync`'s
+    /// AdamW states, so a checkpoint sees it (give it back with [`DataParallel::release_states`]
+    /// once written).
     pub fn store(&self, model: &mut DeviceGpt, sync: &mut DataParallel) -> Result<()> {
-        let w = match &self.state {
-            State::Sharded(s) => return s.store(model, sync, self.step),
-            State::Whole(w) => w,
-        };
-        model.host_params_from(&w.params)?;
-        let dev = model.device();
-        let (mut m, mut v) = (vec![0f32; w.n], vec![0f32; w.n]);
-        dev.copy_to_host(&w.m, &mut m)?;
-        dev.copy_to_host(&w.v, &mut v)?;
-        for s in sync.states_mut() {
-            let r = s.range();
-            s.m.copy_from_slice(&m[r.clone()]);
-            s.v.copy_from_slice(&v[r]);
-            s.step = self.step;
+        sync.ensure_states();
+        match &self.state {
+            State::Sharded(s) => s.store(model, sync, self.step),
+            State::Whole(w) => w.store(model, sync, self.step),
         }
-        Ok(())
     }
 
     /// Unmaps the peers' buffers (collective over `dp`; before the buffers are freed).
@@ -214,7 +169,7 @@ impl DeviceStep {
         if let Some((r, _)) = &mut self.overlap {
             // A whole model handed its units over during the backward.
             if !model.is_whole() {
-                let n = model.params().len();
+                let n = model.layout().total_len();
                 model.host_grads_in(0..n, &mut |range, g| r.on_final(range, g))?;
                 if self.every_backward {
                     model.zero_grad()?;
@@ -261,8 +216,8 @@ impl DeviceStep {
         model.check_collectives()?;
         let (mut sq, timing) = match (&mut self.overlap, &mut self.state) {
             (Some((r, _)), State::Whole(w)) => {
-                let timing = r.finish(ops::host_mut("reduced gradients", &mut w.grads)?.view_mut::<f32>(w.n))?;
-                (w.square(model.device(), &mut self.partials)?, timing)
+                let timing = w.take_reduced(model, r)?;
+                (w.square(), timing)
             }
             (Some((r, _)), State::Sharded(s)) => {
                 let timing = r.finish(&mut [])?;
@@ -272,7 +227,7 @@ impl DeviceStep {
             (None, State::Whole(w)) => {
                 let comm = w.reduce(model, dp, &mut self.coll, micro_batches)?;
                 // The reduction runs after the backward, so all of it is exposed.
-                (w.square(model.device(), &mut self.partials)?, ReduceTiming { comm, exposed: comm })
+                (w.square(), ReduceTiming { comm, exposed: comm })
             }
             (None, State::Sharded(s)) => {
                 let comm = s.reduce_all(model, dp, &mut self.coll, micro_batches)?;
@@ -302,81 +257,4 @@ impl DeviceStep {
         }
         Ok(StepOutcome { grad_norm, timing })
     }
-}
-
-impl WholeBuffers {
-    /// Packs the gradients and averages them over the micro-batches and `dp` with the device
-    /// collectives; returns the reduction time.
-    fn reduce(&mut self, model: &DeviceGpt, dp: &Communicator, coll: &mut GpuCommState, micro_batches: usize) -> Result<Duration> {
-        model.pack_grads(&mut self.grads)?;
-        let dev = model.device();
-        if micro_batches > 1 {
-            // The host step's staging copy multiplies by the same f32 factor.
-            ops::scale(dev, &mut self.grads, 0, self.n, 1.0 / micro_batches as f32)?;
-        }
-        // The backward and the packing are still queued: the communication time starts after them.
-        dev.synchronize()?;
-        let t0 = Instant::now();
-        if dp.size() > 1 {
-            coll.bind(dp, dev).all_reduce(&mut self.grads, self.n, DType::F32, ReduceOp::Avg)?;
-        }
-        Ok(t0.elapsed())
-    }
-
-    /// This rank's sum of squares of the counted elements of the reduced gradients.
-    fn square(&self, dev: &Device, partials: &mut DeviceBuffer) -> Result<f64> {
-        let mut sq = 0.0f64;
-        for r in &self.counted {
-            sq += ops::sum_squares(dev, partials, &self.grads, r.start, r.len())?;
-        }
-        Ok(sq)
-    }
-
-    /// Clips by `scale`, applies AdamW step `step` at `lr` and sets the model's tensors.
-    fn update(&mut self, model: &mut DeviceGpt, scale: f64, config: &AdamWConfig, step: u64, lr: f64) -> Result<()> {
-        let dev = model.device();
-        if scale != 1.0 {
-            ops::scale(dev, &mut self.grads, 0, self.n, scale as f32)?;
-        }
-        for (span, decay) in &self.decay {
-            let bufs = AdamWBuffers { params: &mut self.params, grads: &self.grads, m: &mut self.m, v: &mut self.v };
-            ops::adamw_update(dev, bufs, span.clone(), config, step, lr, *decay)?;
-        }
-        model.unpack_params(&self.params)
-    }
-}
-
-/// The counted parts of `(range, counted)` spans cut at the bucket boundaries, in bucket order
-/// (each bucket's parts in span order).
-fn bucket_spans(buckets: &[Range<usize>], spans: &[(Range<usize>, bool)]) -> Vec<Range<usize>> {
-    let mut out = Vec::new();
-    for b in buckets {
-        for (r, _) in spans.iter().filter(|(_, c)| *c) {
-            let (lo, hi) = (b.start.max(r.start), b.end.min(r.end));
-            if lo < hi {
-                out.push(lo..hi);
-            }
-        }
-    }
-    out
-}
-
-/// The flat moments and the step count of `sync`'s states (ZeRO 0: they cover every element).
-fn gather_moments(sync: &DataParallel, n: usize) -> Result<(Vec<f32>, Vec<f32>, u64)> {
-    let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
-    let mut covered = 0;
-    let mut step = None;
-    for s in sync.states() {
-        let r = s.range();
-        covered += r.len();
-        m[r.clone()].copy_from_slice(&s.m);
-        v[r].copy_from_slice(&s.v);
-        if *step.get_or_insert(s.step) != s.step {
-            return Err(Error::Check("AdamW states of one model disagree on the step count".into()));
-        }
-    }
-    if covered != n {
-        return Err(Error::Check(format!("AdamW states cover {covered} of {n} parameters: the device step needs ZeRO 0")));
-    }
-    Ok((m, v, step.unwrap_or(0)))
 }

@@ -405,7 +405,7 @@ mod tests {
                 let red_comm = c.split(Some(0), c.rank() as i64).unwrap().unwrap();
                 let mut red = OverlapReducer::new(red_comm, buckets.clone(), Reduction::ReduceScatter);
                 let mut step = DeviceStep::new(&dev, &dev_sync, &c, (decay, &norm), adamw).unwrap();
-                step.load(&mut dev, &dev_sync).unwrap();
+                step.load(&mut dev, &mut dev_sync).unwrap();
                 let (accum, lr, max_norm) = (2, 1e-3, 0.5);
                 for s in 0..3 {
                     host.zero_grad().unwrap();

@@ -100,6 +100,16 @@ impl DataParallel {
         &mut self.states
     }
 
+    /// Gives the host moments' memory back (the device step holds the training state).
+    pub fn release_states(&mut self) {
+        self.states.iter_mut().for_each(AdamWState::release);
+    }
+
+    /// Brings released host moments back to their lengths (before a checkpoint reads them).
+    pub fn ensure_states(&mut self) {
+        self.states.iter_mut().for_each(AdamWState::ensure);
+    }
+
     /// The flat ranges this rank updates.
     pub fn owned(&self) -> Vec<Range<usize>> {
         self.states.iter().map(|s| s.range()).collect()

@@ -14,6 +14,7 @@ mod checkpointing;
 mod comm_worker;
 mod config_agree;
 mod device_step;
+mod device_whole;
 mod device_zero;
 mod grad_sync;
 mod memory_estimate;
@@ -244,10 +245,6 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     let mut batches: Vec<Batch> = (0..accum).map(|_| Batch::new(b, t)).collect();
     let mut report = TrainReport { losses: Vec::new(), val_losses: Vec::new(), tokens_per_s: 0.0 };
     let (start, mut timed_s, mut timed_steps) = (Instant::now(), 0.0, 0u64);
-    // The peak resident set reported per step is that of the training steps, not of the set-up
-    // (which builds the initial model from one seed on every rank). Without the kernel interface
-    // the peak covers the whole run.
-    let peak_is_steps = reset_peak_rss().is_ok();
     let every_backward = sync.reduces_every_backward();
     // The model steps on its device (ZeRO 1-3: on its shard of the state); from here on its
     // device weights and moments are the training state (stored back into the host copies before
@@ -255,7 +252,7 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     let mut device_step = {
         let m = model.model_mut();
         let mut s = DeviceStep::new(m, &sync, &dp, (m.layout().decay_spans(), &norm_spans), adamw)?;
-        s.load(m, &sync)?;
+        s.load(m, &mut sync)?;
         if leader {
             println!("# device optimizer state per rank (ZeRO {zero}): {:.2} MB", s.device_bytes() as f64 / 1e6);
         }
@@ -264,6 +261,10 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
     if let (Some(stats), true) = (device_step.bucket_stats(), dp.size() > 1) {
         traffic.push(("dp_buckets", stats));
     }
+    // The peak resident set reported per step is that of the training steps, not of the set-up
+    // (which builds the initial model from one seed on every rank and moves it onto the device).
+    // Without the kernel interface the peak covers the whole run.
+    let peak_is_steps = reset_peak_rss().is_ok();
 
     let mut last_step = first_step - 1;
     let mut guard = NonFiniteGuard::new(&cfg.train);
@@ -374,6 +375,9 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             device_step.store(model.model_mut(), &mut sync)?;
             let dir =
                 checkpointing::save(dir, &world_comm, &dp, cfg, adamw, &maps, model.params(), &sync, step, tokens_seen, state)?;
+            // The device holds the state again: the host copies' memory goes back until the next save.
+            sync.release_states();
+            model.model_mut().release_host_params()?;
             progress.println(&format!("# checkpoint {}", dir.display()));
         }
         if stopping {

@@ -69,6 +69,30 @@ impl DeviceGpt {
         Ok(())
     }
 
+    /// Sets the gradients of the flat range `r` from the host values `src` (`r.len()`), on arms
+    /// whose buffers are host memory (the CPU, emu); other arms are an error naming the arm.
+    pub fn set_grads_range(&mut self, r: Range<usize>, src: &[f32]) -> Result<()> {
+        let parts: Vec<_> = entry_parts(&self.layout, r.clone()).collect();
+        for (i, p) in parts {
+            let off = p.start - self.layout.entries()[i].offset;
+            let vals = &src[p.start - r.start..p.end - r.start];
+            let g = ops::host_mut("set_grads_range", &mut self.grads[i])?.view_mut::<f32>(off + vals.len());
+            g[off..].copy_from_slice(vals);
+        }
+        Ok(())
+    }
+
+    /// Sets the device gradients of the flat range `r` from `src` (`r.len()` elements from 0 on
+    /// this device).
+    pub fn unpack_grads_range(&mut self, r: Range<usize>, src: &DeviceBuffer) -> Result<()> {
+        let parts: Vec<_> = entry_parts(&self.layout, r.clone()).collect();
+        for (i, p) in parts {
+            let off = p.start - self.layout.entries()[i].offset;
+            ops::copy(&self.dev, &mut self.grads[i], off, src, p.start - r.start, p.len())?;
+        }
+        Ok(())
+    }
+
     /// Copies the device gradients of the flat range `r` into `dst` (`r.len()` elements from 0).
     pub fn pack_grads_range(&self, r: Range<usize>, dst: &mut DeviceBuffer) -> Result<()> {
         for (i, p) in entry_parts(&self.layout, r.clone()) {
@@ -105,12 +129,14 @@ impl DeviceGpt {
     /// Copies `src` (`r.len()` f32 on this device) into the host mirror's flat range `r` without
     /// marking it newer than the device (ZeRO-3 checkpoints: the owned ranges).
     pub fn host_params_range_from(&mut self, r: Range<usize>, src: &DeviceBuffer) -> Result<()> {
+        self.host_params.resize(self.layout.total_len(), 0.0);
         self.dev.copy_to_host(src, &mut self.host_params[r])
     }
 
     /// Brings the device parameters into the host mirror (for checkpoints of an optimizer that
     /// keeps no flat copy of them).
     pub fn host_params_from_device(&mut self) -> Result<()> {
+        self.host_params.resize(self.layout.total_len(), 0.0);
         for (i, e) in self.layout.entries().iter().enumerate() {
             self.dev.copy_to_host(&self.params[i], &mut self.host_params[e.range()])?;
         }

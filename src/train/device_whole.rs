@@ -1,0 +1,213 @@
+//! The optimizer state of the device step at ZeRO 0: AdamW moments for every tensor of the
+//! model, updated in place on the model's own f32 parameters (which are the master weights:
+//! the bf16 copies of a bf16 run are cast from them after each step) and gradients.
+//!
+//! Why in place: a flat copy of the parameters and one of the gradients would hold two more
+//! full-size buffers per rank than the model needs. Resident per rank (f32, Ψ parameters on the
+//! rank): the model's parameters and gradients, 4Ψ each, m and v, 4Ψ each, and the reduction's
+//! staging: one bucket on device memory, or the host reducer's buckets (4Ψ) on host memory.
+//!
+//! The reduction is bucket by bucket ([`DataParallel`]'s buckets): on device memory each bucket is
+//! packed into a staging buffer, scaled by 1/micro-batches, all-reduced (average over DP) with
+//! the device collectives and unpacked into the model's gradients; on host memory the step's
+//! [`OverlapReducer`] already reduced the buckets during the backward and hands them over here.
+//! Either way the squares of the counted elements are taken from the reduced bucket, per
+//! (bucket, counted span), and added in bucket order once all are in, so on the CPU the norm is
+//! the same number whichever way the buckets arrived.
+//!
+//! Invariants: moments are one buffer per layout entry (`layout.entries()` order); the model's
+//! device parameters are the training state between [`WholeState::load`] and
+//! [`WholeState::store`] (the host copy is given back in between).
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use super::buckets::{OverlapReducer, ReduceTiming};
+use super::grad_sync::DataParallel;
+use crate::comm::device::GpuCommState;
+use crate::comm::{Communicator, DType, ReduceOp};
+use crate::device::ipc::alloc_shareable;
+use crate::device::ops::{self, AdamWBuffers};
+use crate::device::DeviceBuffer;
+use crate::error::{Error, Result};
+use crate::model::DeviceGpt;
+use crate::optim::{sum_of_squares, AdamWConfig};
+
+/// ZeRO-0 optimizer state of a whole (unsharded) parameter buffer.
+pub struct WholeState {
+    m: Vec<DeviceBuffer>, // per layout entry: (len) first moments
+    v: Vec<DeviceBuffer>, // per layout entry: (len) second moments
+    /// Weight decay of each layout entry.
+    decay: Vec<bool>,
+    stage: DeviceBuffer, // (largest bucket) f32: a bucket being reduced on device memory (shareable)
+    buckets: Vec<Range<usize>>,
+    /// Per bucket: the flat ranges this rank counts in the norm (bucket ∩ counted span).
+    counted: Vec<Vec<Range<usize>>>,
+    /// Per bucket: the sums of squares of `counted`, this step.
+    squares: Vec<Vec<f64>>,
+    n: usize,
+}
+
+impl WholeState {
+    /// Moments for `model`'s tensors, weight decay on the `decay` segments, counting the
+    /// `(range, counted)` spans `norm`, reducing `sync`'s buckets; the staging buffer only where
+    /// the device collectives reduce (`device_reduce`).
+    pub fn new(
+        model: &DeviceGpt,
+        sync: &DataParallel,
+        (decay, norm): (&[(Range<usize>, bool)], &[(Range<usize>, bool)]),
+        device_reduce: bool,
+    ) -> Result<Self> {
+        let dev = model.device();
+        let entries = model.layout().entries();
+        let decay_of = |off: usize| decay.iter().find(|(r, _)| r.contains(&off)).map(|(_, d)| *d);
+        let mut state = WholeState {
+            m: entries.iter().map(|e| dev.alloc(e.len * 4)).collect::<Result<_>>()?,
+            v: entries.iter().map(|e| dev.alloc(e.len * 4)).collect::<Result<_>>()?,
+            decay: entries.iter().map(|e| decay_of(e.offset).unwrap_or(false)).collect(),
+            stage: dev.alloc(0)?,
+            buckets: sync.bucket_ranges().to_vec(),
+            counted: Vec::new(),
+            squares: Vec::new(),
+            n: model.layout().total_len(),
+        };
+        state.counted = state.buckets.iter().map(|b| clip_spans(b, norm)).collect();
+        state.squares = state.counted.iter().map(|c| vec![0.0; c.len()]).collect();
+        if device_reduce {
+            let largest = state.buckets.iter().map(|b| b.len()).max().unwrap_or(0);
+            state.stage = alloc_shareable(dev, largest.max(1) * 4)?;
+        }
+        Ok(state)
+    }
+
+    /// Device bytes of the moments and the staging buffer.
+    pub fn device_bytes(&self) -> usize {
+        8 * self.n + self.stage.len()
+    }
+
+    /// Sets the moments from `sync`'s AdamW states (which must cover every element) and gives
+    /// the model's host copy of the parameters back (its device copy is the state from now on);
+    /// returns the states' step count.
+    pub fn load(&mut self, model: &mut DeviceGpt, sync: &DataParallel) -> Result<u64> {
+        let (m, v, step) = gather_moments(sync, self.n)?;
+        let dev = model.device();
+        for (i, e) in model.layout().entries().iter().enumerate() {
+            dev.copy_to_device(&mut self.m[i], &m[e.range()])?;
+            dev.copy_to_device(&mut self.v[i], &v[e.range()])?;
+        }
+        model.release_host_params()?;
+        Ok(step)
+    }
+
+    /// Brings the parameters into the model's host copy and the moments into `sync`'s AdamW
+    /// states at step count `step`, for a checkpoint.
+    pub fn store(&self, model: &mut DeviceGpt, sync: &mut DataParallel, step: u64) -> Result<()> {
+        model.host_params_from_device()?;
+        let (mut m, mut v) = (vec![0f32; self.n], vec![0f32; self.n]);
+        let dev = model.device();
+        for (i, e) in model.layout().entries().iter().enumerate() {
+            dev.copy_to_host(&self.m[i], &mut m[e.range()])?;
+            dev.copy_to_host(&self.v[i], &mut v[e.range()])?;
+        }
+        for s in sync.states_mut() {
+            let r = s.range();
+            s.m.copy_from_slice(&m[r.clone()]);
+            s.v.copy_from_slice(&v[r]);
+            s.step = step;
+        }
+        Ok(())
+    }
+
+    /// Takes the buckets the host reducer averaged during the backward into the model's
+    /// gradients, with their squares; returns the reduction's timing.
+    pub fn take_reduced(&mut self, model: &mut DeviceGpt, reducer: &mut OverlapReducer) -> Result<ReduceTiming> {
+        let WholeState { counted, squares, .. } = self;
+        reducer.finish_with(&mut |b, range, data| {
+            for (sq, c) in squares[b].iter_mut().zip(&counted[b]) {
+                *sq = sum_of_squares(&data[c.start - range.start..c.end - range.start]);
+            }
+            model.set_grads_range(range, data)
+        })
+    }
+
+    /// Reduces every bucket with the device collectives (after the step's last backward): packs
+    /// it, averages it over the micro-batches and `dp`, takes its squares and unpacks it into the
+    /// model's gradients; returns the reduction time.
+    pub fn reduce(&mut self, model: &mut DeviceGpt, dp: &Communicator, coll: &mut GpuCommState, micro_batches: usize) -> Result<Duration> {
+        let mut comm = Duration::ZERO;
+        let mut partials = model.device().alloc(ops::SUM_BLOCKS * 4)?;
+        for (b, bucket) in self.buckets.iter().enumerate() {
+            let dev = model.device();
+            let n = bucket.len();
+            model.pack_grads_range(bucket.clone(), &mut self.stage)?;
+            if micro_batches > 1 {
+                // The host reducer's staging copy multiplies by the same f32 factor.
+                ops::scale(dev, &mut self.stage, 0, n, 1.0 / micro_batches as f32)?;
+            }
+            // The backward and the packing are still queued: the communication time starts after them.
+            dev.synchronize()?;
+            let t0 = Instant::now();
+            if dp.size() > 1 {
+                coll.bind(dp, dev).all_reduce(&mut self.stage, n, DType::F32, ReduceOp::Avg)?;
+            }
+            comm += t0.elapsed();
+            for (sq, c) in self.squares[b].iter_mut().zip(&self.counted[b]) {
+                *sq = ops::sum_squares(dev, &mut partials, &self.stage, c.start - bucket.start, c.len())?;
+            }
+            model.unpack_grads_range(bucket.clone(), &self.stage)?;
+        }
+        Ok(comm)
+    }
+
+    /// This rank's sum of squares of the counted reduced gradients: per (bucket, counted span),
+    /// added in bucket order.
+    pub fn square(&self) -> f64 {
+        self.squares.iter().flatten().fold(0.0, |acc, s| acc + s)
+    }
+
+    /// Clips by `scale` and applies AdamW step `step` at `lr` to every tensor of the model in
+    /// place; the bf16 copies follow.
+    pub fn update(&mut self, model: &mut DeviceGpt, scale: f64, config: &AdamWConfig, step: u64, lr: f64) -> Result<()> {
+        let (dev, layout, params, grads) = model.tensors_mut()?;
+        for (i, e) in layout.entries().iter().enumerate() {
+            if scale != 1.0 {
+                ops::scale(dev, &mut grads[i], 0, e.len, scale as f32)?;
+            }
+            let bufs = AdamWBuffers { params: &mut params[i], grads: &grads[i], m: &mut self.m[i], v: &mut self.v[i] };
+            ops::adamw_update(dev, bufs, 0..e.len, config, step, lr, self.decay[i])?;
+        }
+        model.refresh_params16()
+    }
+}
+
+/// The counted parts of the `(range, counted)` spans inside `bucket`, in span order.
+fn clip_spans(bucket: &Range<usize>, spans: &[(Range<usize>, bool)]) -> Vec<Range<usize>> {
+    spans
+        .iter()
+        .filter(|(_, c)| *c)
+        .filter_map(|(r, _)| {
+            let (lo, hi) = (bucket.start.max(r.start), bucket.end.min(r.end));
+            (lo < hi).then_some(lo..hi)
+        })
+        .collect()
+}
+
+/// The flat moments and the step count of `sync`'s states (ZeRO 0: they cover every element).
+fn gather_moments(sync: &DataParallel, n: usize) -> Result<(Vec<f32>, Vec<f32>, u64)> {
+    let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
+    let mut covered = 0;
+    let mut step = None;
+    for s in sync.states() {
+        let r = s.range();
+        covered += r.len();
+        m[r.clone()].copy_from_slice(&s.m);
+        v[r].copy_from_slice(&s.v);
+        if *step.get_or_insert(s.step) != s.step {
+            return Err(Error::Check("AdamW states of one model disagree on the step count".into()));
+        }
+    }
+    if covered != n {
+        return Err(Error::Check(format!("AdamW states cover {covered} of {n} parameters: the whole-state step needs ZeRO 0")));
+    }
+    Ok((m, v, step.unwrap_or(0)))
+}

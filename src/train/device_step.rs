@@ -140,6 +140,7 @@ impl DeviceStep {
             State::Sharded(s) => s.load(model, sync)?,
             State::Whole(w) => w.load(model, sync)?,
         };
+        model.release_host_params()?;
         sync.release_states();
         Ok(())
     }

@@ -85,9 +85,8 @@ impl WholeState {
         8 * self.n + self.stage.len()
     }
 
-    /// Sets the moments from `sync`'s AdamW states (which must cover every element) and gives
-    /// the model's host copy of the parameters back (its device copy is the state from now on);
-    /// returns the states' step count.
+    /// Sets the moments from `sync`'s AdamW states (which must cover every element); returns
+    /// the states' step count.
     pub fn load(&mut self, model: &mut DeviceGpt, sync: &DataParallel) -> Result<u64> {
         let (m, v, step) = gather_moments(sync, self.n)?;
         let dev = model.device();
@@ -95,7 +94,6 @@ impl WholeState {
             dev.copy_to_device(&mut self.m[i], &m[e.range()])?;
             dev.copy_to_device(&mut self.v[i], &v[e.range()])?;
         }
-        model.release_host_params()?;
         Ok(step)
     }
 

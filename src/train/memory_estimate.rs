@@ -1,24 +1,31 @@
 //! The per-rank memory formula of each ZeRO stage, printed before step 0 and compared with the
-//! measured peak resident set (`meshtrain train` JSONL `peak_rss_mb`, README table).
+//! measured peak resident set (`meshtrain train` JSONL `peak_rss_mb`, README table). It counts
+//! what the one executor and its step hold (`device_whole.rs`, `device_zero.rs`,
+//! `model::device_gpt::shards`); on the CPU arm device memory is host memory, so it is all
+//! resident.
 //!
 //! Everything is fp32 (4 bytes per element). With `n` parameters on the rank (its TP/PP shard),
 //! `s` of them in its data-parallel shard (≈ n / dp):
 //!
 //! | term        | ZeRO-0 | ZeRO-1 | ZeRO-2 | ZeRO-3 |
 //! |-------------|--------|--------|--------|--------|
-//! | parameters  | n      | n      | n      | s + gathered units |
-//! | gradients   | n      | n + s  | live + s | live + s |
+//! | parameters  | n      | n + s  | n + s  | 2s + gathered |
+//! | gradients   | n      | n + s (+ s) | live + s (+ s) | live + s (+ s) |
 //! | AdamW m, v  | 2n     | 2s     | 2s     | 2s     |
-//! | staging     | n      | pool   | pool   | pool   |
+//! | staging     | n or bucket | pool + bucket + block | pool + bucket + block | pool + 2 buckets + block |
 //!
-//! - *gathered units* (ZeRO-3): the non-owned part (1 - 1/dp) of the unit group being computed
-//!   plus the next group's prefetch buffers (whole buckets), or, once the next group is acquired
-//!   (the current one released first), its non-owned part plus one bucket still being copied in;
-//!   the largest of these over the executor's passes;
-//! - *live* gradients (ZeRO-2/3): gradients written but not yet reported final; in our executor the
-//!   tied `wte` gradient (written by the head, final after the embedding) plus the largest other
-//!   unit;
-//! - *pool*: the [`MAX_STAGED`] largest gradient buckets (staging buffers filling or in flight).
+//! - the `+ s` of ZeRO >= 1 parameters: the step's master weights of the shard (ZeRO-3: the
+//!   model's parameter shards and the master weights);
+//! - *gathered* (ZeRO-3): the units one layer reads at once, all of them (the embedding `wte` +
+//!   `wpe`, one block, or the head `lnf` + `wte`), the largest of these;
+//! - *live* gradients (ZeRO-2/3 on a whole model, which frees each unit's gradients once they
+//!   are reduced): the tied `wte` gradient (written by the head, final after the embedding) plus
+//!   the largest other unit; a pipeline stage keeps all `n`;
+//! - *(+ s)* and *pool* only where the reduction runs on a host thread (the CPU arm): the
+//!   reducer's summed shard and the [`MAX_STAGED`] largest buckets; at ZeRO-0 the host reducer
+//!   keeps every bucket's staging (`n`), device collectives one bucket;
+//! - *bucket* and *block*: the device step's staging (largest bucket) and receive buffer (largest
+//!   block); ZeRO-3 gathers through one more bucket.
 //!
 //! plus the activations and the runtime baseline (binary, libraries, communication buffers), which
 //! is measured, not modelled.
@@ -46,8 +53,10 @@ pub struct MemoryInputs<'a> {
     pub units: &'a [Range<usize>],
     /// The tied `wte` unit, if this rank holds it.
     pub wte: Option<Range<usize>>,
-    /// Unit groups the executor acquires, per pass (forward, backward), in order (ZeRO-3).
-    pub passes: &'a [Vec<Vec<Range<usize>>>],
+    /// The model frees each unit's gradients once reduced (ZeRO-2/3 on a whole model).
+    pub releases_grads: bool,
+    /// The reduction runs on a host thread (the CPU arm).
+    pub host_reduce: bool,
     /// Activation elements (all slots and scratch).
     pub activations: usize,
 }
@@ -67,42 +76,29 @@ pub struct MemoryEstimate {
     pub activations: u64,
 }
 
-fn group_len(g: &[Range<usize>]) -> usize {
-    g.iter().map(|r| r.len()).sum()
-}
-
-/// Elements of the union of two unit groups.
-fn union_len(a: &[Range<usize>], b: &[Range<usize>]) -> usize {
-    group_len(a) + b.iter().filter(|r| !a.contains(r)).map(|r| r.len()).sum::<usize>()
-}
-
 impl MemoryEstimate {
     /// The formula of the module documentation.
     pub fn new(i: &MemoryInputs<'_>) -> Self {
         let (n, s) = (i.n as u64, i.shard as u64);
         let mut bucket_lens: Vec<usize> = i.buckets.iter().map(|b| b.len()).collect();
         bucket_lens.sort_unstable_by(|a, b| b.cmp(a));
-        let pool = bucket_lens.iter().take(MAX_STAGED).sum::<usize>() as u64;
-        let largest_other = i.units.iter().filter(|u| Some(*u) != i.wte.as_ref()).map(|u| u.len()).max();
-        let live = (i.wte.as_ref().map_or(0, |w| w.len()) + largest_other.unwrap_or(0)) as u64;
-        let others = 1.0 - 1.0 / i.dp.max(1) as f64;
-        let largest_bucket = bucket_lens.first().copied().unwrap_or(0) as f64;
-        let transition = |cur: &[Range<usize>], next: &[Range<usize>]| {
-            let computing = others * group_len(cur) as f64 + (union_len(cur, next) - group_len(cur)) as f64;
-            let arriving = others * group_len(next) as f64 + largest_bucket;
-            computing.max(arriving)
-        };
-        let gathered = i
-            .passes
-            .iter()
-            .flat_map(|p| p.windows(2).map(|w| transition(&w[0], &w[1])).chain(p.last().map(|g| transition(g, &[]))))
-            .fold(0.0, f64::max)
-            .ceil() as u64;
+        let largest_bucket = bucket_lens.first().copied().unwrap_or(0) as u64;
+        let block = largest_bucket.div_ceil(i.dp.max(1) as u64);
+        let host = u64::from(i.host_reduce);
+        let pool = host * bucket_lens.iter().take(MAX_STAGED).sum::<usize>() as u64;
+        let wte = i.wte.as_ref().map_or(0, |w| w.len()) as u64;
+        let others = || i.units.iter().filter(|u| Some(*u) != i.wte.as_ref());
+        let largest_other = others().map(|u| u.len()).max().unwrap_or(0) as u64;
+        let live = if i.releases_grads { wte + largest_other } else { n };
+        // ZeRO-3 materialises what one layer reads: wte + wpe, one block, or lnf + wte. The
+        // first other unit after wte is wpe on a stage that embeds; lnf is the last unit.
+        let (wpe, lnf) = (others().next().map_or(0, |u| u.len()) as u64, others().last().map_or(0, |u| u.len()) as u64);
+        let gathered = (wte + wpe).max(largest_other).max(lnf + wte);
         let (params, grads, optimizer, staging) = match i.zero {
-            0 => (n, n, 2 * n, n),
-            1 => (n, n + s, 2 * s, pool),
-            2 => (n, live + s, 2 * s, pool),
-            _ => (s + gathered, live + s, 2 * s, pool),
+            0 => (n, n, 2 * n, if i.host_reduce { n } else { largest_bucket }),
+            1 => (n + s, n + s + host * s, 2 * s, pool + largest_bucket + block),
+            2 => (n + s, live + s + host * s, 2 * s, pool + largest_bucket + block),
+            _ => (2 * s + gathered, live + s + host * s, 2 * s, pool + 2 * largest_bucket + block),
         };
         MemoryEstimate {
             params: params * F32,
@@ -137,26 +133,30 @@ impl MemoryEstimate {
 mod tests {
     use super::*;
 
-    fn inputs<'a>(zero: u8, buckets: &'a [Range<usize>], units: &'a [Range<usize>], passes: &'a [Vec<Vec<Range<usize>>>]) -> MemoryInputs<'a> {
-        MemoryInputs { zero, n: 1000, shard: 250, dp: 4, buckets, units, wte: Some(0..400), passes, activations: 10 }
+    fn inputs<'a>(zero: u8, buckets: &'a [Range<usize>], units: &'a [Range<usize>], host_reduce: bool) -> MemoryInputs<'a> {
+        let releases_grads = zero >= 2;
+        MemoryInputs { zero, n: 1000, shard: 250, dp: 4, buckets, units, wte: Some(0..400), releases_grads, host_reduce, activations: 10 }
     }
 
     #[test]
     fn each_stage_follows_its_formula() {
-        let units = [0..400, 400..700, 700..1000];
+        // wte 400, wpe 100, two blocks of 200, lnf 100.
+        let units = [0..400, 400..500, 500..700, 700..900, 900..1000];
         let buckets: Vec<Range<usize>> = (0..10).map(|b| b * 100..(b + 1) * 100).collect();
-        let fwd = vec![vec![0..400], vec![400..700], vec![700..1000]];
-        let bwd = vec![vec![700..1000, 0..400], vec![400..700]];
-        let passes = [fwd, bwd];
-        let e = |z| MemoryEstimate::new(&inputs(z, &buckets, &units, &passes));
-        assert_eq!(e(0), MemoryEstimate { params: 4000, grads: 4000, optimizer: 8000, staging: 4000, activations: 40 });
-        // Pool: the 4 largest buckets (100 elements each).
-        assert_eq!(e(1), MemoryEstimate { params: 4000, grads: 5000, optimizer: 2000, staging: 1600, activations: 40 });
-        // Live gradients: wte 400 + largest other unit 300.
-        assert_eq!(e(2).grads, (700 + 250) * 4);
-        // Gathered: computing the backward's head group (3/4 of 700) while the next block's 300
-        // arrive = 825; larger than any arrival (3/4 of a group + a 100-element bucket).
-        assert_eq!(e(3).params, (250 + 825) * 4);
-        assert_eq!(e(3).total(), e(3).params + e(3).grads + 2000 + 1600 + 40);
+        let e = |z, host| MemoryEstimate::new(&inputs(z, &buckets, &units, host));
+        // ZeRO-0: host staging of every bucket, or one bucket on a device.
+        assert_eq!(e(0, true), MemoryEstimate { params: 4000, grads: 4000, optimizer: 8000, staging: 4000, activations: 40 });
+        assert_eq!(e(0, false).staging, 400);
+        // ZeRO-1: master shard 250; host: reducer shard 250 and a pool of the 4 largest buckets
+        // (100 each); staging bucket 100 and block 25.
+        assert_eq!(e(1, true), MemoryEstimate { params: 5000, grads: 6000, optimizer: 2000, staging: 2100, activations: 40 });
+        assert_eq!(e(1, false).grads, 5000);
+        assert_eq!(e(1, false).staging, 500);
+        // Live gradients: wte 400 + largest other unit 200.
+        assert_eq!(e(2, false).grads, (600 + 250) * 4);
+        // Gathered: lnf + wte = wte + wpe = 500 > a block; parameters 2s + 500.
+        assert_eq!(e(3, false).params, (500 + 500) * 4);
+        assert_eq!(e(3, false).staging, (200 + 25) * 4);
+        assert_eq!(e(3, true).total(), e(3, true).params + e(3, true).grads + 2000 + (400 + 225) * 4 + 40);
     }
 }

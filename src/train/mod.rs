@@ -164,7 +164,8 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
         buckets: sync.bucket_ranges(),
         units: &units,
         wte: model.wte(),
-        passes: &[],
+        releases_grads: zero >= 2 && model.model().is_whole(),
+        host_reduce: matches!(model.device(), Device::Cpu),
         activations: model.activation_elements(),
     });
     if leader {

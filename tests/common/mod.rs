@@ -8,9 +8,13 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-/// The meshtrain binary built for these tests.
+/// The meshtrain binary built for these tests, or `MT_MESHTRAIN_BIN` when set (the GPU bundle runs
+/// these test programs far from the build tree, see benches/bundle/).
 pub fn meshtrain() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_meshtrain"))
+    match std::env::var_os("MT_MESHTRAIN_BIN") {
+        Some(path) if !path.is_empty() => PathBuf::from(path),
+        _ => PathBuf::from(env!("CARGO_BIN_EXE_meshtrain")),
+    }
 }
 
 /// `mpirun` for `np` ranks on this machine: oversubscribed, unbound, root allowed, output tagged

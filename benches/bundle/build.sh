@@ -10,7 +10,8 @@
 # - every shared library they load except glibc and the NVIDIA driver (ldd closure), OpenMPI's
 #   mpirun/orted with the MCA plugins a single node needs, PMIx and both help-file trees,
 #   relocated at run time through OPAL_* / PMIX_* variables (env.sh);
-# - the kernel sources, jobs/d12_gpu.toml, benches/torch_gpt2.py, run.sh and env.sh.
+# - the kernel sources, jobs/d12_gpu.toml and jobs/demo.toml, benches/torch_gpt2.py, run.sh
+#   and env.sh.
 # Binaries and libraries travel as one gzip'd tar (payload.tar.gz; OpenBLAS alone is 36 MiB
 # unpacked) that run.sh unpacks next to itself on its first run; gzip and tar are on every Linux.
 # The directory must stay under BUNDLE_LIMIT_MIB (48): the build fails past it.
@@ -27,7 +28,7 @@ mpi_libdir=/usr/lib/x86_64-linux-gnu/openmpi/lib/openmpi3
 pmix_root=/usr/lib/x86_64-linux-gnu/pmix2
 
 die() { echo "gpu-bundle: $*" >&2; exit 1; }
-for tool in strip ldd gzip tar python3 cargo; do
+for tool in strip objdump ldd gzip tar python3 cargo; do
   command -v "$tool" >/dev/null || die "needs \`$tool\` on PATH"
 done
 for path in /usr/bin/orterun /usr/bin/orted "$mpi_libdir" "$pmix_root/lib/libpmix.so.2" /usr/share/openmpi; do
@@ -106,10 +107,15 @@ done
 [ -z "$missing" ] || die "libraries not found on this machine:$missing"
 strip --strip-unneeded "$root"/lib/*.so* "$root"/lib/openmpi3/*.so "$root"/lib/pmix/*.so 2>/dev/null || true
 
-# What was bundled, with sizes and Debian package versions of the libraries.
+# The newest glibc symbol version anything here needs: the node's glibc must be at least that.
+glibc_needed=$(find "$root" -type f \( -name '*.so*' -o -perm -u+x \) -exec objdump -T {} + 2>/dev/null |
+  grep -o 'GLIBC_2\.[0-9]*' | sort -t. -k2 -n -u | tail -1)
+[ -n "$glibc_needed" ] || die "objdump found no glibc symbol versions (binutils missing?)"
+
+# What was bundled, with sizes.
 {
   echo "meshtrain GPU bundle, built $(date -u +%Y-%m-%dT%H:%M:%SZ) from $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?')"
-  echo "builder: $(. /etc/os-release && echo "$PRETTY_NAME"), glibc $(ldd --version | head -1 | awk '{print $NF}')"
+  echo "builder: $(. /etc/os-release && echo "$PRETTY_NAME"), glibc $(ldd --version | head -1 | awk '{print $NF}'); needs glibc >= ${glibc_needed#GLIBC_}"
   (cd "$root" && find . -type f -printf '%s %P\n' | sort -k2)
 } > "$stage/MANIFEST.txt"
 
@@ -121,9 +127,10 @@ cp "$repo/benches/bundle/run.sh" "$repo/benches/bundle/env.sh" "$dest/"
 chmod +x "$dest/run.sh"
 mkdir -p "$dest/kernels" "$dest/jobs" "$dest/benches"
 cp "$repo"/kernels/* "$dest/kernels/"
-cp "$repo/jobs/d12_gpu.toml" "$dest/jobs/"
+cp "$repo/jobs/d12_gpu.toml" "$repo/jobs/demo.toml" "$dest/jobs/"
 cp "$repo/benches/torch_gpt2.py" "$dest/benches/"
 (cd "$dest" && sha256sum payload.tar.gz > payload.sha256)
+echo "${glibc_needed#GLIBC_}" > "$dest/GLIBC_REQUIRED"
 
 unpacked=$(du -sb "$root" | cut -f1)
 total=$(du -sb "$dest" | cut -f1)

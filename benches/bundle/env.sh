@@ -1,6 +1,7 @@
 # Environment of the GPU bundle; run.sh sources it, and so can a shell that wants to run the
 # bundled programs by hand:   source env.sh && mpirun -np 2 meshtrain selftest --device cuda
 #
+# 0. Checks that this system's glibc is at least the one the bundle needs (GLIBC_REQUIRED).
 # 1. Unpacks payload.tar.gz into root/ beside this file (once per payload: a checksum stamp).
 # 2. Points PATH, LD_LIBRARY_PATH and OpenMPI/PMIx at root/ (OPAL_* and PMIX_* name every
 #    install directory, so the Debian-built OpenMPI inside runs from wherever the bundle lies).
@@ -135,7 +136,21 @@ mt_find_cuda() {
   MT_CUDA_LOG=$log
 }
 
+# The bundle's programs need the glibc version in GLIBC_REQUIRED (that of the build machine's
+# Debian packages) or newer.
+mt_check_glibc() {
+  local need have
+  need=$(cat "$MT_BUNDLE/GLIBC_REQUIRED" 2>/dev/null) || { MT_ENV_ERROR="GLIBC_REQUIRED is missing"; return 1; }
+  have=$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}')
+  [ -n "$have" ] || { MT_ENV_ERROR="cannot tell this system's glibc version (getconf GNU_LIBC_VERSION)"; return 1; }
+  if [ "$(printf '%s\n%s\n' "$need" "$have" | sort -V | head -1)" != "$need" ]; then
+    MT_ENV_ERROR="this system's glibc $have is older than glibc $need, which the bundled programs need (build the bundle on an older distribution)"
+    return 1
+  fi
+}
+
 mt_setup() {
+  mt_check_glibc || return 1
   mt_unpack || return 1
   MT_ORIG_LD_LIBRARY_PATH=${MT_ORIG_LD_LIBRARY_PATH-${LD_LIBRARY_PATH:-}}
   mt_find_cuda

@@ -6,6 +6,8 @@
 # Steps, most important and quickest first; each is time-boxed with `timeout`, and none starts
 # once the run's budget (RUN_BUDGET_S seconds, 8 minutes with the unpacking) is spent:
 #   cpu group:  mpi_selftest     2 ranks, CPU arm, through the bundled mpirun
+#               cpu_train        the demo job on 8 CPU ranks (TP2 x PP2 x DP2, OpenBLAS), an
+#                                HDF5 checkpoint and its verification
 #               compile_check    every kernel through the NVRTC found (sm_90 PTX and CUBIN);
 #                                without NVRTC only the no-GPU checks of tests/gpu_compile.rs
 #   gpu group:  gpu_kernels      every kernel and the device model against the CPU arm
@@ -29,13 +31,13 @@ budget=${RUN_BUDGET_S:-470}
 start=$SECONDS
 failed=0
 
-all_steps=(mpi_selftest compile_check gpu_kernels gpu_collectives gpu_oneshot bench_device gpu_layouts
+all_steps=(mpi_selftest cpu_train compile_check gpu_kernels gpu_collectives gpu_oneshot bench_device gpu_layouts
   meshtrain_d12 torch_d12 cpu_collectives emu_kernels emu_collectives emu_layouts)
-declare -A group=([mpi_selftest]=cpu [compile_check]=cpu [cpu_collectives]=cpu
+declare -A group=([mpi_selftest]=cpu [cpu_train]=cpu [compile_check]=cpu [cpu_collectives]=cpu
   [gpu_kernels]=gpu [gpu_collectives]=gpu [gpu_oneshot]=gpu [bench_device]=gpu [gpu_layouts]=gpu
   [meshtrain_d12]=gpu [torch_d12]=gpu [emu_kernels]=emu [emu_collectives]=emu [emu_layouts]=emu)
 # Seconds each step may take at most (less when the budget is nearly spent).
-declare -A limit=([mpi_selftest]=30 [compile_check]=90 [gpu_kernels]=120 [gpu_collectives]=90
+declare -A limit=([mpi_selftest]=30 [cpu_train]=60 [compile_check]=90 [gpu_kernels]=120 [gpu_collectives]=90
   [gpu_oneshot]=60 [bench_device]=45 [gpu_layouts]=120 [meshtrain_d12]=150 [torch_d12]=120
   [cpu_collectives]=90 [emu_kernels]=240 [emu_collectives]=120 [emu_layouts]=180)
 
@@ -44,7 +46,7 @@ for arg in "${@:-all}"; do
   case "$arg" in
     all) selected+=("${all_steps[@]}") ;;
     cpu|gpu|emu) for s in "${all_steps[@]}"; do [ "${group[$s]}" = "$arg" ] && selected+=("$s"); done ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) [ -n "${group[$arg]:-}" ] || { echo "run.sh: unknown step or group '$arg' (see run.sh --help)" >&2; exit 2; }
        selected+=("$arg") ;;
   esac
@@ -74,7 +76,19 @@ cxx=${MESHTRAIN_EMU_CXX:-g++}
 have_cxx=""; command -v "$cxx" >/dev/null 2>&1 && have_cxx=1
 have_nvrtc=""; [ -e "$MT_ROOT/cuda-links/libnvrtc.so" ] && have_nvrtc=1
 
-t() { "$MT_ROOT/bin/tests/$1" "${@:2}" --test-threads=1 --nocapture; }
+# A bundled test program with a filter; a filter that matches no test is a failure.
+t() {
+  local seen rc
+  seen=$(mktemp)
+  "$MT_ROOT/bin/tests/$1" "${@:2}" --test-threads=1 --nocapture 2>&1 | tee "$seen"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" = 0 ] && grep -q "^running 0 tests" "$seen"; then
+    echo "run.sh: no test of $1 matches: ${*:2}"
+    rc=1
+  fi
+  rm -f "$seen"
+  return "$rc"
+}
 mpirun_np() { mpirun --oversubscribe --bind-to none -np "$1" "${@:2}"; }
 
 run_step() { # name
@@ -105,6 +119,12 @@ run_step() { # name
 
 # The steps (each runs in its own bash under `timeout`, with env.sh's environment).
 step_mpi_selftest() { mpirun_np 2 meshtrain selftest; }
+step_cpu_train() {
+  rm -rf "$OUT_DIR/cpu_ckpt"
+  mpirun_np 8 meshtrain train "$MT_BUNDLE/jobs/demo.toml" --set train.steps=20 --set train.eval_every=10 \
+    --set checkpoint.dir="$OUT_DIR/cpu_ckpt" --set checkpoint.every=20 &&
+    meshtrain inspect "$OUT_DIR/cpu_ckpt/step_00000020" --verify
+}
 step_compile_check() {
   if [ -e "$MT_ROOT/cuda-links/libnvrtc.so" ]; then export MESHTRAIN_REQUIRE_NVRTC=1; fi
   t gpu_compile --skip hipcc

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Proof that the GPU bundle is self-contained: builds it (`make gpu-bundle`), unpacks it in a
+# minimal Debian chroot (debootstrap --variant=minbase: no compiler, no -dev package, no MPI, no
+# HDF5, no BLAS, no cargo, no Python) and runs its CPU steps there through the bundled mpirun; the
+# GPU steps must say "no GPU" and the emu steps "no g++", and run.sh must exit 0. Then g++ alone
+# goes into the chroot and the emu steps must pass with it. Root only (chroot, mounts).
+#   .ci/bundle-chroot.sh            (CHROOT_BASE=dir reuses a debootstrap; MIRROR=url)
+# Measured on the dev machine (2 cores): debootstrap ~1.5 min, bundle build ~30 s on a built
+# tree, the CPU steps ~15 s, g++ install ~1 min, the emu steps ~5 min.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mirror=${MIRROR:-http://deb.debian.org/debian}
+base=${CHROOT_BASE:-/var/tmp/mt-chroot-base}
+root=$(mktemp -d /var/tmp/mt-chroot.XXXXXX)
+bundle=target/gpu-bundle/meshtrain-gpu
+mounts=()
+cleanup() {
+  local i
+  for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do umount -l "${mounts[$i]}" 2>/dev/null || true; done
+  rm -rf --one-file-system "$root"
+}
+trap cleanup EXIT
+fail() { echo "bundle-chroot: FAIL: $*" >&2; exit 1; }
+
+if [ ! -x "$base/bin/bash" ]; then
+  command -v debootstrap >/dev/null || apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
+  rm -rf "$base"
+  debootstrap --variant=minbase bookworm "$base" "$mirror" > /tmp/mt-debootstrap.log 2>&1 ||
+    { tail -20 /tmp/mt-debootstrap.log; fail "debootstrap from $mirror"; }
+fi
+make gpu-bundle
+cp -a "$base/." "$root/"
+for tool in gcc g++ cc cargo rustc mpirun orterun python3 nvcc; do
+  if chroot "$root" /bin/sh -c "command -v $tool" >/dev/null 2>&1; then fail "the chroot has $tool"; fi
+done
+mkdir -p "$root/opt/meshtrain-gpu"
+cp -a "$bundle/." "$root/opt/meshtrain-gpu/"
+for m in proc sys dev dev/shm; do
+  mkdir -p "$root/$m"
+  case "$m" in
+    proc) mount -t proc proc "$root/proc" ;;
+    sys) mount -t sysfs sysfs "$root/sys" ;;
+    dev) mount --bind /dev "$root/dev" ;;
+    dev/shm) mount -t tmpfs -o size=2g tmpfs "$root/dev/shm" ;;
+  esac
+  mounts+=("$root/$m")
+done
+
+# 1. No compiler: the CPU steps pass, the GPU and emu steps are skipped with their reason.
+t0=$SECONDS
+set +e
+chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root OUT=/tmp/out \
+  /bin/bash /opt/meshtrain-gpu/run.sh
+rc=$?
+set -e
+summary=$root/tmp/out/summary.txt
+echo "bundle-chroot: CPU run took $((SECONDS - t0)) s"
+[ "$rc" = 0 ] || { tail -n 40 "$root"/tmp/out/*.log; fail "run.sh exited $rc in the bare chroot"; }
+for step in mpi_selftest compile_check cpu_collectives; do
+  grep -q "^$step: PASS" "$summary" || fail "$step did not pass"
+done
+for step in gpu_kernels gpu_collectives gpu_oneshot bench_device gpu_layouts meshtrain_d12 torch_d12; do
+  grep -q "^$step: SKIP (no GPU)" "$summary" || fail "$step did not say 'no GPU'"
+done
+for step in emu_kernels emu_collectives emu_layouts; do
+  grep -q "^$step: SKIP (no g++" "$summary" || fail "$step did not say 'no g++'"
+done
+
+# 2. With g++ (and nothing else) the emu steps run the kernels on the host.
+chroot "$root" /bin/sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ >/dev/null' ||
+  fail "installing g++ in the chroot"
+t0=$SECONDS
+set +e
+chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root OUT=/tmp/out-emu RUN_BUDGET_S=900 \
+  /bin/bash /opt/meshtrain-gpu/run.sh emu
+rc=$?
+set -e
+echo "bundle-chroot: emu run took $((SECONDS - t0)) s"
+[ "$rc" = 0 ] || { tail -n 40 "$root"/tmp/out-emu/*.log; fail "the emu steps failed in the chroot (rc $rc)"; }
+for step in emu_kernels emu_collectives emu_layouts; do
+  grep -q "^$step: PASS" "$root/tmp/out-emu/summary.txt" || fail "$step did not pass"
+done
+echo "bundle-chroot: OK ($(du -sh "$bundle" | cut -f1) bundle)"

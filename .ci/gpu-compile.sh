@@ -27,18 +27,19 @@ if ! command -v hipcc >/dev/null; then
 fi
 
 export MESHTRAIN_REQUIRE_NVRTC=1 MESHTRAIN_REQUIRE_HIPCC=1
-MESHTRAIN_EXPECT_NVRTC_MAJOR=12 PATH="$HOME/.cargo/bin:$PATH" cargo test --release --test gpu_compile -- --test-threads=1
+MESHTRAIN_EXPECT_NVRTC_MAJOR=12 PATH="$HOME/.cargo/bin:$PATH" cargo test --release --test gpu_compile -- --test-threads=1 --nocapture
 
 # NVRTC 13: the wheel puts libnvrtc.so.13 in nvidia/cu13/lib, a name cudarc's CUDA 12 list lacks.
 venv13=${NVRTC13_VENV:-/opt/nvrtc13-venv}
 [ -x "$venv13/bin/pip" ] || python3 -m venv "$venv13"
-"$venv13/bin/pip" install -q nvidia-cuda-nvrtc
+# Pinned to the CUDA 13.0 user space of the GPU nodes the bundle targets (13.5 compiles too).
+"$venv13/bin/pip" install -q "${NVRTC13_SPEC:-nvidia-cuda-nvrtc==13.0.*}"
 nvrtc13_lib=$("$venv13/bin/python" -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))')
 [ -e "$nvrtc13_lib/libnvrtc.so.13" ] || { echo "no libnvrtc.so.13 in $nvrtc13_lib" >&2; exit 1; }
 test_bin=$(PATH="$HOME/.cargo/bin:$PATH" cargo test --release --test gpu_compile --no-run --message-format=json |
   python3 -c 'import json, sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["name"] == "gpu_compile"][0])')
 # Unlinked, it must not load, and the error must say what to do.
-env LD_LIBRARY_PATH="$nvrtc13_lib" MESHTRAIN_NVRTC13_UNLINKED=1 "$test_bin" --test-threads=1 an_unlinked_cuda13
+env LD_LIBRARY_PATH="$nvrtc13_lib" MESHTRAIN_NVRTC13_UNLINKED=1 "$test_bin" --test-threads=1 --nocapture an_unlinked_cuda13
 # Found by the bundle's env.sh through the venv's python3 (no LD_LIBRARY_PATH), then linked.
 links=$(mktemp -d)
 nvrtc13_path=$(
@@ -49,7 +50,7 @@ nvrtc13_path=$(
   printf '%s' "$MT_CUDA_LOG" >&2
   echo "$MT_ROOT/cuda-links:$MT_CUDA_DIRS"
 )
-env LD_LIBRARY_PATH="$nvrtc13_path" MESHTRAIN_EXPECT_NVRTC_MAJOR=13 "$test_bin" --test-threads=1 nvrtc
+env LD_LIBRARY_PATH="$nvrtc13_path" MESHTRAIN_EXPECT_NVRTC_MAJOR=13 "$test_bin" --test-threads=1 --nocapture nvrtc
 rm -rf "$links"
 # The HIP arm itself (hip-sys bindings to libamdhip64 from Debian's ROCm packages) must build too.
 PATH="$HOME/.cargo/bin:$PATH" cargo build --release --features hip --lib

@@ -97,7 +97,7 @@ run_step() { # name
     gpu) [ -n "$gpu" ] || why="no GPU" ;;
     emu) [ -n "$have_cxx" ] || why="no $cxx: the emu arm compiles the kernels with the host's C++ compiler (set MESHTRAIN_EMU_CXX or install g++)" ;;
   esac
-  if [ "$name" = torch_d12 ] && [ -z "$why" ] && ! python3 -c 'import torch' >/dev/null 2>&1; then
+  if [ "$name" = torch_d12 ] && [ -z "$why" ] && ! env LD_LIBRARY_PATH="$MT_ORIG_LD_LIBRARY_PATH" python3 -c 'import torch' >/dev/null 2>&1; then
     why="no python3 with torch"
   fi
   left=$((budget - (SECONDS - start)))

@@ -92,6 +92,7 @@ fn options(arch: &str) -> Vec<String> {
 /// Compiles every kernel of `kernels/*.cu` into one CUBIN for the real architecture `arch`
 /// (e.g. `sm_90`): what [`super::CudaDevice`] loads.
 pub fn compile_cuda_cubin(arch: &str) -> Result<Vec<u8>> {
+    check_available(arch)?;
     log::info!("compiling the kernels for {arch} with {}", nvrtc_description()?);
     let src = CString::new(kernel_source()).map_err(|_| Error::Device("kernel source holds a NUL byte".into()))?;
     let compiled = catch_unwind(AssertUnwindSafe(|| -> Result<Vec<u8>> {

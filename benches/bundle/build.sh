@@ -114,7 +114,7 @@ glibc_needed=$(find "$root" -type f \( -name '*.so*' -o -perm -u+x \) -exec objd
 
 # What was bundled, with sizes.
 {
-  echo "meshtrain GPU bundle, built $(date -u +%Y-%m-%dT%H:%M:%SZ) from $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "meshtrain GPU bundle, built $(date -u +%Y-%m-%dT%H:%M:%SZ) from $(git -C "$repo" describe --always --dirty 2>/dev/null || echo '?')"
   echo "builder: $(. /etc/os-release && echo "$PRETTY_NAME"), glibc $(ldd --version | head -1 | awk '{print $NF}'); needs glibc >= ${glibc_needed#GLIBC_}"
   (cd "$root" && find . -type f -printf '%s %P\n' | sort -k2)
 } > "$stage/MANIFEST.txt"

@@ -3,7 +3,8 @@
 # minimal Debian chroot (debootstrap --variant=minbase: no compiler, no -dev package, no MPI, no
 # HDF5, no BLAS, no cargo, no Python) and runs its CPU steps there through the bundled mpirun; the
 # GPU steps must say "no GPU" and the emu steps "no g++", and run.sh must exit 0. Then g++ alone
-# goes into the chroot and the emu steps must pass with it. Root only (chroot, mounts).
+# goes into the chroot and the emu steps must pass with it. Root only (chroot, mounts). First,
+# .ci/bundle-env-test.sh checks the bundle's CUDA library search on fake library trees.
 #   .ci/bundle-chroot.sh            (CHROOT_BASE=dir reuses a debootstrap; MIRROR=url)
 # Measured on the dev machine (2 cores): debootstrap ~1.5 min, bundle build ~30 s on a built
 # tree, the CPU steps ~15 s, g++ install ~1 min, the emu steps ~5 min.
@@ -21,6 +22,9 @@ cleanup() {
 }
 trap cleanup EXIT
 fail() { echo "bundle-chroot: FAIL: $*" >&2; exit 1; }
+
+# The CUDA library search on fake library trees (no root, no GPU needed).
+bash .ci/bundle-env-test.sh
 
 if [ ! -x "$base/bin/bash" ]; then
   command -v debootstrap >/dev/null || apt-get install -y -qq --no-install-recommends debootstrap >/dev/null

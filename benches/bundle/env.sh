@@ -117,7 +117,7 @@ mt_find_cuda() {
   local links=$MT_ROOT/cuda-links driver name file dirs="" log=""
   rm -rf "$links" && mkdir -p "$links"
   driver=$(mt_driver_cuda_major)
-  log="driver: ${driver:+CUDA $driver (nvidia-smi)}${driver:-no nvidia-smi}"$'\n'
+  if [ -n "$driver" ]; then log="driver: CUDA $driver (nvidia-smi)"$'\n'; else log="driver: CUDA version unknown (no nvidia-smi)"$'\n'; fi
   for name in libnvrtc libcublas libcublasLt; do
     if ! file=$(mt_find_cuda_lib "$name" "$driver" 2>>"$links/skipped.txt"); then
       log+="$name: not found (searched LD_LIBRARY_PATH, CUDA_HOME, /usr/local/cuda*, Python nvidia-* wheels, ld.so cache)"$'\n'

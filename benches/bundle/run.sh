@@ -77,7 +77,8 @@ cxx=${MESHTRAIN_EMU_CXX:-g++}
 have_cxx=""; command -v "$cxx" >/dev/null 2>&1 && have_cxx=1
 have_nvrtc=""; [ -e "$MT_ROOT/cuda-links/libnvrtc.so" ] && have_nvrtc=1
 
-# A bundled test program with a filter; a filter that matches no test is a failure.
+# A bundled test program with a filter; a filter that matches no test is a failure, and so is,
+# in a GPU step (MT_FORBID_SKIPS=1), a test that skips itself (e.g. for want of libcuda).
 t() {
   local seen rc
   seen=$(mktemp)
@@ -85,6 +86,10 @@ t() {
   rc=${PIPESTATUS[0]}
   if [ "$rc" = 0 ] && grep -q "^running 0 tests" "$seen"; then
     echo "run.sh: no test of $1 matches: ${*:2}"
+    rc=1
+  elif [ "$rc" = 0 ] && [ "${MT_FORBID_SKIPS:-}" = 1 ] && grep -qE '(^|\.\.\. )SKIP' "$seen"; then
+    echo "run.sh: a test of $1 skipped itself in a GPU step:"
+    grep -E '(^|\.\.\. )SKIP' "$seen"
     rc=1
   fi
   rm -f "$seen"
@@ -110,7 +115,7 @@ run_step() { # name
   cap=${limit[$name]}
   [ "$cap" -gt "$left" ] && cap=$left
   t0=$SECONDS
-  timeout --kill-after=10 "$cap" bash -c "$(declare -f t mpirun_np step_$name); step_$name" > "$out/$name.log" 2>&1
+  MT_FORBID_SKIPS=$([ "${group[$name]}" = gpu ] && echo 1) timeout --kill-after=10 "$cap" bash -c "$(declare -f t mpirun_np step_$name); step_$name" > "$out/$name.log" 2>&1
   rc=$?
   local verdict=PASS
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then verdict="FAIL (timed out after $cap s)"; failed=1

@@ -5,13 +5,15 @@
 # GPU steps must say "no GPU" and the emu steps "no g++", and run.sh must exit 0. Then g++ alone
 # goes into the chroot and the emu steps must pass with it. Root only (chroot, mounts). First,
 # .ci/bundle-env-test.sh checks the bundle's CUDA library search on fake library trees.
-#   .ci/bundle-chroot.sh            (CHROOT_BASE=dir reuses a debootstrap; MIRROR=url)
+#   .ci/bundle-chroot.sh     (CHROOT_BASE=dir reuses a debootstrap; MIRROR=url; CHROOT_SUITE=trixie
+#                             tries a newer Debian, glibc 2.41)
 # Measured on the dev machine (2 cores): debootstrap ~1.5 min, bundle build ~30 s on a built
 # tree, the CPU steps ~15 s, g++ install ~1 min, the emu steps ~5 min.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mirror=${MIRROR:-http://deb.debian.org/debian}
-base=${CHROOT_BASE:-/var/tmp/mt-chroot-base}
+suite=${CHROOT_SUITE:-bookworm}
+base=${CHROOT_BASE:-/var/tmp/mt-chroot-$suite}
 root=$(mktemp -d /var/tmp/mt-chroot.XXXXXX)
 bundle=target/gpu-bundle/meshtrain-gpu
 mounts=()
@@ -29,7 +31,7 @@ bash .ci/bundle-env-test.sh
 if [ ! -x "$base/bin/bash" ]; then
   command -v debootstrap >/dev/null || apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
   rm -rf "$base"
-  debootstrap --variant=minbase bookworm "$base" "$mirror" > /tmp/mt-debootstrap.log 2>&1 ||
+  debootstrap --variant=minbase "$suite" "$base" "$mirror" > /tmp/mt-debootstrap.log 2>&1 ||
     { tail -20 /tmp/mt-debootstrap.log; fail "debootstrap from $mirror"; }
 fi
 make gpu-bundle

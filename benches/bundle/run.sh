@@ -75,7 +75,6 @@ if [ -z "$gpu" ] && ls /dev/nvidia[0-9]* >/dev/null 2>&1; then gpu="NVIDIA devic
 note "gpu: ${gpu:-none}"
 cxx=${MESHTRAIN_EMU_CXX:-g++}
 have_cxx=""; command -v "$cxx" >/dev/null 2>&1 && have_cxx=1
-have_nvrtc=""; [ -e "$MT_ROOT/cuda-links/libnvrtc.so" ] && have_nvrtc=1
 
 # A bundled test program with a filter; a filter that matches no test is a failure, and so is,
 # in a GPU step (MT_FORBID_SKIPS=1), a test that skips itself (e.g. for want of libcuda).

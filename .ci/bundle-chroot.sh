@@ -2,13 +2,14 @@
 # Proof that the GPU bundle is self-contained: builds it (`make gpu-bundle`), unpacks it in a
 # minimal Debian chroot (debootstrap --variant=minbase: no compiler, no -dev package, no MPI, no
 # HDF5, no BLAS, no cargo, no Python) and runs its CPU steps there through the bundled mpirun; the
-# GPU steps must say "no GPU" and the emu steps "no g++", and run.sh must exit 0. Then g++ alone
+# GPU steps must say "no GPU" and the emu steps "no g++", and run.sh must exit 0. With a fake
+# nvidia-smi (a GPU but no driver library) every GPU step must fail naming libcuda. Then g++ alone
 # goes into the chroot and the emu steps must pass with it. Root only (chroot, mounts). First,
 # .ci/bundle-env-test.sh checks the bundle's CUDA library search on fake library trees.
 #   .ci/bundle-chroot.sh     (CHROOT_BASE=dir reuses a debootstrap; MIRROR=url; CHROOT_SUITE=trixie
 #                             tries a newer Debian, glibc 2.41)
-# Measured on the dev machine (2 cores): debootstrap ~1.5 min, bundle build ~30 s on a built
-# tree, the CPU steps ~15 s, g++ install ~1 min, the emu steps ~5 min.
+# Measured on the dev machine (2 cores, tree already built): debootstrap 45 s, bundle 30 s, the
+# CPU steps 20 s, the fake-GPU run 5 s, g++ install 40 s, the emu steps 45 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mirror=${MIRROR:-http://deb.debian.org/debian}
@@ -72,7 +73,25 @@ for step in emu_kernels emu_collectives emu_layouts; do
   grep -q "^$step: SKIP (no g++" "$summary" || fail "$step did not say 'no g++'"
 done
 
-# 2. With g++ (and nothing else) the emu steps run the kernels on the host.
+# 2. A GPU that nvidia-smi reports but no driver library: every GPU step runs its real command
+#    line and fails within its time box, naming libcuda (a test that skips itself fails too).
+mkdir -p "$root/opt/fake-smi"
+printf '#!/bin/sh\ncase "$*" in *query-gpu*) echo "NVIDIA H100 (fake), 580.00, 81559 MiB" ;; *) echo "CUDA Version: 13.0" ;; esac\n' \
+  > "$root/opt/fake-smi/nvidia-smi"
+chmod +x "$root/opt/fake-smi/nvidia-smi"
+set +e
+chroot "$root" /usr/bin/env -i PATH=/opt/fake-smi:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root OUT=/tmp/out-fake \
+  /bin/bash /opt/meshtrain-gpu/run.sh gpu
+rc=$?
+set -e
+[ "$rc" = 1 ] || fail "run.sh exited $rc with a GPU but no driver library (want 1)"
+for step in gpu_kernels gpu_collectives gpu_oneshot bench_device gpu_layouts meshtrain_d12; do
+  grep -q "^$step: FAIL (rc=" "$root/tmp/out-fake/summary.txt" || fail "$step did not fail without libcuda"
+  grep -q "no CUDA driver (libcuda.so)" "$root/tmp/out-fake/$step.log" || fail "$step.log does not name libcuda"
+done
+grep -q "^torch_d12: SKIP (no python3 with torch)" "$root/tmp/out-fake/summary.txt" || fail "torch_d12 without python3"
+
+# 3. With g++ (and nothing else) the emu steps run the kernels on the host.
 chroot "$root" /bin/sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ >/dev/null' ||
   fail "installing g++ in the chroot"
 t0=$SECONDS

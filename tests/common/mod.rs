@@ -160,7 +160,16 @@ pub fn train(np: usize, job: &std::path::Path, metrics: &std::path::Path, sets: 
         cmd.args(["--set", s]);
     }
     let out = run(cmd, Duration::from_secs(300));
-    assert!(out.success(), "train on {np} ranks failed: {:?}\n{}\n{}", out.status, out.stdout, out.stderr);
+    // mpirun may exit 0 when every rank failed (orte_abort_on_non_zero_status=0): no metrics file
+    // is a failure too, reported with what the ranks printed.
+    assert!(
+        out.success() && metrics.exists(),
+        "train on {np} ranks failed: {:?}, metrics file {}\n{}\n{}",
+        out.status,
+        if metrics.exists() { "written" } else { "missing" },
+        out.stdout,
+        out.stderr
+    );
     out
 }
 

@@ -2,6 +2,8 @@
 #   make demo   - a small 3D-parallel training run on 8 CPU ranks (TP2 x PP2 x DP2)
 #   make test   - the whole test suite (what CI runs)
 #   make slurm-test - a throw-away Slurm on this machine (root): sweeps under srun, SIGUSR1 requeue
+#   make gpu-bundle - one directory to copy onto a bare GPU node and run there: bash run.sh
+#                     (benches/README.md; GPU_BUNDLE=dir picks where)
 SHELL := /bin/bash
 RANKS ?= 8
 MPIRUN ?= mpirun --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root,)
@@ -9,8 +11,9 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 APT_PACKAGES := build-essential pkg-config libclang-dev libopenmpi-dev openmpi-bin libopenblas-dev libhdf5-dev hdf5-tools python3-h5py libfabric-dev libfabric-bin fonts-dejavu-core
 SLURM_PACKAGES := slurmctld slurmd slurm-client munge
 export HDF5_DIR ?= /usr/lib/x86_64-linux-gnu/hdf5/serial
+GPU_BUNDLE ?= target/gpu-bundle/meshtrain-gpu
 
-.PHONY: deps rust build release demo test bench slurm-test
+.PHONY: deps rust build release demo test bench slurm-test gpu-bundle
 
 deps: rust
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -39,3 +42,6 @@ bench: build
 slurm-test: build
 	@dpkg -s $(SLURM_PACKAGES) >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $(SLURM_PACKAGES); }
 	$(SUDO) bash tests/slurm/ci.sh
+
+gpu-bundle: deps
+	PATH="$$HOME/.cargo/bin:$$PATH" bash benches/bundle/build.sh $(GPU_BUNDLE)

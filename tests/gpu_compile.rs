@@ -3,19 +3,31 @@
 //!
 //! A missing compiler skips its test with a message, unless `MESHTRAIN_REQUIRE_NVRTC=1` /
 //! `MESHTRAIN_REQUIRE_HIPCC=1` is set (CI sets them after installing the compilers, see
-//! `.ci/gpu-compile.sh`), in which case the test fails.
+//! `.ci/gpu-compile.sh`), in which case the test fails. CI runs the NVRTC tests twice, with
+//! NVRTC 12 and NVRTC 13, and `MESHTRAIN_EXPECT_NVRTC_MAJOR` names the one each run must load.
 
 use std::collections::HashSet;
 
 use meshtrain::config::DeviceKind;
 use meshtrain::device::hipcc::{code_object_kernels, compile_hip_kernels, hipcc_available};
 use meshtrain::device::kernels::entry_points;
-use meshtrain::device::nvrtc::nvrtc_available;
+use meshtrain::device::nvrtc::{nvrtc_available, nvrtc_description, nvrtc_version};
 use meshtrain::device::{compile_cuda_cubin, compile_cuda_kernels, Device};
 use meshtrain::Error;
 
 fn required(var: &str) -> bool {
     std::env::var(var).is_ok_and(|v| v == "1")
+}
+
+/// Prints which NVRTC a test compiles with and, under `MESHTRAIN_EXPECT_NVRTC_MAJOR`, checks its
+/// major version (so a run meant for NVRTC 13 cannot pass by loading NVRTC 12).
+fn check_nvrtc_version(test: &str) {
+    let desc = nvrtc_description().unwrap();
+    eprintln!("{test}: {desc}");
+    if let Ok(want) = std::env::var("MESHTRAIN_EXPECT_NVRTC_MAJOR") {
+        let (major, _) = nvrtc_version().unwrap();
+        assert_eq!(major.to_string(), want, "{test}: loaded {desc}");
+    }
 }
 
 /// Kernel names a `.entry` directive of the PTX declares.
@@ -36,6 +48,7 @@ fn nvrtc_compiles_every_kernel_for_sm90() {
         eprintln!("SKIPPED nvrtc_compiles_every_kernel_for_sm90: no libnvrtc (see .ci/gpu-compile.sh)");
         return;
     }
+    check_nvrtc_version("nvrtc_compiles_every_kernel_for_sm90");
     let ptx = compile_cuda_kernels("sm_90").unwrap().to_src();
     assert!(ptx.contains(".target sm_90"), "PTX targets another architecture");
     let got = ptx_entries(&ptx);
@@ -57,6 +70,7 @@ fn nvrtc_builds_a_cubin_with_every_kernel_for_sm90() {
         eprintln!("SKIPPED nvrtc_builds_a_cubin_with_every_kernel_for_sm90: no libnvrtc");
         return;
     }
+    check_nvrtc_version("nvrtc_builds_a_cubin_with_every_kernel_for_sm90");
     let cubin = compile_cuda_cubin("sm_90").unwrap();
     assert_eq!(&cubin[..4], b"\x7fELF", "not an ELF image");
     for name in entry_points() {
@@ -81,6 +95,21 @@ fn nvrtc_reports_compile_errors_as_errors() {
             "expected a device error, got {:?}",
             other.map(|p| p.to_src().len())
         ),
+    }
+}
+
+/// With only a CUDA 13 `libnvrtc.so.13` on the library path and no `libnvrtc.so` link to it, the
+/// error says what to do. CI sets `MESHTRAIN_NVRTC13_UNLINKED=1` for a run in that setup.
+#[test]
+fn an_unlinked_cuda13_nvrtc_is_named_in_the_error() {
+    if !required("MESHTRAIN_NVRTC13_UNLINKED") {
+        eprintln!("SKIPPED an_unlinked_cuda13_nvrtc_is_named_in_the_error: MESHTRAIN_NVRTC13_UNLINKED unset");
+        return;
+    }
+    assert!(!nvrtc_available(), "an NVRTC loads although only libnvrtc.so.13 should be on the path");
+    match compile_cuda_cubin("sm_90") {
+        Err(Error::Device(msg)) => assert!(msg.contains("libnvrtc.so.13") && msg.contains("link"), "{msg}"),
+        other => panic!("expected a device error, got {:?}", other.map(|c| c.len())),
     }
 }
 

@@ -145,7 +145,16 @@ impl CudaDevice {
                 .map_err(|e| driver_err(&format!("kernel {entry}"), e))?;
             functions.insert(entry, f);
         }
-        log::info!("local rank {local_rank}: CUDA GPU {ordinal} of {count} ({name}, {arch})");
+        let mut version = 0;
+        // SAFETY: writes one int through a pointer to a local; the driver is initialised above.
+        let driver = match unsafe { sys::cuDriverGetVersion(&mut version) }.result() {
+            Ok(()) => format!("{}.{}", version / 1000, version % 1000 / 10),
+            Err(e) => format!("unknown ({e:?})"),
+        };
+        let file = super::nvrtc::loaded_library("libcuda.so").unwrap_or_default();
+        log::info!(
+            "local rank {local_rank}: CUDA GPU {ordinal} of {count} ({name}, {arch}), driver for CUDA {driver} ({file})"
+        );
         Ok(CudaDevice {
             ordinal,
             name,

@@ -8,7 +8,14 @@
 //! cudarc panics when it cannot load libnvrtc; [`nvrtc_available`] checks first, and the compile
 //! itself runs under `catch_unwind` (a library without a symbol cudarc expects also panics), so
 //! callers always get an [`Error::Device`]. NVRTC needs no GPU: CI compiles every kernel for
-//! sm_90 with the PyPI wheel `nvidia-cuda-nvrtc-cu12` on `LD_LIBRARY_PATH`.
+//! sm_90 with the PyPI wheels `nvidia-cuda-nvrtc-cu12` (NVRTC 12) and `nvidia-cuda-nvrtc`
+//! (NVRTC 13).
+//!
+//! Library names: cudarc (built for CUDA 12) opens `libnvrtc.so` first, then numbered names up to
+//! `libnvrtc.so.12`, never `libnvrtc.so.13`. A CUDA 13 NVRTC therefore loads through a
+//! `libnvrtc.so` link to it on the library path (a toolkit's `lib64/` has one; the GPU bundle's
+//! `env.sh` makes one for the Python wheels); the no-library error says so when it finds only
+//! the `.so.13`. The API calls made here are the same in NVRTC 12 and 13.
 
 use std::ffi::{c_char, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -29,10 +36,51 @@ fn check_available(arch: &str) -> Result<()> {
     if nvrtc_available() {
         return Ok(());
     }
-    Err(Error::Device(format!(
-        "compiling kernels for {arch}: no NVRTC library (libnvrtc.so) found; install the CUDA \
-         toolkit or `pip install nvidia-cuda-nvrtc-cu12` and put its lib/ on LD_LIBRARY_PATH"
-    )))
+    // SAFETY: dlopen of NVRTC, which runs no code of ours; the handle is dropped at once.
+    let cuda13 = unsafe { libloading::Library::new("libnvrtc.so.13") }.is_ok();
+    Err(Error::Device(if cuda13 {
+        format!(
+            "compiling kernels for {arch}: only libnvrtc.so.13 (CUDA 13) was found, and this \
+             build opens libnvrtc.so or libnvrtc.so.12: put a link named libnvrtc.so to it on \
+             LD_LIBRARY_PATH (the GPU bundle's env.sh makes one)"
+        )
+    } else {
+        format!(
+            "compiling kernels for {arch}: no NVRTC library (libnvrtc.so, libnvrtc.so.12) found; \
+             install the CUDA toolkit or `pip install nvidia-cuda-nvrtc-cu12` and put its lib/ on \
+             LD_LIBRARY_PATH"
+        )
+    }))
+}
+
+/// The file of a loaded shared library whose name starts with `stem` (`libnvrtc.so`), read from
+/// `/proc/self/maps` (so links are resolved); `None` when this process has not loaded it.
+pub(crate) fn loaded_library(stem: &str) -> Option<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .find(|path| path.rsplit('/').next().is_some_and(|file| file.starts_with(stem)))
+        .map(str::to_string)
+}
+
+/// The version the loaded NVRTC reports (`nvrtcVersion`), e.g. `(13, 0)`.
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    check_available("(version query)")?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: nvrtcVersion writes two ints through pointers to locals that outlive the call.
+    let status = catch_unwind(AssertUnwindSafe(|| unsafe { sys::nvrtcVersion(&mut major, &mut minor) }.result()));
+    match status {
+        Ok(Ok(())) => Ok((major, minor)),
+        Ok(Err(e)) => Err(Error::Device(format!("nvrtcVersion: {e:?}"))),
+        Err(_) => Err(Error::Device("the NVRTC library lacks nvrtcVersion".into())),
+    }
+}
+
+/// Which NVRTC compiles the kernels: `NVRTC 13.0 (/path/libnvrtc.so.13)`.
+pub fn nvrtc_description() -> Result<String> {
+    let (major, minor) = nvrtc_version()?;
+    let file = loaded_library("libnvrtc.so").unwrap_or_else(|| "file not in /proc/self/maps".into());
+    Ok(format!("NVRTC {major}.{minor} ({file})"))
 }
 
 /// Options of both compiles: IEEE-rounded division and square root (NVRTC's defaults, pinned
@@ -45,6 +93,7 @@ fn options(arch: &str) -> Vec<String> {
 /// (e.g. `sm_90`): what [`super::CudaDevice`] loads.
 pub fn compile_cuda_cubin(arch: &str) -> Result<Vec<u8>> {
     check_available(arch)?;
+    log::info!("compiling the kernels for {arch} with {}", nvrtc_description()?);
     let src = CString::new(kernel_source()).map_err(|_| Error::Device("kernel source holds a NUL byte".into()))?;
     let compiled = catch_unwind(AssertUnwindSafe(|| -> Result<Vec<u8>> {
         let prog = result::create_program(&src, Some(c"meshtrain_kernels.cu"))

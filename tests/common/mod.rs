@@ -8,9 +8,13 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-/// The meshtrain binary built for these tests.
+/// The meshtrain binary built for these tests, or `MT_MESHTRAIN_BIN` when set (the GPU bundle runs
+/// these test programs far from the build tree, see benches/bundle/).
 pub fn meshtrain() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_meshtrain"))
+    match std::env::var_os("MT_MESHTRAIN_BIN") {
+        Some(path) if !path.is_empty() => PathBuf::from(path),
+        _ => PathBuf::from(env!("CARGO_BIN_EXE_meshtrain")),
+    }
 }
 
 /// `mpirun` for `np` ranks on this machine: oversubscribed, unbound, root allowed, output tagged
@@ -156,7 +160,16 @@ pub fn train(np: usize, job: &std::path::Path, metrics: &std::path::Path, sets: 
         cmd.args(["--set", s]);
     }
     let out = run(cmd, Duration::from_secs(300));
-    assert!(out.success(), "train on {np} ranks failed: {:?}\n{}\n{}", out.status, out.stdout, out.stderr);
+    // mpirun may exit 0 when every rank failed (orte_abort_on_non_zero_status=0): no metrics file
+    // is a failure too, reported with what the ranks printed.
+    assert!(
+        out.success() && metrics.exists(),
+        "train on {np} ranks failed: {:?}, metrics file {}\n{}\n{}",
+        out.status,
+        if metrics.exists() { "written" } else { "missing" },
+        out.stdout,
+        out.stderr
+    );
     out
 }
 

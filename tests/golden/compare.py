@@ -3,7 +3,8 @@
 
 For every case: are the losses identical as f64 bits, and every checkpoint tensor identical by
 SHA-256? Where not, the largest relative difference (losses: |a-b|/|a|; tensors: ||a-b||/||a||
-over the tensor, read from the exported .h5 files when both are there). Exit 1 if a case is
+over the tensor, read from the exported .h5 files when both are there; the key third of
+`attn.qkv.bias` is left out of that number, see `rel`). Exit 1 if a case is
 missing or a difference exceeds --tol (default 1e-6)."""
 import argparse, json, os, sys
 
@@ -38,10 +39,17 @@ for case in sorted(old):
         if os.path.exists(fo) and os.path.exists(fn):
             import h5py, numpy as np
             with h5py.File(fo) as ho, h5py.File(fn) as hn:
-                worst = max(
-                    float(np.linalg.norm(ho[k][()] - hn[k][()]) / max(np.linalg.norm(ho[k][()]), 1e-30))
-                    for k in diff
-                )
+                def rel(k):
+                    x, y = ho[k][()].astype(np.float64), hn[k][()].astype(np.float64)
+                    if k.endswith("attn.qkv.bias"):
+                        # The key bias has no gradient in exact arithmetic (softmax is invariant
+                        # to it): AdamW turns its rounding noise into steps of ~lr, so only the
+                        # query and value thirds are comparable.
+                        c = x.shape[-1] // 3
+                        keep = np.r_[0:c, 2 * c:3 * c]
+                        x, y = x[..., keep], y[..., keep]
+                    return float(np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30))
+                worst = max(rel(k) for k in diff)
         tcol = f"{len(diff)} differ, max {worst:.2e}" if worst is not None else f"{len(diff)} differ"
         bad |= worst is None or worst > a.tol
     print(f"{case:28} {lcol:>14} {tcol:>22}")

@@ -11,7 +11,9 @@
 //! - [`comm`]: communicators, rings, and the collective algorithms written over transport
 //!   primitives; `comm::device` runs them on device buffers (paths behind one trait).
 //! - [`model`], [`optim`], [`data`], [`train`]: the GPT model, AdamW, token shards, the training
-//!   loop.
+//!   loop. One executor (`model::DeviceGpt`) runs every layout on every device arm, the CPU's
+//!   included; `model::Gpt` is the single-rank reference that tests compare it with. One step
+//!   (`train::device_step`) reduces, clips and updates for ZeRO 0-3 on every arm.
 //! - [`memory`]: releasing buffer pages (ZeRO-2/3 residency) and measuring resident memory.
 //! - [`bench`]: `meshtrain bench`, collective and step benchmarks.
 //!

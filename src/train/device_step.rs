@@ -33,7 +33,7 @@ use std::sync::Arc;
 use super::buckets::{OverlapReducer, ReduceTiming, Reduction};
 use super::device_whole::WholeState;
 use super::device_zero::DeviceShards;
-use super::grad_sync::{DataParallel, StepOutcome};
+use super::grad_sync::{DataParallel, Spans, StepOutcome};
 use crate::comm::device::{GpuCommConfig, GpuCommState};
 use crate::comm::stats::CommStats;
 use crate::comm::{Communicator, ReduceOp};
@@ -75,7 +75,7 @@ impl DeviceStep {
         model: &DeviceGpt,
         sync: &DataParallel,
         dp: &Communicator,
-        (decay, norm): (Vec<(Range<usize>, bool)>, &[(Range<usize>, bool)]),
+        (decay, norm): (&Spans, &Spans),
         config: AdamWConfig,
     ) -> Result<Self> {
         let dev = model.device();
@@ -89,8 +89,8 @@ impl DeviceStep {
             _ => None,
         };
         let state = match sync.zero {
-            0 => State::Whole(WholeState::new(model, sync, (&decay, norm), overlap.is_none())?),
-            1..=3 => State::Sharded(DeviceShards::new(model, sync, &decay, norm)?),
+            0 => State::Whole(WholeState::new(model, sync, (decay, norm), overlap.is_none())?),
+            1..=3 => State::Sharded(DeviceShards::new(model, sync, decay, norm)?),
             z => return Err(Error::config("parallel.zero", format!("the device step runs ZeRO 0-3, not {z}"))),
         };
         Ok(DeviceStep {

@@ -23,7 +23,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use super::buckets::{OverlapReducer, ReduceTiming};
-use super::grad_sync::DataParallel;
+use super::grad_sync::{DataParallel, Spans};
 use crate::comm::device::GpuCommState;
 use crate::comm::{Communicator, DType, ReduceOp};
 use crate::device::ipc::alloc_shareable;
@@ -55,7 +55,7 @@ impl WholeState {
     pub fn new(
         model: &DeviceGpt,
         sync: &DataParallel,
-        (decay, norm): (&[(Range<usize>, bool)], &[(Range<usize>, bool)]),
+        (decay, norm): (&Spans, &Spans),
         device_reduce: bool,
     ) -> Result<Self> {
         let dev = model.device();

@@ -404,7 +404,7 @@ mod tests {
                 let buckets = host_sync.bucket_ranges().to_vec();
                 let red_comm = c.split(Some(0), c.rank() as i64).unwrap().unwrap();
                 let mut red = OverlapReducer::new(red_comm, buckets.clone(), Reduction::ReduceScatter);
-                let mut step = DeviceStep::new(&dev, &dev_sync, &c, (decay, &norm), adamw).unwrap();
+                let mut step = DeviceStep::new(&dev, &dev_sync, &c, (&decay, &norm), adamw).unwrap();
                 step.load(&mut dev, &mut dev_sync).unwrap();
                 let (accum, lr, max_norm) = (2, 1e-3, 0.5);
                 for s in 0..3 {

@@ -24,6 +24,9 @@ use crate::comm::block_range;
 use crate::error::{Error, Result};
 use crate::optim::AdamWState;
 
+/// `(flat range, flag)` spans of a parameter buffer: weight decay on, or counted in the norm.
+pub type Spans = [(Range<usize>, bool)];
+
 /// How gradients and optimizer state are laid out across the data-parallel group.
 pub struct DataParallel {
     /// ZeRO stage (0-3, see the module documentation).

@@ -92,7 +92,7 @@ impl MemoryEstimate {
         let live = if i.releases_grads { wte + largest_other } else { n };
         // ZeRO-3 materialises what one layer reads: wte + wpe, one block, or lnf + wte. The
         // first other unit after wte is wpe on a stage that embeds; lnf is the last unit.
-        let (wpe, lnf) = (others().next().map_or(0, |u| u.len()) as u64, others().last().map_or(0, |u| u.len()) as u64);
+        let (wpe, lnf) = (others().next().map_or(0, |u| u.len()) as u64, others().next_back().map_or(0, |u| u.len()) as u64);
         let gathered = (wte + wpe).max(largest_other).max(lnf + wte);
         let (params, grads, optimizer, staging) = match i.zero {
             0 => (n, n, 2 * n, if i.host_reduce { n } else { largest_bucket }),

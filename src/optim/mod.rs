@@ -7,8 +7,8 @@
 
 pub mod adamw;
 pub mod clip;
-pub mod schedule;
+pub mod lr_schedule;
 
 pub use adamw::{AdamW, AdamWConfig, AdamWState, DecayMask};
 pub use clip::{clip_scale, scale_grads, sum_of_squares};
-pub use schedule::LrSchedule;
+pub use lr_schedule::LrSchedule;

@@ -1,14 +1,15 @@
 //! One rank's training step built exactly as [`super::train`] builds it, for `meshtrain bench
 //! step`: the grid of one rank, the [`Replica`] (the shard executor [`crate::model::DeviceGpt`]
 //! holding the whole model on the chosen device arm and precision), the data-parallel layout
-//! ([`DataParallel`], ZeRO 0) and the device optimizer step ([`DeviceStep`]); one [`StepHarness::
-//! step`] is the trainer's step body for one micro-batch: zero the gradients, forward and
-//! backward through `Replica::run` with the trainer's device events, then the device step
-//! (gradient packing, global-norm clipping, AdamW, parameters back into the model's tensors).
+//! ([`DataParallel`], ZeRO 0) and the device optimizer step ([`DeviceStep`]). One
+//! [`StepHarness::step`] is the trainer's step body for one micro-batch: zero the gradients,
+//! forward and backward through `Replica::run` with the trainer's device events, then the device
+//! step (gradient packing, global-norm clipping, AdamW, parameters back into the model's tensors).
 //!
 //! Why a harness and not the bench building these objects: the bench must time what trains, and
 //! the trainer's objects stay private to `train/`; this file is the one place outside `train()`
-//! that assembles them, so a change to the step shows up in both.
+//! that assembles them. It repeats the calls of `train()`'s set-up and loop body (without data,
+//! metrics, checkpoints or the non-finite guard): a change there must be made here too.
 //!
 //! Invariants: the harness is one rank of its own communicator's grid (tp = pp = dp = 1, ZeRO 0,
 //! default parallel settings); after [`StepHarness::new`] the device step holds the training

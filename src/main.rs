@@ -20,7 +20,7 @@ use meshtrain::model::{Gpt, GptConfig, ParamLayout};
 use meshtrain::train::{self, TrainOptions};
 use meshtrain::bootstrap::{rank_hint, World};
 use meshtrain::comm::{probe::Reads, selftest, Communicator, DType, ReduceOp};
-use meshtrain::config::DeviceKind;
+use meshtrain::config::{DeviceKind, Precision};
 use meshtrain::device::Device;
 use meshtrain::{Error, Result};
 
@@ -152,7 +152,8 @@ struct SelftestArgs {
 #[derive(Args)]
 struct BenchArgs {
     /// What to measure: a collective name, `all` (every collective), `step` (a training step of
-    /// the model on CPU against its own GEMM rate), `checkpoint` (save/load bandwidth) or
+    /// the training executor, CPU arm by default, against its own GEMM rate), `checkpoint`
+    /// (save/load bandwidth) or
     /// `device` (a device collective per path: stream-ordered, IPC, FI_HMEM ring, staged), `device-sendrecv`
     /// (device buffers between members 0 and 1, direct or staged).
     what: String,
@@ -209,9 +210,13 @@ struct BenchArgs {
     #[arg(long, default_value = "all_reduce")]
     coll: String,
     /// `device`, `device-sendrecv`: device kind of the buffers (cuda, hip, emu, cpu; default cuda
-    /// for `device`, emu for `device-sendrecv`).
+    /// for `device`, emu for `device-sendrecv`); `step`: the arm the executor runs on (default
+    /// cpu).
     #[arg(long)]
     device: Option<String>,
+    /// `step`: element type of the matrix products (fp32, bf16).
+    #[arg(long, default_value = "fp32")]
+    precision: String,
 }
 
 impl BenchArgs {
@@ -250,14 +255,25 @@ impl BenchArgs {
     }
 }
 
-fn bench_step(args: &BenchArgs) -> Result<()> {
-    let report = run_step_bench(&StepBenchArgs {
+/// `meshtrain bench step`: the training executor's step on one rank.
+fn bench_step(world: &World, args: &BenchArgs) -> Result<()> {
+    if world.size != 1 {
+        return Err(Error::config("bench step", format!("runs on one rank, not {} (start it without mpirun)", world.size)));
+    }
+    let precision = match args.precision.as_str() {
+        "fp32" => Precision::Fp32,
+        "bf16" => Precision::Bf16,
+        other => return Err(Error::config("--precision", format!("`{other}` is not fp32 or bf16"))),
+    };
+    let report = run_step_bench(&world.communicator()?, &StepBenchArgs {
         size: args.size.clone(),
         batch: args.batch,
         seq_len: args.seq_len,
         warmup: args.warmup.min(2),
         steps: args.steps,
         seed: 0,
+        device: device_kind(args.device.as_deref().unwrap_or("cpu"))?,
+        precision,
     })?;
     if args.csv {
         println!("{}", serde_json::to_string(&report).map_err(|e| Error::Check(e.to_string()))?);
@@ -473,7 +489,7 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let result = match &cli.command {
-        Command::Bench(args) if args.what == "step" => bench_step(args),
+        Command::Bench(args) if args.what == "step" => with_world(|w| bench_step(w, args)),
         Command::Bench(args) if args.what == "checkpoint" => with_world(|w| {
             let report = checkpoint::bench_checkpoint(&w.communicator()?, &args.dir, args.params)?;
             if w.rank == 0 {

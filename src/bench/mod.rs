@@ -1,6 +1,6 @@
 //! `meshtrain bench`: measurements, never tests. [`collectives`] sweeps buffer sizes for each
-//! collective (optionally against the system MPI); [`step`] times a training step of the model on
-//! CPU against the GEMM rate of its own matrix shapes; [`device`] times the device all-reduce per
+//! collective (optionally against the system MPI); [`step`] times a training step of the executor
+//! that trains (CPU arm by default) against the GEMM rate of its own matrix shapes; [`device`] times the device all-reduce per
 //! path (stream-ordered, IPC, staged) and [`device_p2p`] device send/recv (direct or staged).
 
 pub mod collectives;

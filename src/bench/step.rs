@@ -1,17 +1,25 @@
-//! `meshtrain bench step`: one training step on CPU (forward + backward + clip + AdamW),
-//! measured against the GEMMs it is made of and against the memory it should need.
+//! `meshtrain bench step`: one training step of the executor that trains (the shard executor
+//! `DeviceGpt` holding the whole model, on the CPU arm by default, fp32 or bf16, with the device
+//! optimizer step: forward + backward + gradient packing + global-norm clip + AdamW), built by
+//! `train::StepHarness` exactly as `meshtrain train` builds a one-rank job, measured against the
+//! GEMMs it is made of and against the memory it should need.
 //!
 //! Reported, for a model size at (B, T) (default d12, B=4, T=64):
 //! - tokens/s and achieved GFLOP/s, with model FLOPs per token = 6·N + 12·L·C·T, where N counts
 //!   every parameter except `wpe` (a lookup, no multiply; padded `wte` rows are counted because
 //!   the logits GEMM computes them) and 12·L·C·T is attention's QKᵀ and AV in forward (4·L·C·T
 //!   counting the full T×T score matrix, not just its causal half) times 3 for the backward;
-//! - the GEMM rate of the step's own GEMM mix: each distinct (M, N, K, transposition) GEMM the
-//!   step performs is timed on its own, then weighted by how often the step calls it; the ratio
-//!   step GFLOP/s ÷ GEMM GFLOP/s says how much time goes to non-GEMM layers (target ≥ 0.5);
-//! - peak resident memory (VmHWM) against params + grads + AdamW m and v + activations and
-//!   their backward scratch, all computed from the layout table (target ≤ 1.3x). The GEMM
-//!   timing runs after VmHWM is read, so its scratch buffers are not counted.
+//! - the GEMM rate of the step's own GEMM mix (CPU and emu arms, whose products are the CPU gemm
+//!   timed here): each distinct (M, N, K, transposition) linear-layer GEMM the step performs is
+//!   timed on its own, then weighted by how often the step calls it; the ratio step GFLOP/s ÷
+//!   GEMM GFLOP/s says how much time goes to everything else (target ≥ 0.5);
+//! - peak resident memory (VmHWM) of the timed steps against what the step's objects hold
+//!   ([`HeldBytes`]: the model's per-tensor parameters and gradients, the device step's AdamW
+//!   moments, the host reducer's bucket staging, activations and scratch, the CPU arm's bf16
+//!   GEMM operand copies) plus the runtime baseline
+//!   measured before the model exists (target ≤ 1.3x). The peak is reset once the step is built
+//!   (where the kernel allows), so set-up transients are not counted; the GEMM timing runs after
+//!   VmHWM is read, so its scratch buffers are not counted either.
 
 use std::fmt;
 use std::time::Instant;
@@ -19,10 +27,13 @@ use std::time::Instant;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::comm::Communicator;
+use crate::config::{DeviceKind, Precision};
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::model::gemm::{matmul, Mat};
-use crate::model::{Gpt, GptConfig};
-use crate::optim::{clip_scale, scale_grads, sum_of_squares, AdamW, AdamWConfig, AdamWState, DecayMask};
+use crate::model::{GptConfig, ParamLayout};
+use crate::train::{HeldBytes, StepHarness};
 
 /// What to benchmark.
 #[derive(Debug, Clone)]
@@ -39,6 +50,10 @@ pub struct StepBenchArgs {
     pub steps: usize,
     /// Seed of the initialization and the random batch.
     pub seed: u64,
+    /// The device arm the executor runs on.
+    pub device: DeviceKind,
+    /// Element type of the matrix products.
+    pub precision: Precision,
 }
 
 impl Default for StepBenchArgs {
@@ -50,6 +65,8 @@ impl Default for StepBenchArgs {
             warmup: 1,
             steps: 3,
             seed: 0,
+            device: DeviceKind::Cpu,
+            precision: Precision::Fp32,
         }
     }
 }
@@ -78,6 +95,8 @@ pub struct GemmTiming {
 pub struct StepBenchReport {
     /// Model size name.
     pub size: String,
+    /// Device arm and precision, e.g. `cpu fp32`.
+    pub executor: String,
     /// Parameter count (flat buffer length, padded vocabulary included).
     pub params: usize,
     /// Micro-batch size B.
@@ -86,9 +105,9 @@ pub struct StepBenchReport {
     pub seq_len: usize,
     /// Timed steps.
     pub steps: usize,
-    /// Fastest timed step (forward, backward, clip, AdamW): the rates below use it, like the
-    /// GEMM timings use their fastest round, so that load from other processes on a shared
-    /// machine does not skew the step/GEMM ratio.
+    /// Fastest timed step: the rates below use it, like the GEMM timings use their fastest
+    /// round, so that load from other processes on a shared machine does not skew the step/GEMM
+    /// ratio.
     pub step_seconds: f64,
     /// Mean wall time of the timed steps.
     pub mean_step_seconds: f64,
@@ -98,85 +117,82 @@ pub struct StepBenchReport {
     pub flops_per_token: f64,
     /// Model FLOPs per second achieved by the step, in GFLOP/s.
     pub step_gflops: f64,
-    /// Rate of the step's GEMM mix measured in isolation, in GFLOP/s.
+    /// Rate of the step's GEMM mix measured in isolation, in GFLOP/s (0: not timed, GPU arms).
     pub gemm_gflops: f64,
-    /// step_gflops / gemm_gflops.
+    /// step_gflops / gemm_gflops (0: not timed).
     pub step_vs_gemm: f64,
     /// Peak resident set size (VmHWM) in bytes.
     pub peak_rss_bytes: u64,
-    /// Params + grads + AdamW m, v + activations and scratch, in bytes.
+    /// Whether the peak covers the timed steps only (`steps`) or the whole run (`run`).
+    pub peak_covers: &'static str,
+    /// Resident bytes before the model was built (binary, libraries, runtime).
+    pub baseline_bytes: u64,
+    /// What the step's objects hold, by term.
+    pub held: HeldBytes,
+    /// held.total() + baseline, in bytes.
     pub accounted_bytes: u64,
     /// peak_rss_bytes / accounted_bytes.
     pub memory_ratio: f64,
     /// Loss of every timed step.
-    pub losses: Vec<f32>,
+    pub losses: Vec<f64>,
     /// The step's distinct GEMMs.
     pub gemms: Vec<GemmTiming>,
 }
 
-/// Builds the model, trains `warmup + steps` steps on one random batch, then times the GEMMs.
-pub fn run_step_bench(args: &StepBenchArgs) -> Result<StepBenchReport> {
+/// Builds the one-rank training step on `comm` (a communicator of one rank), trains
+/// `warmup + steps` steps on one random batch, then times the GEMMs.
+pub fn run_step_bench(comm: &Communicator, args: &StepBenchArgs) -> Result<StepBenchReport> {
     if args.steps == 0 {
         return Err(Error::config("bench.steps", "must be at least 1"));
     }
     let config = GptConfig::named(&args.size)?;
     let (b, t) = (args.batch, args.seq_len);
-    log::info!("bench step: building {} (B={b}, T={t})", args.size);
-    let mut model = Gpt::<f32>::new(config, b, t, args.seed)?;
-    let layout = model.layout().clone();
-    let opt = AdamW::new(AdamWConfig::default(), DecayMask::from_layout(&layout));
-    let mut state = AdamWState::<f32>::new(0, layout.total_len());
+    let executor = format!("{} {}", device_name(args.device), precision_name(args.precision));
+    log::info!("bench step: building {} (B={b}, T={t}) on the {executor} executor", args.size);
+    let baseline_bytes = crate::memory::rss_bytes()?;
+    let device = Device::open(args.device, 0)?;
+    let mut harness = StepHarness::new(comm, config, (b, t), (device, args.precision), args.seed)?;
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
-    let tokens: Vec<u32> = (0..b * t)
-        .map(|_| rng.gen_range(0..config.vocab_size as u32))
-        .collect();
-    let targets: Vec<u32> = (0..b * t)
-        .map(|_| rng.gen_range(0..config.vocab_size as u32))
-        .collect();
+    let mut ids = || (0..b * t).map(|_| rng.gen_range(0..config.vocab_size as u32)).collect::<Vec<u32>>();
+    let (tokens, targets) = (ids(), ids());
+    harness.set_batch(&tokens, &targets)?;
+    let peak_covers = if crate::memory::reset_peak_rss().is_ok() { "steps" } else { "run" };
 
     let mut losses = Vec::new();
     let mut step_times = Vec::new();
     for step in 0..args.warmup + args.steps {
-        let start = Instant::now();
-        model.zero_grad();
-        let loss = model.forward(&tokens, &targets)?;
-        model.backward()?;
-        let norm = sum_of_squares(model.grads()).sqrt();
-        scale_grads(model.grads_mut(), clip_scale(norm, 1.0));
-        let (params, grads) = model.params_and_grads();
-        opt.step(&mut state, 1e-4, params, grads)?;
-        let secs = start.elapsed().as_secs_f64();
-        log::info!("bench step {step}: loss {loss:.4}, {secs:.3} s");
+        let r = harness.step(1e-4, 1.0)?;
+        log::info!("bench step {step}: loss {:.4}, {:.3} s", r.loss, r.seconds);
         if step >= args.warmup {
-            step_times.push(secs);
-            losses.push(loss);
+            step_times.push(r.seconds);
+            losses.push(r.loss);
         }
     }
     let peak_rss_bytes = crate::memory::peak_rss_bytes()?;
-    let elem = std::mem::size_of::<f32>() as u64;
-    let accounted_bytes = elem * (4 * layout.total_len() + model.activation_elements()) as u64;
+    let held = harness.held_bytes();
+    let params = harness.params();
+    harness.finish()?;
+    let accounted_bytes = held.total() + baseline_bytes;
 
     let step_seconds = step_times.iter().copied().fold(f64::INFINITY, f64::min);
     let mean_step_seconds = step_times.iter().sum::<f64>() / args.steps as f64;
     let tokens_per_s = (b * t) as f64 / step_seconds;
     let (l, c) = (config.n_layer, config.n_embd);
-    let n_flop_params = layout.total_len() - layout.wpe().len();
+    let n_flop_params = params - ParamLayout::new(&config).wpe().len();
     let flops_per_token = 6.0 * n_flop_params as f64 + 12.0 * (l * c * t) as f64;
     let step_gflops = flops_per_token * tokens_per_s / 1e9;
 
-    let gemms = time_step_gemms(&config, b * t);
-    let gemm_flops: f64 = gemms
-        .iter()
-        .map(|g| (2 * g.m * g.n * g.k * g.calls_per_step) as f64)
-        .sum();
-    let gemm_secs: f64 = gemms
-        .iter()
-        .map(|g| g.seconds_per_call * g.calls_per_step as f64)
-        .sum();
-    let gemm_gflops = gemm_flops / gemm_secs / 1e9;
+    let gemms = match args.device {
+        DeviceKind::Cpu | DeviceKind::Emu => time_step_gemms(&config, b * t),
+        _ => Vec::new(),
+    };
+    let gemm_flops: f64 = gemms.iter().map(|g| (2 * g.m * g.n * g.k * g.calls_per_step) as f64).sum();
+    let gemm_secs: f64 = gemms.iter().map(|g| g.seconds_per_call * g.calls_per_step as f64).sum();
+    let gemm_gflops = if gemms.is_empty() { 0.0 } else { gemm_flops / gemm_secs / 1e9 };
     Ok(StepBenchReport {
         size: args.size.clone(),
-        params: layout.total_len(),
+        executor,
+        params,
         batch: b,
         seq_len: t,
         steps: args.steps,
@@ -186,8 +202,11 @@ pub fn run_step_bench(args: &StepBenchArgs) -> Result<StepBenchReport> {
         flops_per_token,
         step_gflops,
         gemm_gflops,
-        step_vs_gemm: step_gflops / gemm_gflops,
+        step_vs_gemm: if gemm_gflops > 0.0 { step_gflops / gemm_gflops } else { 0.0 },
         peak_rss_bytes,
+        peak_covers,
+        baseline_bytes,
+        held,
         accounted_bytes,
         memory_ratio: peak_rss_bytes as f64 / accounted_bytes as f64,
         losses,
@@ -195,9 +214,26 @@ pub fn run_step_bench(args: &StepBenchArgs) -> Result<StepBenchReport> {
     })
 }
 
+fn device_name(kind: DeviceKind) -> &'static str {
+    match kind {
+        DeviceKind::Cpu => "cpu",
+        DeviceKind::Cuda => "cuda",
+        DeviceKind::Hip => "hip",
+        DeviceKind::Emu => "emu",
+    }
+}
+
+fn precision_name(p: Precision) -> &'static str {
+    match p {
+        Precision::Fp32 => "fp32",
+        Precision::Bf16 => "bf16",
+    }
+}
+
 /// The step's distinct GEMMs with their per-step call counts, each timed on scratch buffers.
 ///
-/// Mirrors `Gpt`: every linear layer (in C_in, out C_out, rows N = B·T) does a forward
+/// As the executor's `device_linear.rs` (one rank, whole model): every linear layer (in C_in, out
+/// C_out, rows N = B·T) does a forward
 /// `(N, C_out, C_in)` with Wᵀ, a dinp `(N, C_in, C_out)` and a dW `(C_out, C_in, N)` with doutᵀ.
 fn time_step_gemms(config: &GptConfig, rows: usize) -> Vec<GemmTiming> {
     let (l, c, vp) = (config.n_layer, config.n_embd, config.padded_vocab_size());
@@ -281,29 +317,36 @@ impl fmt::Display for StepBenchReport {
         let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
         writeln!(
             f,
-            "step bench: {} ({} params), B={} T={}, {} timed steps",
-            self.size, self.params, self.batch, self.seq_len, self.steps
+            "step bench: {} ({} params), B={} T={}, {} timed steps, executor DeviceGpt on {}",
+            self.size, self.params, self.batch, self.seq_len, self.steps, self.executor
         )?;
         writeln!(
             f,
             "  step {:.3} s (mean {:.3} s), {:.0} tokens/s, {:.1} GFLOP/s ({:.3e} FLOP/token)",
-            self.step_seconds,
-            self.mean_step_seconds,
-            self.tokens_per_s,
-            self.step_gflops,
-            self.flops_per_token
+            self.step_seconds, self.mean_step_seconds, self.tokens_per_s, self.step_gflops, self.flops_per_token
         )?;
+        match self.gemms.is_empty() {
+            true => writeln!(f, "  GEMM mix not timed (the CPU gemm is not this arm's)")?,
+            false => writeln!(f, "  GEMM mix {:.1} GFLOP/s -> step/GEMM = {:.2} (target >= 0.50)", self.gemm_gflops, self.step_vs_gemm)?,
+        }
+        let h = &self.held;
         writeln!(
             f,
-            "  GEMM mix {:.1} GFLOP/s -> step/GEMM = {:.2} (target >= 0.50)",
-            self.gemm_gflops, self.step_vs_gemm
-        )?;
-        writeln!(
-            f,
-            "  peak RSS {:.0} MiB vs accounted {:.0} MiB -> {:.2}x (target <= 1.30)",
+            "  peak RSS ({}) {:.0} MiB vs accounted {:.0} MiB -> {:.2}x (target <= 1.30)",
+            self.peak_covers,
             mib(self.peak_rss_bytes),
             mib(self.accounted_bytes),
             self.memory_ratio
+        )?;
+        writeln!(
+            f,
+            "    reducer staging {:.0} + model tensors {:.0} + optimizer {:.0} + activations {:.0} + gemm staging {:.0} + baseline {:.0} MiB",
+            mib(h.staging),
+            mib(h.model_tensors),
+            mib(h.optimizer),
+            mib(h.activations),
+            mib(h.gemm_staging),
+            mib(self.baseline_bytes)
         )?;
         for g in &self.gemms {
             writeln!(
@@ -325,25 +368,35 @@ impl fmt::Display for StepBenchReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::testing::run_ranks;
+    use crate::comm::CommConfig;
 
+    /// The tiny model through the one-rank training step: losses fall on the repeated batch, the
+    /// FLOP count follows the formula, the held terms are the executor's (fp32: the host
+    /// reducer's staging, 2 per-tensor buffers and 2 optimizer moments of P f32 each; bf16 adds
+    /// the 2-D weights' copies).
     #[test]
     fn tiny_bench_reports_consistent_numbers() {
-        let args = StepBenchArgs {
-            size: "tiny".into(),
-            batch: 2,
-            seq_len: 16,
-            warmup: 1,
-            steps: 2,
-            seed: 1,
-        };
-        let r = run_step_bench(&args).unwrap();
+        let out = run_ranks(1, CommConfig::default(), |comm| {
+            let args = StepBenchArgs { size: "tiny".into(), batch: 2, seq_len: 16, warmup: 1, steps: 2, seed: 1, ..Default::default() };
+            let fp32 = run_step_bench(&comm, &args).unwrap();
+            let bf16 = run_step_bench(&comm, &StepBenchArgs { precision: Precision::Bf16, ..args.clone() }).unwrap();
+            let zero_steps = run_step_bench(&comm, &StepBenchArgs { steps: 0, ..args }).is_err();
+            (fp32, bf16, zero_steps)
+        });
+        let (r, bf16, zero_steps) = &out[0];
+        assert!(zero_steps);
         assert_eq!(r.losses.len(), 2);
+        assert!(r.losses[1] < r.losses[0], "losses {:?} do not fall", r.losses);
         assert_eq!(r.gemms.len(), 15);
-        assert!(r.peak_rss_bytes > 0 && r.accounted_bytes > 0);
+        assert!(r.peak_rss_bytes > 0 && r.accounted_bytes > r.held.total());
         let cfg = GptConfig::named("tiny").unwrap();
+        let p = ParamLayout::new(&cfg).total_len() as u64;
+        assert_eq!((r.params as u64, r.held.staging, r.held.model_tensors, r.held.optimizer), (p, 4 * p, 8 * p, 8 * p));
         // 6N + 12LCT with N = all parameters but wpe.
-        let n = crate::model::ParamLayout::new(&cfg).total_len() - cfg.max_seq_len * cfg.n_embd;
+        let n = p as usize - cfg.max_seq_len * cfg.n_embd;
         assert_eq!(r.flops_per_token, (6 * n + 12 * 2 * 64 * 16) as f64);
-        assert!(run_step_bench(&StepBenchArgs { steps: 0, ..args }).is_err());
+        assert_eq!(bf16.executor, "cpu bf16");
+        assert!(bf16.held.model_tensors > 8 * p && bf16.losses.iter().all(|l| l.is_finite()));
     }
 }

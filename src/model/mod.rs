@@ -30,6 +30,8 @@ pub mod linear;
 pub mod parallel;
 pub mod residual;
 pub mod sample;
+#[cfg(test)]
+mod shard_tests;
 pub mod tp_layout;
 pub mod vocab_parallel;
 

@@ -7,6 +7,7 @@
 //! data-parallel run sees exactly the windows a single rank sees with `grad_accum * dp`
 //! micro-batches, so both follow the same trajectory up to float summation order.
 
+mod bench_step;
 mod buckets;
 #[cfg(test)]
 pub(crate) use buckets::plan_buckets;
@@ -31,6 +32,7 @@ use crate::bootstrap::World;
 use crate::config::JobConfig;
 use crate::error::Result;
 
+pub use bench_step::{HeldBytes, StepHarness, StepResult};
 pub use grad_sync::DataParallel;
 pub use memory_estimate::{MemoryEstimate, MemoryInputs};
 pub use replica::{DeviceEvent, Replica, ReplicaLayout};

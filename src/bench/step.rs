@@ -15,7 +15,7 @@
 //!   GEMM GFLOP/s says how much time goes to everything else (target ≥ 0.5);
 //! - peak resident memory (VmHWM) of the timed steps against what the step's objects hold
 //!   ([`HeldBytes`]: the model's per-tensor parameters and gradients, the device step's AdamW
-//!   moments, the host reducer's bucket staging, activations and scratch, the CPU arm's bf16
+//!   moments, the step's bucket staging, activations and scratch, the CPU arm's bf16
 //!   GEMM operand copies) plus the runtime baseline
 //!   measured before the model exists (target ≤ 1.3x). The peak is reset once the step is built
 //!   (where the kernel allows), so set-up transients are not counted; the GEMM timing runs after
@@ -340,7 +340,7 @@ impl fmt::Display for StepBenchReport {
         )?;
         writeln!(
             f,
-            "    reducer staging {:.0} + model tensors {:.0} + optimizer {:.0} + activations {:.0} + gemm staging {:.0} + baseline {:.0} MiB",
+            "    staging {:.0} + model tensors {:.0} + optimizer {:.0} + activations {:.0} + gemm staging {:.0} + baseline {:.0} MiB",
             mib(h.staging),
             mib(h.model_tensors),
             mib(h.optimizer),
@@ -372,9 +372,9 @@ mod tests {
     use crate::comm::CommConfig;
 
     /// The tiny model through the one-rank training step: losses fall on the repeated batch, the
-    /// FLOP count follows the formula, the held terms are the executor's (fp32: the host
-    /// reducer's staging, 2 per-tensor buffers and 2 optimizer moments of P f32 each; bf16 adds
-    /// the 2-D weights' copies).
+    /// FLOP count follows the formula, the held terms are the executor's (fp32: one bucket of
+    /// staging, 2 per-tensor buffers and 2 optimizer moments of P f32 each; bf16 adds the 2-D
+    /// weights' copies).
     #[test]
     fn tiny_bench_reports_consistent_numbers() {
         let out = run_ranks(1, CommConfig::default(), |comm| {
@@ -392,7 +392,8 @@ mod tests {
         assert!(r.peak_rss_bytes > 0 && r.accounted_bytes > r.held.total());
         let cfg = GptConfig::named("tiny").unwrap();
         let p = ParamLayout::new(&cfg).total_len() as u64;
-        assert_eq!((r.params as u64, r.held.staging, r.held.model_tensors, r.held.optimizer), (p, 4 * p, 8 * p, 8 * p));
+        assert_eq!((r.params as u64, r.held.model_tensors, r.held.optimizer), (p, 8 * p, 8 * p));
+        assert!(r.held.staging > 0 && r.held.staging <= 4 * p, "one bucket of staging");
         // 6N + 12LCT with N = all parameters but wpe.
         let n = p as usize - cfg.max_seq_len * cfg.n_embd;
         assert_eq!(r.flops_per_token, (6 * n + 12 * 2 * 64 * 16) as f64);

@@ -36,8 +36,8 @@ use crate::parallel::stage_split;
 /// peak resident set of a CPU-arm step is compared with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct HeldBytes {
-    /// The host reducer's bucket staging (f32, every bucket for the run; host-memory arms only;
-    /// the model's host copies are given back while the device holds the state).
+    /// The device step's staging of one bucket (f32; one rank has no host reducer, and the
+    /// model's host copies are given back while the device holds the state).
     pub staging: u64,
     /// The model's per-tensor device parameters and gradients (f32), plus the bf16 copies of the
     /// 2-D weights under bf16.
@@ -163,9 +163,10 @@ impl StepHarness {
             _ => 0,
         };
         HeldBytes {
-            staging: if matches!(m.device(), Device::Cpu) { 4 * n } else { 0 },
+            // One rank: the device step's one staging bucket (the host reducer needs two ranks).
+            staging: self.step.device_bytes() as u64 - 8 * n,
             model_tensors: 8 * n + 2 * weights16 as u64,
-            optimizer: self.step.device_bytes() as u64,
+            optimizer: 8 * n,
             activations: 4 * m.activation_elements() as u64,
             gemm_staging,
         }

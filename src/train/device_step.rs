@@ -3,7 +3,8 @@
 //!
 //! The reduction is bucketed ([`DataParallel`]'s buckets) and where it runs is chosen once, here,
 //! by the memory the model's buffers live in:
-//! - host memory (the `cpu` arm): the backward hands each unit's gradients over as soon as they
+//! - host memory (the `cpu` arm) with more than one data-parallel rank: the backward hands each
+//!   unit's gradients over as soon as they
 //!   are final (a pipeline stage: its whole buffer after the round), they are staged into
 //!   buckets and every full bucket is reduced on a communication thread with a communicator of
 //!   its own while the backward goes on ([`OverlapReducer`]); the step waits only for what is left;
@@ -79,8 +80,9 @@ impl DeviceStep {
         config: AdamWConfig,
     ) -> Result<Self> {
         let dev = model.device();
+        // One data-parallel rank has nothing to reduce: no thread, no staging of every bucket.
         let overlap = match dev {
-            Device::Cpu => {
+            Device::Cpu if dp.size() > 1 => {
                 let comm = dp.split(Some(0), dp.rank() as i64)?.expect("every rank joins color 0");
                 let stats = comm.stats();
                 let reduction = if sync.zero == 0 { Reduction::AllReduce } else { Reduction::ReduceScatter };

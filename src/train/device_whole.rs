@@ -152,7 +152,10 @@ impl WholeState {
             for (sq, c) in self.squares[b].iter_mut().zip(&self.counted[b]) {
                 *sq = ops::sum_squares(dev, &mut partials, &self.stage, c.start - bucket.start, c.len())?;
             }
-            model.unpack_grads_range(bucket.clone(), &self.stage)?;
+            // One rank and one micro-batch: the staged bucket is the model's gradients unchanged.
+            if dp.size() > 1 || micro_batches > 1 {
+                model.unpack_grads_range(bucket.clone(), &self.stage)?;
+            }
         }
         Ok(comm)
     }

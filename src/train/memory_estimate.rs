@@ -21,7 +21,7 @@
 //! - *live* gradients (ZeRO-2/3 on a whole model, which frees each unit's gradients once they
 //!   are reduced): the tied `wte` gradient (written by the head, final after the embedding) plus
 //!   the largest other unit; a pipeline stage keeps all `n`;
-//! - *(+ s)* and *pool* only where the reduction runs on a host thread (the CPU arm): the
+//! - *(+ s)* and *pool* only where the reduction runs on a host thread (the CPU arm, dp > 1): the
 //!   reducer's summed shard and the [`MAX_STAGED`] largest buckets; at ZeRO-0 the host reducer
 //!   keeps every bucket's staging (`n`), device collectives one bucket;
 //! - *bucket* and *block*: the device step's staging (largest bucket) and receive buffer (largest
@@ -55,7 +55,7 @@ pub struct MemoryInputs<'a> {
     pub wte: Option<Range<usize>>,
     /// The model frees each unit's gradients once reduced (ZeRO-2/3 on a whole model).
     pub releases_grads: bool,
-    /// The reduction runs on a host thread (the CPU arm).
+    /// The reduction runs on a host thread (the CPU arm with more than one data-parallel rank).
     pub host_reduce: bool,
     /// Activation elements (all slots and scratch).
     pub activations: usize,

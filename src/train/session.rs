@@ -173,7 +173,7 @@ impl<'a> Session<'a> {
             units: &units,
             wte: model.wte(),
             releases_grads: zero >= 2 && model.model().is_whole(),
-            host_reduce: matches!(model.device(), Device::Cpu),
+            host_reduce: matches!(model.device(), Device::Cpu) && dp.size() > 1,
             activations: model.activation_elements(),
         });
         if world.rank == 0 {

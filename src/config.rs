@@ -231,9 +231,10 @@ impl Default for OptimConfig {
     }
 }
 
-/// Pipeline schedule.
+/// The pipeline schedule a job names (`parallel.schedule`); the schedule itself, with its
+/// chunk count, is [`crate::parallel::schedule::Schedule`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Schedule {
+pub enum ScheduleName {
     /// All forwards, then all backwards.
     #[serde(rename = "gpipe")]
     GPipe,
@@ -311,7 +312,7 @@ pub struct ParallelConfig {
     /// (default false).
     pub sequence_parallel: bool,
     /// Pipeline schedule: `gpipe`, `1f1b` (default) or `interleaved`.
-    pub schedule: Schedule,
+    pub schedule: ScheduleName,
     /// Pipeline micro-batches per step (default 1).
     pub microbatches: usize,
     /// Model chunks per pipeline rank; above 1 only with `interleaved` (default 1).
@@ -334,7 +335,7 @@ impl Default for ParallelConfig {
             dp: 1,
             zero: 0,
             sequence_parallel: false,
-            schedule: Schedule::OneFOneB,
+            schedule: ScheduleName::OneFOneB,
             microbatches: 1,
             virtual_stages: 1,
             stage_layers: Vec::new(),
@@ -594,7 +595,7 @@ impl JobConfig {
             }
         }
         let stages = p.pp * p.virtual_stages;
-        if p.schedule == Schedule::Interleaved {
+        if p.schedule == ScheduleName::Interleaved {
             if m.n_layer < stages {
                 return Err(Error::config(
                     "parallel.virtual_stages",

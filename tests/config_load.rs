@@ -1,6 +1,6 @@
 //! Job configuration: strict keys, validation naming the key, override precedence, round trip.
 
-use meshtrain::config::{Axis, DeviceKind, JobConfig, Schedule};
+use meshtrain::config::{Axis, DeviceKind, JobConfig, ScheduleName};
 use meshtrain::Error;
 
 const BASE: &str = "[model]\nsize = \"tiny\"\n";
@@ -39,7 +39,7 @@ fn defaults_and_named_size() {
     );
     assert_eq!(c.train.seq_len, 64, "seq_len defaults to model.max_seq_len");
     assert_eq!(c.data.source, "synthetic");
-    assert_eq!(c.parallel.schedule, Schedule::OneFOneB);
+    assert_eq!(c.parallel.schedule, ScheduleName::OneFOneB);
     assert_eq!(c.parallel.order.0, [Axis::Tp, Axis::Pp, Axis::Dp]);
 }
 

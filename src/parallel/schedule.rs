@@ -102,9 +102,9 @@ impl Schedule {
     /// The schedule `[parallel]` asks for (`virtual_stages` only counts for `interleaved`).
     pub fn from_config(parallel: &ParallelConfig) -> Schedule {
         match parallel.schedule {
-            config::Schedule::GPipe => Schedule::GPipe,
-            config::Schedule::OneFOneB => Schedule::OneFOneB,
-            config::Schedule::Interleaved => {
+            config::ScheduleName::GPipe => Schedule::GPipe,
+            config::ScheduleName::OneFOneB => Schedule::OneFOneB,
+            config::ScheduleName::Interleaved => {
                 Schedule::Interleaved { virtual_stages: parallel.virtual_stages }
             }
         }

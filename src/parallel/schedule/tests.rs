@@ -110,7 +110,7 @@ fn invalid_inputs_name_their_config_key() {
 fn schedule_from_config() {
     let mut parallel = ParallelConfig::default();
     assert_eq!(Schedule::from_config(&parallel), ONE_F_ONE_B);
-    parallel.schedule = crate::config::Schedule::Interleaved;
+    parallel.schedule = crate::config::ScheduleName::Interleaved;
     parallel.virtual_stages = 3;
     assert_eq!(Schedule::from_config(&parallel), Schedule::Interleaved { virtual_stages: 3 });
     assert_eq!(Schedule::from_config(&parallel).chunks(), 3);

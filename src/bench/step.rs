@@ -31,7 +31,7 @@ use crate::comm::Communicator;
 use crate::config::{DeviceKind, Precision};
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::model::gemm::{matmul, Mat};
+use crate::model::matmul::{matmul, Mat};
 use crate::model::{GptConfig, ParamLayout};
 use crate::train::{HeldBytes, StepHarness};
 

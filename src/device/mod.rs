@@ -278,7 +278,7 @@ pub(crate) fn pick_ordinal(local_rank: usize, count: usize, visible_var: &str) -
 
 use std::time::Instant;
 
-use crate::model::gemm::{matmul, Mat};
+use crate::model::matmul::{matmul, Mat};
 use crate::model::parallel::set_cpu_threads;
 
 /// Cores this rank may use when `ranks_on_node` ranks share the node (at least 1).

@@ -1,6 +1,6 @@
 //! FFI to the system OpenBLAS `cblas_sgemm` / `cblas_dgemm` (row-major), behind a safe shape.
 //!
-//! The only `unsafe` of the model: the BLAS call itself. Callers ([`super::gemm::matmul`]) have
+//! The only `unsafe` of the model: the BLAS call itself. Callers ([`super::matmul::matmul`]) have
 //! checked that every operand slice holds its whole matrix, so BLAS never reads or writes out
 //! of bounds. Threads: OpenBLAS uses `OPENBLAS_NUM_THREADS` (default: all cores) for every
 //! GEMM; [`set_gemm_threads`] changes it at run time (e.g. one process per GPU sharing a node).
@@ -84,7 +84,7 @@ macro_rules! blas_gemm {
     ($(#[$doc:meta])* $name:ident, $cblas:ident, $t:ty) => {
         $(#[$doc])*
         pub fn $name(m: usize, n: usize, k: usize, a: Operand<'_, $t>, b: Operand<'_, $t>, beta: $t, c: &mut [$t]) {
-            // SAFETY: `gemm::matmul` checked that a, b and c hold their full matrices for these
+            // SAFETY: `matmul::matmul` checked that a, b and c hold their full matrices for these
             // dimensions and leading dimensions; c is uniquely borrowed, so it aliases neither a
             // nor b.
             unsafe {

@@ -21,7 +21,7 @@ pub trait Float:
     /// Widens to `f64`, e.g. for accumulating norms and losses.
     fn as_f64(self) -> f64;
     /// BLAS GEMM for this precision (row-major, see [`crate::model::blas`]); callers go through
-    /// [`crate::model::gemm::matmul`], which checks shapes and bounds.
+    /// [`crate::model::matmul::matmul`], which checks shapes and bounds.
     const GEMM: blas::Gemm<Self>;
 }
 

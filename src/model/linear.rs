@@ -6,7 +6,7 @@
 //! caller zeroes activation gradients it wants fresh.
 
 use super::float::Float;
-use super::gemm::{matmul, Mat};
+use super::matmul::{matmul, Mat};
 
 /// out (N, OC) = inp (N, C) · weight (OC, C)ᵀ + bias (OC).
 pub fn linear_forward<F: Float>(

@@ -21,7 +21,7 @@ pub mod device_tp;
 pub mod encoder;
 pub mod float;
 pub mod gelu;
-pub mod gemm;
+pub mod matmul;
 pub mod gpt;
 pub mod init;
 pub mod layernorm;

@@ -402,22 +402,6 @@ impl DeviceGpt {
         Ok(())
     }
 
-    /// Sets every entry's device parameters (and bf16 copies) from `flat` (P), the master
-    /// weights of a device-resident optimizer; the host mirror is left as it was (see
-    /// [`DeviceGpt::host_params_from`]).
-    pub fn unpack_params(&mut self, flat: &DeviceBuffer) -> Result<()> {
-        for i in 0..self.params.len() {
-            self.ensure_entry(i)?;
-            let e = &self.layout.entries()[i];
-            ops::copy(&self.dev, &mut self.params[i], 0, flat, e.offset, e.len)?;
-            if let Some(p16) = &mut self.params16[i] {
-                ops::cast_f32_to_bf16(&self.dev, p16, &self.params[i], e.len)?;
-            }
-        }
-        self.params_stale = false;
-        Ok(())
-    }
-
     /// The device, the layout table and every entry's f32 parameters and gradients, for an
     /// optimizer that updates them in place (the parameters uploaded first if the host copy is
     /// newer; the bf16 copies follow in [`DeviceGpt::refresh_params16`]).
@@ -447,12 +431,6 @@ impl DeviceGpt {
             true => self.host_grads.resize(self.layout.total_len(), 0.0),
             false => self.host_grads = Vec::new(),
         }
-    }
-
-    /// Brings the flat parameters `flat` (P, on this device) into the host mirror without marking
-    /// it newer than the device (for checkpoints of a device-resident optimizer).
-    pub fn host_params_from(&mut self, flat: &DeviceBuffer) -> Result<()> {
-        self.dev.copy_to_host(flat, &mut self.host_params)
     }
 
     /// With host reports on, copies the device gradients into the host mirror and hands them to

@@ -228,7 +228,7 @@ impl DeviceStep {
                 (s.square(model, dp, &mut self.partials)?, timing)
             }
             (None, State::Whole(w)) => {
-                let comm = w.reduce(model, dp, &mut self.coll, micro_batches)?;
+                let comm = w.reduce(model, (dp, &mut self.coll), &mut self.partials, micro_batches)?;
                 // The reduction runs after the backward, so all of it is exposed.
                 (w.square(), ReduceTiming { comm, exposed: comm })
             }

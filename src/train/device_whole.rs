@@ -130,10 +130,15 @@ impl WholeState {
 
     /// Reduces every bucket with the device collectives (after the step's last backward): packs
     /// it, averages it over the micro-batches and `dp`, takes its squares and unpacks it into the
-    /// model's gradients; returns the reduction time.
-    pub fn reduce(&mut self, model: &mut DeviceGpt, dp: &Communicator, coll: &mut GpuCommState, micro_batches: usize) -> Result<Duration> {
+    /// model's gradients (`partials`: the norm kernel's block sums); returns the reduction time.
+    pub fn reduce(
+        &mut self,
+        model: &mut DeviceGpt,
+        (dp, coll): (&Communicator, &mut GpuCommState),
+        partials: &mut DeviceBuffer,
+        micro_batches: usize,
+    ) -> Result<Duration> {
         let mut comm = Duration::ZERO;
-        let mut partials = model.device().alloc(ops::SUM_BLOCKS * 4)?;
         for (b, bucket) in self.buckets.iter().enumerate() {
             let dev = model.device();
             let n = bucket.len();
@@ -150,7 +155,7 @@ impl WholeState {
             }
             comm += t0.elapsed();
             for (sq, c) in self.squares[b].iter_mut().zip(&self.counted[b]) {
-                *sq = ops::sum_squares(dev, &mut partials, &self.stage, c.start - bucket.start, c.len())?;
+                *sq = ops::sum_squares(dev, partials, &self.stage, c.start - bucket.start, c.len())?;
             }
             // One rank and one micro-batch: the staged bucket is the model's gradients unchanged.
             if dp.size() > 1 || micro_batches > 1 {

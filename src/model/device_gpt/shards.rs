@@ -114,8 +114,9 @@ impl DeviceGpt {
         Ok(())
     }
 
-    /// Casts every entry's bf16 copy from its device parameters after [`DeviceGpt::unpack_params_range`]
-    /// set all of them; the device parameters are then the model's (as after `unpack_params`).
+    /// Casts every entry's bf16 copy from its f32 device parameters once they are all set
+    /// ([`DeviceGpt::unpack_params_range`], or an optimizer that updated them in place); the
+    /// device parameters are then the model's.
     pub fn refresh_params16(&mut self) -> Result<()> {
         for (i, e) in self.layout.entries().iter().enumerate() {
             if let Some(p16) = &mut self.params16[i] {

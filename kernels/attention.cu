@@ -1,5 +1,5 @@
 // attention.cu: the non-GEMM parts of causal multi-head self-attention, f32
-// (src/device/ops_attention.rs runs the whole; src/model/attention.rs is the reference).
+// (src/device/ops_attention.rs runs the whole; src/device/cpu/attention.rs is the reference).
 //
 // Layouts: qkv (B, T, 3*NH*hs) rows hold [q | k | v], head h at columns h*hs..(h+1)*hs of each
 // part; the products run on per-head views (parts, B, NH, T, hs) made by the split/merge

@@ -1,5 +1,5 @@
 // cross_entropy.cu: softmax cross-entropy over the real vocabulary of padded logit rows, f32
-// (src/model/cross_entropy.rs is the reference): rows are Vp wide, only columns 0..V take part,
+// (src/device/cpu/cross_entropy.rs is the reference): rows are Vp wide, only columns 0..V take part,
 // the forward keeps the per-row log-sum-exp and the backward recomputes p = exp(logit - lse).
 // Padded columns are never read in the forward and never written in the backward.
 #include "compat.h"

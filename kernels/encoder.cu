@@ -1,4 +1,4 @@
-// encoder.cu: token + position embedding, f32 (src/model/encoder.rs).
+// encoder.cu: token + position embedding, f32 (src/device/cpu/encoder.rs).
 #include "compat.h"
 
 // out (B*T, C) = wte (Vp, C)[tokens[i]] + wpe (maxT, C)[i % t], one thread per element.

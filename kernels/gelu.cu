@@ -1,4 +1,4 @@
-// gelu.cu: GELU, tanh approximation, forward and backward, f32 (src/model/gelu.rs is the
+// gelu.cu: GELU, tanh approximation, forward and backward, f32 (src/device/cpu/gelu.rs is the
 // reference): 0.5 (1 + tanh(u)) is evaluated as sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3),
 // which needs one exp and saturates without NaN (exp overflows to inf, the sigmoid to 0).
 // Element-wise; grid-stride loops.

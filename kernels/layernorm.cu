@@ -1,5 +1,5 @@
 // layernorm.cu: LayerNorm forward/backward over rows of C channels, eps = 1e-5, f32
-// (src/model/layernorm.rs is the reference; same two-pass mean/variance, same saved mean/rstd).
+// (src/device/cpu/layernorm.rs is the reference; same two-pass mean/variance, same saved mean/rstd).
 //
 // Forward and the input gradient run one block per row; the parameter gradients sum columns in
 // tiles with the row lanes added in a fixed order (compat.h), so there are no atomics and every

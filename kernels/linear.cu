@@ -1,4 +1,4 @@
-// linear.cu: the bias parts of a fully connected layer (src/model/linear.rs); the matrix
+// linear.cu: the bias parts of a fully connected layer (src/device/cpu/linear.rs); the matrix
 // products go to cuBLAS / hipBLAS (src/device/gemm.rs).
 #include "compat.h"
 

@@ -1,4 +1,4 @@
-// residual.cu: the residual connection out = skip + branch, f32 (src/model/residual.rs).
+// residual.cu: the residual connection out = skip + branch, f32 (src/device/cpu/residual.rs).
 #include "compat.h"
 
 // out (N) = skip (N) + branch (N).

@@ -1,5 +1,5 @@
 // vocab_parallel.cu: the vocabulary-parallel ends of the model over one shard of wte's rows, f32
-// (src/model/vocab_parallel.rs is the reference). A shard covers ids start .. start + vl; of its
+// (src/device/cpu/vocab_parallel.rs is the reference). A shard covers ids start .. start + vl; of its
 // vl logit columns only the first `real` are real ids, the rest padding (never read, never
 // written). The TP sums and maxima between the kernels are the caller's collectives; the loss
 // backward is cross_entropy_backward_f32 (cross_entropy.cu) with the shard's start.

@@ -34,31 +34,7 @@ use crate::parallel::stage_split;
 
 pub(crate) mod overrides;
 
-
-/// Where the job runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DeviceKind {
-    /// The CPU reference implementation.
-    Cpu,
-    /// NVIDIA GPUs.
-    Cuda,
-    /// AMD GPUs.
-    Hip,
-    /// The GPU kernels run on the host by the emulator (src/device/emu.rs): for tests.
-    Emu,
-}
-
-/// Element type of the model's matrix products (`precision`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Precision {
-    /// f32 everywhere (the reference numerics; the CPU model).
-    Fp32,
-    /// bf16 matrix-product inputs with f32 accumulation and f32 master weights (the device
-    /// model; on `device = "cpu"` an exact emulation of its numerics).
-    Bf16,
-}
+pub use crate::device::{DeviceKind, Precision};
 
 /// The complete, validated configuration of a training job.
 #[derive(Debug, Clone, PartialEq, Serialize)]

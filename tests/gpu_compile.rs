@@ -186,7 +186,7 @@ fn cpu_device_round_trips_buffers_runs_ops_and_rejects_raw_kernels() {
     let mut out = dev.alloc(400).unwrap();
     meshtrain::device::ops::gelu_forward(&dev, &mut out, &buf, 100).unwrap();
     let mut want = vec![0f32; 100];
-    meshtrain::model::gelu::gelu_forward(&mut want, &host);
+    meshtrain::device::cpu::gelu::gelu_forward(&mut want, &host);
     dev.copy_to_host(&out, &mut back).unwrap();
     assert_eq!(back, want);
     let r = dev.launch("gelu_forward_f32", meshtrain::device::LaunchDims::linear(1, 256), &[]);

@@ -15,21 +15,24 @@
 mod common;
 
 use common::gpu::{open, rng};
-use meshtrain::config::DeviceKind;
 use half::{bf16, f16};
-use meshtrain::dtype::Reducer;
 use meshtrain::comm::{DType, ReduceOp};
+use meshtrain::config::DeviceKind;
+use meshtrain::device::cpu::adamw::AdamWStep;
+use meshtrain::device::cpu::attention::{
+    attention_backward, attention_forward, attention_scratch_len, AttnShape,
+};
+use meshtrain::device::cpu::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
+use meshtrain::device::cpu::gelu::{gelu_backward, gelu_forward};
+use meshtrain::device::cpu::layernorm::{layernorm_backward, layernorm_forward};
+use meshtrain::device::cpu::vocab_parallel as vp;
 use meshtrain::device::gemm::{Batch, Gemm, GemmInput, Operand};
 use meshtrain::device::ops::{self, AdamWBuffers};
 use meshtrain::device::ops_attention::{self, AttnWork};
 use meshtrain::device::ops_vocab::{self, VocabShard};
 use meshtrain::device::reduce_bench::reduce_bandwidth;
 use meshtrain::device::{Device, DeviceBuffer};
-use meshtrain::model::attention::{attention_backward, attention_forward, attention_scratch_len, AttnShape};
-use meshtrain::model::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
-use meshtrain::model::gelu::{gelu_backward, gelu_forward};
-use meshtrain::model::layernorm::{layernorm_backward, layernorm_forward};
-use meshtrain::model::vocab_parallel as vp;
+use meshtrain::dtype::Reducer;
 use meshtrain::model::{GptConfig, ParamLayout};
 use meshtrain::optim::adamw::{AdamW, AdamWConfig, AdamWState, DecayMask};
 use rand::Rng;
@@ -396,8 +399,17 @@ fn adamw_matches_cpu(kind: DeviceKind) {
     let lr = 3e-3;
     for step in 1..=3u64 {
         let g = rand_f32(&mut r, total, 0.1);
-        opt.step(&mut state, lr, &mut p, &g).unwrap();
+        // Step 2 clips: the device multiplies by the scale in the update, the reference first.
+        let grad_scale = if step == 2 { 0.37 } else { 1.0 };
+        let scaled: Vec<f32> = g.iter().map(|&x| x * grad_scale as f32).collect();
+        opt.step(&mut state, lr, &mut p, &scaled).unwrap();
         let g_g = dev.upload(&g).unwrap();
+        let s = AdamWStep {
+            config: &cfg,
+            step,
+            lr,
+            grad_scale,
+        };
         for e in layout.entries() {
             let bufs = AdamWBuffers {
                 params: &mut g_p,
@@ -405,7 +417,7 @@ fn adamw_matches_cpu(kind: DeviceKind) {
                 m: &mut g_m,
                 v: &mut g_v,
             };
-            ops::adamw_update(&dev, bufs, e.offset..e.offset + e.len, &cfg, step, lr, e.decay).unwrap();
+            ops::adamw_update(&dev, bufs, e.offset..e.offset + e.len, &s, e.decay).unwrap();
         }
     }
     // Same f32 coefficients and operation order as the CPU; FMA contraction may move each

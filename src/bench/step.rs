@@ -29,9 +29,9 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::comm::Communicator;
 use crate::config::{DeviceKind, Precision};
+use crate::device::cpu::matmul::{matmul, Mat};
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::model::matmul::{matmul, Mat};
 use crate::model::{GptConfig, ParamLayout};
 use crate::train::{HeldBytes, StepHarness};
 

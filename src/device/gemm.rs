@@ -1,5 +1,5 @@
 //! Matrix products on a device: cuBLAS on CUDA (through cudarc, loaded at run time), rocBLAS on
-//! HIP (`librocblas.so`, loaded at run time), and the CPU gemm of `model::matmul` on the CPU device.
+//! HIP (`librocblas.so`, loaded at run time), and the CPU gemm of `cpu::matmul` on the CPU device.
 //!
 //! Everything here speaks row-major, like the rest of meshtrain: `c (M, N) = op(a) · op(b)`, with
 //! `a` stored (M, K) or, transposed, (K, M), and `b` stored (K, N) or (N, K). Column-major BLAS
@@ -24,8 +24,8 @@ use half::bf16;
 
 use super::ops::{host, host_mut};
 use super::{Device, DeviceBuffer};
+use crate::device::cpu::matmul::{matmul, Mat};
 use crate::error::{Error, Result};
-use crate::model::matmul::{matmul, Mat};
 
 /// Element type of a GEMM operand.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -19,6 +19,7 @@
 //! rate this process reaches with its share of the node's cores.
 
 mod buffer;
+pub mod cpu;
 mod cuda;
 pub mod emu;
 mod emu_memory;
@@ -41,9 +42,34 @@ pub use hip::{HipBuffer, HipDevice};
 pub use nvrtc::{compile_cuda_cubin, compile_cuda_kernels};
 
 use bytemuck::Pod;
+use serde::{Deserialize, Serialize};
 
-use crate::config::{DeviceKind, Precision};
 use crate::error::{Error, Result};
+
+/// Where the job runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// The CPU reference implementation.
+    Cpu,
+    /// NVIDIA GPUs.
+    Cuda,
+    /// AMD GPUs.
+    Hip,
+    /// The GPU kernels run on the host by the emulator (src/device/emu.rs): for tests.
+    Emu,
+}
+
+/// Element type of the model's matrix products (`precision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// f32 everywhere (the reference numerics; the CPU model).
+    Fp32,
+    /// bf16 matrix-product inputs with f32 accumulation and f32 master weights (the device
+    /// model; on `device = "cpu"` an exact emulation of its numerics).
+    Bf16,
+}
 
 /// Where kernels run and buffers live.
 pub enum Device {
@@ -278,8 +304,8 @@ pub(crate) fn pick_ordinal(local_rank: usize, count: usize, visible_var: &str) -
 
 use std::time::Instant;
 
-use crate::model::matmul::{matmul, Mat};
-use crate::model::parallel::set_cpu_threads;
+use crate::device::cpu::matmul::{matmul, Mat};
+use crate::device::cpu::parallel::set_cpu_threads;
 
 /// Cores this rank may use when `ranks_on_node` ranks share the node (at least 1).
 pub fn cores_per_rank(ranks_on_node: usize) -> usize {

@@ -10,12 +10,13 @@
 use std::ops::Range;
 
 use super::buffer::wrong_device;
+use super::cpu::adamw::{self, AdamWStep};
+use super::cpu::parallel::{chunk_items, run_parts};
+use super::cpu::{cross_entropy, encoder, gelu, layernorm, residual};
 use super::kernels::{avg_div_kernel, reduce_kernel};
 use super::{Device, DeviceBuffer, HostBytes, KernelArg as A, LaunchDims};
 use crate::dtype::{DType, ReduceOp, Reducer};
 use crate::error::{Error, Result};
-use crate::model::{cross_entropy, encoder, gelu, layernorm, residual};
-use crate::optim::adamw::{self, AdamWConfig};
 
 /// Threads per block of the 1-D launches: a multiple of both warp (32) and wavefront (64) widths.
 pub(crate) const THREADS: u32 = 256;
@@ -150,7 +151,7 @@ pub fn avg_divide(dev: &Device, dtype: DType, buf: &mut DeviceBuffer, n: usize, 
 }
 
 /// LayerNorm forward over `n` rows of `c`. Buffers: out (N, C), mean, rstd (N), inp (N, C),
-/// weight, bias (C). Reference: `model::layernorm::layernorm_forward`.
+/// weight, bias (C). Reference: `cpu::layernorm::layernorm_forward`.
 #[allow(clippy::too_many_arguments)]
 pub fn layernorm_forward(
     dev: &Device,
@@ -199,7 +200,7 @@ pub fn layernorm_forward(
 }
 
 /// LayerNorm backward, accumulating: dinp (N, C) +=, dweight, dbias (C) +=. Reference:
-/// `model::layernorm::layernorm_backward`.
+/// `cpu::layernorm::layernorm_backward`.
 #[allow(clippy::too_many_arguments)]
 pub fn layernorm_backward(
     dev: &Device,
@@ -267,8 +268,13 @@ pub fn layernorm_backward(
     dev.launch(k, cols, &args)
 }
 
-/// out (N) = gelu(inp (N)). Reference: `model::gelu::gelu_forward`.
-pub fn gelu_forward(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer, n: usize) -> Result<()> {
+/// out (N) = gelu(inp (N)). Reference: `cpu::gelu::gelu_forward`.
+pub fn gelu_forward(
+    dev: &Device,
+    out: &mut DeviceBuffer,
+    inp: &DeviceBuffer,
+    n: usize,
+) -> Result<()> {
     let k = "gelu_forward_f32";
     need(k, "out", out, f32s(n))?;
     need(k, "inp", inp, f32s(n))?;
@@ -279,7 +285,7 @@ pub fn gelu_forward(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer, n:
     dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)])
 }
 
-/// dinp (N) += gelu'(inp) * dout. Reference: `model::gelu::gelu_backward`.
+/// dinp (N) += gelu'(inp) * dout. Reference: `cpu::gelu::gelu_backward`.
 pub fn gelu_backward(
     dev: &Device,
     dinp: &mut DeviceBuffer,
@@ -304,7 +310,7 @@ pub fn gelu_backward(
 }
 
 /// losses (N), lse (N) from logits (N, Vp) and u32 targets (N) over columns 0..v. Reference:
-/// `model::cross_entropy::cross_entropy_forward`.
+/// `cpu::cross_entropy::cross_entropy_forward`.
 #[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_forward(
     dev: &Device,
@@ -369,21 +375,21 @@ pub struct AdamWBuffers<'a> {
     pub v: &'a mut DeviceBuffer,
 }
 
-/// AdamW step number `step` (1-based) with learning rate `lr` over the elements `span` of the
-/// four flat buffers, with weight decay `cfg.weight_decay` if `decay`, else none. The caller
-/// launches once per decay-mask segment. Per-step coefficients are computed in f64 and rounded
-/// to f32 exactly as the CPU optimizer does. Reference: `optim::adamw::AdamW::step`.
+/// The AdamW update `s` (step number from 1, learning rate, gradient multiplier for clipping)
+/// over the elements `span` of the four flat buffers, with weight decay `s.config.weight_decay`
+/// if `decay`, else none. The caller launches once per decay-mask segment. Per-step coefficients
+/// are computed in f64 and rounded to f32 exactly as the CPU arm does; the CPU arm splits the
+/// span across its threads (element-wise, so the bits do not depend on the split). Reference:
+/// `cpu::adamw::update_elements`.
 pub fn adamw_update(
     dev: &Device,
     bufs: AdamWBuffers,
     span: Range<usize>,
-    cfg: &AdamWConfig,
-    step: u64,
-    lr: f64,
+    s: &AdamWStep,
     decay: bool,
 ) -> Result<()> {
     let k = "adamw_f32";
-    if step == 0 {
+    if s.step == 0 {
         return Err(Error::InvalidArgument(format!("{k}: steps count from 1")));
     }
     let end = f32s(span.end);
@@ -391,17 +397,22 @@ pub fn adamw_update(
     need(k, "grads", bufs.grads, end)?;
     need(k, "m", bufs.m, end)?;
     need(k, "v", bufs.v, end)?;
+    let wd = if decay { s.config.weight_decay } else { 0.0 };
     if let Device::Cpu = dev {
-        let coef = adamw::Coefficients::new(cfg, step, lr);
-        let wd = if decay { cfg.weight_decay as f32 } else { 0.0 };
+        let coef = adamw::Coefficients::new(s);
         let g = &host(k, bufs.grads)?.view::<f32>(span.end)[span.clone()];
         let p = &mut host_mut(k, bufs.params)?.view_mut::<f32>(span.end)[span.clone()];
         let m = &mut host_mut(k, bufs.m)?.view_mut::<f32>(span.end)[span.clone()];
         let v = &mut host_mut(k, bufs.v)?.view_mut::<f32>(span.end)[span.clone()];
-        adamw::update_elements(&coef, wd, p, g, m, v);
+        let per = chunk_items(span.len(), 1);
+        let parts = p.chunks_mut(per).zip(g.chunks(per));
+        let moments = m.chunks_mut(per).zip(v.chunks_mut(per));
+        run_parts(parts.zip(moments), |((p, g), (m, v))| {
+            adamw::update_elements(&coef, wd as f32, p, g, m, v)
+        });
         return Ok(());
     }
-    let t = step as i32;
+    let (c, t) = (s.config, s.step as i32);
     let f = |x: f64| A::F32(x as f32);
     let off = f32s(span.start);
     let n = span.len();
@@ -411,15 +422,16 @@ pub fn adamw_update(
         A::BufAt(bufs.m, off),
         A::BufAt(bufs.v, off),
         A::U64(n as u64),
-        f(cfg.beta1),
-        f(cfg.beta2),
-        f(1.0 - cfg.beta1),
-        f(1.0 - cfg.beta2),
-        f(1.0 / (1.0 - cfg.beta1.powi(t))),
-        f(1.0 / (1.0 - cfg.beta2.powi(t))),
-        f(lr),
-        f(cfg.eps),
-        f(if decay { cfg.weight_decay } else { 0.0 }),
+        f(c.beta1),
+        f(c.beta2),
+        f(1.0 - c.beta1),
+        f(1.0 - c.beta2),
+        f(1.0 / (1.0 - c.beta1.powi(t))),
+        f(1.0 / (1.0 - c.beta2.powi(t))),
+        f(s.lr),
+        f(c.eps),
+        f(wd),
+        f(s.grad_scale),
     ];
     dev.launch(k, stride_grid(n), &args)
 }
@@ -450,7 +462,7 @@ pub fn cast_bf16_to_f32(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer
     dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)])
 }
 
-/// out (N) = skip (N) + branch (N). Reference: `model::residual::residual_forward`.
+/// out (N) = skip (N) + branch (N). Reference: `cpu::residual::residual_forward`.
 pub fn residual_forward(
     dev: &Device,
     out: &mut DeviceBuffer,
@@ -475,7 +487,7 @@ pub fn residual_forward(
 }
 
 /// out (B*T, C) = wte (Vp, C) rows of `tokens` (B*T, u32, each < Vp) + wpe (>= T, C) rows
-/// `i % t`. Reference: `model::encoder::encoder_forward`.
+/// `i % t`. Reference: `cpu::encoder::encoder_forward`.
 #[allow(clippy::too_many_arguments)]
 pub fn encoder_forward(
     dev: &Device,
@@ -516,7 +528,7 @@ pub fn encoder_forward(
 }
 
 /// dwte (Vp, C) += dout (B*T, C) scattered to the rows of `tokens`; dwpe (>= T, C) += the sum
-/// over the batch. Reference: `model::encoder::encoder_backward`.
+/// over the batch. Reference: `cpu::encoder::encoder_backward`.
 #[allow(clippy::too_many_arguments)]
 pub fn encoder_backward(
     dev: &Device,
@@ -552,8 +564,14 @@ pub fn encoder_backward(
     dev.launch(k, stride_grid(bt * c), &args)
 }
 
-/// out (N, OC) += bias (OC) on every row. Reference: `model::linear::linear_forward`'s bias.
-pub fn bias_add(dev: &Device, out: &mut DeviceBuffer, bias: &DeviceBuffer, n: usize, oc: usize) -> Result<()> {
+/// out (N, OC) += bias (OC) on every row. Reference: `cpu::linear::linear_forward`'s bias.
+pub fn bias_add(
+    dev: &Device,
+    out: &mut DeviceBuffer,
+    bias: &DeviceBuffer,
+    n: usize,
+    oc: usize,
+) -> Result<()> {
     let k = "bias_add_f32";
     need(k, "out", out, f32s(n * oc))?;
     need(k, "bias", bias, f32s(oc))?;
@@ -568,8 +586,14 @@ pub fn bias_add(dev: &Device, out: &mut DeviceBuffer, bias: &DeviceBuffer, n: us
     dev.launch(k, stride_grid(n * oc), &args)
 }
 
-/// dbias (OC) += column sums of dout (N, OC). Reference: `model::linear::linear_backward`'s bias.
-pub fn bias_backward(dev: &Device, dbias: &mut DeviceBuffer, dout: &DeviceBuffer, n: usize, oc: usize) -> Result<()> {
+/// dbias (OC) += column sums of dout (N, OC). Reference: `cpu::linear::linear_backward`'s bias.
+pub fn bias_backward(
+    dev: &Device,
+    dbias: &mut DeviceBuffer,
+    dout: &DeviceBuffer,
+    n: usize,
+    oc: usize,
+) -> Result<()> {
     let k = "bias_backward_f32";
     need(k, "dbias", dbias, f32s(oc))?;
     need(k, "dout", dout, f32s(n * oc))?;
@@ -602,14 +626,16 @@ pub const SUM_BLOCKS: usize = 1024;
 
 /// Σ g² over the `n` f32 elements of `g` from element `start`; `partials` holds at least
 /// [`SUM_BLOCKS`] f32. On a GPU each block sums its share in f32 and the host adds the block sums
-/// in f64; the CPU arm is `optim::clip::sum_of_squares`. Waits for the device (the result is a
+/// in f64; the CPU arm is `cpu::clip::sum_of_squares`. Waits for the device (the result is a
 /// host value).
 pub fn sum_squares(dev: &Device, partials: &mut DeviceBuffer, g: &DeviceBuffer, start: usize, n: usize) -> Result<f64> {
     let k = "sum_squares_f32";
     need(k, "g", g, f32s(start + n))?;
     need(k, "partials", partials, f32s(SUM_BLOCKS))?;
     if let Device::Cpu = dev {
-        return Ok(crate::optim::clip::sum_of_squares(&host(k, g)?.view::<f32>(start + n)[start..]));
+        return Ok(super::cpu::clip::sum_of_squares(
+            &host(k, g)?.view::<f32>(start + n)[start..],
+        ));
     }
     let blocks = n.div_ceil(THREADS as usize).clamp(1, SUM_BLOCKS);
     let args = [A::Buf(partials), A::BufAt(g, f32s(start)), A::U64(n as u64)];
@@ -619,12 +645,40 @@ pub fn sum_squares(dev: &Device, partials: &mut DeviceBuffer, g: &DeviceBuffer, 
     Ok(sums.iter().map(|&s| f64::from(s)).sum())
 }
 
-/// g[start..start + n] *= s (f32). Reference: `optim::clip::scale_grads`.
+/// Σ g² over the concatenation of the f32 `parts` (buffer, element range), bit for bit what
+/// [`sum_squares`] gives on the parts packed one after the other: the CPU arm reads them in
+/// place; a GPU packs them into `stage` (at least their total length) and sums that.
+pub fn sum_squares_parts(
+    dev: &Device,
+    partials: &mut DeviceBuffer,
+    stage: &mut DeviceBuffer,
+    parts: &[(&DeviceBuffer, Range<usize>)],
+) -> Result<f64> {
+    let k = "sum_squares_f32";
+    if let Device::Cpu = dev {
+        let mut pieces = Vec::with_capacity(parts.len());
+        for (buf, r) in parts {
+            need(k, "g", buf, f32s(r.end))?;
+            pieces.push(&host(k, buf)?.view::<f32>(r.end)[r.clone()]);
+        }
+        return Ok(super::cpu::clip::sum_of_squares_pieces(&pieces));
+    }
+    let mut at = 0;
+    for (buf, r) in parts {
+        copy(dev, stage, at, buf, r.start, r.len())?;
+        at += r.len();
+    }
+    sum_squares(dev, partials, stage, 0, at)
+}
+
+/// g[start..start + n] *= s (f32). Reference: `cpu::clip::scale_grads`.
 pub fn scale(dev: &Device, g: &mut DeviceBuffer, start: usize, n: usize, s: f32) -> Result<()> {
     let k = "scale_f32";
     need(k, "g", g, f32s(start + n))?;
     if let Device::Cpu = dev {
-        host_mut(k, g)?.view_mut::<f32>(start + n)[start..].iter_mut().for_each(|x| *x *= s);
+        let g = &mut host_mut(k, g)?.view_mut::<f32>(start + n)[start..];
+        let per = chunk_items(n, 1);
+        run_parts(g.chunks_mut(per), |part| part.iter_mut().for_each(|x| *x *= s));
         return Ok(());
     }
     dev.launch(k, stride_grid(n), &[A::BufAt(g, f32s(start)), A::F32(s), A::U64(n as u64)])

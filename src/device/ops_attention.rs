@@ -9,15 +9,15 @@
 //! above the diagonal (wasted, never read: the softmax writes zeros there, so `att V` and the
 //! products of `dpre` equal the causal sums).
 //!
-//! On the CPU device the two attention ops run the reference `model::attention` instead, so the
+//! On the CPU device the two attention ops run the reference `cpu::attention` instead, so the
 //! device model's CPU arm is the reference the emu and GPU arms are tested against; the single
 //! kernels' ops run host loops of the same arithmetic there.
 
 use super::gemm::{Batch, Gemm, GemmInput, Operand};
 use super::ops::{as_i32, as_u32, f32s, host, host_mut, need, stride_grid};
 use super::{Device, DeviceBuffer, KernelArg as A, LaunchDims};
+use crate::device::cpu::attention::{self, AttnShape};
 use crate::error::Result;
-use crate::model::attention::{self, AttnShape};
 
 /// The per-head views and the BLAS handle of [`attention_forward`] / [`attention_backward`]
 /// (every buffer fully overwritten by each call; empty on the CPU device, which does not use them).
@@ -177,8 +177,15 @@ fn per_head(
 }
 
 /// out (B, T, C), att (B, NH, T, T) from qkv (B, T, 3C). Reference:
-/// `model::attention::attention_forward` (run as is on the CPU device).
-pub fn attention_forward(dev: &Device, out: &mut DeviceBuffer, att: &mut DeviceBuffer, qkv: &DeviceBuffer, w: &mut AttnWork, s: AttnShape) -> Result<()> {
+/// `cpu::attention::attention_forward` (run as is on the CPU device).
+pub fn attention_forward(
+    dev: &Device,
+    out: &mut DeviceBuffer,
+    att: &mut DeviceBuffer,
+    qkv: &DeviceBuffer,
+    w: &mut AttnWork,
+    s: AttnShape,
+) -> Result<()> {
     let k = "attention_forward";
     let (btc, tt) = (s.b * s.t * s.nh * s.hs, s.b * s.nh * s.t * s.t);
     need(k, "out", out, f32s(btc))?;
@@ -203,7 +210,7 @@ pub fn attention_forward(dev: &Device, out: &mut DeviceBuffer, att: &mut DeviceB
 
 /// dqkv (B, T, 3C) += the attention gradient from dout (B, T, C) and the forward's qkv and
 /// att; `dpre` is (B, NH, T, T) scratch, fully overwritten. Reference:
-/// `model::attention::attention_backward` (run as is on the CPU device).
+/// `cpu::attention::attention_backward` (run as is on the CPU device).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     dev: &Device,

@@ -5,12 +5,12 @@
 //! embedding, a max and a sum inside the loss) are the caller's.
 //!
 //! As in [`super::ops`], every launcher checks each buffer against the elements the kernel
-//! touches, and on the CPU device runs the reference of `model::vocab_parallel` instead.
+//! touches, and on the CPU device runs the reference of `cpu::vocab_parallel` instead.
 
 use super::ops::{as_i32, as_u32, f32s, host, host_mut, need, stride_grid, THREADS};
 use super::{Device, DeviceBuffer, KernelArg as A, LaunchDims};
+use crate::device::cpu::vocab_parallel;
 use crate::error::{Error, Result};
-use crate::model::vocab_parallel;
 
 /// One rank's shard of the vocabulary: ids `start .. start + vl`, of which the first `real`
 /// are real (below V), the rest padding.
@@ -245,7 +245,7 @@ pub fn cross_entropy_combine(
 /// untouched, with the global log-sum-exp `lse` (N); the whole vocabulary is the shard
 /// `{ start: 0, vl: Vp, real: V }`. Targets must be < V (the kernel trusts them, as the CPU
 /// reference does). Reference: `vocab_parallel::cross_entropy_shard_backward` (with one shard,
-/// the arithmetic of `model::cross_entropy::cross_entropy_backward`).
+/// the arithmetic of `cpu::cross_entropy::cross_entropy_backward`).
 #[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_backward(
     dev: &Device,

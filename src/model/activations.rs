@@ -6,9 +6,9 @@
 //! the backward visits one block at a time. The residual stream has one gradient buffer (see
 //! `residual.rs`).
 
-use super::attention::attention_scratch_len;
-use super::float::Float;
 use super::GptConfig;
+use crate::device::cpu::attention::attention_scratch_len;
+use crate::device::cpu::float::Float;
 
 /// Forward activations; shapes in comments (L = n_layer, NH = n_head, Vp = padded vocab).
 pub struct Activations<F> {

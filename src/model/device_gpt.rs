@@ -35,17 +35,17 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use super::attention::AttnShape;
 use super::device_acts::{ActDims, Scratch, SlotActs};
 use super::device_linear::Linear;
-use crate::device::ops_attention::AttnWork;
 use super::device_tp::DeviceTp;
 use super::tp_layout::{ShardLayout, StageSpec};
-use super::vocab_parallel::real_columns;
 use super::GptConfig;
 use crate::comm::{Communicator, ReduceOp};
-pub use crate::config::Precision;
+use crate::device::cpu::attention::AttnShape;
+use crate::device::cpu::vocab_parallel::real_columns;
+use crate::device::ops_attention::AttnWork;
 use crate::device::ops_vocab::VocabShard;
+pub use crate::device::Precision;
 use crate::device::{ops, Device, DeviceBuffer};
 use crate::error::{Error, Result};
 use layers::Rows;

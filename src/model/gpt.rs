@@ -14,17 +14,17 @@
 use std::ops::Range;
 
 use super::activations::{slab, slab_mut, Activations, GradActivations};
-use super::attention::{attention_backward, attention_forward, AttnShape};
-use super::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
-use super::encoder::{encoder_backward, encoder_forward};
-use super::float::Float;
-use super::gelu::{gelu_backward, gelu_forward};
 use super::init::init_params;
-use super::layernorm::{layernorm_backward, layernorm_forward};
 use super::layout::ParamLayout;
-use super::linear::{linear_backward, linear_forward};
-use super::residual::residual_forward;
 use super::GptConfig;
+use crate::device::cpu::attention::{attention_backward, attention_forward, AttnShape};
+use crate::device::cpu::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
+use crate::device::cpu::encoder::{encoder_backward, encoder_forward};
+use crate::device::cpu::float::Float;
+use crate::device::cpu::gelu::{gelu_backward, gelu_forward};
+use crate::device::cpu::layernorm::{layernorm_backward, layernorm_forward};
+use crate::device::cpu::linear::{linear_backward, linear_forward};
+use crate::device::cpu::residual::residual_forward;
 use crate::error::{Error, Result};
 
 /// A GPT-2 model with its optimizer-facing flat buffers, runnable at a fixed (B, T).

@@ -16,9 +16,9 @@ use std::ops::Range;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::float::Float;
 use super::layout::ParamLayout;
 use super::GptConfig;
+use crate::device::cpu::float::Float;
 
 /// Standard deviation of the normal initialization.
 const INIT_STD: f64 = 0.02;

@@ -1,43 +1,34 @@
-//! The GPT-2 model: configuration, named sizes, and the CPU reference implementation.
+//! The GPT-2 model: configuration, named sizes, the layout tables, the one executor and the
+//! single-rank reference.
 //!
 //! A model is fully described by [`GptConfig`]; the vocabulary is padded to a multiple of 128
 //! (`padded_vocab_size`) so that embedding rows and logits GEMMs are well shaped. Padded rows exist
 //! in `wte` but never receive probability mass in the loss.
 //!
-//! Layout of the module (llm.c style): one file per layer with `_forward`/`_backward` functions
-//! over slices (`encoder`, `layernorm`, `linear`, `attention`, `gelu`, `residual`,
-//! `cross_entropy`), the flat-parameter table ([`layout`]), initialization ([`init`]), the
-//! activation buffers ([`activations`]) and [`gpt::Gpt`], which composes them. Everything is
-//! generic over [`float::Float`] (`f32` for training, `f64` for gradient checks).
+//! Layout of the module: the flat-parameter table ([`layout`]) and its shard rules
+//! ([`tp_layout`]), initialization ([`init`]), sampling ([`sample`]), the one executor
+//! ([`DeviceGpt`], every layout on every device arm) and [`gpt::Gpt`], the single-rank reference
+//! that tests compare the executor with. The layer kernels themselves (llm.c style, one file per
+//! layer with `_forward`/`_backward` over slices) are the CPU arm's, in `device::cpu`; `Gpt`
+//! composes them with the activation buffers of [`activations`]. Everything is generic over
+//! [`Float`] (`f32` for training, `f64` for gradient checks).
 
 pub mod activations;
-pub mod attention;
-pub mod blas;
-pub mod cross_entropy;
 mod device_acts;
 pub mod device_gpt;
 mod device_linear;
 pub mod device_tp;
-pub mod encoder;
-pub mod float;
-pub mod gelu;
-pub mod matmul;
 pub mod gpt;
 pub mod init;
-pub mod layernorm;
 pub mod layout;
-pub mod linear;
-pub mod parallel;
-pub mod residual;
 pub mod sample;
 #[cfg(test)]
 mod shard_tests;
 pub mod tp_layout;
-pub mod vocab_parallel;
 
+pub use crate::device::cpu::Float;
 pub use device_gpt::{DeviceGpt, Precision, StageInput, StageOutput};
 pub use device_tp::DeviceTp;
-pub use float::Float;
 pub use gpt::Gpt;
 pub use layout::{ParamEntry, ParamLayout, TpSplit};
 pub use tp_layout::{ShardEntry, ShardLayout, StageSpec};

@@ -8,34 +8,12 @@
 
 use std::ops::Range;
 
+pub use crate::device::cpu::adamw::AdamWConfig;
+use crate::device::cpu::adamw::{update_elements, AdamWStep, Coefficients};
+use crate::device::cpu::parallel::{chunk_items, run_parts};
+use crate::device::cpu::Float;
 use crate::error::{Error, Result};
-use crate::model::parallel::{chunk_items, run_parts};
-use crate::model::{Float, ParamLayout};
-
-/// AdamW hyper-parameters (the learning rate comes from the schedule at each step).
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct AdamWConfig {
-    /// First-moment decay.
-    pub beta1: f64,
-    /// Second-moment decay.
-    pub beta2: f64,
-    /// Denominator epsilon.
-    pub eps: f64,
-    /// Decoupled weight decay coefficient for elements in the decay mask.
-    pub weight_decay: f64,
-}
-
-impl Default for AdamWConfig {
-    /// GPT-2/3 training defaults: betas (0.9, 0.95), eps 1e-8, weight decay 0.1.
-    fn default() -> Self {
-        AdamWConfig {
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        }
-    }
-}
+use crate::model::ParamLayout;
 
 /// Which flat-buffer elements get weight decay: sorted, disjoint spans covering the buffer.
 #[derive(Debug, Clone)]
@@ -153,8 +131,13 @@ impl AdamW {
             )));
         }
         state.step += 1;
-        let k = Coefficients::new(&self.config, state.step, lr);
-        // Element-wise, so the range is split across cores; see `model::parallel`.
+        let k = Coefficients::new(&AdamWStep {
+            config: &self.config,
+            step: state.step,
+            lr,
+            grad_scale: 1.0,
+        });
+        // Element-wise, so the range is split across cores; see `device::cpu::parallel`.
         let per = chunk_items(range.len(), 1);
         let parts = params.chunks_mut(per).zip(grads.chunks(per));
         let moments = state.m.chunks_mut(per).zip(state.v.chunks_mut(per));
@@ -180,49 +163,6 @@ impl AdamW {
             let (p, g) = (&mut p[local.clone()], &g[local.clone()]);
             let (m, v) = (&mut m[local.clone()], &mut v[local]);
             update_elements(k, wd, p, g, m, v);
-        }
-    }
-}
-
-/// The AdamW update of aligned parameter, gradient and moment slices with weight decay `wd`
-/// (the GPU kernel `adamw_f32` computes the same expression in the same order).
-pub(crate) fn update_elements<F: Float>(k: &Coefficients<F>, wd: F, p: &mut [F], g: &[F], m: &mut [F], v: &mut [F]) {
-    for (((pi, &gi), mi), vi) in p.iter_mut().zip(g).zip(m).zip(v) {
-        *mi = k.b1 * *mi + k.one_b1 * gi;
-        *vi = k.b2 * *vi + k.one_b2 * gi * gi;
-        let m_hat = *mi * k.inv_bc1;
-        let v_hat = *vi * k.inv_bc2;
-        *pi -= k.lr * (m_hat / (v_hat.sqrt() + k.eps) + wd * *pi);
-    }
-}
-
-/// Per-step constants of the update, in the working precision.
-pub(crate) struct Coefficients<F> {
-    b1: F,
-    b2: F,
-    one_b1: F,
-    one_b2: F,
-    /// 1 / (1 - beta1^t).
-    inv_bc1: F,
-    /// 1 / (1 - beta2^t).
-    inv_bc2: F,
-    lr: F,
-    eps: F,
-}
-
-impl<F: Float> Coefficients<F> {
-    /// The constants of update number `step` (1-based), computed in f64 and rounded once.
-    pub(crate) fn new(c: &AdamWConfig, step: u64, lr: f64) -> Self {
-        let t = step as i32;
-        Coefficients {
-            b1: F::from_f64(c.beta1),
-            b2: F::from_f64(c.beta2),
-            one_b1: F::from_f64(1.0 - c.beta1),
-            one_b2: F::from_f64(1.0 - c.beta2),
-            inv_bc1: F::from_f64(1.0 / (1.0 - c.beta1.powi(t))),
-            inv_bc2: F::from_f64(1.0 / (1.0 - c.beta2.powi(t))),
-            lr: F::from_f64(lr),
-            eps: F::from_f64(c.eps),
         }
     }
 }

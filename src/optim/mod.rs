@@ -1,4 +1,6 @@
 //! The optimizer: AdamW over flat buffers, the learning-rate schedule, gradient-norm clipping.
+//! The element kernels (the AdamW update, sums of squares, scaling) are the CPU arm's, in
+//! `device::cpu`; this module holds the state and the decay mask built from the layout.
 //!
 //! Everything works on offset ranges of the flat parameter/gradient buffers described by
 //! [`crate::model::ParamLayout`], so a data-parallel rank updating only its ZeRO shard calls the
@@ -6,9 +8,8 @@
 //! job; gradient accumulation is the training loop's (the model's backward adds into grads).
 
 pub mod adamw;
-pub mod clip;
 pub mod lr_schedule;
 
+pub use crate::device::cpu::clip::{clip_scale, scale_grads, sum_of_squares};
 pub use adamw::{AdamW, AdamWConfig, AdamWState, DecayMask};
-pub use clip::{clip_scale, scale_grads, sum_of_squares};
 pub use lr_schedule::LrSchedule;

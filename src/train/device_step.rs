@@ -38,12 +38,13 @@ use super::grad_sync::{DataParallel, Spans, StepOutcome};
 use crate::comm::device::{GpuCommConfig, GpuCommState};
 use crate::comm::stats::CommStats;
 use crate::comm::{Communicator, ReduceOp};
-use crate::device::Device;
+use crate::device::cpu::adamw::AdamWStep;
 use crate::device::ops::SUM_BLOCKS;
+use crate::device::Device;
 use crate::device::DeviceBuffer;
 use crate::error::{Error, Result};
 use crate::model::DeviceGpt;
-use crate::optim::clip::clip_scale;
+use crate::optim::clip_scale;
 use crate::optim::AdamWConfig;
 
 /// The device optimizer state: whole flat buffers (ZeRO 0) or this rank's shard (ZeRO 1/2).
@@ -252,11 +253,16 @@ impl DeviceStep {
         if !apply(grad_norm)? {
             return Ok(StepOutcome { grad_norm, timing });
         }
-        let scale = clip_scale(grad_norm, max_norm);
         self.step += 1;
+        let update = AdamWStep {
+            config: &self.config,
+            step: self.step,
+            lr,
+            grad_scale: clip_scale(grad_norm, max_norm),
+        };
         match &mut self.state {
-            State::Whole(w) => w.update(model, scale, &self.config, self.step, lr)?,
-            State::Sharded(s) => s.update(model, dp, &mut self.coll, scale, &self.config, self.step, lr)?,
+            State::Whole(w) => w.update(model, &update)?,
+            State::Sharded(s) => s.update(model, dp, &mut self.coll, &update)?,
         }
         Ok(StepOutcome { grad_norm, timing })
     }

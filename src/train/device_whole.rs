@@ -26,12 +26,13 @@ use super::buckets::{OverlapReducer, ReduceTiming};
 use super::grad_sync::{DataParallel, Spans};
 use crate::comm::device::GpuCommState;
 use crate::comm::{Communicator, DType, ReduceOp};
+use crate::device::cpu::adamw::AdamWStep;
 use crate::device::ipc::alloc_shareable;
 use crate::device::ops::{self, AdamWBuffers};
 use crate::device::DeviceBuffer;
 use crate::error::{Error, Result};
 use crate::model::DeviceGpt;
-use crate::optim::{sum_of_squares, AdamWConfig};
+use crate::optim::sum_of_squares;
 
 /// ZeRO-0 optimizer state of a whole (unsharded) parameter buffer.
 pub struct WholeState {
@@ -142,6 +143,15 @@ impl WholeState {
         for (b, bucket) in self.buckets.iter().enumerate() {
             let dev = model.device();
             let n = bucket.len();
+            if dp.size() == 1 && micro_batches == 1 {
+                // Nothing to reduce or average: the squares are taken from the model's
+                // gradients (in place on the CPU), with the bits of the packed path.
+                for (sq, c) in self.squares[b].iter_mut().zip(&self.counted[b]) {
+                    let parts = model.grad_parts(c.clone());
+                    *sq = ops::sum_squares_parts(dev, partials, &mut self.stage, &parts)?;
+                }
+                continue;
+            }
             model.pack_grads_range(bucket.clone(), &mut self.stage)?;
             if micro_batches > 1 {
                 // The host reducer's staging copy multiplies by the same f32 factor.
@@ -157,10 +167,7 @@ impl WholeState {
             for (sq, c) in self.squares[b].iter_mut().zip(&self.counted[b]) {
                 *sq = ops::sum_squares(dev, partials, &self.stage, c.start - bucket.start, c.len())?;
             }
-            // One rank and one micro-batch: the staged bucket is the model's gradients unchanged.
-            if dp.size() > 1 || micro_batches > 1 {
-                model.unpack_grads_range(bucket.clone(), &self.stage)?;
-            }
+            model.unpack_grads_range(bucket.clone(), &self.stage)?;
         }
         Ok(comm)
     }
@@ -171,16 +178,18 @@ impl WholeState {
         self.squares.iter().flatten().fold(0.0, |acc, s| acc + s)
     }
 
-    /// Clips by `scale` and applies AdamW step `step` at `lr` to every tensor of the model in
+    /// Applies the AdamW update `s` (clipping scale included) to every tensor of the model in
     /// place; the bf16 copies follow.
-    pub fn update(&mut self, model: &mut DeviceGpt, scale: f64, config: &AdamWConfig, step: u64, lr: f64) -> Result<()> {
+    pub fn update(&mut self, model: &mut DeviceGpt, s: &AdamWStep) -> Result<()> {
         let (dev, layout, params, grads) = model.tensors_mut()?;
         for (i, e) in layout.entries().iter().enumerate() {
-            if scale != 1.0 {
-                ops::scale(dev, &mut grads[i], 0, e.len, scale as f32)?;
-            }
-            let bufs = AdamWBuffers { params: &mut params[i], grads: &grads[i], m: &mut self.m[i], v: &mut self.v[i] };
-            ops::adamw_update(dev, bufs, 0..e.len, config, step, lr, self.decay[i])?;
+            let bufs = AdamWBuffers {
+                params: &mut params[i],
+                grads: &grads[i],
+                m: &mut self.m[i],
+                v: &mut self.v[i],
+            };
+            ops::adamw_update(dev, bufs, 0..e.len, s, self.decay[i])?;
         }
         model.refresh_params16()
     }

@@ -34,12 +34,12 @@ use super::buckets::OverlapReducer;
 use super::grad_sync::DataParallel;
 use crate::comm::device::GpuCommState;
 use crate::comm::{Communicator, DType, ReduceOp};
+use crate::device::cpu::adamw::AdamWStep;
 use crate::device::ipc::alloc_shareable;
 use crate::device::ops::{self, AdamWBuffers};
 use crate::device::DeviceBuffer;
 use crate::error::{Error, Result};
 use crate::model::DeviceGpt;
-use crate::optim::AdamWConfig;
 
 /// One bucket's shard on the device.
 struct Shard {
@@ -286,28 +286,26 @@ impl DeviceShards {
         Ok(sq[0])
     }
 
-    /// Scales the shards' gradients by `scale`, applies AdamW step `step` at `lr`, and gathers the
+    /// Applies the AdamW update `u` (clipping scale included) to the shards, and gathers the
     /// updated weights over `dp` into the model's tensors.
-    #[allow(clippy::too_many_arguments)]
     pub fn update(
         &mut self,
         model: &mut DeviceGpt,
         dp: &Communicator,
         coll: &mut GpuCommState,
-        scale: f64,
-        config: &AdamWConfig,
-        step: u64,
-        lr: f64,
+        u: &AdamWStep,
     ) -> Result<()> {
         for (k, s) in self.shards.iter_mut().enumerate() {
             // The device is borrowed from the model until the gather; the unpack writes the model.
             let dev = model.device();
-            if scale != 1.0 {
-                ops::scale(dev, &mut s.grads, 0, s.own.len(), scale as f32)?;
-            }
             for (span, decay) in &s.decay {
-                let bufs = AdamWBuffers { params: &mut s.params, grads: &s.grads, m: &mut s.m, v: &mut s.v };
-                ops::adamw_update(dev, bufs, span.clone(), config, step, lr, *decay)?;
+                let bufs = AdamWBuffers {
+                    params: &mut s.params,
+                    grads: &s.grads,
+                    m: &mut s.m,
+                    v: &mut s.v,
+                };
+                ops::adamw_update(dev, bufs, span.clone(), u, *decay)?;
             }
             if self.sharded_params {
                 model.set_param_shard(k, &s.params)?;
@@ -334,7 +332,9 @@ mod tests {
     use crate::comm::CommConfig;
     use crate::device::Device;
     use crate::model::{Gpt, GptConfig, Precision};
-    use crate::optim::{clip_scale, scale_grads, sum_of_squares, AdamW, AdamWState, DecayMask};
+    use crate::optim::{
+        clip_scale, scale_grads, sum_of_squares, AdamW, AdamWConfig, AdamWState, DecayMask,
+    };
 
     const B: usize = 2;
     const T: usize = 16;

@@ -118,7 +118,7 @@ use half::bf16;
 fn all_reduce_across_nodes_runs_in_three_stages() {
     for (k, nodes, three_stage) in [(4, 2, true), (6, 2, true), (6, 3, true), (5, 2, false), (3, 3, false)] {
         let calls = run_ranks_on_nodes(k, nodes, CommConfig::default(), |c| {
-            let dev = Device::open(crate::config::DeviceKind::Emu, 0).unwrap();
+            let dev = Device::open(crate::device::DeviceKind::Emu, 0).unwrap();
             let mut st = state(40);
             let fails = check_device_all(&c, &dev, &mut st, &[0, 1, 13, 97], &ReduceOp::ALL).unwrap();
             assert_eq!(fails, Vec::<String>::new());

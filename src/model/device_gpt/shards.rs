@@ -93,6 +93,17 @@ impl DeviceGpt {
         Ok(())
     }
 
+    /// The device gradients of the flat range `r`, in order, as (tensor buffer, element range)
+    /// parts (what [`DeviceGpt::pack_grads_range`] would copy one after the other).
+    pub fn grad_parts(&self, r: Range<usize>) -> Vec<(&DeviceBuffer, Range<usize>)> {
+        entry_parts(&self.layout, r)
+            .map(|(i, p)| {
+                let off = self.layout.entries()[i].offset;
+                (&self.grads[i], p.start - off..p.end - off)
+            })
+            .collect()
+    }
+
     /// Copies the device gradients of the flat range `r` into `dst` (`r.len()` elements from 0).
     pub fn pack_grads_range(&self, r: Range<usize>, dst: &mut DeviceBuffer) -> Result<()> {
         for (i, p) in entry_parts(&self.layout, r.clone()) {

@@ -20,8 +20,8 @@ pub trait Float:
     fn from_f64(x: f64) -> Self;
     /// Widens to `f64`, e.g. for accumulating norms and losses.
     fn as_f64(self) -> f64;
-    /// BLAS GEMM for this precision (row-major, see [`crate::model::blas`]); callers go through
-    /// [`crate::model::matmul::matmul`], which checks shapes and bounds.
+    /// BLAS GEMM for this precision (row-major, see [`crate::device::cpu::blas`]); callers go through
+    /// [`crate::device::cpu::matmul::matmul`], which checks shapes and bounds.
     const GEMM: blas::Gemm<Self>;
 }
 

@@ -95,6 +95,8 @@ pub(super) struct Session<'a> {
     /// Seconds and count of the timed steps (all but the first).
     timed: (f64, u64),
     report: TrainReport,
+    /// Rank 0: the checkpoint directory's lock, held until the session ends.
+    dir_lock: Option<crate::checkpoint::DirLock>,
 }
 
 /// How a step ended.
@@ -113,6 +115,12 @@ impl<'a> Session<'a> {
         config_agree::check(&world_comm, cfg)?;
         memory_fit::check(&world_comm, cfg, world.local_size)?;
         cfg.validate_world(world.size)?;
+        // The checkpoint directory belongs to this job until it ends (another job is refused now,
+        // not at its first save).
+        let dir_lock = match &cfg.checkpoint.dir {
+            Some(dir) => crate::checkpoint::lock_for_job(&world_comm, dir)?,
+            None => None,
+        };
         let device = (Device::open(cfg.device, world.local_rank)?, cfg.precision);
         let leader = world.rank == 0;
         bind_cpu_threads(world.local_size);
@@ -137,6 +145,7 @@ impl<'a> Session<'a> {
         }
         let model = build_replica(cfg, (tp, pp), device, leader)?;
         let mut s = Session::assemble(world, cfg, opts, Groups { world_comm, dp, norm_groups, traffic }, model, baseline)?;
+        s.dir_lock = dir_lock;
         s.resume()?;
         s.start_step()?;
         Ok(s)
@@ -229,6 +238,7 @@ impl<'a> Session<'a> {
             start: Instant::now(),
             timed: (0.0, 0),
             report: TrainReport { losses: Vec::new(), val_losses: Vec::new(), tokens_per_s: 0.0 },
+            dir_lock: None,
         })
     }
 

@@ -77,7 +77,7 @@ pub const TOOL_VARS: &[&str] = &[
 ];
 
 /// Default bound on the start-up exchange with rank 0 (`MESHTRAIN_BOOTSTRAP_TIMEOUT`).
-const DEFAULT_BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(120);
+pub const DEFAULT_BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The value of `key`; unset and empty are both `None`.
 fn var(key: &str) -> Option<String> {

@@ -104,3 +104,95 @@ fn a_second_job_on_a_checkpoint_directory_is_refused_naming_the_holder() {
         "leftovers not pruned: {left:?}"
     );
 }
+
+/// Launcher options of the start-up case: the job is not ended when a process fails.
+fn mpirun_without_abort(np: usize) -> Command {
+    let mut c = common::mpirun(np);
+    c.env("OMPI_MCA_orte_abort_on_non_zero_status", "0");
+    c
+}
+
+#[test]
+fn a_rank_killed_before_mpi_init_ends_the_others_naming_the_phase() {
+    // Three meshtrain ranks and a fourth process that dies at once: the three wait in MPI_Init
+    // for it, and mpirun (told not to abort) does not end them.
+    let mut cmd = mpirun_without_abort(3);
+    cmd.env("MESHTRAIN_BOOTSTRAP_TIMEOUT", "3").env("MESHTRAIN_TIMEOUT", "10");
+    cmd.args(["selftest", "--counts", "1", "--large", "0"]).args([":", "-np", "1", "bash", "-c", "sleep 0.3; kill -9 $$"]);
+    let child = common::spawn(cmd);
+    let launcher = child.id();
+    let start = Instant::now();
+    let mut seen = 0;
+    loop {
+        let ranks = common::rank_pids(launcher).into_iter().filter(|(r, _)| *r < 3).count();
+        seen = seen.max(ranks);
+        if seen > 0 && ranks == 0 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "ranks still alive after 60 s (seen {seen})");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let ended = start.elapsed();
+    // Open MPI's mpirun itself may linger after its processes are gone (it is told not to
+    // abort): the test ends it; what matters is that no rank hangs and each says why.
+    let out = common::wait(child, Duration::from_secs(5));
+    assert!(ended < Duration::from_secs(30), "ranks took {ended:?} to give up");
+    for r in 0..3 {
+        let said = out.rank_stderr(r).join("\n");
+        assert!(said.contains(&format!("rank {r}: start-up phase `MPI_Init` did not finish within 3 s")), "rank {r}: {said}\n{}", out.stderr);
+    }
+}
+
+/// Inodes of the sockets process `pid` has open.
+fn socket_inodes(pid: u32) -> Vec<String> {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return Vec::new() };
+    fds.flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .filter_map(|l| l.to_str().and_then(|s| s.strip_prefix("socket:[")).map(|s| s.trim_end_matches(']').to_string()))
+        .collect()
+}
+
+/// The local addresses (hex, as /proc/net/tcp{,6} writes them) of the TCP sockets process `pid`
+/// listens on.
+fn listening(pid: u32) -> Vec<String> {
+    let mine = socket_inodes(pid);
+    let mut out = Vec::new();
+    for table in ["tcp", "tcp6"] {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() > 9 && f[3] == "0A" && mine.iter().any(|i| i == f[9]) {
+                out.push(f[1].to_string());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn mpi_opens_no_listener_on_the_wildcard_address_within_one_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = ckpt_job(dir.path(), "listen.toml", &dir.path().join("ckpt"), 100_000);
+    let mut cmd = common::mpirun(3);
+    cmd.arg("train").arg(&job).args(["--set", "parallel.dp=3", "--set", "checkpoint.every=0"]);
+    let child = common::spawn(cmd);
+    let launcher = child.id();
+    let start = Instant::now();
+    // Past MPI_Init and the bootstrap every rank has its own listener (127.0.0.1).
+    let sockets = loop {
+        let ranks = common::rank_pids(launcher);
+        let sockets: Vec<(usize, Vec<String>)> = ranks.iter().map(|&(r, pid)| (r, listening(pid))).collect();
+        if sockets.len() == 3 && sockets.iter().all(|(_, s)| !s.is_empty()) {
+            break sockets;
+        }
+        assert!(start.elapsed() < WATCHDOG, "ranks never listened: {sockets:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    Command::new("kill").args(["-TERM", &launcher.to_string()]).status().unwrap();
+    let out = common::wait(child, WATCHDOG);
+    for (r, addrs) in sockets {
+        let wildcard: Vec<&String> = addrs.iter().filter(|a| a.split(':').next().is_some_and(|ip| ip.bytes().all(|b| b == b'0'))).collect();
+        assert!(wildcard.is_empty(), "rank {r} listens on the wildcard address: {addrs:?}\n{}", out.stderr);
+    }
+    assert!(out.stderr.contains("MPI defaults (MCA, unset by the user): btl=self,vader pml=ob1"), "{}", out.stderr);
+}

@@ -40,8 +40,8 @@ pub const RUNTIME_VARS: &[(&str, &str)] = &[
     ("MESHTRAIN_TRANSPORT", "auto, shm, tcp, ofi or shm+ofi (any case)"),
     ("MESHTRAIN_BIND_ADDR", "an IP address of this host, or 0.0.0.0"),
     ("MESHTRAIN_SOCKET_IFNAME", "the name of an interface with an IPv4 address"),
-    ("MESHTRAIN_TIMEOUT", "seconds > 0"),
-    ("MESHTRAIN_BOOTSTRAP_TIMEOUT", "seconds > 0"),
+    ("MESHTRAIN_TIMEOUT", "seconds > 0, at most 1e9"),
+    ("MESHTRAIN_BOOTSTRAP_TIMEOUT", "seconds > 0, at most 1e9"),
     ("MESHTRAIN_ALGO", "auto, ring or direct"),
     ("MESHTRAIN_CMA", "auto, on (1) or off (0)"),
     ("MESHTRAIN_SMALL_BYTES", "bytes > 0"),
@@ -226,11 +226,23 @@ pub enum GpuIpc {
     Off,
 }
 
+/// The largest deadline accepted, in seconds (about 31 years): every deadline is added to an
+/// `Instant`, which must not overflow.
+const MAX_DEADLINE_S: f64 = 1e9;
+
+/// A deadline in seconds: finite, > 0 and at most [`MAX_DEADLINE_S`] (`inf` or `1e400` are refused
+/// with that message, never a panic).
+fn seconds(v: &str) -> std::result::Result<Duration, String> {
+    let s = v.trim().parse::<f64>().map_err(|_| format!("`{v}` is not a number of seconds (expected seconds > 0, at most 1e9)"))?;
+    if !(s > 0.0 && s <= MAX_DEADLINE_S) {
+        return Err(format!("`{v}` is out of range (expected seconds > 0, at most 1e9)"));
+    }
+    Duration::try_from_secs_f64(s).map_err(|e| format!("`{v}`: {e}"))
+}
+
 /// `MESHTRAIN_TIMEOUT`: the deadline of one collective, seconds > 0.
 pub fn timeout() -> Result<Option<Duration>> {
-    parsed("MESHTRAIN_TIMEOUT", |v| {
-        positive(v).and_then(|s| Duration::try_from_secs_f64(s).map_err(|_| format!("`{v}` is not a positive number")))
-    })
+    parsed("MESHTRAIN_TIMEOUT", seconds)
 }
 
 /// `MESHTRAIN_ALGO`.
@@ -350,13 +362,7 @@ pub fn socket_ifname() -> Option<String> {
 /// How long the start-up exchange with rank 0 may take (`MESHTRAIN_BOOTSTRAP_TIMEOUT` seconds,
 /// default 120).
 pub fn bootstrap_timeout() -> Result<Duration> {
-    let secs = parsed("MESHTRAIN_BOOTSTRAP_TIMEOUT", |v| {
-        v.parse::<f64>()
-            .ok()
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .and_then(|s| Duration::try_from_secs_f64(s).ok())
-            .ok_or_else(|| format!("`{v}` is not a positive number of seconds"))
-    })?;
+    let secs = parsed("MESHTRAIN_BOOTSTRAP_TIMEOUT", seconds)?;
     Ok(secs.unwrap_or(DEFAULT_BOOTSTRAP_TIMEOUT))
 }
 
@@ -469,6 +475,16 @@ mod tests {
         assert_eq!(GpuDirect::parse(Some("off")).unwrap(), GpuDirect::Off);
         let err = GpuDirect::parse(Some("yes")).unwrap_err().to_string();
         assert!(err.contains("MESHTRAIN_GPU_DIRECT") && err.contains("`yes` is not auto, on or off"), "{err}");
+    }
+
+    #[test]
+    fn deadlines_are_finite_positive_seconds_and_never_panic() {
+        assert_eq!(seconds("2.5"), Ok(Duration::from_millis(2500)));
+        assert_eq!(seconds("1e9"), Ok(Duration::from_secs(1_000_000_000)));
+        for bad in ["inf", "1e400", "-1", "0", "nan", "1e20", "soon", ""] {
+            let err = seconds(bad).unwrap_err();
+            assert!(err.contains(&format!("`{bad}`")) && err.contains("expected seconds > 0, at most 1e9"), "{bad}: {err}");
+        }
     }
 
     #[test]

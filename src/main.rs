@@ -506,7 +506,12 @@ fn main() {
         Command::Bench(args) if args.what == "device-sendrecv" => with_world(|w| bench_device_p2p(w, args)),
         Command::Bench(args) => with_world(|w| bench(w, args)),
         Command::Train(args) => {
-            let cfg = JobConfig::load(&args.job, &args.sets);
+            // A layout that cannot fit the launched world is refused before MPI and the
+            // transports start.
+            let cfg = JobConfig::load(&args.job, &args.sets).and_then(|cfg| match meshtrain::bootstrap::size_hint() {
+                Some(n) => cfg.validate_world(n).map(|()| cfg),
+                None => Ok(cfg),
+            });
             match cfg {
                 Ok(cfg) => with_world(|w| {
                     train::train(w, &cfg, &TrainOptions { metrics: args.metrics.clone() }).map(|_| ())

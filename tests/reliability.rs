@@ -196,3 +196,64 @@ fn mpi_opens_no_listener_on_the_wildcard_address_within_one_node() {
     }
     assert!(out.stderr.contains("MPI defaults (MCA, unset by the user): btl=self,vader pml=ob1"), "{}", out.stderr);
 }
+
+#[test]
+fn deadlines_of_inf_and_unreadable_or_broken_job_files_are_configuration_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = common::tiny_job(dir.path(), "job.toml", "");
+    for (key, value) in [("MESHTRAIN_TIMEOUT", "inf"), ("MESHTRAIN_TIMEOUT", "1e400"), ("MESHTRAIN_BOOTSTRAP_TIMEOUT", "inf")] {
+        let mut cmd = alone(&["train", job.to_str().unwrap(), "--set", "train.steps=1"]);
+        cmd.env(key, value);
+        let (code, said) = finish(cmd);
+        assert_eq!(code, Some(2), "{key}={value}: {said}");
+        assert!(said.contains(key) && said.contains(&format!("`{value}` is out of range")) && !said.contains("panicked"), "{said}");
+    }
+    let broken = dir.path().join("broken.toml");
+    std::fs::write(&broken, "[train]\nsteps = = 3\n").unwrap();
+    let missing = dir.path().join("missing.toml");
+    for (path, needle) in [(&broken, "line 2, column 9"), (&missing, "missing.toml")] {
+        let (code, said) = finish(alone(&["train", path.to_str().unwrap()]));
+        assert_eq!(code, Some(2), "{}: {said}", path.display());
+        assert!(said.contains("`job file`") && said.contains(needle), "{said}");
+    }
+}
+
+#[test]
+fn a_layout_that_does_not_fit_the_launched_world_is_refused_before_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = common::tiny_job(dir.path(), "grid.toml", "[parallel]\ntp = 2\npp = 2\ndp = 2");
+    let mut cmd = common::mpirun(4);
+    cmd.arg("train").arg(&job);
+    let out = common::run(cmd, WATCHDOG);
+    assert!(out.status.is_some(), "hung");
+    let all = out.stdout.clone() + &out.stderr;
+    for r in 0..4 {
+        let said = out.rank_stderr(r).join("\n");
+        assert!(said.contains("tp 2 x pp 2 x dp 2 = 8 ranks, but the job has 4"), "rank {r}: {all}");
+    }
+    assert!(!all.contains("bootstrap:") && !all.contains("comm 0x0"), "start-up ran before the refusal: {all}");
+}
+
+#[test]
+fn an_agreed_nonfinite_stop_blames_no_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = common::tiny_job(dir.path(), "nan.toml", "[parallel]\ndp = 3");
+    let mut cmd = common::mpirun(3);
+    cmd.arg("train").arg(&job).args(["--set", "train.steps=5", "--set", "optim.warmup_steps=1", "--set", "train.inject_nan_at=[3, 2]"]);
+    let out = common::run(cmd, WATCHDOG);
+    assert!(out.status.is_some(), "hung");
+    let all = out.stdout.clone() + &out.stderr;
+    assert!(all.contains("non-finite loss at step 3 on rank(s) 2 "), "{all}");
+    assert!(!all.contains("blame:"), "a rank was blamed for an agreed stop: {all}");
+}
+
+#[test]
+fn forced_single_copy_reads_are_logged_as_used() {
+    let mut cmd = common::mpirun(2);
+    cmd.env("MESHTRAIN_CMA", "on").env("RUST_LOG", "info").args(["selftest", "--counts", "1"]);
+    let out = common::run(cmd, WATCHDOG);
+    assert!(out.success(), "{}\n{}", out.stdout, out.stderr);
+    let all = out.stdout + &out.stderr;
+    let line = all.lines().find(|l| l.contains("single-copy reads (CMA)")).unwrap_or_else(|| panic!("no CMA line: {all}"));
+    assert!(!line.contains("copy through shared memory") && (line.contains("work and pay") || line.contains("use them anyway")), "{line}");
+}

@@ -144,6 +144,21 @@ pub fn rank_hint() -> Option<usize> {
         .find_map(|k| std::env::var(k).ok().and_then(|v| v.parse().ok()))
 }
 
+/// The number of processes the launcher started (Open MPI's, MPICH's or Slurm's step variables),
+/// before MPI is up: lets a job that cannot fit the world be refused before anything starts. `None`
+/// under a launcher that says nothing (the check then happens after start-up); 1 without any
+/// launcher variable (a world of one).
+pub fn size_hint() -> Option<usize> {
+    let found = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok().and_then(|v| v.trim().parse().ok()));
+    match (found, rank_hint()) {
+        (Some(n), _) => Some(n),
+        (None, None) => Some(1),
+        (None, Some(_)) => None,
+    }
+}
+
 fn boot(rank: usize, msg: impl Into<String>) -> Error {
     Error::Bootstrap { rank, msg: msg.into() }
 }

@@ -261,3 +261,29 @@ fn forced_single_copy_reads_are_logged_as_used() {
     let line = all.lines().find(|l| l.contains("single-copy reads (CMA)")).unwrap_or_else(|| panic!("no CMA line: {all}"));
     assert!(!line.contains("copy through shared memory") && (line.contains("work and pay") || line.contains("use them anyway")), "{line}");
 }
+
+#[test]
+fn a_data_shard_rewritten_under_a_running_job_stops_it_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let shard = d.join("train_000.bin");
+    let tokens: Vec<u16> = (0..300_000u32).map(|i| (i * 31 % 251) as u16).collect();
+    meshtrain::data::write_shard(&shard, &tokens).unwrap();
+    let job = common::tiny_job(d, "shards.toml", "");
+    let text = std::fs::read_to_string(&job).unwrap().replace("\"synthetic\"", &format!("{:?}", d.join("train_*.bin").display().to_string()));
+    std::fs::write(&job, text.replace("\nsteps = 20", "\nsteps = 100000")).unwrap();
+    let metrics = d.join("m.jsonl");
+    let child = common::spawn(alone(&["train", job.to_str().unwrap(), "--metrics", metrics.to_str().unwrap()]));
+    let start = Instant::now();
+    while std::fs::read_to_string(&metrics).unwrap_or_default().lines().count() < 3 {
+        assert!(start.elapsed() < WATCHDOG, "the job never trained");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Overwritten in place, three times larger (the 601 KB -> 1.8 MB).
+    let bigger = std::fs::read(&shard).unwrap().repeat(3);
+    std::fs::write(&shard, bigger).unwrap();
+    let out = common::wait(child, WATCHDOG);
+    let said = out.stdout + &out.stderr;
+    assert_eq!(out.status.and_then(|s| s.code()), Some(1), "{said}");
+    assert!(said.contains(&shard.display().to_string()) && said.contains("bytes since the job opened it"), "{said}");
+}

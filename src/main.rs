@@ -465,6 +465,7 @@ fn with_world(f: impl FnOnce(&World) -> Result<()>) -> Result<()> {
     let world = World::init()?;
     if let Err(e) = f(&world) {
         world.abort_state().raise(&e.to_string());
+        world.remove_dead_peer_regions();
         fail(&e);
     }
     drop(world);

@@ -287,3 +287,29 @@ fn a_data_shard_rewritten_under_a_running_job_stops_it_naming_the_file() {
     assert_eq!(out.status.and_then(|s| s.code()), Some(1), "{said}");
     assert!(said.contains(&shard.display().to_string()) && said.contains("bytes since the job opened it"), "{said}");
 }
+
+#[test]
+fn a_sigkilled_rank_leaves_no_libfabric_shm_region() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = common::tiny_job(dir.path(), "ofi.toml", "[parallel]\ndp = 3");
+    let text = std::fs::read_to_string(&job).unwrap().replace("\nsteps = 20", "\nsteps = 100000");
+    std::fs::write(&job, text).unwrap();
+    let mut cmd = common::mpirun(3);
+    cmd.env("MESHTRAIN_TRANSPORT", "ofi").env("MESHTRAIN_OFI_PROVIDER", "shm").arg("train").arg(&job);
+    let child = common::spawn(cmd);
+    let launcher = child.id();
+    let start = Instant::now();
+    let victim = loop {
+        let ranks = common::rank_pids(launcher);
+        if ranks.len() == 3 && ranks.iter().all(|&(_, pid)| !common::shm_files(&format!("{pid}:")).is_empty()) {
+            break ranks[2].1;
+        }
+        assert!(start.elapsed() < WATCHDOG, "the ranks never opened their libfabric shm regions: {ranks:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    Command::new("kill").args(["-KILL", &victim.to_string()]).status().unwrap();
+    let out = common::wait(child, WATCHDOG);
+    assert!(out.status.is_some(), "hung after a rank was killed");
+    let left = common::shm_files(&format!("{victim}:"));
+    assert!(left.is_empty(), "the killed rank's regions are left in /dev/shm: {left:?}\n{}", out.stderr);
+}

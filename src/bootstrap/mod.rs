@@ -133,6 +133,8 @@ pub struct World {
     connector: Arc<NetConnector>,
     control: Option<Control>,
     comm_cfg: CommConfig,
+    /// Process ids of the other ranks on this node (to free what a killed one left in /dev/shm).
+    node_peer_pids: Vec<u32>,
     mpi_world: mpi::topology::SimpleCommunicator,
     _universe: mpi::environment::Universe,
 }
@@ -204,6 +206,7 @@ struct Network {
     control: Option<Control>,
     nodes: Vec<usize>,
     comm_cfg: CommConfig,
+    node_peer_pids: Vec<u32>,
 }
 
 /// Rank 0 binds first, the unique id travels through MPI, every rank binds and reports to rank 0
@@ -259,12 +262,14 @@ fn start_network(mpi_world: &mpi::topology::SimpleCommunicator, rank: usize, siz
         (Some(ctl), peers)
     };
     let nodes: Vec<usize> = peers.iter().map(|p| p.node).collect();
+    let node_peer_pids =
+        peers.iter().enumerate().filter(|&(r, p)| r != rank && p.pid != 0 && p.node == peers[rank].node).map(|(_, p)| p.pid).collect();
     connector.set_peers(peers)?;
     if rank == 0 {
         let n_nodes = nodes.iter().max().map_or(1, |m| m + 1);
         log::info!("bootstrap: {size} ranks on {n_nodes} node(s), listening on {}", uid.addr);
     }
-    Ok(Network { connector, control, nodes, comm_cfg })
+    Ok(Network { connector, control, nodes, comm_cfg, node_peer_pids })
 }
 
 /// Extra time a member waits for rank 0's table beyond the bootstrap deadline.
@@ -334,6 +339,7 @@ impl World {
             connector: Arc::new(net.connector),
             control: net.control,
             comm_cfg: net.comm_cfg,
+            node_peer_pids: net.node_peer_pids,
             mpi_world,
             _universe: universe,
         })
@@ -354,6 +360,17 @@ impl World {
     /// data through MPI.
     pub fn mpi_for_comparison(&self) -> &mpi::topology::SimpleCommunicator {
         &self.mpi_world
+    }
+
+    /// Frees the libfabric shared-memory regions of ranks on this node whose process is gone
+    /// (killed: a SIGKILLed rank cannot remove its own; 16 MiB of tmpfs each, otherwise never
+    /// freed). Call on the way out of a failed job; a live peer's regions are never touched.
+    pub fn remove_dead_peer_regions(&self) {
+        for &pid in &self.node_peer_pids {
+            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                crate::transport::ofi::remove_shm_regions_of(pid);
+            }
+        }
     }
 
     /// The job-wide abort state (raised by any failing collective on any rank).

@@ -56,7 +56,7 @@ pub const RUNTIME_VARS: &[(&str, &str)] = &[
     ("MESHTRAIN_GPU_DIRECT", "auto, on or off (on needs libfabric links: MESHTRAIN_TRANSPORT=ofi, or auto with a fabric NIC)"),
     ("MESHTRAIN_OFI_PROVIDER", "a libfabric provider name, e.g. cxi, verbs, tcp or shm (else FI_PROVIDER)"),
     ("MESHTRAIN_OFI_PROFILE", "frontier"),
-    ("MESHTRAIN_FAULT", "test only: stall-bootstrap@RANK"),
+    ("MESHTRAIN_FAULT", "test only: stall-bootstrap@RANK or slow-step@RANK:MS"),
 ];
 
 /// Variables read outside the runtime: by the emu and HIP devices, the plots, build and test
@@ -366,14 +366,45 @@ pub fn bootstrap_timeout() -> Result<Duration> {
     Ok(secs.unwrap_or(DEFAULT_BOOTSTRAP_TIMEOUT))
 }
 
-/// Test-only fault injection: `MESHTRAIN_FAULT=stall-bootstrap@RANK` makes world rank RANK stop
-/// before its hello to rank 0 (as a stopped or wedged process would), so that the start-up
-/// deadline and its message can be tested with real processes.
+/// A test-only fault (`MESHTRAIN_FAULT`), so that failure handling can be tested with real
+/// processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// `stall-bootstrap@RANK`: world rank RANK stops before its hello to rank 0 (as a stopped or
+    /// wedged process would).
+    StallBootstrap(usize),
+    /// `slow-step@RANK:MS`: world rank RANK works MS milliseconds longer in every training step
+    /// (a straggler).
+    SlowStep(usize, u64),
+}
+
+fn parse_fault(v: &str) -> std::result::Result<Fault, String> {
+    let bad = || format!("`{v}` is not {}", accepted("MESHTRAIN_FAULT"));
+    if let Some(r) = v.strip_prefix("stall-bootstrap@") {
+        return r.parse().map(Fault::StallBootstrap).map_err(|_| bad());
+    }
+    let (r, ms) = v.strip_prefix("slow-step@").and_then(|x| x.split_once(':')).ok_or_else(bad)?;
+    Ok(Fault::SlowStep(r.parse().map_err(|_| bad())?, ms.parse().map_err(|_| bad())?))
+}
+
+/// `MESHTRAIN_FAULT`.
+pub fn fault() -> Result<Option<Fault>> {
+    parsed("MESHTRAIN_FAULT", parse_fault)
+}
+
+/// The rank `MESHTRAIN_FAULT=stall-bootstrap@RANK` stalls, if any.
 pub fn stalled_bootstrap_rank() -> Result<Option<usize>> {
-    parsed("MESHTRAIN_FAULT", |v| {
-        v.strip_prefix("stall-bootstrap@")
-            .and_then(|r| r.parse().ok())
-            .ok_or_else(|| format!("`{v}` is not {}", accepted("MESHTRAIN_FAULT")))
+    Ok(match fault()? {
+        Some(Fault::StallBootstrap(r)) => Some(r),
+        _ => None,
+    })
+}
+
+/// The extra milliseconds `MESHTRAIN_FAULT=slow-step@RANK:MS` gives each step of `rank`, if any.
+pub fn slow_step_ms(rank: usize) -> Result<Option<u64>> {
+    Ok(match fault()? {
+        Some(Fault::SlowStep(r, ms)) if r == rank => Some(ms),
+        _ => None,
     })
 }
 
@@ -484,6 +515,15 @@ mod tests {
         for bad in ["inf", "1e400", "-1", "0", "nan", "1e20", "soon", ""] {
             let err = seconds(bad).unwrap_err();
             assert!(err.contains(&format!("`{bad}`")) && err.contains("expected seconds > 0, at most 1e9"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn faults_parse_and_others_are_refused() {
+        assert_eq!(parse_fault("stall-bootstrap@2"), Ok(Fault::StallBootstrap(2)));
+        assert_eq!(parse_fault("slow-step@1:40"), Ok(Fault::SlowStep(1, 40)));
+        for bad in ["slow-step@1", "slow-step@x:4", "stall@1", ""] {
+            assert!(parse_fault(bad).unwrap_err().contains("slow-step@RANK:MS"), "{bad}");
         }
     }
 

@@ -318,3 +318,29 @@ fn a_sigkilled_rank_leaves_no_libfabric_shm_region() {
     let left = common::shm_files(&format!("{victim}:"));
     assert!(left.is_empty(), "the killed rank's regions are left in /dev/shm: {left:?}\n{}", out.stderr);
 }
+
+#[test]
+fn a_slow_but_alive_rank_is_named_with_its_lag_and_the_run_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = common::tiny_job(dir.path(), "slow.toml", "[parallel]\ndp = 3");
+    let metrics = dir.path().join("m.jsonl");
+    let mut cmd = common::mpirun(3);
+    cmd.env("MESHTRAIN_FAULT", "slow-step@2:40").arg("train").arg(&job).arg("--metrics").arg(&metrics);
+    cmd.args(["--set", "train.steps=30", "--set", "train.log_every=10"]);
+    let out = common::run(cmd, WATCHDOG);
+    let all = out.stdout.clone() + &out.stderr;
+    assert!(out.success() && all.contains("# done: 30 steps"), "{all}");
+    let named: Vec<&str> = all.lines().filter(|l| l.contains("# straggler at step")).collect();
+    assert_eq!(named.len(), 3, "one report per 10 steps: {all}");
+    assert!(named.iter().all(|l| l.contains("rank 2 works")), "{named:?}");
+    let reports: Vec<(u64, f64)> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v.get("straggler_rank").is_some())
+        .map(|v| (v["straggler_rank"].as_u64().unwrap(), v["straggler_lag_s"].as_f64().unwrap()))
+        .collect();
+    assert_eq!(reports.len(), 3, "{reports:?}");
+    // The injected 40 ms, less what the other ranks' own work varies by.
+    assert!(reports.iter().all(|&(r, lag)| r == 2 && (0.02..0.1).contains(&lag)), "{reports:?}");
+}

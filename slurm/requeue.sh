@@ -22,7 +22,9 @@ train_requeue() {
   fi
   STOP_REQUESTED=0
   trap 'STOP_REQUESTED=1; echo "requeue: SIGUSR1, stopping after the current step"; kill -USR1 "$SRUN_PID" 2>/dev/null' USR1
-  srun "${srun_opts[@]}" "${BIN:?set BIN to the meshtrain binary}" train "$job" \
+  # --kill-on-bad-exit: a rank that fails (or dies during start-up) ends the whole step at once
+  # instead of leaving the others waiting in MPI (options in SRUN_ARGS come later and win).
+  srun --kill-on-bad-exit=1 "${srun_opts[@]}" "${BIN:?set BIN to the meshtrain binary}" train "$job" \
     --set train.steps="$steps" --set checkpoint.dir="\"$ckpt\"" "${resume[@]}" "${train_opts[@]}" \
     --metrics "$metrics-${SLURM_RESTART_COUNT:-0}.jsonl" &
   SRUN_PID=$!

@@ -376,13 +376,19 @@ struct FileConfig {
 impl JobConfig {
     /// Reads the TOML file at `path`, applies `sets` (`section.key=value`) and `MESHTRAIN_*`
     /// environment overrides, and validates the result.
+    /// A job file that cannot be read or parsed is a configuration error too (exit status 2, like
+    /// every other bad configuration).
     pub fn load(path: &Path, sets: &[String]) -> Result<JobConfig> {
+        let job_file = |e: Error| match e {
+            Error::Io { .. } | Error::File { .. } => Error::config("job file", e.to_string()),
+            other => other,
+        };
         let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::io(format!("read config {}", path.display()), e))?;
+            .map_err(|e| job_file(Error::io(format!("read config {}", path.display()), e)))?;
         let env: Vec<(String, String)> = std::env::vars()
             .filter(|(k, _)| k.starts_with(overrides::ENV_PREFIX))
             .collect();
-        Self::from_sources(&text, path, sets, &env)
+        Self::from_sources(&text, path, sets, &env).map_err(job_file)
     }
 
     /// Parses `text` as the file and applies `sets`; the process environment is not consulted.

@@ -40,8 +40,8 @@ pub const RUNTIME_VARS: &[(&str, &str)] = &[
     ("MESHTRAIN_TRANSPORT", "auto, shm, tcp, ofi or shm+ofi (any case)"),
     ("MESHTRAIN_BIND_ADDR", "an IP address of this host, or 0.0.0.0"),
     ("MESHTRAIN_SOCKET_IFNAME", "the name of an interface with an IPv4 address"),
-    ("MESHTRAIN_TIMEOUT", "seconds > 0"),
-    ("MESHTRAIN_BOOTSTRAP_TIMEOUT", "seconds > 0"),
+    ("MESHTRAIN_TIMEOUT", "seconds > 0, at most 1e9"),
+    ("MESHTRAIN_BOOTSTRAP_TIMEOUT", "seconds > 0, at most 1e9"),
     ("MESHTRAIN_ALGO", "auto, ring or direct"),
     ("MESHTRAIN_CMA", "auto, on (1) or off (0)"),
     ("MESHTRAIN_SMALL_BYTES", "bytes > 0"),
@@ -56,7 +56,7 @@ pub const RUNTIME_VARS: &[(&str, &str)] = &[
     ("MESHTRAIN_GPU_DIRECT", "auto, on or off (on needs libfabric links: MESHTRAIN_TRANSPORT=ofi, or auto with a fabric NIC)"),
     ("MESHTRAIN_OFI_PROVIDER", "a libfabric provider name, e.g. cxi, verbs, tcp or shm (else FI_PROVIDER)"),
     ("MESHTRAIN_OFI_PROFILE", "frontier"),
-    ("MESHTRAIN_FAULT", "test only: stall-bootstrap@RANK"),
+    ("MESHTRAIN_FAULT", "test only: stall-bootstrap@RANK or slow-step@RANK:MS"),
 ];
 
 /// Variables read outside the runtime: by the emu and HIP devices, the plots, build and test
@@ -77,7 +77,7 @@ pub const TOOL_VARS: &[&str] = &[
 ];
 
 /// Default bound on the start-up exchange with rank 0 (`MESHTRAIN_BOOTSTRAP_TIMEOUT`).
-const DEFAULT_BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(120);
+pub const DEFAULT_BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The value of `key`; unset and empty are both `None`.
 fn var(key: &str) -> Option<String> {
@@ -226,11 +226,23 @@ pub enum GpuIpc {
     Off,
 }
 
+/// The largest deadline accepted, in seconds (about 31 years): every deadline is added to an
+/// `Instant`, which must not overflow.
+const MAX_DEADLINE_S: f64 = 1e9;
+
+/// A deadline in seconds: finite, > 0 and at most [`MAX_DEADLINE_S`] (`inf` or `1e400` are refused
+/// with that message, never a panic).
+fn seconds(v: &str) -> std::result::Result<Duration, String> {
+    let s = v.trim().parse::<f64>().map_err(|_| format!("`{v}` is not a number of seconds (expected seconds > 0, at most 1e9)"))?;
+    if !(s > 0.0 && s <= MAX_DEADLINE_S) {
+        return Err(format!("`{v}` is out of range (expected seconds > 0, at most 1e9)"));
+    }
+    Duration::try_from_secs_f64(s).map_err(|e| format!("`{v}`: {e}"))
+}
+
 /// `MESHTRAIN_TIMEOUT`: the deadline of one collective, seconds > 0.
 pub fn timeout() -> Result<Option<Duration>> {
-    parsed("MESHTRAIN_TIMEOUT", |v| {
-        positive(v).and_then(|s| Duration::try_from_secs_f64(s).map_err(|_| format!("`{v}` is not a positive number")))
-    })
+    parsed("MESHTRAIN_TIMEOUT", seconds)
 }
 
 /// `MESHTRAIN_ALGO`.
@@ -350,24 +362,49 @@ pub fn socket_ifname() -> Option<String> {
 /// How long the start-up exchange with rank 0 may take (`MESHTRAIN_BOOTSTRAP_TIMEOUT` seconds,
 /// default 120).
 pub fn bootstrap_timeout() -> Result<Duration> {
-    let secs = parsed("MESHTRAIN_BOOTSTRAP_TIMEOUT", |v| {
-        v.parse::<f64>()
-            .ok()
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .and_then(|s| Duration::try_from_secs_f64(s).ok())
-            .ok_or_else(|| format!("`{v}` is not a positive number of seconds"))
-    })?;
+    let secs = parsed("MESHTRAIN_BOOTSTRAP_TIMEOUT", seconds)?;
     Ok(secs.unwrap_or(DEFAULT_BOOTSTRAP_TIMEOUT))
 }
 
-/// Test-only fault injection: `MESHTRAIN_FAULT=stall-bootstrap@RANK` makes world rank RANK stop
-/// before its hello to rank 0 (as a stopped or wedged process would), so that the start-up
-/// deadline and its message can be tested with real processes.
+/// A test-only fault (`MESHTRAIN_FAULT`), so that failure handling can be tested with real
+/// processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// `stall-bootstrap@RANK`: world rank RANK stops before its hello to rank 0 (as a stopped or
+    /// wedged process would).
+    StallBootstrap(usize),
+    /// `slow-step@RANK:MS`: world rank RANK works MS milliseconds longer in every training step
+    /// (a straggler).
+    SlowStep(usize, u64),
+}
+
+fn parse_fault(v: &str) -> std::result::Result<Fault, String> {
+    let bad = || format!("`{v}` is not {}", accepted("MESHTRAIN_FAULT"));
+    if let Some(r) = v.strip_prefix("stall-bootstrap@") {
+        return r.parse().map(Fault::StallBootstrap).map_err(|_| bad());
+    }
+    let (r, ms) = v.strip_prefix("slow-step@").and_then(|x| x.split_once(':')).ok_or_else(bad)?;
+    Ok(Fault::SlowStep(r.parse().map_err(|_| bad())?, ms.parse().map_err(|_| bad())?))
+}
+
+/// `MESHTRAIN_FAULT`.
+pub fn fault() -> Result<Option<Fault>> {
+    parsed("MESHTRAIN_FAULT", parse_fault)
+}
+
+/// The rank `MESHTRAIN_FAULT=stall-bootstrap@RANK` stalls, if any.
 pub fn stalled_bootstrap_rank() -> Result<Option<usize>> {
-    parsed("MESHTRAIN_FAULT", |v| {
-        v.strip_prefix("stall-bootstrap@")
-            .and_then(|r| r.parse().ok())
-            .ok_or_else(|| format!("`{v}` is not {}", accepted("MESHTRAIN_FAULT")))
+    Ok(match fault()? {
+        Some(Fault::StallBootstrap(r)) => Some(r),
+        _ => None,
+    })
+}
+
+/// The extra milliseconds `MESHTRAIN_FAULT=slow-step@RANK:MS` gives each step of `rank`, if any.
+pub fn slow_step_ms(rank: usize) -> Result<Option<u64>> {
+    Ok(match fault()? {
+        Some(Fault::SlowStep(r, ms)) if r == rank => Some(ms),
+        _ => None,
     })
 }
 
@@ -469,6 +506,25 @@ mod tests {
         assert_eq!(GpuDirect::parse(Some("off")).unwrap(), GpuDirect::Off);
         let err = GpuDirect::parse(Some("yes")).unwrap_err().to_string();
         assert!(err.contains("MESHTRAIN_GPU_DIRECT") && err.contains("`yes` is not auto, on or off"), "{err}");
+    }
+
+    #[test]
+    fn deadlines_are_finite_positive_seconds_and_never_panic() {
+        assert_eq!(seconds("2.5"), Ok(Duration::from_millis(2500)));
+        assert_eq!(seconds("1e9"), Ok(Duration::from_secs(1_000_000_000)));
+        for bad in ["inf", "1e400", "-1", "0", "nan", "1e20", "soon", ""] {
+            let err = seconds(bad).unwrap_err();
+            assert!(err.contains(&format!("`{bad}`")) && err.contains("expected seconds > 0, at most 1e9"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn faults_parse_and_others_are_refused() {
+        assert_eq!(parse_fault("stall-bootstrap@2"), Ok(Fault::StallBootstrap(2)));
+        assert_eq!(parse_fault("slow-step@1:40"), Ok(Fault::SlowStep(1, 40)));
+        for bad in ["slow-step@1", "slow-step@x:4", "stall@1", ""] {
+            assert!(parse_fault(bad).unwrap_err().contains("slow-step@RANK:MS"), "{bad}");
+        }
     }
 
     #[test]

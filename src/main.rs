@@ -465,6 +465,7 @@ fn with_world(f: impl FnOnce(&World) -> Result<()>) -> Result<()> {
     let world = World::init()?;
     if let Err(e) = f(&world) {
         world.abort_state().raise(&e.to_string());
+        world.remove_dead_peer_regions();
         fail(&e);
     }
     drop(world);
@@ -506,7 +507,12 @@ fn main() {
         Command::Bench(args) if args.what == "device-sendrecv" => with_world(|w| bench_device_p2p(w, args)),
         Command::Bench(args) => with_world(|w| bench(w, args)),
         Command::Train(args) => {
-            let cfg = JobConfig::load(&args.job, &args.sets);
+            // A layout that cannot fit the launched world is refused before MPI and the
+            // transports start.
+            let cfg = JobConfig::load(&args.job, &args.sets).and_then(|cfg| match meshtrain::bootstrap::size_hint() {
+                Some(n) => cfg.validate_world(n).map(|()| cfg),
+                None => Ok(cfg),
+            });
             match cfg {
                 Ok(cfg) => with_world(|w| {
                     train::train(w, &cfg, &TrainOptions { metrics: args.metrics.clone() }).map(|_| ())

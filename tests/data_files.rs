@@ -47,11 +47,41 @@ fn shard_round_trips_and_leaves_no_temp_file() {
         window,
         tokens[10..15].iter().map(|&t| t as u32).collect::<Vec<_>>()
     );
-    // Truncated under the open shard (a mapped file would raise SIGBUS here): an error naming it.
+    // Truncated under the open shard (a mapped file would raise SIGBUS here): an error naming it,
+    // even for tokens the shorter file still holds.
     std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len((HEADER_BYTES + 200) as u64).unwrap();
-    shard.read(10, &mut window).unwrap();
-    let err = shard.read(500, &mut window).unwrap_err().to_string();
-    assert!(err.contains(&path.display().to_string()) && err.contains("truncated"), "{err}");
+    for start in [10, 500] {
+        let err = shard.read(start, &mut window).unwrap_err().to_string();
+        assert!(err.contains(&path.display().to_string()) && err.contains(&format!("changed from {} to {} bytes", HEADER_BYTES + 2000, HEADER_BYTES + 200)), "{err}");
+    }
+}
+
+#[test]
+fn a_shard_rewritten_or_replaced_under_an_open_dataset_is_refused_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("a.bin");
+    let tokens: Vec<u16> = (0..1000u32).map(|i| (i % 256) as u16).collect();
+    let mut window = vec![0u32; 5];
+    // Rewritten in place, larger (the same inode).
+    write_shard(&path, &tokens).unwrap();
+    let shard = Shard::open(&path, 256).unwrap();
+    let bigger = std::fs::read(&path).unwrap().repeat(3);
+    std::fs::write(&path, &bigger).unwrap();
+    let err = shard.read(0, &mut window).unwrap_err().to_string();
+    assert!(err.contains(&path.display().to_string()) && err.contains("bytes since the job opened it"), "{err}");
+    // Rewritten in place at the same size: the modification time tells.
+    write_shard(&path, &tokens).unwrap();
+    let shard = Shard::open(&path, 256).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    patch(&path, HEADER_BYTES as u64, &[9, 0]);
+    let err = shard.read(0, &mut window).unwrap_err().to_string();
+    assert!(err.contains("was modified since the job opened it"), "{err}");
+    // Replaced by a rename (write_shard's way): the open file is intact, but the path names another.
+    write_shard(&path, &tokens).unwrap();
+    let shard = Shard::open(&path, 256).unwrap();
+    write_shard(&path, &tokens).unwrap();
+    let err = shard.read(0, &mut window).unwrap_err().to_string();
+    assert!(err.contains("was replaced by another file"), "{err}");
 }
 
 #[test]

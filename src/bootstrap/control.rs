@@ -246,6 +246,12 @@ impl Control {
                     return;
                 }
                 Ok(other) => log::warn!("control: unexpected message from rank {r}: {other:?}"),
+                Err(e) if abort.is_set() => {
+                    // The job is already ending (an agreed stop or an abort with its own reason):
+                    // ranks leaving now are not to blame.
+                    log::debug!("control: rank {r} left after the job-wide abort: {e}");
+                    return;
+                }
                 Err(e) => {
                     let reason =
                         format!("blame: rank {r}: died or left without finishing (its control connection closed: {e})");

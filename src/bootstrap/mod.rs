@@ -1,6 +1,14 @@
 //! Bootstrap: MPI discovers the ranks and carries one broadcast of the unique id; everything after
 //! that is meshtrain's own.
 //!
+//! MPI's own listeners: [`mpi_defaults`] sets MCA defaults before `MPI_Init` (shared memory only
+//! when the whole job is on one node) so that MPI opens no TCP listener on the wildcard address.
+//!
+//! Failure: start-up, `MPI_Init` included, runs under a watchdog thread ([`watchdog`]) that ends
+//! the rank with a message naming the phase (exit status 3) when a phase takes longer than
+//! `MESHTRAIN_BOOTSTRAP_TIMEOUT`: a rank that died before `MPI_Init` under a launcher that does not
+//! end the job can no longer leave the others in MPI forever.
+//!
 //! Failure: the runtime `MESHTRAIN_*` variables are checked ([`preflight`]) before MPI carries
 //! anything,
 //! and any failure of the bootstrap prints the error prefixed by the rank and ends the whole job
@@ -21,6 +29,8 @@
 mod control;
 pub mod preflight;
 mod ifaddr;
+mod mpi_defaults;
+mod watchdog;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
@@ -34,6 +44,7 @@ use crate::transport::net::{NetConfig, NetConnector, PeerInfo};
 use crate::transport::{AbortState, Connector, Waiter};
 
 use control::{Control, Hello};
+use watchdog::Watchdog;
 
 /// Communicator id reserved for the control channel.
 const CONTROL_COMM: u64 = u64::MAX;
@@ -122,6 +133,8 @@ pub struct World {
     connector: Arc<NetConnector>,
     control: Option<Control>,
     comm_cfg: CommConfig,
+    /// Process ids of the other ranks on this node (to free what a killed one left in /dev/shm).
+    node_peer_pids: Vec<u32>,
     mpi_world: mpi::topology::SimpleCommunicator,
     _universe: mpi::environment::Universe,
 }
@@ -131,6 +144,21 @@ pub fn rank_hint() -> Option<usize> {
     ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"]
         .iter()
         .find_map(|k| std::env::var(k).ok().and_then(|v| v.parse().ok()))
+}
+
+/// The number of processes the launcher started (Open MPI's, MPICH's or Slurm's step variables),
+/// before MPI is up: lets a job that cannot fit the world be refused before anything starts. `None`
+/// under a launcher that says nothing (the check then happens after start-up); 1 without any
+/// launcher variable (a world of one).
+pub fn size_hint() -> Option<usize> {
+    let found = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok().and_then(|v| v.trim().parse().ok()));
+    match (found, rank_hint()) {
+        (Some(n), _) => Some(n),
+        (None, None) => Some(1),
+        (None, Some(_)) => None,
+    }
 }
 
 fn boot(rank: usize, msg: impl Into<String>) -> Error {
@@ -178,11 +206,12 @@ struct Network {
     control: Option<Control>,
     nodes: Vec<usize>,
     comm_cfg: CommConfig,
+    node_peer_pids: Vec<u32>,
 }
 
 /// Rank 0 binds first, the unique id travels through MPI, every rank binds and reports to rank 0
 /// over the control channel, which answers with the table of all ranks.
-fn start_network(mpi_world: &mpi::topology::SimpleCommunicator, rank: usize, size: usize, single_node: bool) -> Result<Network> {
+fn start_network(mpi_world: &mpi::topology::SimpleCommunicator, rank: usize, size: usize, single_node: bool, watch: &Watchdog) -> Result<Network> {
     let comm_cfg = CommConfig::from_env()?;
     let boot_timeout = env::bootstrap_timeout()?;
     let abort = Arc::new(AbortState::default());
@@ -198,7 +227,11 @@ fn start_network(mpi_world: &mpi::topology::SimpleCommunicator, rank: usize, siz
         uid_bytes = UniqueId { addr: c.local_addr(), secret }.to_bytes();
         root_connector = Some(c);
     }
+    watch.phase("unique-id broadcast (MPI_Bcast)", boot_timeout, Some(rank));
     mpi_world.process_at_rank(0).broadcast_into(&mut uid_bytes[..]);
+    // The control channel's own deadlines name the rank that stalled: the watchdog only backs
+    // them up.
+    watch.phase("control channel", 2 * (boot_timeout + MEMBER_GRACE), Some(rank));
     let uid = UniqueId::from_bytes(&uid_bytes)?;
     let connector = match root_connector {
         Some(c) => c,
@@ -229,23 +262,29 @@ fn start_network(mpi_world: &mpi::topology::SimpleCommunicator, rank: usize, siz
         (Some(ctl), peers)
     };
     let nodes: Vec<usize> = peers.iter().map(|p| p.node).collect();
+    let node_peer_pids =
+        peers.iter().enumerate().filter(|&(r, p)| r != rank && p.pid != 0 && p.node == peers[rank].node).map(|(_, p)| p.pid).collect();
     connector.set_peers(peers)?;
     if rank == 0 {
         let n_nodes = nodes.iter().max().map_or(1, |m| m + 1);
         log::info!("bootstrap: {size} ranks on {n_nodes} node(s), listening on {}", uid.addr);
     }
-    Ok(Network { connector, control, nodes, comm_cfg })
+    Ok(Network { connector, control, nodes, comm_cfg, node_peer_pids })
 }
 
 /// Extra time a member waits for rank 0's table beyond the bootstrap deadline.
 const MEMBER_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// How long `MPI_Abort` may take before the watchdog ends this rank itself.
+const MPI_ABORT_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Prints `e` prefixed by the rank and aborts the whole MPI job (exit status: the error's, e.g. 2
 /// for a bad variable): after `MPI_Init`, returning an error would leave this rank in
 /// `MPI_Finalize` and the others in the unique-id broadcast forever.
-fn abort_job(mpi_world: &mpi::topology::SimpleCommunicator, rank: usize, e: &Error) -> ! {
+fn abort_job(mpi_world: &mpi::topology::SimpleCommunicator, rank: usize, e: &Error, watch: &Watchdog) -> ! {
     use std::io::Write as _;
     let _ = std::io::stderr().write_all(format!("meshtrain: error: rank {rank}: {e}\n").as_bytes());
+    watch.phase("MPI_Abort", MPI_ABORT_LIMIT, Some(rank));
     mpi_world.abort(e.exit_code().max(1))
 }
 
@@ -259,23 +298,34 @@ impl World {
         // Checked before MPI_Init; the site profile is applied then too, because MPI's own
         // libfabric reads the FI_* variables it sets.
         let checked = preflight::validate_runtime_env().and_then(|()| crate::transport::ofi::apply_site_profile());
+        // MPI_Init itself waits for every rank of the job: a rank that died first would leave
+        // this one there forever, so the start-up deadline covers it (a bad value of the variable
+        // is reported after MPI_Init below; the default bounds the wait until then).
+        let limit = env::bootstrap_timeout().unwrap_or(env::DEFAULT_BOOTSTRAP_TIMEOUT);
+        let mpi_set = mpi_defaults::apply();
+        let watch = Watchdog::start("MPI_Init", limit, rank_hint());
         let universe = mpi::initialize().ok_or_else(|| boot(0, "MPI was already initialized"))?;
         let mpi_world = universe.world();
         let (rank, size) = (mpi_world.rank() as usize, mpi_world.size() as usize);
         let profile = match checked {
             Ok(profile) => profile,
-            Err(e) => abort_job(&mpi_world, rank, &e),
+            Err(e) => abort_job(&mpi_world, rank, &e, &watch),
         };
+        watch.phase("node split (MPI_Comm_split_type)", limit, Some(rank));
         let local = mpi_world.split_shared(mpi_world.rank());
         let (local_rank, local_size) = (local.rank() as usize, local.size() as usize);
         let launch = LaunchInfo::from_env();
         if let Some(p) = launch.slurm_procid.filter(|&p| p != rank) {
             log::warn!("SLURM_PROCID={p} but MPI says rank {rank}: using MPI's rank");
         }
-        let net = match start_network(&mpi_world, rank, size, local_size == size) {
+        let net = match start_network(&mpi_world, rank, size, local_size == size, &watch) {
             Ok(n) => n,
-            Err(e) => abort_job(&mpi_world, rank, &e),
+            Err(e) => abort_job(&mpi_world, rank, &e, &watch),
         };
+        watch.finish();
+        if rank == 0 && !mpi_set.is_empty() {
+            log::info!("bootstrap: MPI defaults (MCA, unset by the user): {}", mpi_set.join(" "));
+        }
         if rank == 0 && !profile.is_empty() {
             log::info!("bootstrap: MESHTRAIN_OFI_PROFILE set {}", profile.join(" "));
         }
@@ -289,6 +339,7 @@ impl World {
             connector: Arc::new(net.connector),
             control: net.control,
             comm_cfg: net.comm_cfg,
+            node_peer_pids: net.node_peer_pids,
             mpi_world,
             _universe: universe,
         })
@@ -309,6 +360,17 @@ impl World {
     /// data through MPI.
     pub fn mpi_for_comparison(&self) -> &mpi::topology::SimpleCommunicator {
         &self.mpi_world
+    }
+
+    /// Frees the libfabric shared-memory regions of ranks on this node whose process is gone
+    /// (killed: a SIGKILLed rank cannot remove its own; 16 MiB of tmpfs each, otherwise never
+    /// freed). Call on the way out of a failed job; a live peer's regions are never touched.
+    pub fn remove_dead_peer_regions(&self) {
+        for &pid in &self.node_peer_pids {
+            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                crate::transport::ofi::remove_shm_regions_of(pid);
+            }
+        }
     }
 
     /// The job-wide abort state (raised by any failing collective on any rank).

@@ -5,6 +5,7 @@
 //!
 //! ```text
 //! DIR/latest                       "step_00001000\n", replaced atomically (temp + rename)
+//! DIR/meshtrain.lock               the job holding the directory (flock; "job= host= pid= since=")
 //! DIR/step_00001000/rank_00000.h5  the slices rank 0 owns, each a dataset at its local shape
 //! DIR/step_00001000/rank_00003.h5  (ranks that own nothing write no file)
 //! DIR/step_00001000/checkpoint.h5  the index, written last: one virtual dataset per tensor
@@ -46,6 +47,7 @@ mod export;
 mod h5;
 mod index;
 mod inspect;
+mod lock;
 mod meta;
 mod save;
 #[cfg(test)]
@@ -57,6 +59,7 @@ pub use boxes::{flat_range_boxes, flat_range_slices, load_flat_range, ShardSlice
 pub use export::{export, read_exported, ExportedTensor, EXPORT_FORMAT};
 pub use index::{load_slice, open, CheckpointIndex};
 pub use inspect::{inspect, InspectReport, TensorStats};
+pub use lock::{lock_for_job, DirLock, LOCK_FILE};
 pub use meta::{CkptMeta, OptimizerMeta, ShardRecord, TensorRecord};
 pub use save::save;
 

@@ -15,6 +15,10 @@
 //!
 //! A slice holding a NaN or infinity fails the save the same way (nothing non-finite is written).
 //!
+//! Rank 0 holds the directory's lock ([`super::lock`]) during the save (a training run holds it
+//! for the whole job), so a directory used by another job refuses the save, and the temporaries
+//! it prunes are provably left by processes that are gone.
+//!
 //! A crash before the rename leaves only a `*.tmp-*` directory, which no reader accepts; a crash
 //! after it leaves a complete checkpoint that `latest` may not name yet. Either way the previous
 //! checkpoint stays loadable.
@@ -28,6 +32,7 @@ use crate::checkpoint::agree::{broadcast_from, gather_all};
 use crate::checkpoint::boxes::ShardSlice;
 use crate::checkpoint::tiles;
 use crate::checkpoint::h5::{self, file_err};
+use crate::checkpoint::lock::{held_here, DirLock};
 use crate::checkpoint::meta::{
     check_name, check_tiling, inside, volume, CkptMeta, FileRecord, ShardRecord, TensorRecord,
 };
@@ -122,8 +127,14 @@ pub fn save(
     keep: usize,
 ) -> Result<PathBuf> {
     let root = comm.rank() == 0;
+    // Rank 0 holds the directory's lock for the whole save (re-entrant: a training run already
+    // holds it); a directory held by another job refuses the save on every rank.
+    let mut _lock = None;
     let prep = if root {
-        Some(outcome_of(prepare(dir, step)))
+        Some(outcome_of(DirLock::acquire(dir).and_then(|l| {
+            _lock = Some(l);
+            prepare(dir, step)
+        })))
     } else {
         None
     };
@@ -433,8 +444,11 @@ fn remove_dir_logged(path: &Path) {
 }
 
 /// Deletes complete checkpoints beyond the newest `keep` (never `current`) and stale temporaries.
-/// Failures are logged: the new checkpoint is already safe.
+/// Temporaries are touched only while this process holds the directory's lock: every writer holds
+/// it while it writes, so they are left by processes that are gone. Failures are logged: the new
+/// checkpoint is already safe.
 fn prune(dir: &Path, current: &str, keep: usize) {
+    let dead_leftovers = held_here(dir);
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
         Err(e) => return log::warn!("prune {}: {e}", dir.display()),
@@ -445,7 +459,11 @@ fn prune(dir: &Path, current: &str, keep: usize) {
         .filter_map(|e| e.file_name().into_string().ok())
     {
         let path = dir.join(&name);
-        if name.starts_with("step_") && name.contains(".tmp-") {
+        let temporary = name.contains(".tmp-");
+        if temporary && !dead_leftovers {
+            continue;
+        }
+        if name.starts_with("step_") && temporary {
             log::warn!("removing {}: left by a save that did not finish", path.display());
             remove_dir_logged(&path);
         } else if name.starts_with(&format!("{LATEST_FILE}.tmp-")) {

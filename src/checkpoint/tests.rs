@@ -366,7 +366,7 @@ fn crashes_leave_the_previous_checkpoint_loadable() {
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     names.sort();
-    assert_eq!(names, vec!["latest", "step_00000003", "step_00000004"]);
+    assert_eq!(names, vec!["latest", "meshtrain.lock", "step_00000003", "step_00000004"]);
 }
 
 /// A 1 MiB tmpfs mounted for the test, unmounted on drop.

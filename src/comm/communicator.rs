@@ -446,6 +446,10 @@ impl Communicator {
         let id = self.id;
         match found {
             Reads::Pay => log::info!("comm {id:#x}: single-copy reads (CMA) work and pay; large collectives use them"),
+            Reads::Slow(why) if self.cfg.cma == Cma::On => log::info!(
+                "comm {id:#x}: single-copy reads (CMA) work but measured slower than copies; MESHTRAIN_CMA=on: \
+                 collectives use them anyway: {why}"
+            ),
             Reads::Slow(why) => log::info!(
                 "comm {id:#x}: single-copy reads (CMA) work but do not pay, collectives copy through shared \
                  memory (MESHTRAIN_CMA=on forces reads): {why}"

@@ -4,12 +4,14 @@
 //! `header[1] = SHARD_VERSION`, `header[2] = token count`, the rest zero; then `count` little-endian
 //! `u16` token ids. Invariants established by [`Shard::open`] and relied on by every reader: the file
 //! is exactly `1024 + 2 * count` bytes and every token id is below the model's vocabulary size, so a
-//! window read from an open shard needs no checking again, except that the file may have been
-//! truncated since (then the read fails naming the file, see [`Shard`]).
+//! window read from an open shard needs no checking again, except that the file may have changed
+//! since: every read first checks that the open file still has its size and modification time and
+//! that the path still names it (not a file renamed over it), and fails naming the file otherwise
+//! (a shard rewritten in place under a running job used to be read silently).
 
 use std::fs::File;
 use std::io::Write;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
@@ -36,6 +38,23 @@ pub struct Shard {
     file: File,
     /// Tokens; the file was `HEADER_BYTES + 2 * count` bytes when opened.
     count: usize,
+    /// What the file was when opened.
+    ident: Ident,
+}
+
+/// What identifies a file's contents cheaply: size, modification time, device and inode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Ident {
+    len: u64,
+    mtime: (i64, i64),
+    dev: u64,
+    ino: u64,
+}
+
+impl Ident {
+    fn of(m: &std::fs::Metadata) -> Ident {
+        Ident { len: m.len(), mtime: (m.mtime(), m.mtime_nsec()), dev: m.dev(), ino: m.ino() }
+    }
 }
 
 impl Shard {
@@ -43,10 +62,10 @@ impl Shard {
     pub fn open(path: &Path, vocab_size: usize) -> Result<Shard> {
         let file =
             File::open(path).map_err(|e| Error::io(format!("open shard {}", path.display()), e))?;
-        let len = file
-            .metadata()
-            .map_err(|e| Error::io(format!("stat shard {}", path.display()), e))?
-            .len();
+        let ident = Ident::of(
+            &file.metadata().map_err(|e| Error::io(format!("stat shard {}", path.display()), e))?,
+        );
+        let len = ident.len;
         let header = read_header(path, &file, len)?;
         if header[0] != SHARD_MAGIC {
             return Err(Error::file(
@@ -81,7 +100,7 @@ impl Shard {
                 format!("file is {len} bytes but the header's {count} tokens need {expected}"),
             ));
         }
-        let shard = Shard { path: path.to_path_buf(), file, count };
+        let shard = Shard { path: path.to_path_buf(), file, count, ident };
         let mut chunk = vec![0u32; SCAN_BYTES / 2];
         for start in (0..count).step_by(chunk.len()) {
             let n = chunk.len().min(count - start);
@@ -131,6 +150,7 @@ impl Shard {
                 self.count
             )));
         }
+        self.check_unchanged()?;
         let at = (HEADER_BYTES + 2 * start) as u64;
         let mut bytes = vec![0u8; 2 * out.len()];
         self.file.read_exact_at(&mut bytes, at).map_err(|e| {
@@ -149,6 +169,35 @@ impl Shard {
             *o = u16::from_le_bytes([b[0], b[1]]) as u32;
         }
         Ok(())
+    }
+}
+
+impl Shard {
+    /// An error naming the file if it changed since it was opened: written to (size or
+    /// modification time), or replaced (the path names another file, or none).
+    fn check_unchanged(&self) -> Result<()> {
+        let changed = |what: String| {
+            Err(Error::file(
+                &self.path,
+                None,
+                format!("{what} since the job opened it: a shard must not change under a running job (its windows and their order were fixed at start); restore it or restart the job"),
+            ))
+        };
+        let now = match self.file.metadata() {
+            Ok(m) => Ident::of(&m),
+            Err(e) => return Err(Error::io(format!("stat shard {}", self.path.display()), e)),
+        };
+        if now.len != self.ident.len {
+            return changed(format!("changed from {} to {} bytes", self.ident.len, now.len));
+        }
+        if now.mtime != self.ident.mtime {
+            return changed("was modified".into());
+        }
+        match std::fs::metadata(&self.path) {
+            Ok(m) if (m.dev(), m.ino()) == (self.ident.dev, self.ident.ino) => Ok(()),
+            Ok(_) => changed("was replaced by another file".into()),
+            Err(e) => changed(format!("is gone ({e})")),
+        }
     }
 }
 

@@ -25,6 +25,7 @@ mod pipeline;
 mod replica;
 mod session;
 mod shutdown;
+mod stragglers;
 
 use std::path::PathBuf;
 

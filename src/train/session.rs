@@ -21,6 +21,7 @@ use super::memory_fit;
 use super::nonfinite::{NonFiniteGuard, Verdict};
 use super::replica::{DeviceEvent, Replica, ReplicaLayout, TensorMap};
 use super::shutdown;
+use super::stragglers::Stragglers;
 use super::{TrainOptions, TrainReport};
 use crate::bootstrap::World;
 use crate::comm::stats::CommStats;
@@ -95,6 +96,12 @@ pub(super) struct Session<'a> {
     /// Seconds and count of the timed steps (all but the first).
     timed: (f64, u64),
     report: TrainReport,
+    /// Rank 0: the checkpoint directory's lock, held until the session ends.
+    dir_lock: Option<crate::checkpoint::DirLock>,
+    /// Each rank's own work per step, compared every `log_every` steps.
+    stragglers: Stragglers,
+    /// Test-only: milliseconds this rank works longer per step (`MESHTRAIN_FAULT=slow-step@R:MS`).
+    slow_ms: Option<u64>,
 }
 
 /// How a step ended.
@@ -113,6 +120,12 @@ impl<'a> Session<'a> {
         config_agree::check(&world_comm, cfg)?;
         memory_fit::check(&world_comm, cfg, world.local_size)?;
         cfg.validate_world(world.size)?;
+        // The checkpoint directory belongs to this job until it ends (another job is refused now,
+        // not at its first save).
+        let dir_lock = match &cfg.checkpoint.dir {
+            Some(dir) => crate::checkpoint::lock_for_job(&world_comm, dir)?,
+            None => None,
+        };
         let device = (Device::open(cfg.device, world.local_rank)?, cfg.precision);
         let leader = world.rank == 0;
         bind_cpu_threads(world.local_size);
@@ -137,6 +150,7 @@ impl<'a> Session<'a> {
         }
         let model = build_replica(cfg, (tp, pp), device, leader)?;
         let mut s = Session::assemble(world, cfg, opts, Groups { world_comm, dp, norm_groups, traffic }, model, baseline)?;
+        s.dir_lock = dir_lock;
         s.resume()?;
         s.start_step()?;
         Ok(s)
@@ -229,6 +243,9 @@ impl<'a> Session<'a> {
             start: Instant::now(),
             timed: (0.0, 0),
             report: TrainReport { losses: Vec::new(), val_losses: Vec::new(), tokens_per_s: 0.0 },
+            dir_lock: None,
+            stragglers: Stragglers::new(if cfg.train.log_every > 0 { cfg.train.log_every } else { 100 }),
+            slow_ms: crate::env::slow_step_ms(world.rank)?,
         })
     }
 
@@ -291,6 +308,9 @@ impl<'a> Session<'a> {
         for batch in self.data.batches.iter_mut() {
             self.data.sampler.next_batch(batch)?;
         }
+        if let Some(ms) = self.slow_ms {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
         let accum = self.accum;
         self.step.begin(accum);
         let units = self.step.wants_units(self.model.model());
@@ -327,7 +347,8 @@ impl<'a> Session<'a> {
             self.timed = (self.timed.0 + step_s, self.timed.1 + 1);
         }
         let val_loss = self.evaluate_if_due(step)?;
-        let record = self.record(step, (loss[0], lr, val_loss), &outcome, (step_s, peak_mb[0]), verdict != Verdict::Apply)?;
+        let mut record = self.record(step, (loss[0], lr, val_loss), &outcome, (step_s, peak_mb[0]), verdict != Verdict::Apply)?;
+        self.report_straggler(step, &mut record)?;
         if let Some(w) = &mut self.writer {
             w.write(&record)?;
         }
@@ -351,6 +372,25 @@ impl<'a> Session<'a> {
             None => format!("# stopped by {why} after step {step}; no checkpoint.dir, so no checkpoint"),
         });
         Ok(StepEnd::Stop)
+    }
+
+    /// Every `log_every` steps: names the rank whose own work per step lags the others' (log and
+    /// metrics `straggler_rank`, `straggler_lag_s`); collective over the world.
+    fn report_straggler(&mut self, step: u64, record: &mut StepRecord) -> Result<()> {
+        let own_s = record.extra.get("compute_s").and_then(|v| v.as_f64()).unwrap_or(0.0);
+        let Some(lag) = self.stragglers.observe(&self.world_comm, step, own_s)? else { return Ok(()) };
+        if self.world.rank == 0 {
+            self.progress.println(&format!(
+                "# straggler at step {step}: rank {} works {:.1} ms per step, {:.1} ms more than the median rank ({:.1} ms), since the last report",
+                lag.rank,
+                lag.mean_s * 1e3,
+                lag.lag_s() * 1e3,
+                lag.median_s * 1e3,
+            ));
+        }
+        record.extra.insert("straggler_rank".into(), json!(lag.rank));
+        record.extra.insert("straggler_lag_s".into(), json!(lag.lag_s()));
+        Ok(())
     }
 
     /// The mean validation loss over `train.eval_batches` micro-batches, averaged over the group,

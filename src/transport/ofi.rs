@@ -100,7 +100,13 @@ pub fn fabric_environment() -> Vec<String> {
 /// the region is its own (16 MiB of tmpfs each, otherwise never freed). Peers that mapped a
 /// region keep their mapping.
 pub fn remove_own_shm_regions() {
-    let prefix = format!("{}:", std::process::id());
+    remove_shm_regions_of(std::process::id());
+}
+
+/// Removes the regions that libfabric's shm provider of process `pid` created (`<pid>:...` in
+/// /dev/shm); for this process's own ([`remove_own_shm_regions`]) or a dead peer's.
+pub fn remove_shm_regions_of(pid: u32) {
+    let prefix = format!("{pid}:");
     let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
     for entry in dir.flatten() {
         if entry.file_name().to_str().is_some_and(|n| n.starts_with(&prefix)) {

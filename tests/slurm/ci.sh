@@ -66,4 +66,24 @@ for f in sorted((d / "plots").iterdir()):
         assert xml.dom.minidom.parseString(b).documentElement.tagName == "svg", f
 print("slurm sweep: OK,", len(list((d / "plots").iterdir())), "plot files decoded")
 PY
+# A rank that dies before MPI_Init ends its whole step at once (srun --kill-on-bad-exit in
+# slurm/requeue.sh), long before the start-up deadline (600 s here) would.
+cat > "$WORK/dies.sh" <<'SH'
+#!/bin/sh
+[ "$SLURM_PROCID" = 1 ] && kill -9 $$
+exec "$REAL_BIN" "$@"
+SH
+chmod +x "$WORK/dies.sh"
+started=$SECONDS
+dies=$(REAL_BIN=$BIN BIN=$WORK/dies.sh JOB=$WORK/tiny.toml STEPS=12 DP=2 OUT=$WORK/dies MESHTRAIN_BOOTSTRAP_TIMEOUT=600 \
+  sbatch --parsable -J dies -N 2 --ntasks-per-node=1 -o "$WORK/dies.out" slurm/train-cpu.sbatch)
+while [ -n "$(squeue -h -j "$dies" -o %T 2>/dev/null)" ]; do
+  if (( SECONDS - started > 90 )); then
+    scancel "$dies"; cat "$WORK/dies.out"; echo "slurm: a step with a dead rank was not ended in 90 s" >&2; exit 1
+  fi
+  sleep 1
+done
+grep -q "requeue: srun failed" "$WORK/dies.out" || { cat "$WORK/dies.out"; echo "slurm: no srun failure reported" >&2; exit 1; }
+echo "slurm: a rank dead at start-up ended its step in $((SECONDS - started)) s"
+
 BIN=$BIN tests/slurm/requeue.sh

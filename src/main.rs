@@ -52,6 +52,10 @@ enum Command {
     /// Strong/weak scaling sweeps: `sweep run JOB --mode strong --ranks 1,2,4` (CSV, JSON, plots),
     /// `sweep report DIR`, `sweep bench LABEL=CSV...` (bus bandwidth plots).
     Sweep(meshtrain::sweep::cli::SweepArgs),
+    /// Choose the 3D layout for a model on a machine: `plan --model 175b --machine frontier
+    /// --gpus 1024 --global-batch 1536` (ranked table, `--json`, `--write job.toml`),
+    /// `plan validate` (published runs predicted vs measured).
+    Plan(meshtrain::plan::cli::PlanArgs),
 }
 
 #[derive(Args)]
@@ -522,6 +526,7 @@ fn main() {
         Command::Generate(args) => generate(args),
         Command::Selftest(args) => with_world(|w| selftest(w, args)),
         Command::Sweep(args) => meshtrain::sweep::cli::main(args),
+        Command::Plan(args) => meshtrain::plan::cli::main(args),
     };
     if let Err(e) = result {
         fail(&e);

@@ -271,7 +271,7 @@ pub fn estimate(job: &Job, l: &Layout, mach: &Machine, stage_blocks: &[usize]) -
         (m + (l.pp as f64 - 1.0) / v) * max
     };
     let (share, part) = &ranks[slow];
-    let tp_msg = v * msg * 2.0;
+    let pp_msgs = v * msg * 2.0;
     let memory = memory::peak(job, l, mach.stack, mach.bf16, mach.profile.device == "cpu" && l.dp > 1, stage_blocks);
     let (dp_exposed_s, optimizer_s) = data_parallel(job, l, mach, share, part.bwd + part.bwd_comm, part.fwd + part.bwd);
     let mut e = Estimate {
@@ -279,8 +279,8 @@ pub fn estimate(job: &Job, l: &Layout, mach: &Machine, stage_blocks: &[usize]) -
         pipeline_s,
         compute_s: m * (part.fwd + part.bwd),
         bubble_s: pipeline_s - m * max,
-        tp_comm_s: m * (part.fwd_comm + part.bwd_comm - tp_msg),
-        pp_comm_s: m * tp_msg,
+        tp_comm_s: m * (part.fwd_comm + part.bwd_comm - pp_msgs),
+        pp_comm_s: m * pp_msgs,
         dp_exposed_s,
         optimizer_s,
         memory,
@@ -332,6 +332,8 @@ fn data_parallel(job: &Job, l: &Layout, mach: &Machine, share: &RankShare, last_
 /// links and NCCL's do while a message fits).
 pub fn refine(e: &mut Estimate, l: &Layout) -> Result<()> {
     if l.pp < 2 {
+        // One stage: the closed form is the schedule (m forwards and backwards, no bubble).
+        e.simulated = true;
         return Ok(());
     }
     let schedule = if l.virtual_stages > 1 { Schedule::Interleaved { virtual_stages: l.virtual_stages } } else { Schedule::OneFOneB };

@@ -288,10 +288,11 @@ mod tests {
         let m = peak(&job, &l, Stack::Meshtrain, false, false, &[12]);
         let n = RankShare::of(&l, &[12], 0).params(&job, 1);
         assert!((m.params - 4.0 * n).abs() < 8.0 && (m.optimizer - 8.0 * n).abs() < 16.0, "{m:?} n {n}");
-        // d12 at B=4, T=1024: 12 blocks of (16C + 4) per token plus 4 x 12 x 1024^2 attention
-        // probabilities, about 2.9 GB of f32 with the scratch and the logits.
+        // d12 at B=4, T=1024: per block 4096 rows x (16C + 4) plus 4 x 12 x 1024^2 attention
+        // probabilities = 100.6M f32, 4.83 GB for 12 blocks; with the head, the logits' gradient
+        // and the scratch about 6.9 GB.
         let gb = m.activations / 1e9;
-        assert!((2.0..3.5).contains(&gb), "{gb} GB");
+        assert!((6.5..7.3).contains(&gb), "{gb} GB");
         // TP halves the large terms; sequence parallelism removes part of the rest.
         let t2 = peak(&job, &Layout { tp: 2, ..l }, Stack::Meshtrain, false, false, &[12]);
         let sp = peak(&job, &Layout { tp: 2, sp: true, ..l }, Stack::Meshtrain, false, false, &[12]);

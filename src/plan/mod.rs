@@ -22,9 +22,11 @@
 //! except reading the profile; a layout is either ranked (it fits memory and every divisibility
 //! rule meshtrain's config validation applies) or rejected with a reason, never silently dropped.
 
+pub mod cli;
 pub mod cost;
 pub mod memory;
 pub mod profile;
+pub mod published;
 pub mod report;
 pub mod search;
 

@@ -316,11 +316,11 @@ mod tests {
     fn errors_name_the_field() {
         let text = Profile::load("frontier").unwrap().to_toml().unwrap();
         let err = |t: &str| Profile::parse(t, "m.toml").unwrap_err().to_string();
-        let missing = text.replace("bandwidth_gbs = 1600", "");
+        let missing = text.replace("bandwidth_gbs = 1600.0\n", "");
         assert!(err(&missing).contains("m.toml: memory.bandwidth_gbs"), "{}", err(&missing));
-        let zero = text.replace("bandwidth_gbs = 1600", "bandwidth_gbs = 0");
+        let zero = text.replace("bandwidth_gbs = 1600.0", "bandwidth_gbs = 0.0");
         assert!(err(&zero).contains("memory.bandwidth_gbs"), "{}", err(&zero));
-        let typo = text.replace("latency_us = 4", "latency = 4");
+        let typo = text.replace("latency_us = 4.0", "latency = 4.0");
         assert!(err(&typo).contains("inter"), "{}", err(&typo));
         let unknown = Profile::load("summit").unwrap_err().to_string();
         assert!(unknown.contains("--machine") && unknown.contains("frontier"), "{unknown}");
@@ -333,7 +333,7 @@ mod tests {
         let mut p = Profile::load("dgx-a100").unwrap();
         let peak = p.peak_flops("bf16").unwrap();
         let (small, big) = (p.gemm_efficiency(64, 64, 64, peak), p.gemm_efficiency(8192, 8192, 8192, peak));
-        assert!(small < big && big <= 0.75 && big > 0.7, "{small} {big}");
+        assert!(small < 0.1 && big <= 0.75 && big > 0.65, "{small} {big}");
         p.compute.measured = vec![GemmPoint { m: 64, n: 64, k: 64, tflops: 3.12 }, GemmPoint { m: 4096, n: 4096, k: 4096, tflops: 156.0 }];
         assert!((p.gemm_efficiency(100, 50, 70, peak) - 0.01).abs() < 1e-12);
         assert!((p.gemm_efficiency(8192, 8192, 2048, peak) - 0.5).abs() < 1e-12);

@@ -526,6 +526,7 @@ fn main() {
         Command::Generate(args) => generate(args),
         Command::Selftest(args) => with_world(|w| selftest(w, args)),
         Command::Sweep(args) => meshtrain::sweep::cli::main(args),
+        Command::Plan(args) if args.needs_world() => with_world(|w| meshtrain::plan::cli::calibrate(w, args)),
         Command::Plan(args) => meshtrain::plan::cli::main(args),
     };
     if let Err(e) = result {

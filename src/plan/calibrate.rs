@@ -169,8 +169,9 @@ pub fn calibrate(world: &World, o: &Options) -> Result<Profile> {
     let profile = Profile {
         name: o.name.clone(),
         description: format!(
-            "measured by `meshtrain plan calibrate` with {} {:?} ranks on one node (inter-node links not measured: copied from intra)",
-            world.size, o.device
+            "measured by `meshtrain plan calibrate` with {} {} ranks on one node (inter-node links not measured: copied from intra)",
+            world.size,
+            format!("{:?}", o.device).to_ascii_lowercase()
         ),
         device: format!("{:?}", o.device).to_ascii_lowercase(),
         devices_per_node: world.local_size,

@@ -37,6 +37,25 @@ enum PlanAction {
         #[arg(long)]
         json: bool,
     },
+    /// Measure this node (GEMMs by shape, memory bandwidth, all_reduce by size) and write a
+    /// profile; run one process per device: `mpirun -n 8 meshtrain plan calibrate --out here.toml`.
+    Calibrate {
+        /// Where to write the profile.
+        #[arg(long)]
+        out: PathBuf,
+        /// The profile's name.
+        #[arg(long, default_value = "here")]
+        name: String,
+        /// Device arm measured: cpu, cuda, hip.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Largest all_reduce measured (bytes, K/M/G suffixes).
+        #[arg(long, default_value = "16M")]
+        max_bytes: String,
+        /// Memory per device, GB (required for GPUs; the CPU arm reads MemAvailable).
+        #[arg(long)]
+        memory_gb: Option<f64>,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -47,9 +66,16 @@ struct Query {
     /// Machine profile: a shipped name (`frontier`, `dgx-a100`, `h100-ib`) or a profile TOML.
     #[arg(long)]
     machine: Option<String>,
-    /// Devices (ranks) of the job.
+    /// Devices (ranks) of the job; with --scaling, a comma-separated list.
+    #[arg(long, value_delimiter = ',')]
+    gpus: Vec<usize>,
+    /// Predict a scaling curve over the --gpus list (`strong`: fixed global batch; `weak`: the
+    /// batch grows from the first count's), with the efficiency of `sweep report`.
     #[arg(long)]
-    gpus: Option<usize>,
+    scaling: Option<crate::sweep::Mode>,
+    /// With --scaling: write the sweep's CSV and charts here.
+    #[arg(long)]
+    out: Option<PathBuf>,
     /// Sequences per optimizer step.
     #[arg(long)]
     global_batch: Option<usize>,
@@ -92,8 +118,32 @@ pub fn main(args: &PlanArgs) -> Result<()> {
             }
             Ok(())
         }
+        Some(PlanAction::Calibrate { .. }) => Err(Error::InvalidArgument("plan calibrate runs under a world (see calibrate)".into())),
         None => plan(&args.query),
     }
+}
+
+impl PlanArgs {
+    /// Whether this form needs the ranks started (`calibrate`).
+    pub fn needs_world(&self) -> bool {
+        matches!(self.action, Some(PlanAction::Calibrate { .. }))
+    }
+}
+
+/// Runs `meshtrain plan calibrate` on `world`.
+pub fn calibrate(world: &crate::bootstrap::World, args: &PlanArgs) -> Result<()> {
+    let Some(PlanAction::Calibrate { out, name, device, max_bytes, memory_gb }) = &args.action else {
+        return main(args);
+    };
+    let device = match device.as_str() {
+        "cpu" => crate::config::DeviceKind::Cpu,
+        "cuda" => crate::config::DeviceKind::Cuda,
+        "hip" => crate::config::DeviceKind::Hip,
+        other => return Err(Error::config("--device", format!("`{other}` is not cpu, cuda or hip"))),
+    };
+    let max_bytes = crate::env::parse_size(max_bytes).map_err(|e| Error::config("--max-bytes", e.to_string()))?;
+    let o = super::calibrate::Options { name: name.clone(), device, out: out.clone(), max_bytes, memory_gb: *memory_gb };
+    super::calibrate::calibrate(world, &o).map(|_| ())
 }
 
 fn required<T: Clone>(v: &Option<T>, flag: &str) -> Result<T> {
@@ -103,7 +153,13 @@ fn required<T: Clone>(v: &Option<T>, flag: &str) -> Result<T> {
 fn plan(q: &Query) -> Result<()> {
     let model = required(&q.model, "--model")?;
     let profile = Profile::load(&required(&q.machine, "--machine")?)?;
-    let (gpus, batch) = (required(&q.gpus, "--gpus")?, required(&q.global_batch, "--global-batch")?);
+    let batch = required(&q.global_batch, "--global-batch")?;
+    let gpus = match (q.gpus.as_slice(), q.scaling) {
+        ([], _) => return Err(Error::config("--gpus", "is required (meshtrain plan --model M --machine NAME --gpus N --global-batch B)")),
+        ([n], None) => *n,
+        (_, None) => return Err(Error::config("--gpus", "takes one count without --scaling")),
+        ([first, ..], Some(_)) => *first,
+    };
     let named = crate::model::GptConfig::named(&model).map_err(|e| match e {
         Error::Config { msg, .. } => Error::config("--model", msg),
         other => other,
@@ -114,6 +170,11 @@ fn plan(q: &Query) -> Result<()> {
     let mut opts = Options::for_stack(q.stack);
     opts.max_micro_batch = q.max_micro_batch.max(1);
     opts.refine = opts.refine.max(q.top);
+    if let Some(mode) = q.scaling {
+        let points = super::scaling::curve(&job, &q.gpus, mode, &mach, &opts, q.out.as_deref())?;
+        print!("{}", super::scaling::table(&points));
+        return Ok(());
+    }
     let plan = search(&job, &mach, &opts)?;
     if q.json {
         let text = serde_json::to_string_pretty(&report::json(&job, &mach, &plan)).map_err(|e| Error::InvalidArgument(e.to_string()))?;

@@ -16,18 +16,22 @@
 //! - [`search`]: every layout of a job on a GPU count, the rejected ones with their reason, the
 //!   rest ranked by predicted step time.
 //! - [`report`]: the ranked table, JSON, a job file and an sbatch script for a layout;
-//!   [`published`]: the published runs the model is checked against; [`cli`]: the subcommand.
+//!   [`scaling`]: predicted strong/weak scaling curves in the sweep's format; [`published`]: the
+//!   published runs the model is checked against; [`calibrate`]: a profile of this node from
+//!   measurements; [`cli`]: the subcommand.
 //!
 //! Invariants: planning is a pure function of (job, profile, stack): no measurement, no I/O
 //! except reading the profile; a layout is either ranked (it fits memory and every divisibility
 //! rule meshtrain's config validation applies) or rejected with a reason, never silently dropped.
 
+pub mod calibrate;
 pub mod cli;
 pub mod cost;
 pub mod memory;
 pub mod profile;
 pub mod published;
 pub mod report;
+pub mod scaling;
 pub mod search;
 
 use serde::Serialize;

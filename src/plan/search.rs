@@ -102,6 +102,14 @@ fn stage_blocks(job: &Job, stack: Stack, stages: usize) -> Result<Option<Vec<usi
     })
 }
 
+/// [`stage_blocks`] of `stages`, computed once per search.
+fn stage_split_of<'a>(job: &Job, stack: Stack, cache: &'a mut HashMap<usize, Option<Vec<usize>>>, stages: usize) -> Result<Option<&'a [usize]>> {
+    if !cache.contains_key(&stages) {
+        cache.insert(stages, stage_blocks(job, stack, stages)?);
+    }
+    Ok(cache[&stages].as_deref())
+}
+
 /// Searches every layout of `job` on `mach`.
 pub fn search(job: &Job, mach: &Machine, opts: &Options) -> Result<Plan> {
     let (mut ranked, mut rejected, mut costed) = (Vec::new(), Vec::new(), 0);
@@ -129,19 +137,17 @@ pub fn search(job: &Job, mach: &Machine, opts: &Options) -> Result<Plan> {
                 continue;
             }
             let per_replica = job.global_batch / dp;
+            if stage_split_of(job, mach.stack, &mut splits, pp)?.is_none() {
+                reject(&mut rejected, format!("tp {tp} pp {pp}"), format!("n_layer {} does not split into {pp} equal stages", model.n_layer));
+                continue;
+            }
             for mb in divisors(per_replica).into_iter().filter(|&b| b <= opts.max_micro_batch) {
                 let m = per_replica / mb;
                 for v in 1..=opts.max_virtual_stages {
                     if v > 1 && (pp == 1 || pp * v > model.n_layer || m % pp != 0) {
                         continue;
                     }
-                    if !splits.contains_key(&(pp * v)) {
-                        splits.insert(pp * v, stage_blocks(job, mach.stack, pp * v)?);
-                    }
-                    let Some(blocks) = &splits[&(pp * v)] else {
-                        if v == 1 {
-                            reject(&mut rejected, format!("tp {tp} pp {pp}"), format!("n_layer {} does not split into {pp} equal stages", model.n_layer));
-                        }
+                    let Some(blocks) = stage_split_of(job, mach.stack, &mut splits, pp * v)? else {
                         continue;
                     };
                     let base = Layout { tp, pp, virtual_stages: v, dp, zero: 0, micro_batch: mb, grad_accum: m, sp: false, recompute: Recompute::None };

@@ -1,0 +1,37 @@
+//! Speed of `meshtrain plan` (`cargo bench --bench plan_search`): every layout of the 1T model on
+//! 3072 GPUs (global batch 3072, seq 2048), searched and ranked, for each shipped profile and both
+//! stacks. The bound is 2 s per search; each search is timed 3 times, the best reported.
+
+use std::time::Instant;
+
+use meshtrain::plan::cost::Machine;
+use meshtrain::plan::search::{search, Options};
+use meshtrain::plan::{Job, Profile, Stack};
+
+fn main() {
+    let job = Job::named("1t", 3072, 3072, 2048).expect("the 1t job");
+    println!("{:<10} {:<10} {:>8} {:>8} {:>9} {:>8}", "machine", "stack", "costed", "fit", "rejected", "best_s");
+    for machine in Profile::shipped() {
+        let profile = Profile::load(machine).expect("a shipped profile");
+        for stack in [Stack::Meshtrain, Stack::Megatron] {
+            let mach = Machine::new(&profile, stack, "bf16").expect("bf16 peak");
+            let opts = Options::for_stack(stack);
+            let mut best = f64::MAX;
+            let mut counts = (0, 0, 0);
+            for _ in 0..3 {
+                let t = Instant::now();
+                match search(&job, &mach, &opts) {
+                    Ok(plan) => counts = (plan.costed, plan.ranked.len(), plan.rejected.len()),
+                    Err(e) => {
+                        println!("{machine:<10} {stack:<10?} no layout: {e}");
+                        break;
+                    }
+                }
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            if best < f64::MAX {
+                println!("{machine:<10} {:<10} {:>8} {:>8} {:>9} {best:>8.3}", format!("{stack:?}"), counts.0, counts.1, counts.2);
+            }
+        }
+    }
+}

@@ -1,6 +1,8 @@
 //! Speed of `meshtrain plan` (`cargo bench --bench plan_search`): every layout of the 1T model on
 //! 3072 GPUs (global batch 3072, seq 2048), searched and ranked, for each shipped profile and both
 //! stacks. The bound is 2 s per search; each search is timed 3 times, the best reported.
+//! A search that finds no fitting layout (meshtrain's fp32 activations without recomputation do
+//! not fit the 1T model) still costs every layout and is timed the same way.
 
 use std::time::Instant;
 
@@ -17,21 +19,17 @@ fn main() {
             let mach = Machine::new(&profile, stack, "bf16").expect("bf16 peak");
             let opts = Options::for_stack(stack);
             let mut best = f64::MAX;
-            let mut counts = (0, 0, 0);
+            let mut outcome = String::new();
             for _ in 0..3 {
                 let t = Instant::now();
-                match search(&job, &mach, &opts) {
-                    Ok(plan) => counts = (plan.costed, plan.ranked.len(), plan.rejected.len()),
-                    Err(e) => {
-                        println!("{machine:<10} {stack:<10?} no layout: {e}");
-                        break;
-                    }
-                }
+                let result = search(&job, &mach, &opts);
                 best = best.min(t.elapsed().as_secs_f64());
+                outcome = match result {
+                    Ok(plan) => format!("{:>8} {:>8} {:>9}", plan.costed, plan.ranked.len(), plan.rejected.len()),
+                    Err(_) => format!("{:>8} {:>8} {:>9}", "-", 0, "all"),
+                };
             }
-            if best < f64::MAX {
-                println!("{machine:<10} {:<10} {:>8} {:>8} {:>9} {best:>8.3}", format!("{stack:?}"), counts.0, counts.1, counts.2);
-            }
+            println!("{machine:<10} {:<10} {outcome} {best:>8.3}", format!("{stack:?}"));
         }
     }
 }

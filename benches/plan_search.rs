@@ -26,7 +26,10 @@ use meshtrain::plan::{Job, Profile, Stack};
 
 fn main() {
     let job = Job::named("1t", 3072, 3072, 2048).expect("the 1t job");
-    println!("{:<10} {:<10} {:>8} {:>8} {:>9} {:>8} {:>8}", "machine", "stack", "costed", "fit", "rejected", "wall_s", "cpu_s");
+    println!(
+        "{:<10} {:<10} {:>8} {:>8} {:>9} {:>8} {:>8}",
+        "machine", "stack", "costed", "fit", "rejected", "wall_s", "cpu_s"
+    );
     for machine in Profile::shipped() {
         let profile = Profile::load(machine).expect("a shipped profile");
         for stack in [Stack::Meshtrain, Stack::Megatron] {
@@ -40,11 +43,19 @@ fn main() {
                 best = best.min(t.elapsed().as_secs_f64());
                 best_cpu = best_cpu.min(cpu_s() - c);
                 outcome = match result {
-                    Ok(plan) => format!("{:>8} {:>8} {:>9}", plan.costed, plan.ranked.len(), plan.rejected.len()),
+                    Ok(plan) => format!(
+                        "{:>8} {:>8} {:>9}",
+                        plan.costed,
+                        plan.ranked.len(),
+                        plan.rejected.len()
+                    ),
                     Err(_) => format!("{:>8} {:>8} {:>9}", "-", 0, "all"),
                 };
             }
-            println!("{machine:<10} {:<10} {outcome} {best:>8.3} {best_cpu:>8.3}", format!("{stack:?}"));
+            println!(
+                "{machine:<10} {:<10} {outcome} {best:>8.3} {best_cpu:>8.3}",
+                format!("{stack:?}")
+            );
         }
     }
 }

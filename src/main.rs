@@ -56,6 +56,9 @@ enum Command {
     /// --gpus 1024 --global-batch 1536` (ranked table, `--json`, `--write job.toml`),
     /// `plan validate` (published runs predicted vs measured).
     Plan(meshtrain::plan::cli::PlanArgs),
+    /// Run the best predicted layouts of a job as short trials (`tune JOB --machine M --top K`),
+    /// print predicted vs measured step times and write the measured winner's job file.
+    Tune(meshtrain::plan::tune::TuneArgs),
 }
 
 #[derive(Args)]
@@ -528,6 +531,7 @@ fn main() {
         Command::Sweep(args) => meshtrain::sweep::cli::main(args),
         Command::Plan(args) if args.needs_world() => with_world(|w| meshtrain::plan::cli::calibrate(w, args)),
         Command::Plan(args) => meshtrain::plan::cli::main(args),
+        Command::Tune(args) => meshtrain::plan::tune::main(args),
     };
     if let Err(e) = result {
         fail(&e);

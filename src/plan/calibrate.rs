@@ -65,7 +65,11 @@ fn slowest(comm: &Communicator, x: f64) -> Result<f64> {
 
 fn gemm_points(comm: &Communicator, dev: &Device, bf16: bool) -> Result<Vec<GemmPoint>> {
     let gemm = Gemm::new(dev)?;
-    let input = if bf16 { GemmInput::Bf16 } else { GemmInput::F32 };
+    let input = if bf16 {
+        GemmInput::Bf16
+    } else {
+        GemmInput::F32
+    };
     let size = if bf16 { 2 } else { 4 };
     let mut out = Vec::new();
     for &(m, n, k) in SHAPES {
@@ -76,14 +80,28 @@ fn gemm_points(comm: &Communicator, dev: &Device, bf16: bool) -> Result<Vec<Gemm
         for rep in 0..4 {
             comm.barrier()?;
             let t = Instant::now();
-            gemm.matmul(dev, &mut c, Operand::plain(&a, input), Operand::plain(&b, input), m, n, k, false)?;
+            gemm.matmul(
+                dev,
+                &mut c,
+                Operand::plain(&a, input),
+                Operand::plain(&b, input),
+                m,
+                n,
+                k,
+                false,
+            )?;
             dev.synchronize()?;
             if rep > 0 {
                 best = best.min(t.elapsed().as_secs_f64());
             }
         }
         let s = slowest(comm, best)?;
-        out.push(GemmPoint { m, n, k, tflops: 2.0 * (m * n * k) as f64 / s / 1e12 });
+        out.push(GemmPoint {
+            m,
+            n,
+            k,
+            tflops: 2.0 * (m * n * k) as f64 / s / 1e12,
+        });
     }
     Ok(out)
 }
@@ -108,14 +126,18 @@ fn bandwidth(comm: &Communicator, dev: &Device) -> Result<f64> {
 /// Least-squares fit of the ring all-reduce model: (alpha seconds, bandwidth bytes/s).
 pub fn fit_ring(g: usize, points: &[(f64, f64)]) -> Result<(f64, f64)> {
     let n = points.len() as f64;
-    let (sx, sy) = points.iter().fold((0.0, 0.0), |(a, b), (x, y)| (a + x, b + y));
+    let (sx, sy) = points
+        .iter()
+        .fold((0.0, 0.0), |(a, b), (x, y)| (a + x, b + y));
     let (mx, my) = (sx / n, sy / n);
     let sxx: f64 = points.iter().map(|(x, _)| (x - mx).powi(2)).sum();
     let sxy: f64 = points.iter().map(|(x, y)| (x - mx) * (y - my)).sum();
     let slope = sxy / sxx;
     let intercept = my - slope * mx;
     if !(slope.is_finite() && slope > 0.0) {
-        return Err(Error::Check(format!("calibrate: all_reduce times do not grow with size (slope {slope:e} s/byte)")));
+        return Err(Error::Check(format!(
+            "calibrate: all_reduce times do not grow with size (slope {slope:e} s/byte)"
+        )));
     }
     let g = g as f64;
     let alpha = (intercept / (2.0 * (g - 1.0))).max(1e-7);
@@ -137,7 +159,10 @@ fn links(comm: &Communicator, max_bytes: usize) -> Result<(f64, f64)> {
         csv: true,
     };
     let rows = collectives::run(comm, None, &b, |_| {})?;
-    let points: Vec<(f64, f64)> = rows.iter().map(|r| (r.bytes as f64, r.time_us * 1e-6)).collect();
+    let points: Vec<(f64, f64)> = rows
+        .iter()
+        .map(|r| (r.bytes as f64, r.time_us * 1e-6))
+        .collect();
     fit_ring(comm.size(), &points)
 }
 
@@ -147,13 +172,23 @@ pub fn calibrate(world: &World, o: &Options) -> Result<Profile> {
         return Err(Error::config("ranks", "calibrate measures the links between ranks: start it with at least 2 (mpirun -n 2 ...)"));
     }
     if world.nodes.iter().any(|&n| n != 0) {
-        return Err(Error::config("ranks", "calibrate measures one node: start it with the ranks of one node"));
+        return Err(Error::config(
+            "ranks",
+            "calibrate measures one node: start it with the ranks of one node",
+        ));
     }
     let gpu = o.device != DeviceKind::Cpu;
     let per_device_gb = match (gpu, o.memory_gb) {
         (_, Some(g)) => g,
-        (false, None) => crate::train::available_bytes().unwrap_or(0) as f64 / 1e9 / world.local_size as f64,
-        (true, None) => return Err(Error::config("--memory-gb", "is required with a GPU device (memory per device, GB)")),
+        (false, None) => {
+            crate::train::available_bytes().unwrap_or(0) as f64 / 1e9 / world.local_size as f64
+        }
+        (true, None) => {
+            return Err(Error::config(
+                "--memory-gb",
+                "is required with a GPU device (memory per device, GB)",
+            ))
+        }
     };
     if o.device == DeviceKind::Cpu {
         bind_cpu_threads(world.local_size);
@@ -187,7 +222,8 @@ pub fn calibrate(world: &World, o: &Options) -> Result<Profile> {
     if world.rank == 0 {
         let text = profile.to_toml()?;
         let checked = Profile::parse(&text, &o.out.display().to_string())?;
-        std::fs::write(&o.out, &text).map_err(|e| Error::file(&o.out, None, format!("cannot write the profile: {e}")))?;
+        std::fs::write(&o.out, &text)
+            .map_err(|e| Error::file(&o.out, None, format!("cannot write the profile: {e}")))?;
         println!(
             "# wrote {}: peak {:.3} TFLOP/s ({precision}, best GEMM), memory {:.1} GB/s, all_reduce alpha {:.1} us, bandwidth {:.2} GB/s",
             o.out.display(),
@@ -208,9 +244,15 @@ mod tests {
     fn ring_fit_recovers_alpha_and_bandwidth() {
         let (g, alpha, bw) = (4usize, 20e-6, 5e9);
         let t = |s: f64| 2.0 * 3.0 * alpha + 2.0 * 3.0 / 4.0 * s / bw;
-        let points: Vec<(f64, f64)> = [8e3, 32e3, 128e3, 512e3, 2e6, 8e6].iter().map(|&s| (s, t(s))).collect();
+        let points: Vec<(f64, f64)> = [8e3, 32e3, 128e3, 512e3, 2e6, 8e6]
+            .iter()
+            .map(|&s| (s, t(s)))
+            .collect();
         let (a, b) = fit_ring(g, &points).unwrap();
-        assert!((a - alpha).abs() / alpha < 1e-6 && (b - bw).abs() / bw < 1e-6, "{a} {b}");
+        assert!(
+            (a - alpha).abs() / alpha < 1e-6 && (b - bw).abs() / bw < 1e-6,
+            "{a} {b}"
+        );
         let flat: Vec<(f64, f64)> = points.iter().map(|&(s, _)| (s, 1e-3)).collect();
         assert!(fit_ring(g, &flat).is_err());
     }

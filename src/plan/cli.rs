@@ -112,13 +112,19 @@ pub fn main(args: &PlanArgs) -> Result<()> {
         Some(PlanAction::Validate { json }) => {
             let checks = published::check_all(&Profile::load("dgx-a100")?)?;
             if *json {
-                println!("{}", serde_json::to_string_pretty(&checks).map_err(|e| Error::InvalidArgument(e.to_string()))?);
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&checks)
+                        .map_err(|e| Error::InvalidArgument(e.to_string()))?
+                );
             } else {
                 print!("{}", published::table(&checks));
             }
             Ok(())
         }
-        Some(PlanAction::Calibrate { .. }) => Err(Error::InvalidArgument("plan calibrate runs under a world (see calibrate)".into())),
+        Some(PlanAction::Calibrate { .. }) => Err(Error::InvalidArgument(
+            "plan calibrate runs under a world (see calibrate)".into(),
+        )),
         None => plan(&args.query),
     }
 }
@@ -132,40 +138,74 @@ impl PlanArgs {
 
 /// Runs `meshtrain plan calibrate` on `world`.
 pub fn calibrate(world: &crate::bootstrap::World, args: &PlanArgs) -> Result<()> {
-    let Some(PlanAction::Calibrate { out, name, device, max_bytes, memory_gb }) = &args.action else {
+    let Some(PlanAction::Calibrate {
+        out,
+        name,
+        device,
+        max_bytes,
+        memory_gb,
+    }) = &args.action
+    else {
         return main(args);
     };
     let device = match device.as_str() {
         "cpu" => crate::config::DeviceKind::Cpu,
         "cuda" => crate::config::DeviceKind::Cuda,
         "hip" => crate::config::DeviceKind::Hip,
-        other => return Err(Error::config("--device", format!("`{other}` is not cpu, cuda or hip"))),
+        other => {
+            return Err(Error::config(
+                "--device",
+                format!("`{other}` is not cpu, cuda or hip"),
+            ))
+        }
     };
-    let max_bytes = crate::env::parse_size(max_bytes).map_err(|e| Error::config("--max-bytes", e.to_string()))?;
-    let o = super::calibrate::Options { name: name.clone(), device, out: out.clone(), max_bytes, memory_gb: *memory_gb };
+    let max_bytes = crate::env::parse_size(max_bytes)
+        .map_err(|e| Error::config("--max-bytes", e.to_string()))?;
+    let o = super::calibrate::Options {
+        name: name.clone(),
+        device,
+        out: out.clone(),
+        max_bytes,
+        memory_gb: *memory_gb,
+    };
     super::calibrate::calibrate(world, &o).map(|_| ())
 }
 
 fn required<T: Clone>(v: &Option<T>, flag: &str) -> Result<T> {
-    v.clone().ok_or_else(|| Error::config(flag, "is required (meshtrain plan --model M --machine NAME --gpus N --global-batch B)"))
+    v.clone().ok_or_else(|| {
+        Error::config(
+            flag,
+            "is required (meshtrain plan --model M --machine NAME --gpus N --global-batch B)",
+        )
+    })
 }
 
 fn plan(q: &Query) -> Result<()> {
     let model = required(&q.model, "--model")?;
     let profile = Profile::load(&required(&q.machine, "--machine")?)?;
     let batch = required(&q.global_batch, "--global-batch")?;
-    let gpus = match (q.gpus.as_slice(), q.scaling) {
-        ([], _) => return Err(Error::config("--gpus", "is required (meshtrain plan --model M --machine NAME --gpus N --global-batch B)")),
-        ([n], None) => *n,
-        (_, None) => return Err(Error::config("--gpus", "takes one count without --scaling")),
-        ([first, ..], Some(_)) => *first,
-    };
+    let gpus =
+        match (q.gpus.as_slice(), q.scaling) {
+            ([], _) => return Err(Error::config(
+                "--gpus",
+                "is required (meshtrain plan --model M --machine NAME --gpus N --global-batch B)",
+            )),
+            ([n], None) => *n,
+            (_, None) => return Err(Error::config("--gpus", "takes one count without --scaling")),
+            ([first, ..], Some(_)) => *first,
+        };
     let named = crate::model::GptConfig::named(&model).map_err(|e| match e {
         Error::Config { msg, .. } => Error::config("--model", msg),
         other => other,
     })?;
     let job = Job::named(&model, gpus, batch, q.seq_len.unwrap_or(named.max_seq_len))?;
-    let precision = q.precision.clone().unwrap_or_else(|| if profile.device == "cpu" { "fp32".into() } else { "bf16".into() });
+    let precision = q.precision.clone().unwrap_or_else(|| {
+        if profile.device == "cpu" {
+            "fp32".into()
+        } else {
+            "bf16".into()
+        }
+    });
     let mach = Machine::new(&profile, q.stack, &precision)?;
     let mut opts = Options::for_stack(q.stack);
     opts.max_micro_batch = q.max_micro_batch.max(1);
@@ -177,23 +217,44 @@ fn plan(q: &Query) -> Result<()> {
     }
     let plan = search(&job, &mach, &opts)?;
     if q.json {
-        let text = serde_json::to_string_pretty(&report::json(&job, &mach, &plan)).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let text = serde_json::to_string_pretty(&report::json(&job, &mach, &plan))
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
         println!("{text}");
     } else {
-        print!("{}", report::table(&job, &mach, &plan, q.top, q.show_rejected));
+        print!(
+            "{}",
+            report::table(&job, &mach, &plan, q.top, q.show_rejected)
+        );
     }
     if let Some(path) = &q.write {
         let best = plan
             .ranked
             .iter()
             .find(|r| q.stack == Stack::Meshtrain && r.layout.recompute == Recompute::None)
-            .ok_or_else(|| Error::config("--write", "only meshtrain-stack layouts can be written as jobs (use --stack meshtrain)"))?;
+            .ok_or_else(|| {
+                Error::config(
+                    "--write",
+                    "only meshtrain-stack layouts can be written as jobs (use --stack meshtrain)",
+                )
+            })?;
         let text = report::job_toml(&job, &mach, &best.layout, best.estimate.step_s)?;
-        std::fs::write(path, text).map_err(|e| Error::file(path, None, format!("cannot write the job file: {e}")))?;
+        std::fs::write(path, text)
+            .map_err(|e| Error::file(path, None, format!("cannot write the job file: {e}")))?;
         let sbatch_path = path.with_extension("sbatch");
         let script = report::sbatch(&job, &mach, &path.display().to_string());
-        std::fs::write(&sbatch_path, script).map_err(|e| Error::file(&sbatch_path, None, format!("cannot write the sbatch script: {e}")))?;
-        eprintln!("# wrote {} ({}) and {}", path.display(), best.layout.describe(), sbatch_path.display());
+        std::fs::write(&sbatch_path, script).map_err(|e| {
+            Error::file(
+                &sbatch_path,
+                None,
+                format!("cannot write the sbatch script: {e}"),
+            )
+        })?;
+        eprintln!(
+            "# wrote {} ({}) and {}",
+            path.display(),
+            best.layout.describe(),
+            sbatch_path.display()
+        );
     }
     Ok(())
 }

@@ -49,7 +49,12 @@ pub struct Machine<'a> {
 impl<'a> Machine<'a> {
     /// `profile` running `stack` with GEMMs at `precision` (`bf16`, `fp32`, ...).
     pub fn new(profile: &'a Profile, stack: Stack, precision: &str) -> Result<Machine<'a>> {
-        Ok(Machine { profile, stack, peak: profile.peak_flops(precision)?, bf16: precision != "fp32" })
+        Ok(Machine {
+            profile,
+            stack,
+            peak: profile.peak_flops(precision)?,
+            bf16: precision != "fp32",
+        })
     }
 
     /// Bytes of one activation element as the stack stores and communicates it.
@@ -62,13 +67,18 @@ impl<'a> Machine<'a> {
 
     /// Seconds of `count` (m, n, k) products.
     fn gemm(&self, m: f64, n: f64, k: f64, count: f64) -> f64 {
-        let eff = self.profile.gemm_efficiency(m as usize, n as usize, k as usize, self.peak);
+        let eff = self
+            .profile
+            .gemm_efficiency(m as usize, n as usize, k as usize, self.peak);
         count * 2.0 * m * n * k / (self.peak * eff)
     }
 
     /// Forward and backward seconds of `count` (m, n, k) products.
     fn gemm_fb(&self, m: f64, n: f64, k: f64, count: f64) -> (f64, f64) {
-        (self.gemm(m, n, k, count), self.gemm(m, k, n, count) + self.gemm(k, n, m, count))
+        (
+            self.gemm(m, n, k, count),
+            self.gemm(m, k, n, count) + self.gemm(k, n, m, count),
+        )
     }
 
     fn stream(&self, bytes: f64) -> f64 {
@@ -150,10 +160,20 @@ struct Part {
 
 impl Part {
     fn scaled(self, k: f64) -> Part {
-        Part { fwd: self.fwd * k, bwd: self.bwd * k, fwd_comm: self.fwd_comm * k, bwd_comm: self.bwd_comm * k }
+        Part {
+            fwd: self.fwd * k,
+            bwd: self.bwd * k,
+            fwd_comm: self.fwd_comm * k,
+            bwd_comm: self.bwd_comm * k,
+        }
     }
     fn plus(self, o: Part) -> Part {
-        Part { fwd: self.fwd + o.fwd, bwd: self.bwd + o.bwd, fwd_comm: self.fwd_comm + o.fwd_comm, bwd_comm: self.bwd_comm + o.bwd_comm }
+        Part {
+            fwd: self.fwd + o.fwd,
+            bwd: self.bwd + o.bwd,
+            fwd_comm: self.fwd_comm + o.fwd_comm,
+            bwd_comm: self.bwd_comm + o.bwd_comm,
+        }
     }
 }
 
@@ -178,7 +198,8 @@ fn block(job: &Job, l: &Layout, mach: &Machine) -> Part {
     let att_elems = heads * s * s;
     let core_bytes = 2.0 * 2.0 * att_elems * mach.act_bytes();
     let rows = if l.sp { bt / t } else { bt };
-    let other_bytes = 2.0 * mach.act_bytes() * (bt * (2.0 * c + 4.0 * cl + 2.0 * hl) + rows * 4.0 * c);
+    let other_bytes =
+        2.0 * mach.act_bytes() * (bt * (2.0 * c + 4.0 * cl + 2.0 * hl) + rows * 4.0 * c);
     let (elem_core, elem_other) = (mach.stream(core_bytes), mach.stream(other_bytes));
     let comm = tp_block_comm(job, l, mach);
     let fwd_compute = fwd + core_f + elem_core + elem_other;
@@ -188,7 +209,12 @@ fn block(job: &Job, l: &Layout, mach: &Machine) -> Part {
         Recompute::Selective => (core_f + elem_core, 0.0),
         Recompute::Full => (fwd_compute, comm),
     };
-    Part { fwd: fwd_compute, bwd: bwd_compute + re_compute, fwd_comm: comm, bwd_comm: comm + re_comm }
+    Part {
+        fwd: fwd_compute,
+        bwd: bwd_compute + re_compute,
+        fwd_comm: comm,
+        bwd_comm: comm + re_comm,
+    }
 }
 
 /// TP communication of one block in one direction: two all-reduces of the (B*T, C) activations,
@@ -213,15 +239,33 @@ fn head(job: &Job, l: &Layout, mach: &Machine) -> Part {
     let (f, b) = mach.gemm_fb(bt, vl, c, 1.0);
     // Logits written, read by the softmax, gradient written (fp32).
     let elem = mach.stream(3.0 * 4.0 * bt * vl);
-    let comm = if l.tp > 1 { 3.0 * all_reduce(mach.link(l.tp, 1), l.tp, bt * 4.0) } else { 0.0 };
-    Part { fwd: f + elem, bwd: b + elem, fwd_comm: comm, bwd_comm: 0.0 }
+    let comm = if l.tp > 1 {
+        3.0 * all_reduce(mach.link(l.tp, 1), l.tp, bt * 4.0)
+    } else {
+        0.0
+    };
+    Part {
+        fwd: f + elem,
+        bwd: b + elem,
+        fwd_comm: comm,
+        bwd_comm: 0.0,
+    }
 }
 
 /// The embedding of one micro-batch: a lookup, and without SP the TP sum of its output.
 fn embed(job: &Job, l: &Layout, mach: &Machine) -> Part {
     let bytes = (l.micro_batch * job.seq_len * job.model.n_embd) as f64 * mach.act_bytes();
-    let comm = if l.tp > 1 && !l.sp { all_reduce(mach.link(l.tp, 1), l.tp, bytes) } else { 0.0 };
-    Part { fwd: mach.stream(3.0 * bytes), bwd: mach.stream(3.0 * bytes), fwd_comm: comm, bwd_comm: 0.0 }
+    let comm = if l.tp > 1 && !l.sp {
+        all_reduce(mach.link(l.tp, 1), l.tp, bytes)
+    } else {
+        0.0
+    };
+    Part {
+        fwd: mach.stream(3.0 * bytes),
+        bwd: mach.stream(3.0 * bytes),
+        fwd_comm: comm,
+        bwd_comm: 0.0,
+    }
 }
 
 /// One pipeline message (an activation or its gradient) of one micro-batch.
@@ -255,14 +299,21 @@ pub fn estimate(job: &Job, l: &Layout, mach: &Machine, stage_blocks: &[usize]) -
             if share.ends {
                 part = part.plus(hd);
             }
-            let pp = Part { fwd: 0.0, bwd: 0.0, fwd_comm: v * msg, bwd_comm: v * msg };
+            let pp = Part {
+                fwd: 0.0,
+                bwd: 0.0,
+                fwd_comm: v * msg,
+                bwd_comm: v * msg,
+            };
             (share, part.plus(pp))
         })
         .collect();
     let fwd: Vec<f64> = ranks.iter().map(|(_, p)| p.fwd + p.fwd_comm).collect();
     let bwd: Vec<f64> = ranks.iter().map(|(_, p)| p.bwd + p.bwd_comm).collect();
     let per_mb: Vec<f64> = fwd.iter().zip(&bwd).map(|(f, b)| f + b).collect();
-    let slow = (0..l.pp).max_by(|&a, &b| per_mb[a].total_cmp(&per_mb[b])).unwrap_or(0);
+    let slow = (0..l.pp)
+        .max_by(|&a, &b| per_mb[a].total_cmp(&per_mb[b]))
+        .unwrap_or(0);
     let max = per_mb[slow];
     let m = l.grad_accum as f64;
     let pipeline_s = if l.virtual_stages == 1 {
@@ -272,8 +323,22 @@ pub fn estimate(job: &Job, l: &Layout, mach: &Machine, stage_blocks: &[usize]) -
     };
     let (share, part) = &ranks[slow];
     let pp_msgs = v * msg * 2.0;
-    let memory = memory::peak(job, l, mach.stack, mach.bf16, mach.profile.device == "cpu" && l.dp > 1, stage_blocks);
-    let (dp_exposed_s, optimizer_s) = data_parallel(job, l, mach, share, part.bwd + part.bwd_comm, part.fwd + part.bwd);
+    let memory = memory::peak(
+        job,
+        l,
+        mach.stack,
+        mach.bf16,
+        mach.profile.device == "cpu" && l.dp > 1,
+        stage_blocks,
+    );
+    let (dp_exposed_s, optimizer_s) = data_parallel(
+        job,
+        l,
+        mach,
+        share,
+        part.bwd + part.bwd_comm,
+        part.fwd + part.bwd,
+    );
     let mut e = Estimate {
         step_s: 0.0,
         pipeline_s,
@@ -294,7 +359,14 @@ pub fn estimate(job: &Job, l: &Layout, mach: &Machine, stage_blocks: &[usize]) -
 
 /// Exposed data-parallel seconds and optimizer seconds of the slowest rank, whose last backward
 /// takes `last_bwd` and one micro-batch's compute `mb_compute`.
-fn data_parallel(job: &Job, l: &Layout, mach: &Machine, share: &RankShare, last_bwd: f64, mb_compute: f64) -> (f64, f64) {
+fn data_parallel(
+    job: &Job,
+    l: &Layout,
+    mach: &Machine,
+    share: &RankShare,
+    last_bwd: f64,
+    mb_compute: f64,
+) -> (f64, f64) {
     let n = share.params(job, l.tp);
     let shard = n / l.dp as f64;
     let optimizer = mach.stream(32.0 * shard);
@@ -309,7 +381,10 @@ fn data_parallel(job: &Job, l: &Layout, mach: &Machine, share: &RankShare, last_
     };
     let (reduce, after) = match l.zero {
         0 => (all_reduce(link, l.dp, grad_bytes), 0.0),
-        _ => (gather(link, l.dp, grad_bytes), gather(link, l.dp, param_bytes)),
+        _ => (
+            gather(link, l.dp, grad_bytes),
+            gather(link, l.dp, param_bytes),
+        ),
     };
     let gathers = if l.zero >= 3 {
         let per_mb = 2.0 * gather(link, l.dp, param_bytes);
@@ -336,9 +411,27 @@ pub fn refine(e: &mut Estimate, l: &Layout) -> Result<()> {
         e.simulated = true;
         return Ok(());
     }
-    let schedule = if l.virtual_stages > 1 { Schedule::Interleaved { virtual_stages: l.virtual_stages } } else { Schedule::OneFOneB };
-    let sim = simulate_ranks(schedule, l.pp, l.grad_accum, &e.fwd, &e.bwd, Delivery::Buffered)?;
-    let max = e.fwd.iter().zip(&e.bwd).map(|(f, b)| f + b).fold(0.0, f64::max);
+    let schedule = if l.virtual_stages > 1 {
+        Schedule::Interleaved {
+            virtual_stages: l.virtual_stages,
+        }
+    } else {
+        Schedule::OneFOneB
+    };
+    let sim = simulate_ranks(
+        schedule,
+        l.pp,
+        l.grad_accum,
+        &e.fwd,
+        &e.bwd,
+        Delivery::Buffered,
+    )?;
+    let max = e
+        .fwd
+        .iter()
+        .zip(&e.bwd)
+        .map(|(f, b)| f + b)
+        .fold(0.0, f64::max);
     e.pipeline_s = sim.makespan;
     e.bubble_s = sim.makespan - l.grad_accum as f64 * max;
     e.step_s = e.pipeline_s + e.dp_exposed_s + e.optimizer_s;
@@ -356,7 +449,17 @@ mod tests {
     }
 
     fn layout(tp: usize, pp: usize, v: usize, dp: usize, m: usize) -> Layout {
-        Layout { tp, pp, virtual_stages: v, dp, zero: 1, micro_batch: 1, grad_accum: m, sp: false, recompute: Recompute::None }
+        Layout {
+            tp,
+            pp,
+            virtual_stages: v,
+            dp,
+            zero: 1,
+            micro_batch: 1,
+            grad_accum: m,
+            sp: false,
+            recompute: Recompute::None,
+        }
     }
 
     #[test]
@@ -372,7 +475,11 @@ mod tests {
             refine(&mut e, &l).unwrap();
             // The head makes the last stage longer, which both account for; they agree closely.
             let rel = (e.pipeline_s - closed).abs() / closed;
-            assert!(rel < 0.05, "pp {pp} v {v} m {m}: closed {closed} simulated {}", e.pipeline_s);
+            assert!(
+                rel < 0.05,
+                "pp {pp} v {v} m {m}: closed {closed} simulated {}",
+                e.pipeline_s
+            );
             assert!(e.bubble_s > 0.0 && e.step_s > e.pipeline_s);
         }
     }
@@ -399,8 +506,27 @@ mod tests {
         let mach = Machine::new(&p, Stack::Megatron, "bf16").unwrap();
         let job = job();
         let l = layout(8, 8, 1, 1, 64);
-        let t = |r| estimate(&job, &Layout { recompute: r, sp: true, ..l }, &mach, &[12; 8]).step_s;
-        let (none, sel, full) = (t(Recompute::None), t(Recompute::Selective), t(Recompute::Full));
-        assert!(none < sel && sel < full && full / none > 1.25 && full / none < 1.40, "{none} {sel} {full}");
+        let t = |r| {
+            estimate(
+                &job,
+                &Layout {
+                    recompute: r,
+                    sp: true,
+                    ..l
+                },
+                &mach,
+                &[12; 8],
+            )
+            .step_s
+        };
+        let (none, sel, full) = (
+            t(Recompute::None),
+            t(Recompute::Selective),
+            t(Recompute::Full),
+        );
+        assert!(
+            none < sel && sel < full && full / none > 1.25 && full / none < 1.40,
+            "{none} {sel} {full}"
+        );
     }
 }

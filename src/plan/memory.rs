@@ -76,8 +76,15 @@ impl RankShare {
     /// Pipeline rank `rank`'s share when global stage `s` holds `stage_blocks[s]` blocks.
     pub fn of(layout: &Layout, stage_blocks: &[usize], rank: usize) -> RankShare {
         let p = layout.pp;
-        let blocks = (0..layout.virtual_stages).map(|c| stage_blocks[c * p + rank]).sum();
-        RankShare { blocks, embeds: rank == 0, ends: rank == p - 1, rank }
+        let blocks = (0..layout.virtual_stages)
+            .map(|c| stage_blocks[c * p + rank])
+            .sum();
+        RankShare {
+            blocks,
+            embeds: rank == 0,
+            ends: rank == p - 1,
+            rank,
+        }
     }
 
     /// Parameters on this rank (its TP shard).
@@ -85,14 +92,29 @@ impl RankShare {
         let (h, t) = (job.model.n_embd as f64, tp as f64);
         let block = 12.0 * h * h / t + 7.0 * h / t + 6.0 * h;
         let wte = job.vocab() as f64 * h / t;
-        let embed = if self.embeds { wte + (job.model.max_seq_len as f64) * h } else { 0.0 };
-        let head = if self.ends { 2.0 * h + if self.embeds { 0.0 } else { wte } } else { 0.0 };
+        let embed = if self.embeds {
+            wte + (job.model.max_seq_len as f64) * h
+        } else {
+            0.0
+        };
+        let head = if self.ends {
+            2.0 * h + if self.embeds { 0.0 } else { wte }
+        } else {
+            0.0
+        };
         self.blocks as f64 * block + embed + head
     }
 }
 
 /// The larger of the first and the last pipeline rank's bytes.
-pub fn peak(job: &Job, layout: &Layout, stack: Stack, bf16: bool, host_reduce: bool, stage_blocks: &[usize]) -> RankMemory {
+pub fn peak(
+    job: &Job,
+    layout: &Layout,
+    stack: Stack,
+    bf16: bool,
+    host_reduce: bool,
+    stage_blocks: &[usize],
+) -> RankMemory {
     let ranks = [0, layout.pp - 1];
     ranks
         .iter()
@@ -139,7 +161,9 @@ impl Dims {
     }
 
     fn block(&self) -> f64 {
-        self.bt * (2.0 * self.c + 4.0 * self.cl + 2.0 * self.hl) + self.rows * (2.0 * self.c + 4.0) + self.att
+        self.bt * (2.0 * self.c + 4.0 * self.cl + 2.0 * self.hl)
+            + self.rows * (2.0 * self.c + 4.0)
+            + self.att
     }
 
     fn head(&self) -> f64 {
@@ -155,11 +179,18 @@ impl Dims {
     fn scratch(&self, head: bool, t: f64) -> f64 {
         let dlogits = if head { self.bt * self.vl } else { 0.0 };
         let sp = if self.sp {
-            self.rows * self.c + 2.0 * self.bt * self.c + (6.0 * self.c).max(t * self.c) + 6.0 * self.c
+            self.rows * self.c
+                + 2.0 * self.bt * self.c
+                + (6.0 * self.c).max(t * self.c)
+                + 6.0 * self.c
         } else {
             0.0
         };
-        self.rows * 3.0 * self.c + self.bt * (4.0 * self.cl + 2.0 * self.hl) + dlogits + self.att + sp
+        self.rows * 3.0 * self.c
+            + self.bt * (4.0 * self.cl + 2.0 * self.hl)
+            + dlogits
+            + self.att
+            + sp
     }
 
     /// The GEMMs' bf16 operand staging and the attention views of a GPU arm, in f32 elements.
@@ -171,7 +202,14 @@ impl Dims {
     }
 }
 
-fn meshtrain(job: &Job, l: &Layout, share: &RankShare, bf16: bool, host_reduce: bool, stage_blocks: &[usize]) -> RankMemory {
+fn meshtrain(
+    job: &Job,
+    l: &Layout,
+    share: &RankShare,
+    bf16: bool,
+    host_reduce: bool,
+    stage_blocks: &[usize],
+) -> RankMemory {
     let n = share.params(job, l.tp);
     let d = Dims::new(job, l);
     let slots = in_flight(l, share.rank) as f64;
@@ -180,13 +218,25 @@ fn meshtrain(job: &Job, l: &Layout, share: &RankShare, bf16: bool, host_reduce: 
     let mut acts = 0.0;
     for c in 0..l.virtual_stages {
         let blocks = stage_blocks[c * p + share.rank] as f64;
-        let (embeds, ends) = (share.embeds && c == 0, share.ends && c + 1 == l.virtual_stages);
+        let (embeds, ends) = (
+            share.embeds && c == 0,
+            share.ends && c + 1 == l.virtual_stages,
+        );
         acts += slots * d.slot(blocks, embeds, ends);
     }
     let heads = d.bt * d.cl;
-    acts += d.scratch(share.ends, job.seq_len as f64) + if bf16 { d.gemm_staging(share.ends, heads) } else { 0.0 };
+    acts += d.scratch(share.ends, job.seq_len as f64)
+        + if bf16 {
+            d.gemm_staging(share.ends, heads)
+        } else {
+            0.0
+        };
     let h = job.model.n_embd;
-    let (wte_len, wpe_len, lnf_len) = ((job.vocab() * h).div_ceil(l.tp), job.model.max_seq_len * h, 2 * h);
+    let (wte_len, wpe_len, lnf_len) = (
+        (job.vocab() * h).div_ceil(l.tp),
+        job.model.max_seq_len * h,
+        2 * h,
+    );
     let block_len = (n / share.blocks.max(1) as f64) as usize;
     let mut units: Vec<Range<usize>> = Vec::new();
     let mut at = 0;
@@ -236,7 +286,13 @@ fn megatron(job: &Job, l: &Layout, share: &RankShare) -> RankMemory {
     let n = share.params(job, l.tp);
     let dp = l.dp as f64;
     let shard = |sharded: bool| if sharded { n / dp } else { n };
-    let (s, b, h, a, t) = (job.seq_len as f64, l.micro_batch as f64, job.model.n_embd as f64, job.model.n_head as f64, l.tp as f64);
+    let (s, b, h, a, t) = (
+        job.seq_len as f64,
+        l.micro_batch as f64,
+        job.model.n_embd as f64,
+        job.model.n_head as f64,
+        l.tp as f64,
+    );
     let sbh = s * b * h;
     let attn_core = 5.0 * a * s / (h * t);
     let per_block = match (l.recompute, l.sp) {
@@ -247,11 +303,19 @@ fn megatron(job: &Job, l: &Layout, share: &RankShare) -> RankMemory {
         (Recompute::None, false) => sbh * (10.0 + 24.0 / t + attn_core),
     };
     // Full recomputation rebuilds one block's activations at a time during its backward.
-    let rebuilt = if l.recompute == Recompute::Full { sbh * (10.0 + 24.0 / t + attn_core) } else { 0.0 };
+    let rebuilt = if l.recompute == Recompute::Full {
+        sbh * (10.0 + 24.0 / t + attn_core)
+    } else {
+        0.0
+    };
     let blocks_per_chunk = share.blocks as f64 / l.virtual_stages as f64;
     let held = in_flight(l, share.rank) as f64 * l.virtual_stages as f64 * blocks_per_chunk;
     // Logits (fp32 for the loss) and their gradient on the last rank.
-    let logits = if share.ends { 2.0 * 4.0 * s * b * job.vocab() as f64 / t } else { 0.0 };
+    let logits = if share.ends {
+        2.0 * 4.0 * s * b * job.vocab() as f64 / t
+    } else {
+        0.0
+    };
     RankMemory {
         params: 2.0 * shard(l.zero >= 3),
         grads: 4.0 * shard(l.zero >= 2),
@@ -267,13 +331,29 @@ mod tests {
     use crate::model::GptConfig;
 
     fn layout(tp: usize, pp: usize, v: usize, m: usize) -> Layout {
-        Layout { tp, pp, virtual_stages: v, dp: 1, zero: 0, micro_batch: 1, grad_accum: m, sp: false, recompute: Recompute::None }
+        Layout {
+            tp,
+            pp,
+            virtual_stages: v,
+            dp: 1,
+            zero: 0,
+            micro_batch: 1,
+            grad_accum: m,
+            sp: false,
+            recompute: Recompute::None,
+        }
     }
 
     #[test]
     fn in_flight_follows_the_schedules() {
         // 1F1B: p - rank; one stage: 1; capped by m.
-        assert_eq!((in_flight(&layout(1, 4, 1, 8), 0), in_flight(&layout(1, 4, 1, 8), 3)), (4, 1));
+        assert_eq!(
+            (
+                in_flight(&layout(1, 4, 1, 8), 0),
+                in_flight(&layout(1, 4, 1, 8), 3)
+            ),
+            (4, 1)
+        );
         assert_eq!(in_flight(&layout(1, 4, 1, 2), 0), 2);
         assert_eq!(in_flight(&layout(1, 1, 1, 8), 0), 1);
         // Interleaved v = 2, p = 4, rank 0: warm-up 2*3 + 4 = 10, 11 forwards over 2 chunks.
@@ -284,31 +364,77 @@ mod tests {
     fn meshtrain_terms_match_the_training_formula() {
         // One rank, ZeRO-0: 16 bytes per parameter plus staging of one bucket, no copies at fp32.
         let job = Job::new("d12", &GptConfig::named("d12").unwrap(), 1, 4, 1024).unwrap();
-        let l = Layout { micro_batch: 4, grad_accum: 1, ..layout(1, 1, 1, 1) };
+        let l = Layout {
+            micro_batch: 4,
+            grad_accum: 1,
+            ..layout(1, 1, 1, 1)
+        };
         let m = peak(&job, &l, Stack::Meshtrain, false, false, &[12]);
         let n = RankShare::of(&l, &[12], 0).params(&job, 1);
-        assert!((m.params - 4.0 * n).abs() < 8.0 && (m.optimizer - 8.0 * n).abs() < 16.0, "{m:?} n {n}");
+        assert!(
+            (m.params - 4.0 * n).abs() < 8.0 && (m.optimizer - 8.0 * n).abs() < 16.0,
+            "{m:?} n {n}"
+        );
         // d12 at B=4, T=1024: per block 4096 rows x (16C + 4) plus 4 x 12 x 1024^2 attention
         // probabilities = 100.6M f32, 4.83 GB for 12 blocks; with the head, the logits' gradient
         // and the scratch about 6.9 GB.
         let gb = m.activations / 1e9;
         assert!((6.5..7.3).contains(&gb), "{gb} GB");
         // TP halves the large terms; sequence parallelism removes part of the rest.
-        let t2 = peak(&job, &Layout { tp: 2, ..l }, Stack::Meshtrain, false, false, &[12]);
-        let sp = peak(&job, &Layout { tp: 2, sp: true, ..l }, Stack::Meshtrain, false, false, &[12]);
+        let t2 = peak(
+            &job,
+            &Layout { tp: 2, ..l },
+            Stack::Meshtrain,
+            false,
+            false,
+            &[12],
+        );
+        let sp = peak(
+            &job,
+            &Layout {
+                tp: 2,
+                sp: true,
+                ..l
+            },
+            Stack::Meshtrain,
+            false,
+            false,
+            &[12],
+        );
         assert!(t2.activations < 0.7 * m.activations && sp.activations < t2.activations + 1e9);
     }
 
     #[test]
     fn megatron_activations_follow_korthikanti() {
         // 175B, t = 8, SP + selective: 34 s b h / t bytes per block; 1F1B rank 0 holds p * L/p = L.
-        let c = GptConfig { n_layer: 96, n_head: 96, n_embd: 12288, vocab_size: 51200, max_seq_len: 2048 };
+        let c = GptConfig {
+            n_layer: 96,
+            n_head: 96,
+            n_embd: 12288,
+            vocab_size: 51200,
+            max_seq_len: 2048,
+        };
         let job = Job::new("175b", &c, 64, 64, 2048).unwrap();
-        let l = Layout { sp: true, recompute: Recompute::Selective, ..layout(8, 8, 1, 64) };
+        let l = Layout {
+            sp: true,
+            recompute: Recompute::Selective,
+            ..layout(8, 8, 1, 64)
+        };
         let m = megatron(&job, &l, &RankShare::of(&l, &[12; 8], 0));
         let expect = 96.0 * 34.0 * 2048.0 * 12288.0 / 8.0;
-        assert!((m.activations - expect).abs() < 1.0, "{} vs {expect}", m.activations);
-        let full = megatron(&job, &Layout { recompute: Recompute::Full, ..l }, &RankShare::of(&l, &[12; 8], 0));
+        assert!(
+            (m.activations - expect).abs() < 1.0,
+            "{} vs {expect}",
+            m.activations
+        );
+        let full = megatron(
+            &job,
+            &Layout {
+                recompute: Recompute::Full,
+                ..l
+            },
+            &RankShare::of(&l, &[12; 8], 0),
+        );
         assert!(full.activations < m.activations / 5.0);
     }
 }

@@ -18,7 +18,8 @@
 //! - [`report`]: the ranked table, JSON, a job file and an sbatch script for a layout;
 //!   [`scaling`]: predicted strong/weak scaling curves in the sweep's format; [`published`]: the
 //!   published runs the model is checked against; [`calibrate`]: a profile of this node from
-//!   measurements; [`cli`]: the subcommand.
+//!   measurements; [`tune`]: short trials of the best predicted layouts, predicted vs measured;
+//!   [`cli`]: the subcommand.
 //!
 //! Invariants: planning is a pure function of (job, profile, stack): no measurement, no I/O
 //! except reading the profile; a layout is either ranked (it fits memory and every divisibility
@@ -33,6 +34,7 @@ pub mod published;
 pub mod report;
 pub mod scaling;
 pub mod search;
+pub mod tune;
 
 use serde::Serialize;
 
@@ -67,8 +69,18 @@ impl Job {
     }
 
     /// A job of shape `c`.
-    pub fn new(name: &str, c: &GptConfig, gpus: usize, global_batch: usize, seq_len: usize) -> Result<Job> {
-        for (key, v) in [("--gpus", gpus), ("--global-batch", global_batch), ("--seq-len", seq_len)] {
+    pub fn new(
+        name: &str,
+        c: &GptConfig,
+        gpus: usize,
+        global_batch: usize,
+        seq_len: usize,
+    ) -> Result<Job> {
+        for (key, v) in [
+            ("--gpus", gpus),
+            ("--global-batch", global_batch),
+            ("--seq-len", seq_len),
+        ] {
             if v == 0 {
                 return Err(Error::config(key, "must be at least 1"));
             }
@@ -76,11 +88,20 @@ impl Job {
         if seq_len > c.max_seq_len {
             return Err(Error::config(
                 "--seq-len",
-                format!("{seq_len} exceeds the model's max_seq_len {} (model {name})", c.max_seq_len),
+                format!(
+                    "{seq_len} exceeds the model's max_seq_len {} (model {name})",
+                    c.max_seq_len
+                ),
             ));
         }
         c.validate()?;
-        Ok(Job { name: name.to_string(), model: *c, seq_len, global_batch, gpus })
+        Ok(Job {
+            name: name.to_string(),
+            model: *c,
+            seq_len,
+            global_batch,
+            gpus,
+        })
     }
 
     /// Padded vocabulary rows (the embedding and the head compute over all of them).

@@ -19,8 +19,14 @@ use crate::error::{Error, Result};
 
 /// The profiles shipped in `jobs/machines/`, by name.
 const SHIPPED: &[(&str, &str)] = &[
-    ("frontier", include_str!("../../jobs/machines/frontier.toml")),
-    ("dgx-a100", include_str!("../../jobs/machines/dgx-a100.toml")),
+    (
+        "frontier",
+        include_str!("../../jobs/machines/frontier.toml"),
+    ),
+    (
+        "dgx-a100",
+        include_str!("../../jobs/machines/dgx-a100.toml"),
+    ),
     ("h100-ib", include_str!("../../jobs/machines/h100-ib.toml")),
 ];
 
@@ -146,15 +152,26 @@ impl Profile {
     /// A shipped profile by name, or a profile file (a path: contains `/` or ends in `.toml`).
     pub fn load(name_or_path: &str) -> Result<Profile> {
         if name_or_path.contains('/') || name_or_path.ends_with(".toml") {
-            let text = std::fs::read_to_string(name_or_path)
-                .map_err(|e| Error::file(name_or_path, None, format!("cannot read the machine profile: {e}")))?;
+            let text = std::fs::read_to_string(name_or_path).map_err(|e| {
+                Error::file(
+                    name_or_path,
+                    None,
+                    format!("cannot read the machine profile: {e}"),
+                )
+            })?;
             return Profile::parse(&text, name_or_path);
         }
-        match SHIPPED.iter().find(|s| s.0 == name_or_path.to_ascii_lowercase()) {
+        match SHIPPED
+            .iter()
+            .find(|s| s.0 == name_or_path.to_ascii_lowercase())
+        {
             Some((name, text)) => Profile::parse(text, &format!("jobs/machines/{name}.toml")),
             None => Err(Error::config(
                 "--machine",
-                format!("unknown machine `{name_or_path}` (known: {}; or a path to a profile TOML)", Profile::shipped().join(", ")),
+                format!(
+                    "unknown machine `{name_or_path}` (known: {}; or a path to a profile TOML)",
+                    Profile::shipped().join(", ")
+                ),
             )),
         }
     }
@@ -181,7 +198,8 @@ impl Profile {
 
     /// The profile as TOML (what `plan calibrate` writes).
     pub fn to_toml(&self) -> Result<String> {
-        toml::to_string(self).map_err(|e| Error::InvalidArgument(format!("profile {}: {e}", self.name)))
+        toml::to_string(self)
+            .map_err(|e| Error::InvalidArgument(format!("profile {}: {e}", self.name)))
     }
 
     fn validate(&self) -> Result<()> {
@@ -189,14 +207,20 @@ impl Profile {
             if v.is_finite() && v > 0.0 {
                 Ok(())
             } else {
-                Err(Error::config(key, format!("{v} must be a finite positive number")))
+                Err(Error::config(
+                    key,
+                    format!("{v} must be a finite positive number"),
+                ))
             }
         };
         let fraction = |key: &str, v: f64| {
             if v.is_finite() && v > 0.0 && v <= 1.0 {
                 Ok(())
             } else {
-                Err(Error::config(key, format!("{v} must be a fraction in (0, 1]")))
+                Err(Error::config(
+                    key,
+                    format!("{v} must be a fraction in (0, 1]"),
+                ))
             }
         };
         if self.devices_per_node == 0 {
@@ -206,26 +230,41 @@ impl Profile {
             return Err(Error::config("inter.nics_per_node", "must be at least 1"));
         }
         if !["cpu", "cuda", "hip", "emu"].contains(&self.device.as_str()) {
-            return Err(Error::config("device", format!("`{}` is not cpu, cuda, hip or emu", self.device)));
+            return Err(Error::config(
+                "device",
+                format!("`{}` is not cpu, cuda, hip or emu", self.device),
+            ));
         }
         if self.compute.peak_tflops.is_empty() {
-            return Err(Error::config("compute.peak_tflops", "names no precision (e.g. bf16 = 312.0)"));
+            return Err(Error::config(
+                "compute.peak_tflops",
+                "names no precision (e.g. bf16 = 312.0)",
+            ));
         }
         for (p, v) in &self.compute.peak_tflops {
             positive(&format!("compute.peak_tflops.{p}"), *v)?;
         }
-        fraction("compute.gemm.max_efficiency", self.compute.gemm.max_efficiency)?;
+        fraction(
+            "compute.gemm.max_efficiency",
+            self.compute.gemm.max_efficiency,
+        )?;
         positive("compute.gemm.half_dim", self.compute.gemm.half_dim)?;
         for (i, g) in self.compute.measured.iter().enumerate() {
             positive(&format!("compute.measured[{i}].tflops"), g.tflops)?;
             if g.m == 0 || g.n == 0 || g.k == 0 {
-                return Err(Error::config(format!("compute.measured[{i}]"), "m, n and k must be at least 1"));
+                return Err(Error::config(
+                    format!("compute.measured[{i}]"),
+                    "m, n and k must be at least 1",
+                ));
             }
         }
         positive("memory.per_device_gb", self.memory.per_device_gb)?;
         positive("memory.bandwidth_gbs", self.memory.bandwidth_gbs)?;
         if !(self.memory.reserved_gb.is_finite() && self.memory.reserved_gb >= 0.0) {
-            return Err(Error::config("memory.reserved_gb", format!("{} must be a finite number >= 0", self.memory.reserved_gb)));
+            return Err(Error::config(
+                "memory.reserved_gb",
+                format!("{} must be a finite number >= 0", self.memory.reserved_gb),
+            ));
         }
         positive("intra.bandwidth_gbs", self.intra.bandwidth_gbs)?;
         if let Some(p) = self.intra.pair_bandwidth_gbs {
@@ -240,13 +279,26 @@ impl Profile {
 
     /// Dense peak FLOP/s of one device at `precision`; an error names the missing key.
     pub fn peak_flops(&self, precision: &str) -> Result<f64> {
-        self.compute.peak_tflops.get(precision).map(|t| t * 1e12).ok_or_else(|| {
-            let known: Vec<&str> = self.compute.peak_tflops.keys().map(|k| k.as_str()).collect();
-            Error::config(
-                format!("compute.peak_tflops.{precision}"),
-                format!("machine `{}` has no peak for {precision} (it has: {})", self.name, known.join(", ")),
-            )
-        })
+        self.compute
+            .peak_tflops
+            .get(precision)
+            .map(|t| t * 1e12)
+            .ok_or_else(|| {
+                let known: Vec<&str> = self
+                    .compute
+                    .peak_tflops
+                    .keys()
+                    .map(|k| k.as_str())
+                    .collect();
+                Error::config(
+                    format!("compute.peak_tflops.{precision}"),
+                    format!(
+                        "machine `{}` has no peak for {precision} (it has: {})",
+                        self.name,
+                        known.join(", ")
+                    ),
+                )
+            })
     }
 
     /// Efficiency (share of `peak`) of an (m, n, k) GEMM: the nearest measured shape (log
@@ -254,7 +306,9 @@ impl Profile {
     pub fn gemm_efficiency(&self, m: usize, n: usize, k: usize, peak: f64) -> f64 {
         let ln = |x: usize| (x.max(1) as f64).ln();
         let nearest = self.compute.measured.iter().min_by(|a, b| {
-            let d = |g: &GemmPoint| (ln(g.m) - ln(m)).powi(2) + (ln(g.n) - ln(n)).powi(2) + (ln(g.k) - ln(k)).powi(2);
+            let d = |g: &GemmPoint| {
+                (ln(g.m) - ln(m)).powi(2) + (ln(g.n) - ln(n)).powi(2) + (ln(g.k) - ln(k)).powi(2)
+            };
             d(a).total_cmp(&d(b))
         });
         if let Some(g) = nearest {
@@ -271,15 +325,24 @@ impl Profile {
             (true, Some(p)) => p,
             _ => self.intra.bandwidth_gbs,
         };
-        Link { alpha: self.intra.latency_us * 1e-6, bandwidth: bw * 1e9 * self.intra.achievable }
+        Link {
+            alpha: self.intra.latency_us * 1e-6,
+            bandwidth: bw * 1e9 * self.intra.achievable,
+        }
     }
 
     /// Links between nodes as one rank sees them when `sharing` ranks of its node use the NICs at
     /// once (each gets `nics * bandwidth / sharing`, at most one NIC's worth... or more when a
     /// rank has several NICs to itself).
     pub fn inter_link(&self, sharing: usize) -> Link {
-        let node = self.inter.nics_per_node as f64 * self.inter.nic_bandwidth_gbs * 1e9 * self.inter.achievable;
-        Link { alpha: self.inter.latency_us * 1e-6, bandwidth: node / sharing.max(1) as f64 }
+        let node = self.inter.nics_per_node as f64
+            * self.inter.nic_bandwidth_gbs
+            * 1e9
+            * self.inter.achievable;
+        Link {
+            alpha: self.inter.latency_us * 1e-6,
+            bandwidth: node / sharing.max(1) as f64,
+        }
     }
 
     /// Memory a job may use on one device, bytes.
@@ -307,9 +370,19 @@ mod tests {
         let f = Profile::load("frontier").unwrap();
         assert_eq!(f.peak_flops("bf16").unwrap(), 191.5e12);
         assert_eq!(f.memory.per_device_gb, 64.0);
-        assert_eq!((f.inter.nics_per_node, f.inter.nic_bandwidth_gbs), (4, 25.0));
+        assert_eq!(
+            (f.inter.nics_per_node, f.inter.nic_bandwidth_gbs),
+            (4, 25.0)
+        );
         let a = Profile::load("dgx-a100").unwrap();
-        assert_eq!((a.peak_flops("bf16").unwrap(), a.memory.per_device_gb, a.intra.bandwidth_gbs), (312e12, 80.0, 300.0));
+        assert_eq!(
+            (
+                a.peak_flops("bf16").unwrap(),
+                a.memory.per_device_gb,
+                a.intra.bandwidth_gbs
+            ),
+            (312e12, 80.0, 300.0)
+        );
     }
 
     #[test]
@@ -317,14 +390,29 @@ mod tests {
         let text = Profile::load("frontier").unwrap().to_toml().unwrap();
         let err = |t: &str| Profile::parse(t, "m.toml").unwrap_err().to_string();
         let missing = text.replace("bandwidth_gbs = 1600.0\n", "");
-        assert!(err(&missing).contains("m.toml: memory.bandwidth_gbs"), "{}", err(&missing));
+        assert!(
+            err(&missing).contains("m.toml: memory.bandwidth_gbs"),
+            "{}",
+            err(&missing)
+        );
         let zero = text.replace("bandwidth_gbs = 1600.0", "bandwidth_gbs = 0.0");
-        assert!(err(&zero).contains("memory.bandwidth_gbs"), "{}", err(&zero));
+        assert!(
+            err(&zero).contains("memory.bandwidth_gbs"),
+            "{}",
+            err(&zero)
+        );
         let typo = text.replace("latency_us = 4.0", "latency = 4.0");
         assert!(err(&typo).contains("inter"), "{}", err(&typo));
         let unknown = Profile::load("summit").unwrap_err().to_string();
-        assert!(unknown.contains("--machine") && unknown.contains("frontier"), "{unknown}");
-        let fp8 = Profile::load("frontier").unwrap().peak_flops("fp8").unwrap_err().to_string();
+        assert!(
+            unknown.contains("--machine") && unknown.contains("frontier"),
+            "{unknown}"
+        );
+        let fp8 = Profile::load("frontier")
+            .unwrap()
+            .peak_flops("fp8")
+            .unwrap_err()
+            .to_string();
         assert!(fp8.contains("compute.peak_tflops.fp8"), "{fp8}");
     }
 
@@ -332,9 +420,25 @@ mod tests {
     fn gemm_efficiency_grows_with_size_and_uses_measurements() {
         let mut p = Profile::load("dgx-a100").unwrap();
         let peak = p.peak_flops("bf16").unwrap();
-        let (small, big) = (p.gemm_efficiency(64, 64, 64, peak), p.gemm_efficiency(8192, 8192, 8192, peak));
+        let (small, big) = (
+            p.gemm_efficiency(64, 64, 64, peak),
+            p.gemm_efficiency(8192, 8192, 8192, peak),
+        );
         assert!(small < 0.1 && big <= 0.8 && big > 0.7, "{small} {big}");
-        p.compute.measured = vec![GemmPoint { m: 64, n: 64, k: 64, tflops: 3.12 }, GemmPoint { m: 4096, n: 4096, k: 4096, tflops: 156.0 }];
+        p.compute.measured = vec![
+            GemmPoint {
+                m: 64,
+                n: 64,
+                k: 64,
+                tflops: 3.12,
+            },
+            GemmPoint {
+                m: 4096,
+                n: 4096,
+                k: 4096,
+                tflops: 156.0,
+            },
+        ];
         assert!((p.gemm_efficiency(100, 50, 70, peak) - 0.01).abs() < 1e-12);
         assert!((p.gemm_efficiency(8192, 8192, 2048, peak) - 0.5).abs() < 1e-12);
     }

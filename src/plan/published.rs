@@ -60,7 +60,12 @@ pub struct Run {
 /// The runs (configurations as the papers give them).
 pub fn runs() -> Vec<Run> {
     let (full, sel) = (Recompute::Full, Recompute::Selective);
-    let (b22, b175, b530, b1t) = ((48, 64, 6144), (96, 96, 12288), (105, 128, 20480), (128, 160, 25600));
+    let (b22, b175, b530, b1t) = (
+        (48, 64, 6144),
+        (96, 96, 12288),
+        (105, 128, 20480),
+        (128, 160, 25600),
+    );
     let mut runs = vec![Run {
         name: "Narayanan SC21, 1T, 3072 GPUs".into(),
         shape: b1t,
@@ -78,7 +83,10 @@ pub fn runs() -> Vec<Run> {
         ("530B", b530, 280, 35, 280, 49.05, 37.83),
         ("1T", b1t, 512, 64, 512, 94.42, 71.49),
     ] {
-        for (mode, recompute, sp, t) in [("full", full, false, t_full), ("selective+SP", sel, true, t_sel)] {
+        for (mode, recompute, sp, t) in [
+            ("full", full, false, t_full),
+            ("selective+SP", sel, true, t_sel),
+        ] {
             runs.push(Run {
                 name: format!("Korthikanti 2022, {name}, {mode}"),
                 shape,
@@ -122,7 +130,13 @@ pub fn check_all(profile: &Profile) -> Result<Vec<Check>> {
 
 fn check(r: &Run, mach: &Machine) -> Result<Check> {
     let (n_layer, n_head, n_embd) = r.shape;
-    let model = GptConfig { n_layer, n_head, n_embd, vocab_size: 51200, max_seq_len: 2048 };
+    let model = GptConfig {
+        n_layer,
+        n_head,
+        n_embd,
+        vocab_size: 51200,
+        max_seq_len: 2048,
+    };
     let job = Job::new(&r.name, &model, r.gpus, r.global_batch, 2048)?;
     let dp = r.gpus / (r.tp * r.pp);
     let l = Layout {
@@ -142,7 +156,13 @@ fn check(r: &Run, mach: &Machine) -> Result<Check> {
     let (measured, predicted) = match r.measured {
         Measured::IterationS(t) => (t, e.step_s),
         Measured::TflopsPerGpu(t) => {
-            let (b, s, lyr, h, v) = (r.global_batch as f64, 2048.0, n_layer as f64, n_embd as f64, 51200.0);
+            let (b, s, lyr, h, v) = (
+                r.global_batch as f64,
+                2048.0,
+                n_layer as f64,
+                n_embd as f64,
+                51200.0,
+            );
             let flops = 96.0 * b * s * lyr * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * lyr * h));
             (t, flops / e.step_s / r.gpus as f64 / 1e12)
         }
@@ -160,7 +180,10 @@ fn check(r: &Run, mach: &Machine) -> Result<Check> {
 
 /// The checks as a table.
 pub fn table(checks: &[Check]) -> String {
-    let mut s = format!("{:<38} {:<34} {:>9} {:>9} {:>7} {:>7}\n", "run", "layout", "measured", "predicted", "error%", "mem_GB");
+    let mut s = format!(
+        "{:<38} {:<34} {:>9} {:>9} {:>7} {:>7}\n",
+        "run", "layout", "measured", "predicted", "error%", "mem_GB"
+    );
     for c in checks {
         s += &format!(
             "{:<38} {:<34} {:>9.2} {:>9.2} {:>+7.1} {:>7.1}\n",
@@ -188,7 +211,12 @@ mod tests {
         }
         // Selective recomputation + SP is faster than full recomputation for every model, as measured.
         for pair in checks[1..].chunks(2) {
-            assert!(pair[1].step_s < pair[0].step_s, "{} vs {}", pair[0].name, pair[1].name);
+            assert!(
+                pair[1].step_s < pair[0].step_s,
+                "{} vs {}",
+                pair[0].name,
+                pair[1].name
+            );
         }
     }
 }

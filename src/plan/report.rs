@@ -121,9 +121,17 @@ pub fn table(job: &Job, mach: &Machine, plan: &Plan, top: usize, show_rejected: 
         mach.profile.usable_bytes() / 1e9,
         count("divisibility")
     );
-    let shown = plan.rejected.iter().filter(|r| r.kind == "divisibility").take(show_rejected).chain(
-        plan.rejected.iter().filter(|r| r.kind == "memory").take(show_rejected),
-    );
+    let shown = plan
+        .rejected
+        .iter()
+        .filter(|r| r.kind == "divisibility")
+        .take(show_rejected)
+        .chain(
+            plan.rejected
+                .iter()
+                .filter(|r| r.kind == "memory")
+                .take(show_rejected),
+        );
     for r in shown {
         s += &format!("#   {}: {}\n", r.layout, r.reason);
     }
@@ -150,11 +158,19 @@ pub fn job_toml(job: &Job, mach: &Machine, l: &Layout, step_s: f64) -> Result<St
     if mach.stack != Stack::Meshtrain || l.recompute != Recompute::None {
         return Err(Error::config(
             "--write",
-            format!("layout {} is a {:?}-stack prediction; meshtrain runs without recomputation only", l.describe(), mach.stack),
+            format!(
+                "layout {} is a {:?}-stack prediction; meshtrain runs without recomputation only",
+                l.describe(),
+                mach.stack
+            ),
         ));
     }
     let c = &job.model;
-    let (microbatches, accum) = if l.pp > 1 { (l.grad_accum, 1) } else { (1, l.grad_accum) };
+    let (microbatches, accum) = if l.pp > 1 {
+        (l.grad_accum, 1)
+    } else {
+        (1, l.grad_accum)
+    };
     let text = format!(
         "# Written by `meshtrain plan`: {name} on {gpus} GPUs of {machine}, predicted {step:.3} s per step.\n\
          # Point data.source at token shards (`meshtrain tokenize`) for real training.\n\
@@ -226,14 +242,46 @@ mod tests {
         let text = job_toml(&job, &mach, &best.layout, best.estimate.step_s).unwrap();
         let cfg = JobConfig::from_str(&text, &[]).unwrap();
         let l = best.layout;
-        assert_eq!((cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.zero), (l.tp, l.pp, l.dp, l.zero));
-        let per_step = cfg.train.micro_batch * cfg.train.grad_accum * cfg.parallel.microbatches * cfg.parallel.dp;
+        assert_eq!(
+            (
+                cfg.parallel.tp,
+                cfg.parallel.pp,
+                cfg.parallel.dp,
+                cfg.parallel.zero
+            ),
+            (l.tp, l.pp, l.dp, l.zero)
+        );
+        let per_step = cfg.train.micro_batch
+            * cfg.train.grad_accum
+            * cfg.parallel.microbatches
+            * cfg.parallel.dp;
         assert_eq!(per_step, 32);
         let s = sbatch(&job, &mach, "job.toml");
-        assert!(s.contains("#SBATCH -N 2") && s.contains("--ntasks-per-node=8") && s.contains("train job.toml"));
+        assert!(
+            s.contains("#SBATCH -N 2")
+                && s.contains("--ntasks-per-node=8")
+                && s.contains("train job.toml")
+        );
         let j = json(&job, &mach, &plan);
         let first = &j["layouts"][0];
-        for key in ["tp", "pp", "virtual_stages", "dp", "zero", "micro_batch", "grad_accum", "sp", "recompute", "step_s", "tokens_per_s", "tflops_per_gpu", "pct_of_peak", "mem_per_gpu_gb", "bubble_s", "exposed_comm_s"] {
+        for key in [
+            "tp",
+            "pp",
+            "virtual_stages",
+            "dp",
+            "zero",
+            "micro_batch",
+            "grad_accum",
+            "sp",
+            "recompute",
+            "step_s",
+            "tokens_per_s",
+            "tflops_per_gpu",
+            "pct_of_peak",
+            "mem_per_gpu_gb",
+            "bubble_s",
+            "exposed_comm_s",
+        ] {
             assert!(!first[key].is_null(), "{key}");
         }
         let t = table(&job, &mach, &plan, 5, 3);

@@ -60,27 +60,48 @@ fn point(job: &Job, mach: &Machine, opts: &Options, mode: Mode) -> Result<PointS
 
 /// Predicts `base` (its GPU count and global batch are the first point's) at every count of
 /// `gpus`; with `out`, writes the sweep's CSV and charts there.
-pub fn curve(base: &Job, gpus: &[usize], mode: Mode, mach: &Machine, opts: &Options, out: Option<&Path>) -> Result<Vec<PointSummary>> {
-    let first = *gpus.first().ok_or_else(|| Error::config("--gpus", "needs at least one GPU count"))?;
+pub fn curve(
+    base: &Job,
+    gpus: &[usize],
+    mode: Mode,
+    mach: &Machine,
+    opts: &Options,
+    out: Option<&Path>,
+) -> Result<Vec<PointSummary>> {
+    let first = *gpus
+        .first()
+        .ok_or_else(|| Error::config("--gpus", "needs at least one GPU count"))?;
     let mut points = Vec::new();
     for &n in gpus {
         let batch = match mode {
             Mode::Strong => base.global_batch,
             Mode::Weak => {
                 if (base.global_batch * n) % first != 0 {
-                    return Err(Error::config("--global-batch", format!("{} x {n} / {first} GPUs is not whole (weak scaling)", base.global_batch)));
+                    return Err(Error::config(
+                        "--global-batch",
+                        format!(
+                            "{} x {n} / {first} GPUs is not whole (weak scaling)",
+                            base.global_batch
+                        ),
+                    ));
                 }
                 base.global_batch * n / first
             }
         };
-        let job = Job { gpus: n, global_batch: batch, ..base.clone() };
+        let job = Job {
+            gpus: n,
+            global_batch: batch,
+            ..base.clone()
+        };
         points.push(point(&job, mach, opts, mode)?);
     }
     fill_efficiency(&mut points);
     if let Some(dir) = out {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
         let csv = dir.join("sweep.csv");
-        std::fs::write(&csv, to_csv(&points)).map_err(|e| Error::io(format!("write {}", csv.display()), e))?;
+        std::fs::write(&csv, to_csv(&points))
+            .map_err(|e| Error::io(format!("write {}", csv.display()), e))?;
         plot::sweep_plots(&points, dir)?;
     }
     Ok(points)
@@ -88,7 +109,10 @@ pub fn curve(base: &Job, gpus: &[usize], mode: Mode, mach: &Machine, opts: &Opti
 
 /// The curve as a table.
 pub fn table(points: &[PointSummary]) -> String {
-    let mut s = format!("{:>6} {:>16} {:>5} {:>9} {:>12} {:>9} {:>7}\n", "gpus", "layout", "mb", "step_s", "tokens/s/gpu", "TFLOP/s", "eff%");
+    let mut s = format!(
+        "{:>6} {:>16} {:>5} {:>9} {:>12} {:>9} {:>7}\n",
+        "gpus", "layout", "mb", "step_s", "tokens/s/gpu", "TFLOP/s", "eff%"
+    );
     for p in points {
         s += &format!(
             "{:>6} {:>16} {:>5} {:>9.3} {:>12.1} {:>9.1} {:>7.1}\n",
@@ -115,12 +139,30 @@ mod tests {
         let mach = Machine::new(&p, Stack::Meshtrain, "bf16").unwrap();
         let job = Job::named("d24", 8, 64, 1024).unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let pts = curve(&job, &[8, 16, 32, 64], Mode::Strong, &mach, &Options::for_stack(Stack::Meshtrain), Some(dir.path())).unwrap();
+        let pts = curve(
+            &job,
+            &[8, 16, 32, 64],
+            Mode::Strong,
+            &mach,
+            &Options::for_stack(Stack::Meshtrain),
+            Some(dir.path()),
+        )
+        .unwrap();
         assert_eq!(pts[0].efficiency, 1.0);
         assert!(pts.iter().all(|p| p.meta.tokens_per_step == 64 * 1024));
         assert!(pts[3].efficiency < 1.0 && pts[3].step_median_s < pts[0].step_median_s);
-        assert!(dir.path().join("sweep.csv").exists() && dir.path().join("efficiency.svg").exists());
-        let weak = curve(&job, &[8, 16], Mode::Weak, &mach, &Options::for_stack(Stack::Meshtrain), None).unwrap();
+        assert!(
+            dir.path().join("sweep.csv").exists() && dir.path().join("efficiency.svg").exists()
+        );
+        let weak = curve(
+            &job,
+            &[8, 16],
+            Mode::Weak,
+            &mach,
+            &Options::for_stack(Stack::Meshtrain),
+            None,
+        )
+        .unwrap();
         assert_eq!(weak[1].meta.tokens_per_step, 2 * 64 * 1024);
     }
 }

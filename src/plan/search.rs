@@ -43,7 +43,12 @@ impl Options {
             Stack::Meshtrain => vec![Recompute::None],
             Stack::Megatron => vec![Recompute::None, Recompute::Selective, Recompute::Full],
         };
-        Options { recompute, max_micro_batch: 16, max_virtual_stages: 8, refine: 16 }
+        Options {
+            recompute,
+            max_micro_batch: 16,
+            max_virtual_stages: 8,
+            refine: 16,
+        }
     }
 }
 
@@ -86,7 +91,12 @@ fn divisors(n: usize) -> Vec<usize> {
 }
 
 fn reject(out: &mut Vec<Rejected>, layout: String, reason: String) {
-    out.push(Rejected { layout, kind: "divisibility", reason, mem_gb: None });
+    out.push(Rejected {
+        layout,
+        kind: "divisibility",
+        reason,
+        mem_gb: None,
+    });
 }
 
 /// Blocks of each of the `pp * v` global stages: meshtrain's cost-balanced split, or equal stages
@@ -96,14 +106,22 @@ fn stage_blocks(job: &Job, stack: Stack, stages: usize) -> Result<Option<Vec<usi
     Ok(match stack {
         Stack::Megatron if l % stages != 0 => None,
         Stack::Megatron => Some(vec![l / stages; stages]),
-        Stack::Meshtrain => {
-            Some(stage_split::stage_layers(&job.model, job.seq_len, stages, &[])?.iter().map(|r| r.len()).collect())
-        }
+        Stack::Meshtrain => Some(
+            stage_split::stage_layers(&job.model, job.seq_len, stages, &[])?
+                .iter()
+                .map(|r| r.len())
+                .collect(),
+        ),
     })
 }
 
 /// [`stage_blocks`] of `stages`, computed once per search.
-fn stage_split_of<'a>(job: &Job, stack: Stack, cache: &'a mut HashMap<usize, Option<Vec<usize>>>, stages: usize) -> Result<Option<&'a [usize]>> {
+fn stage_split_of<'a>(
+    job: &Job,
+    stack: Stack,
+    cache: &'a mut HashMap<usize, Option<Vec<usize>>>,
+    stages: usize,
+) -> Result<Option<&'a [usize]>> {
     if !cache.contains_key(&stages) {
         cache.insert(stages, stage_blocks(job, stack, stages)?);
     }
@@ -118,30 +136,62 @@ pub fn search(job: &Job, mach: &Machine, opts: &Options) -> Result<Plan> {
     let model = &job.model;
     for tp in divisors(job.gpus) {
         if model.n_head % tp != 0 {
-            reject(&mut rejected, format!("tp {tp}"), format!("tp {tp} does not divide n_head {}", model.n_head));
+            reject(
+                &mut rejected,
+                format!("tp {tp}"),
+                format!("tp {tp} does not divide n_head {}", model.n_head),
+            );
             continue;
         }
         if job.vocab() % tp != 0 {
-            reject(&mut rejected, format!("tp {tp}"), format!("tp {tp} does not divide the padded vocabulary {}", job.vocab()));
+            reject(
+                &mut rejected,
+                format!("tp {tp}"),
+                format!(
+                    "tp {tp} does not divide the padded vocabulary {}",
+                    job.vocab()
+                ),
+            );
             continue;
         }
         for pp in divisors(job.gpus / tp) {
             let dp = job.gpus / (tp * pp);
             let fam = format!("tp {tp} pp {pp} dp {dp}");
             if pp > model.n_layer {
-                reject(&mut rejected, fam, format!("pp {pp} exceeds n_layer {}", model.n_layer));
+                reject(
+                    &mut rejected,
+                    fam,
+                    format!("pp {pp} exceeds n_layer {}", model.n_layer),
+                );
                 continue;
             }
             if job.global_batch % dp != 0 {
-                reject(&mut rejected, fam, format!("global batch {} does not divide over dp {dp}", job.global_batch));
+                reject(
+                    &mut rejected,
+                    fam,
+                    format!(
+                        "global batch {} does not divide over dp {dp}",
+                        job.global_batch
+                    ),
+                );
                 continue;
             }
             let per_replica = job.global_batch / dp;
             if stage_split_of(job, mach.stack, &mut splits, pp)?.is_none() {
-                reject(&mut rejected, format!("tp {tp} pp {pp}"), format!("n_layer {} does not split into {pp} equal stages", model.n_layer));
+                reject(
+                    &mut rejected,
+                    format!("tp {tp} pp {pp}"),
+                    format!(
+                        "n_layer {} does not split into {pp} equal stages",
+                        model.n_layer
+                    ),
+                );
                 continue;
             }
-            for mb in divisors(per_replica).into_iter().filter(|&b| b <= opts.max_micro_batch) {
+            for mb in divisors(per_replica)
+                .into_iter()
+                .filter(|&b| b <= opts.max_micro_batch)
+            {
                 let m = per_replica / mb;
                 for v in 1..=opts.max_virtual_stages {
                     if v > 1 && (pp == 1 || pp * v > model.n_layer || m % pp != 0) {
@@ -150,7 +200,17 @@ pub fn search(job: &Job, mach: &Machine, opts: &Options) -> Result<Plan> {
                     let Some(blocks) = stage_split_of(job, mach.stack, &mut splits, pp * v)? else {
                         continue;
                     };
-                    let base = Layout { tp, pp, virtual_stages: v, dp, zero: 0, micro_batch: mb, grad_accum: m, sp: false, recompute: Recompute::None };
+                    let base = Layout {
+                        tp,
+                        pp,
+                        virtual_stages: v,
+                        dp,
+                        zero: 0,
+                        micro_batch: mb,
+                        grad_accum: m,
+                        sp: false,
+                        recompute: Recompute::None,
+                    };
                     for l in variants(job, base, opts) {
                         costed += 1;
                         let e = cost::estimate(job, &l, mach, blocks);
@@ -159,11 +219,18 @@ pub fn search(job: &Job, mach: &Machine, opts: &Options) -> Result<Plan> {
                             rejected.push(Rejected {
                                 layout: l.describe(),
                                 kind: "memory",
-                                reason: format!("{:.1} GB per GPU > {:.1} GB usable", need / 1e9, usable / 1e9),
+                                reason: format!(
+                                    "{:.1} GB per GPU > {:.1} GB usable",
+                                    need / 1e9,
+                                    usable / 1e9
+                                ),
                                 mem_gb: Some(need / 1e9),
                             });
                         } else {
-                            ranked.push(Ranked { layout: l, estimate: e });
+                            ranked.push(Ranked {
+                                layout: l,
+                                estimate: e,
+                            });
                         }
                     }
                 }
@@ -175,18 +242,31 @@ pub fn search(job: &Job, mach: &Machine, opts: &Options) -> Result<Plan> {
     if ranked.is_empty() {
         return Err(no_layout(job, mach, &rejected));
     }
-    Ok(Plan { ranked, rejected, costed })
+    Ok(Plan {
+        ranked,
+        rejected,
+        costed,
+    })
 }
 
 /// ZeRO stages, SP and recomputation variants of `base`.
 fn variants(job: &Job, base: Layout, opts: &Options) -> Vec<Layout> {
     let zeros: &[u8] = if base.dp > 1 { &[0, 1, 2, 3] } else { &[0] };
-    let sps: &[bool] = if base.tp > 1 && job.seq_len % base.tp == 0 { &[false, true] } else { &[false] };
+    let sps: &[bool] = if base.tp > 1 && job.seq_len % base.tp == 0 {
+        &[false, true]
+    } else {
+        &[false]
+    };
     let mut out = Vec::new();
     for &zero in zeros {
         for &sp in sps {
             for &recompute in &opts.recompute {
-                out.push(Layout { zero, sp, recompute, ..base });
+                out.push(Layout {
+                    zero,
+                    sp,
+                    recompute,
+                    ..base
+                });
             }
         }
     }
@@ -195,7 +275,12 @@ fn variants(job: &Job, base: Layout, opts: &Options) -> Vec<Layout> {
 
 fn rank(ranked: &mut [Ranked], refine: usize) -> Result<()> {
     let by_time = |a: &Ranked, b: &Ranked| {
-        a.estimate.step_s.total_cmp(&b.estimate.step_s).then(a.estimate.memory.total().total_cmp(&b.estimate.memory.total()))
+        a.estimate.step_s.total_cmp(&b.estimate.step_s).then(
+            a.estimate
+                .memory
+                .total()
+                .total_cmp(&b.estimate.memory.total()),
+        )
     };
     ranked.sort_by(by_time);
     let n = refine.min(ranked.len());
@@ -208,7 +293,11 @@ fn rank(ranked: &mut [Ranked], refine: usize) -> Result<()> {
 
 /// The error for a job no layout fits: the GPU count, and the closest miss.
 fn no_layout(job: &Job, mach: &Machine, rejected: &[Rejected]) -> Error {
-    let closest = rejected.iter().filter(|r| r.kind == "memory").map(|r| format!("; the smallest needs {} ({})", r.reason, r.layout)).next();
+    let closest = rejected
+        .iter()
+        .filter(|r| r.kind == "memory")
+        .map(|r| format!("; the smallest needs {} ({})", r.reason, r.layout))
+        .next();
     Error::config(
         "--gpus",
         format!(
@@ -218,7 +307,10 @@ fn no_layout(job: &Job, mach: &Machine, rejected: &[Rejected]) -> Error {
             job.seq_len,
             job.gpus,
             mach.profile.name,
-            closest.unwrap_or_else(|| format!("; every layout breaks a divisibility rule (e.g. {})", rejected.first().map_or("-".into(), |r| r.reason.clone())))
+            closest.unwrap_or_else(|| format!(
+                "; every layout breaks a divisibility rule (e.g. {})",
+                rejected.first().map_or("-".into(), |r| r.reason.clone())
+            ))
         ),
     )
 }
@@ -237,9 +329,18 @@ mod tests {
         let plan = search(&job, &mach, &Options::for_stack(Stack::Meshtrain)).unwrap();
         // 16 heads: tp 3, 6, 12, 24 do not divide them.
         for tp in [3, 6, 12, 24] {
-            assert!(plan.rejected.iter().any(|r| r.layout == format!("tp {tp}") && r.reason.contains("n_head 16")), "tp {tp}");
+            assert!(
+                plan.rejected
+                    .iter()
+                    .any(|r| r.layout == format!("tp {tp}") && r.reason.contains("n_head 16")),
+                "tp {tp}"
+            );
         }
-        assert!(plan.ranked.windows(2).take(15).all(|w| w[0].estimate.step_s <= w[1].estimate.step_s));
+        assert!(plan
+            .ranked
+            .windows(2)
+            .take(15)
+            .all(|w| w[0].estimate.step_s <= w[1].estimate.step_s));
         assert!(plan.ranked[0].estimate.simulated);
         for r in &plan.ranked {
             let l = r.layout;
@@ -253,7 +354,12 @@ mod tests {
         let p = Profile::load("frontier").unwrap();
         let mach = Machine::new(&p, Stack::Meshtrain, "bf16").unwrap();
         let job = Job::named("1t", 8, 8, 2048).unwrap();
-        let err = search(&job, &mach, &Options::for_stack(Stack::Meshtrain)).unwrap_err().to_string();
-        assert!(err.contains("--gpus") && err.contains("8 GPUs of frontier") && err.contains("GB"), "{err}");
+        let err = search(&job, &mach, &Options::for_stack(Stack::Meshtrain))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--gpus") && err.contains("8 GPUs of frontier") && err.contains("GB"),
+            "{err}"
+        );
     }
 }

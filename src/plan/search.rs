@@ -122,8 +122,8 @@ fn stage_split_of<'a>(
     cache: &'a mut HashMap<usize, Option<Vec<usize>>>,
     stages: usize,
 ) -> Result<Option<&'a [usize]>> {
-    if !cache.contains_key(&stages) {
-        cache.insert(stages, stage_blocks(job, stack, stages)?);
+    if let std::collections::hash_map::Entry::Vacant(e) = cache.entry(stages) {
+        e.insert(stage_blocks(job, stack, stages)?);
     }
     Ok(cache[&stages].as_deref())
 }

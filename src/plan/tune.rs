@@ -89,6 +89,8 @@ fn trial_sets(r: &Ranked, steps: u64) -> Vec<String> {
         format!("train.grad_accum={accum}"),
         format!("train.steps={steps}"),
         "train.eval_every=0".into(),
+        // A trial is a few steps; the job's warm-up may be longer, and it does not change step time.
+        "optim.warmup_steps=0".into(),
         "checkpoint.every=0".into(),
     ]
     .into()

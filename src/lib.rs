@@ -44,6 +44,7 @@ pub mod metrics;
 pub mod model;
 pub mod optim;
 pub mod parallel;
+pub mod plan;
 pub mod sweep;
 pub mod train;
 pub mod transport;

@@ -52,6 +52,13 @@ enum Command {
     /// Strong/weak scaling sweeps: `sweep run JOB --mode strong --ranks 1,2,4` (CSV, JSON, plots),
     /// `sweep report DIR`, `sweep bench LABEL=CSV...` (bus bandwidth plots).
     Sweep(meshtrain::sweep::cli::SweepArgs),
+    /// Choose the 3D layout for a model on a machine: `plan --model 175b --machine frontier
+    /// --gpus 1024 --global-batch 1536` (ranked table, `--json`, `--write job.toml`),
+    /// `plan validate` (published runs predicted vs measured).
+    Plan(meshtrain::plan::cli::PlanArgs),
+    /// Run the best predicted layouts of a job as short trials (`tune JOB --machine M --top K`),
+    /// print predicted vs measured step times and write the measured winner's job file.
+    Tune(meshtrain::plan::tune::TuneArgs),
 }
 
 #[derive(Args)]
@@ -528,6 +535,9 @@ fn main() {
         Command::Generate(args) => generate(args),
         Command::Selftest(args) => with_world(|w| selftest(w, args)),
         Command::Sweep(args) => meshtrain::sweep::cli::main(args),
+        Command::Plan(args) if args.needs_world() => with_world(|w| meshtrain::plan::cli::calibrate(w, args)),
+        Command::Plan(args) => meshtrain::plan::cli::main(args),
+        Command::Tune(args) => meshtrain::plan::tune::main(args),
     };
     if let Err(e) = result {
         fail(&e);

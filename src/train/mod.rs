@@ -35,6 +35,8 @@ use crate::error::Result;
 
 pub use bench_step::{HeldBytes, StepHarness, StepResult};
 pub use grad_sync::DataParallel;
+pub use buckets::MAX_STAGED;
+pub use memory_fit::available_bytes;
 pub use memory_estimate::{MemoryEstimate, MemoryInputs};
 pub use replica::{DeviceEvent, Replica, ReplicaLayout};
 use session::{Session, StepEnd};

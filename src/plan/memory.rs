@@ -1,0 +1,440 @@
+//! Bytes one rank holds under a layout: the largest of the first pipeline rank (the most
+//! micro-batches in flight, the embedding) and the last (the head and its logits).
+//!
+//! meshtrain: the parameter, gradient, AdamW and staging terms are [`MemoryEstimate`] itself (the
+//! formula `meshtrain train` prints before step 0 and the README compares with measured peak RSS),
+//! fed with the rank's parameter count, a synthetic unit list (embedding, one block, final
+//! LayerNorm: the formula only reads the largest units and the embedding's) and the largest gradient
+//! buckets; the activations follow the buffers of `model::device_acts` (one slot per micro-batch
+//! in flight and chunk, the shared scratch, the GEMM operands' bf16 staging) and at bf16 the
+//! weights' bf16 copies are added. Everything is fp32 except those copies.
+//!
+//! Megatron-LM (the stack of the published runs): 18 bytes per parameter (bf16 weights, fp32 main
+//! gradients, fp32 master weights and two moments; the distributed optimizer at ZeRO >= 1 shards
+//! the last 12 over the data-parallel group, ZeRO 2 the gradients too, ZeRO 3 the weights) and the
+//! activations per block and micro-batch of Korthikanti et al. 2022 (`s b h (34 + 5 a s / h)` bytes
+//! without parallelism, divided by TP where it splits them: `10 + 24/t` without and `34/t` with
+//! sequence parallelism; selective recomputation drops the `5 a s / h` attention-core term, full
+//! recomputation keeps only the block input, `2 s b h`), plus the logits.
+
+use std::ops::Range;
+
+use super::{Job, Layout, Recompute, Stack};
+use crate::train::{MemoryEstimate, MemoryInputs};
+
+/// Micro-batches of one chunk whose activations a pipeline rank holds at once (its forwards not
+/// yet matched by backwards): `p - rank` under 1F1B, the interleaved schedule's warm-up + 1
+/// spread over the chunks (the schedule module's counts), at most `m`.
+pub fn in_flight(layout: &Layout, rank: usize) -> usize {
+    let (p, v, m) = (layout.pp, layout.virtual_stages, layout.grad_accum);
+    if p == 1 {
+        return 1;
+    }
+    if v == 1 {
+        return (p - rank).min(m);
+    }
+    let warmup = (2 * (p - rank - 1) + (v - 1) * p).min(m * v);
+    (warmup + 1).div_ceil(v).min(m)
+}
+
+/// Bytes of one rank, by term.
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize)]
+pub struct RankMemory {
+    /// Parameters (and their bf16 copies).
+    pub params: f64,
+    /// Gradients.
+    pub grads: f64,
+    /// Optimizer state (meshtrain: AdamW moments; Megatron: master weights and moments).
+    pub optimizer: f64,
+    /// Reduction staging buffers.
+    pub staging: f64,
+    /// Activations and scratch.
+    pub activations: f64,
+}
+
+impl RankMemory {
+    /// All terms.
+    pub fn total(&self) -> f64 {
+        self.params + self.grads + self.optimizer + self.staging + self.activations
+    }
+}
+
+/// What one pipeline rank holds of the model.
+#[derive(Debug, Clone, Copy)]
+pub struct RankShare {
+    /// Blocks over all its chunks.
+    pub blocks: usize,
+    /// Holds the embedding (first rank).
+    pub embeds: bool,
+    /// Holds the head (last rank).
+    pub ends: bool,
+    /// Its pipeline rank.
+    pub rank: usize,
+}
+
+impl RankShare {
+    /// Pipeline rank `rank`'s share when global stage `s` holds `stage_blocks[s]` blocks.
+    pub fn of(layout: &Layout, stage_blocks: &[usize], rank: usize) -> RankShare {
+        let p = layout.pp;
+        let blocks = (0..layout.virtual_stages)
+            .map(|c| stage_blocks[c * p + rank])
+            .sum();
+        RankShare {
+            blocks,
+            embeds: rank == 0,
+            ends: rank == p - 1,
+            rank,
+        }
+    }
+
+    /// Parameters on this rank (its TP shard).
+    pub fn params(&self, job: &Job, tp: usize) -> f64 {
+        let (h, t) = (job.model.n_embd as f64, tp as f64);
+        let block = 12.0 * h * h / t + 7.0 * h / t + 6.0 * h;
+        let wte = job.vocab() as f64 * h / t;
+        let embed = if self.embeds {
+            wte + (job.model.max_seq_len as f64) * h
+        } else {
+            0.0
+        };
+        let head = if self.ends {
+            2.0 * h + if self.embeds { 0.0 } else { wte }
+        } else {
+            0.0
+        };
+        self.blocks as f64 * block + embed + head
+    }
+}
+
+/// The larger of the first and the last pipeline rank's bytes.
+pub fn peak(
+    job: &Job,
+    layout: &Layout,
+    stack: Stack,
+    bf16: bool,
+    host_reduce: bool,
+    stage_blocks: &[usize],
+) -> RankMemory {
+    let ranks = [0, layout.pp - 1];
+    ranks
+        .iter()
+        .map(|&r| {
+            let share = RankShare::of(layout, stage_blocks, r);
+            match stack {
+                Stack::Meshtrain => meshtrain(job, layout, &share, bf16, host_reduce, stage_blocks),
+                Stack::Megatron => megatron(job, layout, &share),
+            }
+        })
+        .max_by(|a, b| a.total().total_cmp(&b.total()))
+        .unwrap_or_default()
+}
+
+/// The activation dimensions of `model::device_acts` for this rank.
+struct Dims {
+    bt: f64,
+    rows: f64,
+    c: f64,
+    cl: f64,
+    hl: f64,
+    vl: f64,
+    att: f64,
+    sp: bool,
+    tp: bool,
+}
+
+impl Dims {
+    fn new(job: &Job, l: &Layout) -> Dims {
+        let (b, t, tp) = (l.micro_batch as f64, job.seq_len as f64, l.tp as f64);
+        let c = job.model.n_embd as f64;
+        let bt = b * t;
+        Dims {
+            bt,
+            rows: if l.sp { bt / tp } else { bt },
+            c,
+            cl: c / tp,
+            hl: 4.0 * c / tp,
+            vl: job.vocab() as f64 / tp,
+            att: b * (job.model.n_head / l.tp) as f64 * t * t,
+            sp: l.sp,
+            tp: l.tp > 1,
+        }
+    }
+
+    fn block(&self) -> f64 {
+        self.bt * (2.0 * self.c + 4.0 * self.cl + 2.0 * self.hl)
+            + self.rows * (2.0 * self.c + 4.0)
+            + self.att
+    }
+
+    fn head(&self) -> f64 {
+        let ce = if self.tp { 3.0 * self.bt } else { 0.0 };
+        self.bt * (self.c + self.vl) + 3.0 * self.bt + 2.0 * self.rows + ce
+    }
+
+    fn slot(&self, blocks: f64, embeds: bool, ends: bool) -> f64 {
+        let ids = if embeds { self.bt } else { 0.0 };
+        ids + self.rows * self.c + blocks * self.block() + if ends { self.head() } else { 0.0 }
+    }
+
+    fn scratch(&self, head: bool, t: f64) -> f64 {
+        let dlogits = if head { self.bt * self.vl } else { 0.0 };
+        let sp = if self.sp {
+            self.rows * self.c
+                + 2.0 * self.bt * self.c
+                + (6.0 * self.c).max(t * self.c)
+                + 6.0 * self.c
+        } else {
+            0.0
+        };
+        self.rows * 3.0 * self.c
+            + self.bt * (4.0 * self.cl + 2.0 * self.hl)
+            + dlogits
+            + self.att
+            + sp
+    }
+
+    /// The GEMMs' bf16 operand staging and the attention views of a GPU arm, in f32 elements.
+    fn gemm_staging(&self, head: bool, heads_elems: f64) -> f64 {
+        let vl = if head { self.vl } else { 0.0 };
+        let x = self.bt * self.c.max(3.0 * self.cl).max(self.hl).max(vl);
+        let y = self.bt * self.c.max(self.hl);
+        (x + y) / 2.0 + 7.0 * heads_elems
+    }
+}
+
+fn meshtrain(
+    job: &Job,
+    l: &Layout,
+    share: &RankShare,
+    bf16: bool,
+    host_reduce: bool,
+    stage_blocks: &[usize],
+) -> RankMemory {
+    let n = share.params(job, l.tp);
+    let d = Dims::new(job, l);
+    let slots = in_flight(l, share.rank) as f64;
+    // Chunks of this rank: the embedding's is chunk 0, the head's the last one.
+    let p = l.pp;
+    let mut acts = 0.0;
+    for c in 0..l.virtual_stages {
+        let blocks = stage_blocks[c * p + share.rank] as f64;
+        let (embeds, ends) = (
+            share.embeds && c == 0,
+            share.ends && c + 1 == l.virtual_stages,
+        );
+        acts += slots * d.slot(blocks, embeds, ends);
+    }
+    let heads = d.bt * d.cl;
+    acts += d.scratch(share.ends, job.seq_len as f64)
+        + if bf16 {
+            d.gemm_staging(share.ends, heads)
+        } else {
+            0.0
+        };
+    let h = job.model.n_embd;
+    let (wte_len, wpe_len, lnf_len) = (
+        (job.vocab() * h).div_ceil(l.tp),
+        job.model.max_seq_len * h,
+        2 * h,
+    );
+    let block_len = (n / share.blocks.max(1) as f64) as usize;
+    let mut units: Vec<Range<usize>> = Vec::new();
+    let mut at = 0;
+    let mut push = |len: usize, units: &mut Vec<Range<usize>>| {
+        units.push(at..at + len);
+        at += len;
+    };
+    let holds_wte = share.embeds || share.ends;
+    if holds_wte {
+        push(wte_len, &mut units);
+    }
+    if share.embeds {
+        push(wpe_len, &mut units);
+    }
+    push(block_len, &mut units);
+    if share.ends {
+        push(lnf_len, &mut units);
+    }
+    let n_elems = n as usize;
+    let bucket = ((25usize << 20) / 4).min(n_elems.max(1));
+    let count = n_elems.div_ceil(bucket).min(crate::train::MAX_STAGED + 1);
+    let buckets: Vec<Range<usize>> = (0..count).map(|b| b * bucket..(b + 1) * bucket).collect();
+    let e = MemoryEstimate::new(&MemoryInputs {
+        zero: l.zero,
+        n: n_elems,
+        shard: n_elems.div_ceil(l.dp),
+        dp: l.dp,
+        buckets: &buckets,
+        units: &units,
+        wte: if holds_wte { Some(0..wte_len) } else { None },
+        releases_grads: l.zero >= 2 && l.pp == 1,
+        host_reduce,
+        activations: 0,
+    });
+    // bf16 copies of the 2D weights (all but biases and LayerNorms: ~ every parameter).
+    let copies = if bf16 { 2.0 * n } else { 0.0 };
+    RankMemory {
+        params: e.params as f64 + copies,
+        grads: e.grads as f64,
+        optimizer: e.optimizer as f64,
+        staging: e.staging as f64,
+        activations: 4.0 * acts,
+    }
+}
+
+fn megatron(job: &Job, l: &Layout, share: &RankShare) -> RankMemory {
+    let n = share.params(job, l.tp);
+    let dp = l.dp as f64;
+    let shard = |sharded: bool| if sharded { n / dp } else { n };
+    let (s, b, h, a, t) = (
+        job.seq_len as f64,
+        l.micro_batch as f64,
+        job.model.n_embd as f64,
+        job.model.n_head as f64,
+        l.tp as f64,
+    );
+    let sbh = s * b * h;
+    let attn_core = 5.0 * a * s / (h * t);
+    let per_block = match (l.recompute, l.sp) {
+        (Recompute::Full, sp) => 2.0 * sbh / if sp { t } else { 1.0 },
+        (Recompute::Selective, true) => sbh * 34.0 / t,
+        (Recompute::Selective, false) => sbh * (10.0 + 24.0 / t),
+        (Recompute::None, true) => sbh * (34.0 / t + attn_core),
+        (Recompute::None, false) => sbh * (10.0 + 24.0 / t + attn_core),
+    };
+    // Full recomputation rebuilds one block's activations at a time during its backward.
+    let rebuilt = if l.recompute == Recompute::Full {
+        sbh * (10.0 + 24.0 / t + attn_core)
+    } else {
+        0.0
+    };
+    let blocks_per_chunk = share.blocks as f64 / l.virtual_stages as f64;
+    let held = in_flight(l, share.rank) as f64 * l.virtual_stages as f64 * blocks_per_chunk;
+    // Logits (fp32 for the loss) and their gradient on the last rank.
+    let logits = if share.ends {
+        2.0 * 4.0 * s * b * job.vocab() as f64 / t
+    } else {
+        0.0
+    };
+    RankMemory {
+        params: 2.0 * shard(l.zero >= 3),
+        grads: 4.0 * shard(l.zero >= 2),
+        optimizer: 12.0 * shard(l.zero >= 1),
+        staging: 0.0,
+        activations: held * per_block + rebuilt + logits,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::GptConfig;
+
+    fn layout(tp: usize, pp: usize, v: usize, m: usize) -> Layout {
+        Layout {
+            tp,
+            pp,
+            virtual_stages: v,
+            dp: 1,
+            zero: 0,
+            micro_batch: 1,
+            grad_accum: m,
+            sp: false,
+            recompute: Recompute::None,
+        }
+    }
+
+    #[test]
+    fn in_flight_follows_the_schedules() {
+        // 1F1B: p - rank; one stage: 1; capped by m.
+        assert_eq!(
+            (
+                in_flight(&layout(1, 4, 1, 8), 0),
+                in_flight(&layout(1, 4, 1, 8), 3)
+            ),
+            (4, 1)
+        );
+        assert_eq!(in_flight(&layout(1, 4, 1, 2), 0), 2);
+        assert_eq!(in_flight(&layout(1, 1, 1, 8), 0), 1);
+        // Interleaved v = 2, p = 4, rank 0: warm-up 2*3 + 4 = 10, 11 forwards over 2 chunks.
+        assert_eq!(in_flight(&layout(1, 4, 2, 8), 0), 6);
+    }
+
+    #[test]
+    fn meshtrain_terms_match_the_training_formula() {
+        // One rank, ZeRO-0: 16 bytes per parameter plus staging of one bucket, no copies at fp32.
+        let job = Job::new("d12", &GptConfig::named("d12").unwrap(), 1, 4, 1024).unwrap();
+        let l = Layout {
+            micro_batch: 4,
+            grad_accum: 1,
+            ..layout(1, 1, 1, 1)
+        };
+        let m = peak(&job, &l, Stack::Meshtrain, false, false, &[12]);
+        let n = RankShare::of(&l, &[12], 0).params(&job, 1);
+        assert!(
+            (m.params - 4.0 * n).abs() < 8.0 && (m.optimizer - 8.0 * n).abs() < 16.0,
+            "{m:?} n {n}"
+        );
+        // d12 at B=4, T=1024: per block 4096 rows x (16C + 4) plus 4 x 12 x 1024^2 attention
+        // probabilities = 100.6M f32, 4.83 GB for 12 blocks; with the head, the logits' gradient
+        // and the scratch about 6.9 GB.
+        let gb = m.activations / 1e9;
+        assert!((6.5..7.3).contains(&gb), "{gb} GB");
+        // TP halves the large terms; sequence parallelism removes part of the rest.
+        let t2 = peak(
+            &job,
+            &Layout { tp: 2, ..l },
+            Stack::Meshtrain,
+            false,
+            false,
+            &[12],
+        );
+        let sp = peak(
+            &job,
+            &Layout {
+                tp: 2,
+                sp: true,
+                ..l
+            },
+            Stack::Meshtrain,
+            false,
+            false,
+            &[12],
+        );
+        assert!(t2.activations < 0.7 * m.activations && sp.activations < t2.activations + 1e9);
+    }
+
+    #[test]
+    fn megatron_activations_follow_korthikanti() {
+        // 175B, t = 8, SP + selective: 34 s b h / t bytes per block; 1F1B rank 0 holds p * L/p = L.
+        let c = GptConfig {
+            n_layer: 96,
+            n_head: 96,
+            n_embd: 12288,
+            vocab_size: 51200,
+            max_seq_len: 2048,
+        };
+        let job = Job::new("175b", &c, 64, 64, 2048).unwrap();
+        let l = Layout {
+            sp: true,
+            recompute: Recompute::Selective,
+            ..layout(8, 8, 1, 64)
+        };
+        let m = megatron(&job, &l, &RankShare::of(&l, &[12; 8], 0));
+        let expect = 96.0 * 34.0 * 2048.0 * 12288.0 / 8.0;
+        assert!(
+            (m.activations - expect).abs() < 1.0,
+            "{} vs {expect}",
+            m.activations
+        );
+        let full = megatron(
+            &job,
+            &Layout {
+                recompute: Recompute::Full,
+                ..l
+            },
+            &RankShare::of(&l, &[12; 8], 0),
+        );
+        assert!(full.activations < m.activations / 5.0);
+    }
+}

@@ -1,0 +1,168 @@
+//! `meshtrain plan --scaling weak|strong --gpus 128,256,...`: the predicted scaling curve of a job,
+//! as `meshtrain sweep report` draws a measured one.
+//!
+//! Each GPU count gets its best layout from [`search`]; its prediction becomes a
+//! [`PointSummary`] (median = p10 = p90 = the predicted step time; compute, exposed
+//! communication and bubble from the estimate), so efficiency is computed by the sweep's own
+//! [`fill_efficiency`] (strong: `T_1 N_1 / (T_N N)`; weak: tokens/s per rank over the first
+//! point's) and the CSV and charts are the sweep's (`sweep.csv`, `efficiency.svg`, ...). Strong
+//! scaling keeps the global batch; weak scaling grows it with the GPU count from the first one's.
+
+use std::path::Path;
+
+use super::cost::Machine;
+use super::search::{search, Options};
+use super::Job;
+use crate::error::{Error, Result};
+use crate::sweep::{fill_efficiency, plot, to_csv, Mode, PointMeta, PointSummary};
+
+/// The predicted point of `job` at its GPU count.
+fn point(job: &Job, mach: &Machine, opts: &Options, mode: Mode) -> Result<PointSummary> {
+    let plan = search(job, mach, opts)?;
+    let best = &plan.ranked[0];
+    let (l, e) = (best.layout, &best.estimate);
+    let ranks = job.gpus;
+    let tokens = (job.global_batch * job.seq_len) as u64;
+    let flops_per_token = crate::metrics::train_flops_per_token(&job.model, job.seq_len);
+    let tokens_per_s = tokens as f64 / e.step_s;
+    Ok(PointSummary {
+        meta: PointMeta {
+            mode,
+            nodes: ranks.div_ceil(mach.profile.devices_per_node),
+            ranks,
+            tp: l.tp,
+            pp: l.pp,
+            dp: l.dp,
+            micro_batch: l.micro_batch,
+            grad_accum: l.grad_accum,
+            seq_len: job.seq_len,
+            tokens_per_step: tokens,
+            flops_per_token,
+            job_id: None,
+            nodelist: format!("predicted: {}", mach.profile.name),
+            command: vec!["meshtrain".into(), "plan".into(), l.describe()],
+            env: Vec::new(),
+        },
+        steps: 0,
+        step_median_s: e.step_s,
+        step_p10_s: e.step_s,
+        step_p90_s: e.step_s,
+        tokens_per_s,
+        tokens_per_s_per_rank: tokens_per_s / ranks as f64,
+        tflops_per_rank: tokens_per_s * flops_per_token / ranks as f64 / 1e12,
+        mfu: Some(tokens_per_s * flops_per_token / ranks as f64 / mach.peak),
+        compute_s: e.compute_s,
+        comm_exposed_s: e.exposed_comm_s(),
+        bubble_s: e.bubble_s,
+        efficiency: 0.0,
+    })
+}
+
+/// Predicts `base` (its GPU count and global batch are the first point's) at every count of
+/// `gpus`; with `out`, writes the sweep's CSV and charts there.
+pub fn curve(
+    base: &Job,
+    gpus: &[usize],
+    mode: Mode,
+    mach: &Machine,
+    opts: &Options,
+    out: Option<&Path>,
+) -> Result<Vec<PointSummary>> {
+    let first = *gpus
+        .first()
+        .ok_or_else(|| Error::config("--gpus", "needs at least one GPU count"))?;
+    let mut points = Vec::new();
+    for &n in gpus {
+        let batch = match mode {
+            Mode::Strong => base.global_batch,
+            Mode::Weak => {
+                if (base.global_batch * n) % first != 0 {
+                    return Err(Error::config(
+                        "--global-batch",
+                        format!(
+                            "{} x {n} / {first} GPUs is not whole (weak scaling)",
+                            base.global_batch
+                        ),
+                    ));
+                }
+                base.global_batch * n / first
+            }
+        };
+        let job = Job {
+            gpus: n,
+            global_batch: batch,
+            ..base.clone()
+        };
+        points.push(point(&job, mach, opts, mode)?);
+    }
+    fill_efficiency(&mut points);
+    if let Some(dir) = out {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
+        let csv = dir.join("sweep.csv");
+        std::fs::write(&csv, to_csv(&points))
+            .map_err(|e| Error::io(format!("write {}", csv.display()), e))?;
+        plot::sweep_plots(&points, dir)?;
+    }
+    Ok(points)
+}
+
+/// The curve as a table.
+pub fn table(points: &[PointSummary]) -> String {
+    let mut s = format!(
+        "{:>6} {:>16} {:>5} {:>9} {:>12} {:>9} {:>7}\n",
+        "gpus", "layout", "mb", "step_s", "tokens/s/gpu", "TFLOP/s", "eff%"
+    );
+    for p in points {
+        s += &format!(
+            "{:>6} {:>16} {:>5} {:>9.3} {:>12.1} {:>9.1} {:>7.1}\n",
+            p.meta.ranks,
+            p.meta.layout(),
+            p.meta.micro_batch,
+            p.step_median_s,
+            p.tokens_per_s_per_rank,
+            p.tflops_per_rank,
+            100.0 * p.efficiency
+        );
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Profile, Stack};
+
+    #[test]
+    fn strong_scaling_keeps_the_batch_and_loses_efficiency() {
+        let p = Profile::load("dgx-a100").unwrap();
+        let mach = Machine::new(&p, Stack::Meshtrain, "bf16").unwrap();
+        let job = Job::named("d24", 8, 64, 1024).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let pts = curve(
+            &job,
+            &[8, 16, 32, 64],
+            Mode::Strong,
+            &mach,
+            &Options::for_stack(Stack::Meshtrain),
+            Some(dir.path()),
+        )
+        .unwrap();
+        assert_eq!(pts[0].efficiency, 1.0);
+        assert!(pts.iter().all(|p| p.meta.tokens_per_step == 64 * 1024));
+        assert!(pts[3].efficiency < 1.0 && pts[3].step_median_s < pts[0].step_median_s);
+        assert!(
+            dir.path().join("sweep.csv").exists() && dir.path().join("efficiency.svg").exists()
+        );
+        let weak = curve(
+            &job,
+            &[8, 16],
+            Mode::Weak,
+            &mach,
+            &Options::for_stack(Stack::Meshtrain),
+            None,
+        )
+        .unwrap();
+        assert_eq!(weak[1].meta.tokens_per_step, 2 * 64 * 1024);
+    }
+}

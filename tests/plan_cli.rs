@@ -1,0 +1,69 @@
+//! `meshtrain plan` and `meshtrain tune` as a user runs them: bad input exits 2 naming the flag or
+//! the profile field; `--write` gives a job file that loads for the planned rank count and an
+//! sbatch script; `tune` runs its trials and writes the winner and the calibration error.
+
+mod common;
+
+use std::process::Command;
+
+fn plan(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(common::meshtrain()).arg("plan").args(args).output().expect("meshtrain starts");
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.code().unwrap_or(-1), text(&out.stdout), text(&out.stderr))
+}
+
+#[test]
+fn bad_input_exits_2_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = ["--gpus", "8", "--global-batch", "8"];
+    let with = |extra: &[&str]| plan(&[extra, &base[..]].concat());
+    for (args, expect) in [
+        (vec!["--model", "17b", "--machine", "frontier"], "--model"),
+        (vec!["--model", "d12", "--machine", "summit"], "--machine"),
+        (vec!["--model", "1t", "--machine", "frontier"], "--gpus"),
+    ] {
+        let (code, _, err) = with(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(expect), "{args:?}: {err}");
+    }
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/jobs/machines/frontier.toml")).unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, text.replace("bandwidth_gbs = 1600\n", "")).unwrap();
+    let (code, _, err) = with(&["--model", "d12", "--machine", bad.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("memory.bandwidth_gbs"), "{err}");
+}
+
+#[test]
+fn write_gives_a_loadable_job_and_an_sbatch() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.toml");
+    let (code, out, err) = plan(&[
+        "--model", "d24", "--machine", "dgx-a100", "--gpus", "16", "--global-batch", "64", "--write", job.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.lines().any(|l| l.trim_start().starts_with("1 ")), "{out}");
+    let cfg = meshtrain::config::JobConfig::load(&job, &[]).unwrap();
+    cfg.validate_world(16).unwrap();
+    let sbatch = std::fs::read_to_string(dir.path().join("job.sbatch")).unwrap();
+    assert!(sbatch.contains("#SBATCH -N 2") && sbatch.contains("train"), "{sbatch}");
+}
+
+#[test]
+fn tune_runs_its_trials_and_records_the_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = common::tiny_job(dir.path(), "tiny.toml", "");
+    let out = dir.path().join("tune");
+    let status = Command::new(common::meshtrain())
+        .args(["tune", job.to_str().unwrap(), "--machine", "dgx-a100", "--top", "2", "--steps", "3", "--warmup", "1", "--launch", ""])
+        .args(["--out", out.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let tune: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("tune.json")).unwrap()).unwrap();
+    let trials = tune["trials"].as_array().unwrap();
+    assert_eq!(trials.len(), 2);
+    assert!(trials.iter().all(|t| t["measured_s"].as_f64().unwrap() > 0.0));
+    assert!(tune["mean_abs_error_pct"].as_f64().unwrap().is_finite());
+    meshtrain::config::JobConfig::load(&out.join("best.toml"), &[]).unwrap().validate_world(1).unwrap();
+}

@@ -27,6 +27,10 @@ use meshtrain::{Error, Result};
 #[derive(Parser)]
 #[command(name = "meshtrain", version, about = "Train GPT models on supercomputers")]
 struct Cli {
+    /// More detail: `-v` per-rank and per-communicator lines and the effective config (debug),
+    /// `-vv` everything (trace). `RUST_LOG` sets finer filters when no `-v` is given.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
     #[command(subcommand)]
     command: Command,
 }
@@ -87,6 +91,9 @@ struct ExportArgs {
     ckpt: PathBuf,
     /// The HDF5 file to write.
     out: PathBuf,
+    /// Also write the optimizer state (AdamW moments); by default only the model's weights.
+    #[arg(long)]
+    optimizer: bool,
 }
 
 #[derive(Args)]
@@ -409,23 +416,40 @@ fn generate(args: &GenerateArgs) -> Result<()> {
     let (config, params) = load_model(&args.model)?;
     let mut model = Gpt::<f32>::from_params(config, 1, config.max_seq_len, params)?;
     let tokenizer = (config.vocab_size == GPT2_VOCAB_SIZE).then(Gpt2Tokenizer::new).transpose()?;
-    let prompt: Vec<u32> = match (&tokenizer, args.tokens.is_empty()) {
-        (_, false) => args.tokens.clone(),
-        (Some(t), true) if !args.prompt.is_empty() => t.encode(&args.prompt),
-        _ => vec![0],
+    if tokenizer.is_none() && !args.prompt.is_empty() {
+        return Err(Error::config(
+            "--prompt",
+            format!(
+                "this model's vocabulary has {} tokens, not GPT-2's {GPT2_VOCAB_SIZE}, so text cannot be encoded; \
+                 give the prompt as token ids with --tokens (train on `meshtrain tokenize` shards with \
+                 model.vocab_size = {GPT2_VOCAB_SIZE} for text)",
+                config.vocab_size
+            ),
+        ));
+    }
+    let prompt: Vec<u32> = match &tokenizer {
+        _ if !args.tokens.is_empty() => args.tokens.clone(),
+        Some(t) if !args.prompt.is_empty() => t.encode(&args.prompt),
+        Some(_) => vec![meshtrain::data::EOT_TOKEN],
+        None => vec![0],
     };
     let opts = SampleOptions { max_new_tokens: args.max_new_tokens, temperature: args.temperature, top_k: args.top_k, seed: args.seed };
     let out = sample::generate(&mut model, &prompt, &opts)?;
     match &tokenizer {
-        Some(t) => println!("{}{}", args.prompt, t.decode(&out)?),
-        None => println!("{}", out.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",")),
+        Some(t) if args.tokens.is_empty() => println!("{}{}", args.prompt, t.decode(&out)?),
+        Some(t) => println!("{}{}", t.decode(&args.tokens)?, t.decode(&out)?),
+        None => {
+            log::info!("vocabulary of {} tokens is not GPT-2's: printing token ids", config.vocab_size);
+            println!("{}", out.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","));
+        }
     }
     Ok(())
 }
 
 /// A model's config and flat parameters from an exported file or a checkpoint directory.
 fn load_model(path: &std::path::Path) -> Result<(GptConfig, Vec<f32>)> {
-    if path.is_dir() {
+    let in_checkpoint = path.file_name().is_some_and(|n| n == "latest" || n == "checkpoint.h5");
+    if path.is_dir() || in_checkpoint {
         let index = checkpoint::open(path)?;
         let config = index.meta().model;
         let layout = ParamLayout::new(&config);
@@ -460,9 +484,27 @@ fn tokenize(args: &TokenizeArgs) -> Result<()> {
     Ok(())
 }
 
+/// `meshtrain train`: a layout that does not fit the ranks the job got is said once, by rank 0,
+/// before any rank exits (the world's shutdown barrier), with the `--set` that would fit.
+fn train_job(cfg: &JobConfig, args: &TrainArgs) -> Result<()> {
+    let world = World::init()?;
+    if let Err(e) = cfg.validate_world(world.size) {
+        if world.rank == 0 {
+            let _ = std::io::stderr().write_all(format!("meshtrain: error: {e}\n").as_bytes());
+        }
+        drop(world);
+        std::process::exit(e.exit_code());
+    }
+    in_world(world, |w| train::train(w, cfg, &TrainOptions { metrics: args.metrics.clone() }).map(|_| ()))
+}
+
 /// Runs `f` inside an initialized world; on failure raises the job-wide abort and exits at once.
 fn with_world(f: impl FnOnce(&World) -> Result<()>) -> Result<()> {
-    let world = World::init()?;
+    in_world(World::init()?, f)
+}
+
+/// Runs `f` in `world`; on failure raises the job-wide abort and exits at once.
+fn in_world(world: World, f: impl FnOnce(&World) -> Result<()>) -> Result<()> {
     if let Err(e) = f(&world) {
         world.abort_state().raise(&e.to_string());
         fail(&e);
@@ -479,15 +521,27 @@ fn fail(e: &Error) -> ! {
     std::process::exit(e.exit_code());
 }
 
-fn main() {
-    let rank = rank_hint();
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
-        .format(move |buf, rec| {
-            let r = rank.map_or(String::new(), |r| format!("r{r} "));
-            writeln!(buf, "[{r}{} {}] {}", rec.level(), rec.target(), rec.args())
-        })
+/// Logs to stderr, each line prefixed with the rank (`[r3 INFO ...]`; a process started without a
+/// launcher is rank 0 of a world of one). Default level info; `-v` debug, `-vv` trace, else
+/// `RUST_LOG`.
+fn init_logging(verbose: u8) {
+    let rank = rank_hint().unwrap_or(0);
+    let mut builder = match verbose {
+        0 => env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")),
+        v => {
+            let mut b = env_logger::Builder::new();
+            b.parse_filters(if v == 1 { "debug" } else { "trace" });
+            b
+        }
+    };
+    builder
+        .format(move |buf, rec| writeln!(buf, "[r{rank} {} {}] {}", rec.level(), rec.target(), rec.args()))
         .init();
+}
+
+fn main() {
     let cli = Cli::parse();
+    init_logging(cli.verbose);
     let result = match &cli.command {
         Command::Bench(args) if args.what == "step" => with_world(|w| bench_step(w, args)),
         Command::Bench(args) if args.what == "checkpoint" => with_world(|w| {
@@ -508,15 +562,13 @@ fn main() {
         Command::Train(args) => {
             let cfg = JobConfig::load(&args.job, &args.sets);
             match cfg {
-                Ok(cfg) => with_world(|w| {
-                    train::train(w, &cfg, &TrainOptions { metrics: args.metrics.clone() }).map(|_| ())
-                }),
+                Ok(cfg) => train_job(&cfg, args),
                 Err(e) => Err(e),
             }
         }
         Command::Tokenize(args) => tokenize(args),
         Command::Inspect(args) => inspect(args),
-        Command::Export(args) => checkpoint::export(&args.ckpt, &args.out).map(|n| {
+        Command::Export(args) => checkpoint::export(&args.ckpt, &args.out, args.optimizer).map(|n| {
             println!("export: {n} tensors -> {}", args.out.display());
         }),
         Command::Generate(args) => generate(args),

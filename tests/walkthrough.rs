@@ -82,7 +82,8 @@ fn train_on_your_own_text_ends_in_generated_text() {
     // A layout that does not fit the ranks: said once, by rank 0, with the overrides that fit.
     let demo = format!("{REPO}/jobs/demo.toml");
     let mut wrong = common::mpirun(2);
-    wrong.args(["train", &demo, "--set", "train.steps=5"]);
+    // mpirun's own default: the job ends, non-zero, at the first rank's non-zero exit.
+    wrong.env_remove("OMPI_MCA_orte_abort_on_non_zero_status").args(["train", &demo, "--set", "train.steps=5"]);
     let out = wrong.current_dir(&dir).output().unwrap();
     let all = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
     let errors: Vec<&str> = all.lines().filter(|l| l.contains("meshtrain: error")).collect();

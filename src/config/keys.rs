@@ -29,12 +29,18 @@ pub struct Key {
 }
 
 const fn key(key: &'static str, ty: &'static str, default: Default, meaning: &'static str) -> Key {
-    Key { key, ty, default, meaning }
+    Key {
+        key,
+        ty,
+        default,
+        meaning,
+    }
 }
 
 use Default::{Code, Text};
 
 /// Every key, in the order of the file's sections.
+#[rustfmt::skip]
 pub const KEYS: &[Key] = &[
     key("device", "string", Code, "`cpu`, `cuda`, `hip`, or `emu` (the GPU kernels emulated on the host)"),
     key("precision", "string", Text("`fp32` on the CPU, `bf16` on a GPU"), "matrix-product inputs: `fp32` or `bf16` (f32 accumulation and master weights)"),
@@ -87,12 +93,16 @@ pub const KEYS: &[Key] = &[
 
 /// The built-in defaults as dotted key -> TOML text (a tiny model stands in for the required one).
 pub fn code_defaults() -> Vec<(String, String)> {
-    let cfg = JobConfig::from_str("[model]\nsize = \"tiny\"\n", &[]).expect("the built-in defaults are valid");
+    let cfg = JobConfig::from_str("[model]\nsize = \"tiny\"\n", &[])
+        .expect("the built-in defaults are valid");
     let table: toml::Table = toml::from_str(&cfg.to_toml()).expect("the effective config is TOML");
     let mut out = Vec::new();
     for (k, v) in table {
         match v {
-            toml::Value::Table(t) => out.extend(t.into_iter().map(|(k2, v2)| (format!("{k}.{k2}"), v2.to_string()))),
+            toml::Value::Table(t) => out.extend(
+                t.into_iter()
+                    .map(|(k2, v2)| (format!("{k}.{k2}"), v2.to_string())),
+            ),
             v => out.push((k, v.to_string())),
         }
     }
@@ -107,11 +117,17 @@ pub fn markdown_table() -> String {
         let default = match k.default {
             Text(t) => t.to_string(),
             Code => {
-                let v = defaults.iter().find(|(d, _)| d == k.key).map_or("?", |(_, v)| v.as_str());
+                let v = defaults
+                    .iter()
+                    .find(|(d, _)| d == k.key)
+                    .map_or("?", |(_, v)| v.as_str());
                 format!("`{v}`")
             }
         };
-        s.push_str(&format!("| `{}` | {} | {} | {} |\n", k.key, k.ty, default, k.meaning));
+        s.push_str(&format!(
+            "| `{}` | {} | {} | {} |\n",
+            k.key, k.ty, default, k.meaning
+        ));
     }
     s
 }
@@ -135,11 +151,24 @@ mod tests {
         for (k, _) in &defaults {
             let doc = KEYS.iter().find(|d| d.key == k);
             let model_shape = k.starts_with("model.");
-            assert!(doc.is_some(), "config key `{k}` is missing from config::keys::KEYS");
-            assert!(model_shape || matches!(doc.unwrap().default, Code) || k == "precision" || k == "train.seq_len", "`{k}` has a built-in default: mark it Code");
+            assert!(
+                doc.is_some(),
+                "config key `{k}` is missing from config::keys::KEYS"
+            );
+            assert!(
+                model_shape
+                    || matches!(doc.unwrap().default, Code)
+                    || k == "precision"
+                    || k == "train.seq_len",
+                "`{k}` has a built-in default: mark it Code"
+            );
         }
         for k in KEYS.iter().filter(|k| matches!(k.default, Code)) {
-            assert!(defaults.iter().any(|(d, _)| d == k.key), "`{}` is marked Code but has no built-in default", k.key);
+            assert!(
+                defaults.iter().any(|(d, _)| d == k.key),
+                "`{}` is marked Code but has no built-in default",
+                k.key
+            );
         }
     }
 
@@ -147,16 +176,25 @@ mod tests {
     fn every_documented_key_is_accepted_by_the_loader() {
         let base = "[model]\nsize = \"tiny\"\n";
         for k in KEYS {
-            let err = JobConfig::from_str(base, &[format!("{}=@@", k.key)]).err().map(|e| e.to_string()).unwrap_or_default();
+            let err = JobConfig::from_str(base, &[format!("{}=@@", k.key)])
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
             assert!(!err.contains("unknown key"), "`{}`: {err}", k.key);
         }
-        let err = JobConfig::from_str(base, &["train.step=5".into()]).unwrap_err().to_string();
-        assert!(err.contains("unknown key") && err.contains("did you mean `train.steps`?"), "{err}");
+        let err = JobConfig::from_str(base, &["train.step=5".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("unknown key") && err.contains("did you mean `train.steps`?"),
+            "{err}"
+        );
     }
 
     #[test]
     fn the_readme_holds_the_generated_key_table() {
-        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+        let readme =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
         let table = markdown_table();
         assert!(
             readme.contains(&table),

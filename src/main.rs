@@ -94,11 +94,16 @@ struct ExportArgs {
     /// Also write the optimizer state (AdamW moments); by default only the model's weights.
     #[arg(long)]
     optimizer: bool,
+    /// `h5` (one HDF5 file, meshtrain's names) or `safetensors` (a directory that transformers'
+    /// `GPT2LMHeadModel.from_pretrained` loads: model.safetensors + config.json).
+    #[arg(long, default_value = "h5", value_parser = ["h5", "safetensors"])]
+    format: String,
 }
 
 #[derive(Args)]
 struct GenerateArgs {
-    /// An exported model file (`meshtrain export`) or a checkpoint directory.
+    /// An exported model (`meshtrain export`: an .h5 file or a safetensors directory), a
+    /// checkpoint directory or its `latest`.
     model: PathBuf,
     /// Prompt text (GPT-2 BPE; for models with a smaller vocabulary use --tokens).
     #[arg(long, default_value = "")]
@@ -449,7 +454,7 @@ fn generate(args: &GenerateArgs) -> Result<()> {
 /// A model's config and flat parameters from an exported file or a checkpoint directory.
 fn load_model(path: &std::path::Path) -> Result<(GptConfig, Vec<f32>)> {
     let in_checkpoint = path.file_name().is_some_and(|n| n == "latest" || n == "checkpoint.h5");
-    if path.is_dir() || in_checkpoint {
+    if (path.is_dir() && !checkpoint::is_hf_dir(path)) || in_checkpoint {
         let index = checkpoint::open(path)?;
         let config = index.meta().model;
         let layout = ParamLayout::new(&config);
@@ -457,8 +462,8 @@ fn load_model(path: &std::path::Path) -> Result<(GptConfig, Vec<f32>)> {
         checkpoint::load_flat_range(&index, "model", layout.entries(), 0..layout.total_len(), &mut params)?;
         return Ok((config, params));
     }
-    let (meta, tensors) = checkpoint::read_exported(path)?;
-    let layout = ParamLayout::new(&meta.model);
+    let (model, tensors) = checkpoint::read_weights(path)?;
+    let layout = ParamLayout::new(&model);
     let mut params = vec![0f32; layout.total_len()];
     for e in layout.entries() {
         let name = format!("model/{}", e.name);
@@ -468,7 +473,19 @@ fn load_model(path: &std::path::Path) -> Result<(GptConfig, Vec<f32>)> {
         }
         params[e.range()].copy_from_slice(&t.2);
     }
-    Ok((meta.model, params))
+    Ok((model, params))
+}
+
+fn export(args: &ExportArgs) -> Result<()> {
+    let n = match args.format.as_str() {
+        "safetensors" if args.optimizer => {
+            return Err(Error::config("--optimizer", "the safetensors (Hugging Face) format holds the weights only"))
+        }
+        "safetensors" => checkpoint::export_hf(&args.ckpt, &args.out)?,
+        _ => checkpoint::export(&args.ckpt, &args.out, args.optimizer)?,
+    };
+    println!("export: {n} tensors -> {}", args.out.display());
+    Ok(())
 }
 
 fn tokenize(args: &TokenizeArgs) -> Result<()> {
@@ -568,9 +585,7 @@ fn main() {
         }
         Command::Tokenize(args) => tokenize(args),
         Command::Inspect(args) => inspect(args),
-        Command::Export(args) => checkpoint::export(&args.ckpt, &args.out, args.optimizer).map(|n| {
-            println!("export: {n} tensors -> {}", args.out.display());
-        }),
+        Command::Export(args) => export(args),
         Command::Generate(args) => generate(args),
         Command::Selftest(args) => with_world(|w| selftest(w, args)),
         Command::Sweep(args) => meshtrain::sweep::cli::main(args),

@@ -88,6 +88,7 @@ mod h5;
 mod index;
 mod inspect;
 mod meta;
+mod safetensors;
 mod save;
 #[cfg(test)]
 mod tests;
@@ -99,7 +100,18 @@ pub use export::{export, read_exported, ExportedTensor, EXPORT_FORMAT};
 pub use index::{load_slice, open, CheckpointIndex};
 pub use inspect::{inspect, InspectReport, TensorStats};
 pub use meta::{CkptMeta, OptimizerMeta, ShardRecord, TensorRecord};
+pub use safetensors::{export_hf, is_hf_dir, read_hf};
 pub use save::save;
+
+/// The model and its weights (`model/<name>`, global shapes) from an exported file or a Hugging
+/// Face GPT-2 directory: what `init_from` and `generate` read.
+pub fn read_weights(path: &std::path::Path) -> crate::error::Result<(crate::model::GptConfig, Vec<ExportedTensor>)> {
+    if is_hf_dir(path) {
+        return read_hf(path);
+    }
+    let (meta, tensors) = read_exported(path)?;
+    Ok((meta.model, tensors))
+}
 
 /// Value of the index's `format` attribute.
 pub const FORMAT: &str = "meshtrain-checkpoint";

@@ -171,6 +171,12 @@ fn train_on_your_own_text_ends_in_generated_text() {
     let (b, _) = ok(meshtrain(&greedy), &dir, "generate from latest");
     assert!(a == b && a.starts_with(prompt), "{a:?} vs {b:?}");
 
+    // The same weights for transformers (safetensors) read back by `generate`: the same text.
+    let (said, _) = ok(meshtrain(&["export", "--format", "safetensors", "ckpt/dp2", "hf"]), &dir, "export safetensors");
+    assert!(said.contains("export: 28 tensors"), "{said}");
+    let greedy = |m: &str| ok(meshtrain(&["generate", m, "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "8"]), &dir, m).0;
+    assert_eq!(greedy("hf"), greedy("model.h5"));
+
     // A layout that does not fit the ranks: said once, by rank 0, with the overrides that fit.
     let demo = format!("{REPO}/jobs/demo.toml");
     let mut wrong = common::mpirun(2);

@@ -100,7 +100,7 @@ pub use export::{export, read_exported, ExportedTensor, EXPORT_FORMAT};
 pub use index::{load_slice, open, CheckpointIndex};
 pub use inspect::{inspect, InspectReport, TensorStats};
 pub use meta::{CkptMeta, OptimizerMeta, ShardRecord, TensorRecord};
-pub use safetensors::{export_hf, is_hf_dir, read_hf};
+pub use safetensors::{export_hf, is_hf_dir, read_hf, write_hf};
 pub use save::save;
 
 /// The model and its weights (`model/<name>`, global shapes) from an exported file or a Hugging

@@ -27,6 +27,9 @@ pub const WEIGHTS_FILE: &str = "model.safetensors";
 /// The model configuration beside it.
 pub const CONFIG_FILE: &str = "config.json";
 
+/// Tensors by name: shape and F32 values.
+pub type NamedTensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
 /// meshtrain's block tensor suffix -> (transformers' suffix, transposed).
 const BLOCK_NAMES: &[(&str, &str, bool)] = &[
     ("ln1.weight", "ln_1.weight", false),
@@ -95,7 +98,7 @@ fn hf_config(m: &GptConfig) -> serde_json::Value {
 /// Writes the model tensors of `tensors` (names `model/<name>`, global shapes) as a Hugging Face
 /// GPT-2 directory `dir`; returns the number of tensors written.
 pub fn write_hf(dir: &Path, model: &GptConfig, tensors: &[ExportedTensor]) -> Result<usize> {
-    let mut out: BTreeMap<String, (Vec<usize>, Vec<f32>)> = BTreeMap::new();
+    let mut out = NamedTensors::new();
     for (name, shape, data) in tensors {
         let Some(short) = name.strip_prefix("model/") else { continue };
         let (hf, t) = hf_name(short).ok_or_else(|| Error::file(dir, None, format!("no Hugging Face name for `{name}`")))?;
@@ -121,7 +124,7 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// The safetensors bytes of `tensors` (all F32), in name order.
-pub fn serialize(tensors: &BTreeMap<String, (Vec<usize>, Vec<f32>)>) -> Vec<u8> {
+pub fn serialize(tensors: &NamedTensors) -> Vec<u8> {
     let mut header = String::from("{\"__metadata__\":{\"format\":\"pt\"}");
     let mut offset = 0usize;
     for (name, (shape, data)) in tensors {
@@ -147,7 +150,7 @@ pub fn serialize(tensors: &BTreeMap<String, (Vec<usize>, Vec<f32>)>) -> Vec<u8> 
 }
 
 /// Parses safetensors `bytes` (from `path`, for errors): name -> (shape, F32 values).
-pub fn parse(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, (Vec<usize>, Vec<f32>)>> {
+pub fn parse(path: &Path, bytes: &[u8]) -> Result<NamedTensors> {
     let bad = |msg: String| Error::file(path, None, msg);
     let n = bytes.get(..8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize);
     let n = n.filter(|&n| n <= bytes.len() - 8).ok_or_else(|| bad("not a safetensors file (header length)".into()))?;

@@ -32,6 +32,7 @@ use crate::error::{Error, Result};
 use crate::model::GptConfig;
 use crate::parallel::stage_split;
 
+pub mod keys;
 pub(crate) mod overrides;
 
 pub use crate::device::{DeviceKind, Precision};
@@ -352,7 +353,9 @@ impl Default for CheckpointConfig {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct MetricsConfig {
-    /// Peak dense TFLOP/s of one device in the training precision, for MFU (default: unknown, no MFU).
+    /// Peak dense TFLOP/s of one device in the training precision, for MFU (default: unknown; on
+    /// the CPU the sgemm rate each rank measures at start-up stands in, on a GPU the device's
+    /// datasheet peak where known, else no MFU).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_tflops: Option<f64>,
 }
@@ -417,9 +420,10 @@ impl JobConfig {
         let de = serde_ignored::Deserializer::new(toml::Value::Table(table), &mut note_unknown);
         let parsed: std::result::Result<FileConfig, _> = serde_path_to_error::deserialize(de);
         if let Some(key) = unknown.first() {
+            let hint = keys::nearest(key).map_or(String::new(), |k| format!(" (did you mean `{k}`?)"));
             return Err(Error::config(
                 key.clone(),
-                format!("unknown key{}", from(key)),
+                format!("unknown key{}{hint}", from(key)),
             ));
         }
         let file = parsed.map_err(|e| {
@@ -609,14 +613,23 @@ impl JobConfig {
         Ok(())
     }
 
-    /// Checks that the job was started with exactly `tp * pp * dp` ranks.
+    /// Checks that the job was started with exactly `tp * pp * dp` ranks; if not, the error says
+    /// which `--set` overrides would fit the ranks the job got.
     pub fn validate_world(&self, world_size: usize) -> Result<()> {
         let p = &self.parallel;
         if p.tp * p.pp * p.dp != world_size {
+            let fits = self.layouts_for(world_size);
+            let hint = match fits.first() {
+                None => format!("; no layout of this model fits {world_size} ranks"),
+                Some(first) => {
+                    let alt = fits.get(1).map_or(String::new(), |a| format!(", or {a}"));
+                    format!("; for {world_size} ranks use {first}{alt}")
+                }
+            };
             return Err(Error::config(
                 "parallel",
                 format!(
-                    "tp {} x pp {} x dp {} = {} ranks, but the job has {world_size}",
+                    "tp {} x pp {} x dp {} = {} ranks, but the job has {world_size}{hint}",
                     p.tp,
                     p.pp,
                     p.dp,
@@ -625,6 +638,45 @@ impl JobConfig {
             ));
         }
         Ok(())
+    }
+
+    /// Up to two `--set ...` overrides that make this job valid on `ranks` ranks: first the one
+    /// keeping tp and pp (only dp changes), then smaller tp/pp, last plain data parallelism.
+    fn layouts_for(&self, ranks: usize) -> Vec<String> {
+        let p = &self.parallel;
+        let mut tries = vec![(p.tp, p.pp), (p.tp, 1), (1, p.pp), (1, 1)];
+        tries.dedup();
+        let mut fits: Vec<String> = Vec::new();
+        for (tp, pp) in tries {
+            if ranks % (tp * pp) != 0 {
+                continue;
+            }
+            let mut c = self.clone();
+            c.parallel.tp = tp;
+            c.parallel.pp = pp;
+            c.parallel.dp = ranks / (tp * pp);
+            c.parallel.sequence_parallel &= tp > 1;
+            if c.validate_parallel().is_err() {
+                continue;
+            }
+            let mut sets = Vec::new();
+            for (key, old, new) in [("tp", p.tp, tp), ("pp", p.pp, pp), ("dp", p.dp, c.parallel.dp)] {
+                if old != new {
+                    sets.push(format!("--set parallel.{key}={new}"));
+                }
+            }
+            if p.sequence_parallel && !c.parallel.sequence_parallel {
+                sets.push("--set parallel.sequence_parallel=false".into());
+            }
+            let text = format!("`{}`", sets.join(" "));
+            if !fits.contains(&text) {
+                fits.push(text);
+            }
+            if fits.len() == 2 {
+                break;
+            }
+        }
+        fits
     }
 
     /// The effective configuration as TOML; loading it back gives an equal `JobConfig`.

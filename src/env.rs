@@ -464,7 +464,7 @@ pub fn check_names<'a>(names: impl Iterator<Item = &'a str>, is_override: impl F
 }
 
 /// Levenshtein distance over bytes (names are ASCII).
-fn edit_distance(a: &str, b: &str) -> usize {
+pub(crate) fn edit_distance(a: &str, b: &str) -> usize {
     let b = b.as_bytes();
     let mut row: Vec<usize> = (0..=b.len()).collect();
     for (i, ca) in a.bytes().enumerate() {

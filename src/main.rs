@@ -27,6 +27,10 @@ use meshtrain::{Error, Result};
 #[derive(Parser)]
 #[command(name = "meshtrain", version, about = "Train GPT models on supercomputers")]
 struct Cli {
+    /// More detail: `-v` per-rank and per-communicator lines and the effective config (debug),
+    /// `-vv` everything (trace). `RUST_LOG` sets finer filters when no `-v` is given.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
     #[command(subcommand)]
     command: Command,
 }
@@ -94,11 +98,19 @@ struct ExportArgs {
     ckpt: PathBuf,
     /// The HDF5 file to write.
     out: PathBuf,
+    /// Also write the optimizer state (AdamW moments); by default only the model's weights.
+    #[arg(long)]
+    optimizer: bool,
+    /// `h5` (one HDF5 file, meshtrain's names) or `safetensors` (a directory that transformers'
+    /// `GPT2LMHeadModel.from_pretrained` loads: model.safetensors + config.json).
+    #[arg(long, default_value = "h5", value_parser = ["h5", "safetensors"])]
+    format: String,
 }
 
 #[derive(Args)]
 struct GenerateArgs {
-    /// An exported model file (`meshtrain export`) or a checkpoint directory.
+    /// An exported model (`meshtrain export`: an .h5 file or a safetensors directory), a
+    /// checkpoint directory or its `latest`.
     model: PathBuf,
     /// Prompt text (GPT-2 BPE; for models with a smaller vocabulary use --tokens).
     #[arg(long, default_value = "")]
@@ -416,23 +428,40 @@ fn generate(args: &GenerateArgs) -> Result<()> {
     let (config, params) = load_model(&args.model)?;
     let mut model = Gpt::<f32>::from_params(config, 1, config.max_seq_len, params)?;
     let tokenizer = (config.vocab_size == GPT2_VOCAB_SIZE).then(Gpt2Tokenizer::new).transpose()?;
-    let prompt: Vec<u32> = match (&tokenizer, args.tokens.is_empty()) {
-        (_, false) => args.tokens.clone(),
-        (Some(t), true) if !args.prompt.is_empty() => t.encode(&args.prompt),
-        _ => vec![0],
+    if tokenizer.is_none() && !args.prompt.is_empty() {
+        return Err(Error::config(
+            "--prompt",
+            format!(
+                "this model's vocabulary has {} tokens, not GPT-2's {GPT2_VOCAB_SIZE}, so text cannot be encoded; \
+                 give the prompt as token ids with --tokens (train on `meshtrain tokenize` shards with \
+                 model.vocab_size = {GPT2_VOCAB_SIZE} for text)",
+                config.vocab_size
+            ),
+        ));
+    }
+    let prompt: Vec<u32> = match &tokenizer {
+        _ if !args.tokens.is_empty() => args.tokens.clone(),
+        Some(t) if !args.prompt.is_empty() => t.encode(&args.prompt),
+        Some(_) => vec![meshtrain::data::EOT_TOKEN],
+        None => vec![0],
     };
     let opts = SampleOptions { max_new_tokens: args.max_new_tokens, temperature: args.temperature, top_k: args.top_k, seed: args.seed };
     let out = sample::generate(&mut model, &prompt, &opts)?;
     match &tokenizer {
-        Some(t) => println!("{}{}", args.prompt, t.decode(&out)?),
-        None => println!("{}", out.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",")),
+        Some(t) if args.tokens.is_empty() => println!("{}{}", args.prompt, t.decode(&out)?),
+        Some(t) => println!("{}{}", t.decode(&args.tokens)?, t.decode(&out)?),
+        None => {
+            log::info!("vocabulary of {} tokens is not GPT-2's: printing token ids", config.vocab_size);
+            println!("{}", out.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","));
+        }
     }
     Ok(())
 }
 
 /// A model's config and flat parameters from an exported file or a checkpoint directory.
 fn load_model(path: &std::path::Path) -> Result<(GptConfig, Vec<f32>)> {
-    if path.is_dir() {
+    let in_checkpoint = path.file_name().is_some_and(|n| n == "latest" || n == "checkpoint.h5");
+    if (path.is_dir() && !checkpoint::is_hf_dir(path)) || in_checkpoint {
         let index = checkpoint::open(path)?;
         let config = index.meta().model;
         let layout = ParamLayout::new(&config);
@@ -440,8 +469,8 @@ fn load_model(path: &std::path::Path) -> Result<(GptConfig, Vec<f32>)> {
         checkpoint::load_flat_range(&index, "model", layout.entries(), 0..layout.total_len(), &mut params)?;
         return Ok((config, params));
     }
-    let (meta, tensors) = checkpoint::read_exported(path)?;
-    let layout = ParamLayout::new(&meta.model);
+    let (model, tensors) = checkpoint::read_weights(path)?;
+    let layout = ParamLayout::new(&model);
     let mut params = vec![0f32; layout.total_len()];
     for e in layout.entries() {
         let name = format!("model/{}", e.name);
@@ -451,7 +480,19 @@ fn load_model(path: &std::path::Path) -> Result<(GptConfig, Vec<f32>)> {
         }
         params[e.range()].copy_from_slice(&t.2);
     }
-    Ok((meta.model, params))
+    Ok((model, params))
+}
+
+fn export(args: &ExportArgs) -> Result<()> {
+    let n = match args.format.as_str() {
+        "safetensors" if args.optimizer => {
+            return Err(Error::config("--optimizer", "the safetensors (Hugging Face) format holds the weights only"))
+        }
+        "safetensors" => checkpoint::export_hf(&args.ckpt, &args.out)?,
+        _ => checkpoint::export(&args.ckpt, &args.out, args.optimizer)?,
+    };
+    println!("export: {n} tensors -> {}", args.out.display());
+    Ok(())
 }
 
 fn tokenize(args: &TokenizeArgs) -> Result<()> {
@@ -467,9 +508,27 @@ fn tokenize(args: &TokenizeArgs) -> Result<()> {
     Ok(())
 }
 
+/// `meshtrain train`: a layout that does not fit the ranks the job got is said once, by rank 0,
+/// before any rank exits (the world's shutdown barrier), with the `--set` that would fit.
+fn train_job(cfg: &JobConfig, args: &TrainArgs) -> Result<()> {
+    let world = World::init()?;
+    if let Err(e) = cfg.validate_world(world.size) {
+        if world.rank == 0 {
+            let _ = std::io::stderr().write_all(format!("meshtrain: error: {e}\n").as_bytes());
+        }
+        drop(world);
+        std::process::exit(e.exit_code());
+    }
+    in_world(world, |w| train::train(w, cfg, &TrainOptions { metrics: args.metrics.clone() }).map(|_| ()))
+}
+
 /// Runs `f` inside an initialized world; on failure raises the job-wide abort and exits at once.
 fn with_world(f: impl FnOnce(&World) -> Result<()>) -> Result<()> {
-    let world = World::init()?;
+    in_world(World::init()?, f)
+}
+
+/// Runs `f` in `world`; on failure raises the job-wide abort and exits at once.
+fn in_world(world: World, f: impl FnOnce(&World) -> Result<()>) -> Result<()> {
     if let Err(e) = f(&world) {
         world.abort_state().raise(&e.to_string());
         world.remove_dead_peer_regions();
@@ -487,15 +546,27 @@ fn fail(e: &Error) -> ! {
     std::process::exit(e.exit_code());
 }
 
-fn main() {
-    let rank = rank_hint();
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
-        .format(move |buf, rec| {
-            let r = rank.map_or(String::new(), |r| format!("r{r} "));
-            writeln!(buf, "[{r}{} {}] {}", rec.level(), rec.target(), rec.args())
-        })
+/// Logs to stderr, each line prefixed with the rank (`[r3 INFO ...]`; a process started without a
+/// launcher is rank 0 of a world of one). Default level info; `-v` debug, `-vv` trace, else
+/// `RUST_LOG`.
+fn init_logging(verbose: u8) {
+    let rank = rank_hint().unwrap_or(0);
+    let mut builder = match verbose {
+        0 => env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")),
+        v => {
+            let mut b = env_logger::Builder::new();
+            b.parse_filters(if v == 1 { "debug" } else { "trace" });
+            b
+        }
+    };
+    builder
+        .format(move |buf, rec| writeln!(buf, "[r{rank} {} {}] {}", rec.level(), rec.target(), rec.args()))
         .init();
+}
+
+fn main() {
     let cli = Cli::parse();
+    init_logging(cli.verbose);
     let result = match &cli.command {
         Command::Bench(args) if args.what == "step" => with_world(|w| bench_step(w, args)),
         Command::Bench(args) if args.what == "checkpoint" => with_world(|w| {
@@ -521,17 +592,13 @@ fn main() {
                 None => Ok(cfg),
             });
             match cfg {
-                Ok(cfg) => with_world(|w| {
-                    train::train(w, &cfg, &TrainOptions { metrics: args.metrics.clone() }).map(|_| ())
-                }),
+                Ok(cfg) => train_job(&cfg, args),
                 Err(e) => Err(e),
             }
         }
         Command::Tokenize(args) => tokenize(args),
         Command::Inspect(args) => inspect(args),
-        Command::Export(args) => checkpoint::export(&args.ckpt, &args.out).map(|n| {
-            println!("export: {n} tensors -> {}", args.out.display());
-        }),
+        Command::Export(args) => export(args),
         Command::Generate(args) => generate(args),
         Command::Selftest(args) => with_world(|w| selftest(w, args)),
         Command::Sweep(args) => meshtrain::sweep::cli::main(args),

@@ -223,18 +223,18 @@ impl Progress {
                     || r.step == self.total_steps
                     || r.val_loss.is_some()
                 {
-                    log::info!("step {}/{} | {text}", r.step, self.total_steps);
+                    say(&format!("step {}/{} | {text}", r.step, self.total_steps));
                 }
             }
         }
     }
 
-    /// Prints a line without breaking the bar (or logs it at info level).
+    /// Prints a line without breaking the bar (or as a plain line on stdout).
     pub fn println(&self, msg: &str) {
         match &self.mode {
             ProgressMode::Silent => {}
             ProgressMode::Bar(bar) => bar.println(msg),
-            ProgressMode::Lines => log::info!("{msg}"),
+            ProgressMode::Lines => say(msg),
         }
     }
 
@@ -244,6 +244,15 @@ impl Progress {
             bar.finish();
         }
     }
+}
+
+/// One line on stdout, flushed at once: rank 0's progress and phase lines share that stream, so
+/// they keep their order (logs go to stderr).
+fn say(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
 }
 
 #[cfg(test)]

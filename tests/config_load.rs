@@ -143,9 +143,13 @@ fn valid_parallel_layouts_pass_and_world_size_is_checked() {
     let e = c.validate_world(8).unwrap_err();
     assert_eq!(e.exit_code(), 2);
     assert!(
-        e.to_string().contains("= 12 ranks, but the job has 8"),
+        e.to_string().contains("= 12 ranks, but the job has 8; for 8 ranks use `--set parallel.dp=2`"),
         "{e}"
     );
+    // Only layouts that pass validation are offered: pp must stay 2 (stage_layers has 4 stages),
+    // so 6 ranks fit only with tp 1, which also turns sequence parallelism off.
+    let e = c.validate_world(6).unwrap_err().to_string();
+    assert!(e.ends_with("for 6 ranks use `--set parallel.tp=1 --set parallel.sequence_parallel=false`"), "{e}");
 }
 
 #[test]

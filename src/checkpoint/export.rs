@@ -14,17 +14,19 @@ use crate::error::{Error, Result};
 /// Value of the `format` attribute of an exported file.
 pub const EXPORT_FORMAT: &str = "meshtrain-export";
 
-/// Writes the checkpoint at `ckpt` (directory or root with `latest`) to the single file `out`;
-/// returns the number of tensors written.
-pub fn export(ckpt: &Path, out: &Path) -> Result<usize> {
+/// Writes the checkpoint at `ckpt` (directory or root with `latest`) to the single file `out`:
+/// the model's weights, and with `optimizer` the optimizer state too; returns the number of
+/// tensors written.
+pub fn export(ckpt: &Path, out: &Path, optimizer: bool) -> Result<usize> {
     let index = open(ckpt)?;
+    let tensors: Vec<_> = index.tensors().iter().filter(|t| optimizer || t.name.starts_with("model/")).collect();
     let tmp = PathBuf::from(format!("{}.tmp", out.display()));
     let _ = std::fs::remove_file(&tmp);
     let file = h5::create(&tmp)?;
     let write = || -> Result<()> {
         h5::write_str_attr(&file, "format", EXPORT_FORMAT, &tmp)?;
         h5::write_str_attr(&file, "meta", &to_json(index.meta()), &tmp)?;
-        for t in index.tensors() {
+        for t in &tensors {
             let zeros = vec![0; t.global_shape.len()];
             let mut buf = vec![0f32; t.len()]; // tiling-checked: the shard files hold these bytes
             index.load_slice(&t.name, &zeros, &t.global_shape, &mut buf)?;
@@ -43,7 +45,7 @@ pub fn export(ckpt: &Path, out: &Path) -> Result<usize> {
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     sync_dir(parent)?;
-    Ok(index.tensors().len())
+    Ok(tensors.len())
 }
 
 /// A tensor of an exported file: name, global shape, row-major values.

@@ -42,6 +42,10 @@ fn resolve(path: &Path) -> Result<PathBuf> {
     if path.join(INDEX_FILE).is_file() {
         return Ok(path.to_path_buf());
     }
+    // `DIR/latest` itself names the checkpoint `DIR` points at.
+    if path.file_name().is_some_and(|n| n == LATEST_FILE) && path.is_file() {
+        return resolve(path.parent().unwrap_or(Path::new(".")));
+    }
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
     if name.contains(".tmp-") || parse_step_dir(name).is_some() {
         return Err(Error::file(

@@ -3,6 +3,7 @@
 //! The tensor table needs every tensor's L2 norm, so inspecting reads every shard once (one shard
 //! in memory at a time); with `verify` each shard's SHA-256 is recomputed on the same pass.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -11,7 +12,7 @@ use serde::Serialize;
 use crate::checkpoint::h5;
 use crate::checkpoint::index::{open, CheckpointIndex};
 use crate::checkpoint::meta::{CkptMeta, FileRecord, ShardRecord};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// One row of the tensor table.
 #[derive(Debug, Clone, Serialize)]
@@ -22,7 +23,7 @@ pub struct TensorStats {
     pub global_shape: Vec<usize>,
     /// Element type.
     pub dtype: String,
-    /// Number of shards.
+    /// Number of rank files holding a part of it.
     pub shards: usize,
     /// L2 norm over all elements.
     pub l2_norm: f64,
@@ -78,12 +79,14 @@ fn read_shard(index: &CheckpointIndex, s: &ShardRecord, verify: bool) -> Result<
     Ok(buf)
 }
 
-/// Inspects the checkpoint at `path`; `verify` recomputes every hash; `tensor` adds statistics of
-/// that tensor.
+/// Inspects the checkpoint at `path`; `verify` recomputes every hash; `tensor` limits the report
+/// to that tensor (a full name, or the part after its group: `wpe` for `model/wpe`) with its
+/// statistics.
 pub fn inspect(path: &Path, verify: bool, tensor: Option<&str>) -> Result<InspectReport> {
     let index = open(path)?;
+    let only = tensor.map(|q| resolve_name(&index, q)).transpose()?;
     let mut tensors = Vec::with_capacity(index.tensors().len());
-    for t in index.tensors() {
+    for t in index.tensors().iter().filter(|t| only.as_ref().is_none_or(|n| *n == t.name)) {
         let mut sq = 0f64;
         for s in &t.shards {
             sq += read_shard(&index, s, verify)?
@@ -91,15 +94,16 @@ pub fn inspect(path: &Path, verify: bool, tensor: Option<&str>) -> Result<Inspec
                 .map(|&x| f64::from(x) * f64::from(x))
                 .sum::<f64>();
         }
+        let files: HashSet<&str> = t.shards.iter().map(|s| s.file.as_str()).collect();
         tensors.push(TensorStats {
             name: t.name.clone(),
             global_shape: t.global_shape.clone(),
             dtype: t.dtype.clone(),
-            shards: t.shards.len(),
+            shards: files.len(),
             l2_norm: sq.sqrt(),
         });
     }
-    let detail = tensor.map(|name| detail_of(&index, name)).transpose()?;
+    let detail = only.map(|name| detail_of(&index, &name)).transpose()?;
     Ok(InspectReport {
         dir: index.dir().to_path_buf(),
         meta: index.meta().clone(),
@@ -108,6 +112,30 @@ pub fn inspect(path: &Path, verify: bool, tensor: Option<&str>) -> Result<Inspec
         verified: verify,
         detail,
     })
+}
+
+/// The tensor `query` names: itself, or the one tensor (preferring the model's weights) whose name
+/// ends in `/query`; otherwise an error listing the nearest names.
+fn resolve_name(index: &CheckpointIndex, query: &str) -> Result<String> {
+    let names: Vec<&str> = index.tensors().iter().map(|t| t.name.as_str()).collect();
+    if names.contains(&query) {
+        return Ok(query.to_string());
+    }
+    let suffix = format!("/{query}");
+    let ends: Vec<&str> = names.iter().copied().filter(|n| n.ends_with(&suffix)).collect();
+    // `wpe` means the weights (`model/wpe`) rather than their optimizer moments.
+    let weights: Vec<&str> = ends.iter().copied().filter(|n| n.starts_with("model/")).collect();
+    if let ([one], _) | (_, [one]) = (&ends[..], &weights[..]) {
+        return Ok(one.to_string());
+    }
+    let mut near: Vec<&str> = if ends.is_empty() { names.clone() } else { ends };
+    near.sort_by_key(|n| crate::env::edit_distance(n, query).min(crate::env::edit_distance(n.rsplit('/').next().unwrap_or(n), query)));
+    near.truncate(3);
+    Err(Error::file(
+        index.dir(),
+        None,
+        format!("no tensor `{query}` (did you mean {}? `inspect` without --tensor lists them all)", near.join(", ")),
+    ))
 }
 
 fn detail_of(index: &CheckpointIndex, name: &str) -> Result<TensorDetail> {
@@ -165,6 +193,9 @@ impl fmt::Display for InspectReport {
             "  optimizer: AdamW beta1 {} beta2 {} eps {} weight_decay {}, {} steps taken",
             o.adamw.beta1, o.adamw.beta2, o.adamw.eps, o.adamw.weight_decay, o.steps_taken
         )?;
+        if let Some(d) = &self.detail {
+            return write_detail(f, d, &self.tensors);
+        }
         writeln!(f, "  lr schedule: {}", json_or_dash(&m.lr_schedule))?;
         let total: u64 = self.files.iter().map(|x| x.bytes).sum();
         writeln!(f, "  files: {} ({} bytes)", self.files.len(), total)?;
@@ -184,7 +215,7 @@ impl fmt::Display for InspectReport {
         writeln!(
             f,
             "  {:<width$}  {:<16} {:<5} {:>6} {:>14}",
-            "name", "shape", "dtype", "shards", "l2 norm"
+            "name", "shape", "dtype", "files", "l2 norm"
         )?;
         for t in &self.tensors {
             let shape = format!("{:?}", t.global_shape);
@@ -194,14 +225,15 @@ impl fmt::Display for InspectReport {
                 t.name, shape, t.dtype, t.shards, t.l2_norm
             )?;
         }
-        if let Some(d) = &self.detail {
-            writeln!(
-                f,
-                "tensor {}: min {} max {} mean {:.6e} std {:.6e}",
-                d.name, d.min, d.max, d.mean, d.std
-            )?;
-            writeln!(f, "  first values: {:?}", d.first)?;
-        }
         Ok(())
     }
+}
+
+/// `--tensor`: the tensor's row and statistics, after the checkpoint's header.
+fn write_detail(f: &mut fmt::Formatter<'_>, d: &TensorDetail, rows: &[TensorStats]) -> fmt::Result {
+    for t in rows {
+        writeln!(f, "tensor {}: shape {:?} {} in {} file(s), l2 norm {:.6}", t.name, t.global_shape, t.dtype, t.shards, t.l2_norm)?;
+    }
+    writeln!(f, "  min {} max {} mean {:.6e} std {:.6e}", d.min, d.max, d.mean, d.std)?;
+    writeln!(f, "  first values: {:?}", d.first)
 }

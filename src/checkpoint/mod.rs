@@ -39,6 +39,47 @@
 //! [`flat_range_slices`] cuts a contiguous range of the flat parameter buffer (a ZeRO shard,
 //! `block_range(n, dp, rank)`) into hyperslabs, which spreads replicated tensors over the
 //! data-parallel ranks without duplicates.
+//!
+//! # Checkpoints: behaviour
+//!
+//! #### Checkpoints
+//!
+//! `[checkpoint] dir, every, keep, resume` (`resume = "latest"` or a path). Checkpoints are written
+//! only when `dir` is given; then every `every` steps and always after the last step (`every = 0`,
+//! the default: at the end only) and when a stop signal ends the run early. `resume = "latest"` in a
+//! missing or empty `dir` starts fresh (rank 0 says so); `latest` must name a `step_XXXXXXXX` entry
+//! of `dir` (anything else, e.g. `../x`, is refused). A run resumed from an earlier step that reaches
+//! a step saved before replaces that checkpoint: the new directory and the old one are swapped in one
+//! atomic `renameat2(RENAME_EXCHANGE)`, then the old one is deleted (a file system without that call
+//! fails the save with a message naming the directory). A checkpoint is a directory
+//! `DIR/step_00001000/` with one HDF5 file per rank that owns data (data-parallel replicas write no
+//! duplicates: replicated tensors are split by `block_range(n, dp, rank)`, ZeRO state is written by
+//! its owner) and an index `checkpoint.h5`, written last, in which every tensor (`model/<name>`,
+//! `optim/m/<name>`, `optim/v/<name>`) is a virtual dataset at its global shape, so
+//! `h5py.File("DIR/step_00001000/checkpoint.h5")["model/h.0.attn.qkv.weight"][:]` is the whole tensor.
+//! Attributes carry the format version, model config, layout, step, tokens seen, AdamW settings and
+//! step count, schedule state, each rank's data position, the meshtrain version and a SHA-256 of every
+//! shard; `index_sha256` (format version 2) covers those attributes themselves, so a flipped bit in
+//! the index is an error naming `checkpoint.h5` rather than a silently moved offset or data position.
+//! Every read is checked before its data is used: a shard read whole against its SHA-256, a part of a
+//! shard (a resharding load) against per-tile digests (format version 3: each shard is cut into
+//! 256x256 tiles, 1-D shards into runs of 65536 elements, each with a SHA-256 in the index under
+//! `index_sha256`), reading only the tiles the part touches. Checkpoints of format 1 and 2 are still
+//! read; having no tile digests, their partial reads read and check the whole shard. Writing happens in a `*.tmp-<nonce>` directory, every file is fsynced, all ranks agree
+//! before rank 0 writes the index and renames the directory, and `latest` is replaced atomically; the
+//! last `keep` are kept. A crash at any point leaves the previous checkpoint loadable (tested with an
+//! injected rank failure before the index and with a full 1 MiB tmpfs). On load every rank validates
+//! before training: missing or unexpected tensors, shapes, model config, hashes, truncated or
+//! bit-flipped files and incomplete directories are errors naming the file and dataset. Resuming in
+//! the same layout continues bit for bit; in another layout (any TP, PP, DP and ZeRO stage, and any
+//! micro-batch with the same global batch) each rank reads exactly the hyperslabs it needs and the
+//! run matches the uninterrupted one within 1e-5 (tested: DP2 ZeRO-1 -> DP4 ZeRO-0, TP2 x PP2 ->
+//! DP2 ZeRO-1). A rank describes its part of every tensor as a box of the global tensor (TP shards
+//! are boxes; the fused qkv weight is a box of its (3, C, C) view, stored as three row blocks of the
+//! global (3C, C) tensor); copies replicated over TP are written by TP rank 0, the tied embedding by
+//! the first pipeline stage. `meshtrain export` writes one file with plain datasets, which
+//! `init_from` (in any layout) and `generate` read.
+//!
 
 mod agree;
 mod bench;
@@ -49,6 +90,7 @@ mod index;
 mod inspect;
 mod lock;
 mod meta;
+mod safetensors;
 mod save;
 #[cfg(test)]
 mod tests;
@@ -61,7 +103,18 @@ pub use index::{load_slice, open, CheckpointIndex};
 pub use inspect::{inspect, InspectReport, TensorStats};
 pub use lock::{lock_for_job, DirLock, LOCK_FILE};
 pub use meta::{CkptMeta, OptimizerMeta, ShardRecord, TensorRecord};
+pub use safetensors::{export_hf, is_hf_dir, read_hf, write_hf};
 pub use save::save;
+
+/// The model and its weights (`model/<name>`, global shapes) from an exported file or a Hugging
+/// Face GPT-2 directory: what `init_from` and `generate` read.
+pub fn read_weights(path: &std::path::Path) -> crate::error::Result<(crate::model::GptConfig, Vec<ExportedTensor>)> {
+    if is_hf_dir(path) {
+        return read_hf(path);
+    }
+    let (meta, tensors) = read_exported(path)?;
+    Ok((meta.model, tensors))
+}
 
 /// Value of the index's `format` attribute.
 pub const FORMAT: &str = "meshtrain-checkpoint";

@@ -398,7 +398,7 @@ fn commit(
     fault::check(Stage::BeforeLatest)?;
     write_latest(dir, &name)?;
     prune(dir, &name, keep);
-    log::info!(
+    log::debug!(
         "checkpoint {} saved ({} tensors, {} files)",
         fin.display(),
         tensors.len(),

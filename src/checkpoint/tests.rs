@@ -519,7 +519,7 @@ fn corruption_is_reported_with_file_and_dataset() {
 fn inspect_and_export_report_the_tensors() {
     let tmp = tempfile::tempdir().unwrap();
     let ckpt = ok_all(save_3x2(tmp.path(), 7));
-    let report = inspect(tmp.path(), true, Some("model/b")).unwrap();
+    let report = inspect(tmp.path(), true, None).unwrap();
     let norm_b = (0..7).map(|i| (i as f64 * 0.5).powi(2)).sum::<f64>().sqrt();
     let norm_w = (0..ROWS)
         .flat_map(|i| (0..COLS).map(move |j| f64::from(w(i, j)).powi(2)))
@@ -530,9 +530,7 @@ fn inspect_and_export_report_the_tensors() {
     // Sums of squares of small integers and halves are exact in f64.
     assert_eq!(report.tensors[0].l2_norm, norm_b);
     assert_eq!(report.tensors[1].l2_norm, norm_w);
-    assert_eq!(report.tensors[1].shards, 6);
-    let d = report.detail.as_ref().unwrap();
-    assert_eq!((d.min, d.max, d.mean), (0.0, 3.0, 1.5));
+    assert_eq!(report.tensors[1].shards, 3, "six shards in three rank files");
     let text = report.to_string();
     assert!(
         text.contains("step 7") && text.contains("model/w") && text.contains("rank_00002.h5"),
@@ -542,9 +540,18 @@ fn inspect_and_export_report_the_tensors() {
         report.to_json()["tensors"][1]["global_shape"],
         serde_json::json!([6, 4])
     );
+    // One tensor, by its short name: its row and statistics only.
+    let one = inspect(tmp.path(), false, Some("b")).unwrap();
+    assert_eq!(one.tensors.len(), 1);
+    let d = one.detail.as_ref().unwrap();
+    assert_eq!((d.name.as_str(), d.min, d.max, d.mean), ("model/b", 0.0, 3.0, 1.5));
+    let text = one.to_string();
+    assert!(text.contains("tensor model/b: shape [7] f32 in ") && !text.contains("model/w"), "{text}");
+    let err = inspect(tmp.path(), false, Some("x")).unwrap_err().to_string();
+    assert!(err.contains("no tensor `x` (did you mean"), "{err}");
 
     let out = tmp.path().join("export.h5");
-    assert_eq!(export(&ckpt, &out).unwrap(), 2);
+    assert_eq!(export(&ckpt, &out, true).unwrap(), 2);
     let (m, tensors) = read_exported(&out).unwrap();
     assert_eq!(m, meta(7));
     assert_eq!(tensors[1].0, "model/w");

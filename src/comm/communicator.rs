@@ -283,7 +283,7 @@ impl Communicator {
         let ring_pos = ring.iter().position(|&r| r == rank).expect("every member is on the ring");
         if rank == 0 {
             let text: Vec<String> = ring.iter().map(|r| r.to_string()).collect();
-            log::info!("comm {id:#x} ({k} ranks) ring 0: {}", text.join(" "));
+            log::debug!("comm {id:#x} ({k} ranks) ring 0: {}", text.join(" "));
         }
         let links = (0..k).map(|_| None).collect();
         let scratch = vec![0u8; cfg.chunk_bytes];
@@ -445,16 +445,16 @@ impl Communicator {
         }
         let id = self.id;
         match found {
-            Reads::Pay => log::info!("comm {id:#x}: single-copy reads (CMA) work and pay; large collectives use them"),
+            Reads::Pay => log::debug!("comm {id:#x}: single-copy reads (CMA) work and pay; large collectives use them"),
             Reads::Slow(why) if self.cfg.cma == Cma::On => log::info!(
                 "comm {id:#x}: single-copy reads (CMA) work but measured slower than copies; MESHTRAIN_CMA=on: \
                  collectives use them anyway: {why}"
             ),
-            Reads::Slow(why) => log::info!(
+            Reads::Slow(why) => log::debug!(
                 "comm {id:#x}: single-copy reads (CMA) work but do not pay, collectives copy through shared \
                  memory (MESHTRAIN_CMA=on forces reads): {why}"
             ),
-            Reads::Fail(why) => log::warn!(
+            Reads::Fail(why) => log::debug!(
                 "comm {id:#x}: single-copy reads (CMA) unavailable, collectives copy through shared memory: {why}"
             ),
         }

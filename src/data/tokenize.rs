@@ -110,7 +110,7 @@ pub fn tokenize_files(
         train_shards,
         val_shards,
     };
-    log::info!(
+    log::debug!(
         "tokenize: {} documents -> {} train tokens in {} shards, {} val tokens in {} shards",
         report.documents,
         report.train_tokens,

@@ -124,7 +124,8 @@ pub struct PointSummary {
     pub tokens_per_s_per_rank: f64,
     /// Model TFLOP/s per rank at the median step time.
     pub tflops_per_rank: f64,
-    /// MFU at the median step time, when the job knew its peak (`metrics.peak_tflops`).
+    /// MFU at the median step time, when the job knew a peak (`metrics.peak_tflops`, or the CPU's
+    /// measured sgemm rate, or a known GPU's datasheet peak).
     pub mfu: Option<f64>,
     /// Mean compute seconds per step.
     pub compute_s: f64,

@@ -238,11 +238,12 @@ fn extract(global: &[f32], global_shape: &[usize], offset: &[usize], shape: &[us
     }
 }
 
-/// Parameters from an exported file (`init_from`), checked against the model's layout.
+/// Parameters from an exported file or a Hugging Face GPT-2 directory (`init_from`), checked
+/// against the model's layout.
 pub fn init_from(path: &Path, cfg: &JobConfig, maps: &[TensorMap], params: &mut [f32]) -> Result<()> {
-    let (meta, tensors) = checkpoint::read_exported(path)?;
-    if meta.model != cfg.model {
-        return Err(Error::file(path, None, format!("model {:?} differs from the job's {:?}", meta.model, cfg.model)));
+    let (model, tensors) = checkpoint::read_weights(path)?;
+    if model != cfg.model {
+        return Err(Error::file(path, None, format!("model {model:?} differs from the job's {:?}", cfg.model)));
     }
     for t in maps {
         let name = format!("model/{}", t.name);

@@ -131,12 +131,12 @@ impl<'a> Session<'a> {
         bind_cpu_threads(world.local_size);
         let baseline = rss_bytes()?;
         if leader {
-            println!("# effective config\n{}", cfg.to_toml());
+            write_effective_config(cfg, opts.metrics.as_deref())?;
         }
         let shape = GridShape::from_config(&cfg.parallel);
         let Grid { tp, pp, dp, .. } = Grid::new(&world_comm, shape)?;
         if leader {
-            println!("# {}", shape.describe());
+            log::debug!("{}", shape.describe());
         }
         let mut norm_groups = Vec::new();
         let mut traffic = Vec::new();
@@ -280,7 +280,7 @@ impl<'a> Session<'a> {
         self.step.load(self.model.model_mut(), &mut self.sync)?;
         if self.world.rank == 0 {
             let mb = self.step.device_bytes() as f64 / 1e6;
-            println!("# device optimizer state per rank (ZeRO {}): {mb:.2} MB", self.cfg.parallel.zero);
+            log::debug!("device optimizer state per rank (ZeRO {}): {mb:.2} MB", self.cfg.parallel.zero);
         }
         if let (Some(stats), true) = (self.step.bucket_stats(), self.dp.size() > 1) {
             self.traffic.push(("dp_buckets", stats));
@@ -499,6 +499,23 @@ impl<'a> Session<'a> {
     }
 }
 
+/// The effective configuration (rank 0): printed at debug level (`-v`), and written beside the
+/// metrics file (`out/run.jsonl` -> `out/run.config.toml`) when there is one.
+fn write_effective_config(cfg: &JobConfig, metrics: Option<&std::path::Path>) -> Result<()> {
+    let text = cfg.to_toml();
+    if log::log_enabled!(log::Level::Debug) {
+        println!("# effective config\n{text}");
+    }
+    if let Some(m) = metrics {
+        let path = m.with_extension("config.toml");
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| crate::error::Error::io(format!("create {}", dir.display()), e))?;
+        }
+        std::fs::write(&path, text).map_err(|e| crate::error::Error::io(format!("write {}", path.display()), e))?;
+    }
+    Ok(())
+}
+
 /// The replica of `cfg` over the TP and PP groups on `device`, with its pipeline stages split.
 fn build_replica(cfg: &JobConfig, (tp, pp): (Communicator, Communicator), device: (Device, crate::config::Precision), leader: bool) -> Result<Replica> {
     let t = cfg.train.seq_len;
@@ -507,7 +524,7 @@ fn build_replica(cfg: &JobConfig, (tp, pp): (Communicator, Communicator), device
     let stage_layers = stage_split::stage_layers(&cfg.model, t, stages, &cfg.parallel.stage_layers)?;
     if leader && pp.size() > 1 {
         // Chunk c of pipeline rank r is global stage c * pp + r.
-        println!("# pipeline stages (blocks of each global stage): {stage_layers:?}");
+        log::debug!("pipeline stages (blocks of each global stage): {stage_layers:?}");
     }
     let layout = ReplicaLayout {
         tp,

@@ -205,7 +205,10 @@ mod imp {
                 (_, true) => "FI_HMEM registration, posted directly where the peer offers it too",
                 (_, false) => "staged through host memory (the provider does not offer FI_HMEM)",
             };
-            log::info!(
+            // Rank 0 says it; every rank's own line is detail (`-v`).
+            let level = if self.rank == 0 { log::Level::Info } else { log::Level::Debug };
+            log::log!(
+                level,
                 "ofi: rank {}: libfabric {}.{}, provider {}, fabric {}, domain {}, mr_mode {}, {} tag bits; \
                  device buffers: {gpu}",
                 self.rank,

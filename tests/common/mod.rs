@@ -188,7 +188,7 @@ pub fn losses(metrics: &std::path::Path) -> Vec<(u64, f64)> {
 /// Exports the checkpoint `ckpt` to the file `out` and reads every tensor back (name, global
 /// shape, values), sorted by name.
 pub fn export(ckpt: &std::path::Path, out: &std::path::Path) -> Vec<meshtrain::checkpoint::ExportedTensor> {
-    let st = Command::new(meshtrain()).arg("export").arg(ckpt).arg(out).output().unwrap();
+    let st = Command::new(meshtrain()).args(["export", "--optimizer"]).arg(ckpt).arg(out).output().unwrap();
     assert!(st.status.success(), "export failed: {}", String::from_utf8_lossy(&st.stderr));
     meshtrain::checkpoint::read_exported(out).unwrap().1
 }

@@ -22,7 +22,8 @@
 //! - [`train`], [`checkpoint`], [`metrics`]: the training session and its one step
 //!   (`train::device_step`: reduce, clip and update for ZeRO 0-3 on every arm), checkpoints,
 //!   metrics.
-//! - [`bench`], [`sweep`]: `meshtrain bench` (collective and step benchmarks) and scaling sweeps.
+//! - [`bench`], [`sweep`], [`plan`]: `meshtrain bench` (collective and step benchmarks), scaling
+//!   sweeps, and `meshtrain plan`/`tune` (machine profiles, the cost model, the layout search).
 //!
 //! Not yet (arrows that still point up or round): `bootstrap` imports `transport` and `comm` (it
 //! builds the connector and the world communicator; only its MPI part belongs at the bottom) and

@@ -10,18 +10,25 @@
 use crate::device::ipc::alloc_shareable;
 use crate::device::{Device, DeviceBuffer};
 use crate::error::Result;
+use crate::model::GptConfig;
 
-/// This rank's sizes of one chunk.
+/// This rank's sizes of one chunk, in elements: what the executor allocates, and what a planner
+/// (`plan`) counts for a rank it does not build.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct ActDims {
+pub struct ActDims {
+    /// Rows of a micro-batch, B*T.
     pub bt: usize,
     /// Rows of the residual stream held here (R).
     pub rows: usize,
     /// Sequence parallelism: the residual stream is split into row blocks over TP.
     pub sp: bool,
+    /// Width C.
     pub c: usize,
+    /// This rank's attention width C/tp (Cl).
     pub cl: usize,
+    /// This rank's MLP width 4C/tp (H).
     pub hl: usize,
+    /// This rank's vocabulary rows Vp/tp (Vl).
     pub vl: usize,
     /// Elements of one block's attention probabilities (B, NH/tp, T, T).
     pub att: usize,
@@ -32,6 +39,36 @@ pub(super) struct ActDims {
 }
 
 impl ActDims {
+    /// The sizes of a rank of `tp`-way tensor parallelism (sequence parallel if `sp` and
+    /// `tp > 1`) for micro-batches of `b` x `t` tokens of `config`.
+    pub fn of_rank(config: &GptConfig, b: usize, t: usize, tp: usize, sp: bool) -> ActDims {
+        let (bt, c, tp) = (b * t, config.n_embd, tp.max(1));
+        let sp = sp && tp > 1;
+        ActDims {
+            bt,
+            rows: if sp { bt / tp } else { bt },
+            sp,
+            c,
+            cl: c / tp,
+            hl: 4 * c / tp,
+            vl: config.padded_vocab_size() / tp,
+            att: b * (config.n_head / tp) * t * t,
+            tp: tp > 1,
+        }
+    }
+
+    /// f32 elements of one micro-batch's slot through a chunk of `blocks` blocks (with the
+    /// embedding's token ids if `embeds`, the head's activations if `ends`).
+    pub fn slot_elements(&self, blocks: usize, embeds: bool, ends: bool) -> usize {
+        SlotActs::elements(self, blocks, embeds, ends)
+    }
+
+    /// f32 elements of the scratch every backward shares (`head`: the rank computes the logits;
+    /// `t`: sequence length).
+    pub fn scratch_elements(&self, head: bool, t: usize) -> usize {
+        Scratch::elements(self, head, t)
+    }
+
     fn f32(dev: &Device, elems: usize) -> Result<DeviceBuffer> {
         dev.alloc(elems * 4)
     }

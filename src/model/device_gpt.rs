@@ -228,7 +228,7 @@ impl DeviceGpt {
             g.push(dev.alloc(e.len * 4)?);
             p16.push(if bf16 && e.local_shape.len() == 2 { Some(dev.alloc(0)?) } else { None });
         }
-        let d = ActDims { bt, rows: r, sp, c, cl: w.cl, hl: w.hl, vl, att: b * w.nhl * t * t, tp: tp.is_some() };
+        let d = ActDims { tp: tp.is_some(), ..ActDims::of_rank(&config, b, t, tp_size, sp) };
         let chunks = (0..spec.chunks.len())
             .map(|k| {
                 let (layers, embeds, ends) = (spec.chunks[k].clone(), spec.embeds(k), spec.ends(k));
@@ -348,9 +348,8 @@ impl DeviceGpt {
     }
 
     fn dims(&self) -> ActDims {
-        let Widths { cl, hl, nhl, vocab } = self.w;
-        let (b, t, Rows { bt, rows, sp, .. }) = (self.b, self.t, self.rows);
-        ActDims { bt, rows, sp, c: self.config.n_embd, cl, hl, vl: vocab.vl, att: b * nhl * t * t, tp: self.tp.is_some() }
+        let tp_size = self.tp.as_ref().map_or(1, |g| g.size());
+        ActDims { tp: self.tp.is_some(), ..ActDims::of_rank(&self.config, self.b, self.t, tp_size, self.rows.sp) }
     }
 
     /// Clears the gradients (device and host mirror).

@@ -27,6 +27,7 @@ mod shard_tests;
 pub mod tp_layout;
 
 pub use crate::device::cpu::Float;
+pub use device_acts::ActDims;
 pub use device_gpt::{DeviceGpt, Precision, StageInput, StageOutput};
 pub use device_tp::DeviceTp;
 pub use gpt::Gpt;

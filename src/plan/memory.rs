@@ -5,8 +5,8 @@
 //! formula `meshtrain train` prints before step 0 and the README compares with measured peak RSS),
 //! fed with the rank's parameter count, a synthetic unit list (embedding, one block, final
 //! LayerNorm: the formula only reads the largest units and the embedding's) and the largest gradient
-//! buckets; the activations follow the buffers of `model::device_acts` (one slot per micro-batch
-//! in flight and chunk, the shared scratch, the GEMM operands' bf16 staging) and at bf16 the
+//! buckets; the activations are the executor's own counts (`model::ActDims`: one slot per
+//! micro-batch in flight and chunk, the shared scratch) plus the GEMM operands' bf16 staging and at bf16 the
 //! weights' bf16 copies are added. Everything is fp32 except those copies.
 //!
 //! Megatron-LM (the stack of the published runs): 18 bytes per parameter (bf16 weights, fp32 main
@@ -20,6 +20,7 @@
 use std::ops::Range;
 
 use super::{Job, Layout, Recompute, Stack};
+use crate::model::ActDims;
 use crate::train::{MemoryEstimate, MemoryInputs};
 
 /// Micro-batches of one chunk whose activations a pipeline rank holds at once (its forwards not
@@ -129,77 +130,13 @@ pub fn peak(
         .unwrap_or_default()
 }
 
-/// The activation dimensions of `model::device_acts` for this rank.
-struct Dims {
-    bt: f64,
-    rows: f64,
-    c: f64,
-    cl: f64,
-    hl: f64,
-    vl: f64,
-    att: f64,
-    sp: bool,
-    tp: bool,
-}
-
-impl Dims {
-    fn new(job: &Job, l: &Layout) -> Dims {
-        let (b, t, tp) = (l.micro_batch as f64, job.seq_len as f64, l.tp as f64);
-        let c = job.model.n_embd as f64;
-        let bt = b * t;
-        Dims {
-            bt,
-            rows: if l.sp { bt / tp } else { bt },
-            c,
-            cl: c / tp,
-            hl: 4.0 * c / tp,
-            vl: job.vocab() as f64 / tp,
-            att: b * (job.model.n_head / l.tp) as f64 * t * t,
-            sp: l.sp,
-            tp: l.tp > 1,
-        }
-    }
-
-    fn block(&self) -> f64 {
-        self.bt * (2.0 * self.c + 4.0 * self.cl + 2.0 * self.hl)
-            + self.rows * (2.0 * self.c + 4.0)
-            + self.att
-    }
-
-    fn head(&self) -> f64 {
-        let ce = if self.tp { 3.0 * self.bt } else { 0.0 };
-        self.bt * (self.c + self.vl) + 3.0 * self.bt + 2.0 * self.rows + ce
-    }
-
-    fn slot(&self, blocks: f64, embeds: bool, ends: bool) -> f64 {
-        let ids = if embeds { self.bt } else { 0.0 };
-        ids + self.rows * self.c + blocks * self.block() + if ends { self.head() } else { 0.0 }
-    }
-
-    fn scratch(&self, head: bool, t: f64) -> f64 {
-        let dlogits = if head { self.bt * self.vl } else { 0.0 };
-        let sp = if self.sp {
-            self.rows * self.c
-                + 2.0 * self.bt * self.c
-                + (6.0 * self.c).max(t * self.c)
-                + 6.0 * self.c
-        } else {
-            0.0
-        };
-        self.rows * 3.0 * self.c
-            + self.bt * (4.0 * self.cl + 2.0 * self.hl)
-            + dlogits
-            + self.att
-            + sp
-    }
-
-    /// The GEMMs' bf16 operand staging and the attention views of a GPU arm, in f32 elements.
-    fn gemm_staging(&self, head: bool, heads_elems: f64) -> f64 {
-        let vl = if head { self.vl } else { 0.0 };
-        let x = self.bt * self.c.max(3.0 * self.cl).max(self.hl).max(vl);
-        let y = self.bt * self.c.max(self.hl);
-        (x + y) / 2.0 + 7.0 * heads_elems
-    }
+/// The GEMMs' bf16 operand staging and the attention views of a GPU arm, in f32 elements (the
+/// sizes `DeviceGpt::new` gives its linear and attention work buffers).
+fn gemm_staging(d: &ActDims, head: bool, heads_elems: usize) -> f64 {
+    let vl = if head { d.vl } else { 0 };
+    let x = d.bt * d.c.max(3 * d.cl).max(d.hl).max(vl);
+    let y = d.bt * d.c.max(d.hl);
+    (x + y) as f64 / 2.0 + 7.0 * heads_elems as f64
 }
 
 fn meshtrain(
@@ -211,23 +148,23 @@ fn meshtrain(
     stage_blocks: &[usize],
 ) -> RankMemory {
     let n = share.params(job, l.tp);
-    let d = Dims::new(job, l);
+    let d = ActDims::of_rank(&job.model, l.micro_batch, job.seq_len, l.tp, l.sp);
     let slots = in_flight(l, share.rank) as f64;
     // Chunks of this rank: the embedding's is chunk 0, the head's the last one.
     let p = l.pp;
     let mut acts = 0.0;
     for c in 0..l.virtual_stages {
-        let blocks = stage_blocks[c * p + share.rank] as f64;
+        let blocks = stage_blocks[c * p + share.rank];
         let (embeds, ends) = (
             share.embeds && c == 0,
             share.ends && c + 1 == l.virtual_stages,
         );
-        acts += slots * d.slot(blocks, embeds, ends);
+        acts += slots * d.slot_elements(blocks, embeds, ends) as f64;
     }
     let heads = d.bt * d.cl;
-    acts += d.scratch(share.ends, job.seq_len as f64)
+    acts += d.scratch_elements(share.ends, job.seq_len) as f64
         + if bf16 {
-            d.gemm_staging(share.ends, heads)
+            gemm_staging(&d, share.ends, heads)
         } else {
             0.0
         };

@@ -27,8 +27,7 @@
 //!
 //! Not yet (arrows that still point up or round): `bootstrap` imports `transport` and `comm` (it
 //! builds the connector and the world communicator; only its MPI part belongs at the bottom) and
-//! `config` (the override names of the misspelling check); `config` and `parallel` import each
-//! other (`ParallelConfig` lives in `config`, `stage_split` in `parallel`).
+//! `config` (the override names of the misspelling check).
 
 pub mod bench;
 pub mod bootstrap;

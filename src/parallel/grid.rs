@@ -6,7 +6,7 @@
 //! the world), each containing the ranks that differ only in that axis, ordered by that coordinate.
 
 use crate::comm::Communicator;
-use crate::config::{Axis, ParallelConfig};
+use super::options::{Axis, ParallelConfig};
 use crate::error::{Error, Result};
 
 /// Sizes and order of the grid.

@@ -121,5 +121,6 @@
 //!
 
 pub mod grid;
+pub mod options;
 pub mod schedule;
 pub mod stage_split;

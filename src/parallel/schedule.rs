@@ -79,7 +79,7 @@ pub(crate) fn plan(text: &str) -> Vec<Action> {
         .collect()
 }
 
-use crate::config::{self, ParallelConfig};
+use super::options::{ParallelConfig, ScheduleName};
 use crate::error::{Error, Result};
 
 pub use sim::{simulate, simulate_ranks, Delivery, SimReport};
@@ -102,9 +102,9 @@ impl Schedule {
     /// The schedule `[parallel]` asks for (`virtual_stages` only counts for `interleaved`).
     pub fn from_config(parallel: &ParallelConfig) -> Schedule {
         match parallel.schedule {
-            config::ScheduleName::GPipe => Schedule::GPipe,
-            config::ScheduleName::OneFOneB => Schedule::OneFOneB,
-            config::ScheduleName::Interleaved => {
+            ScheduleName::GPipe => Schedule::GPipe,
+            ScheduleName::OneFOneB => Schedule::OneFOneB,
+            ScheduleName::Interleaved => {
                 Schedule::Interleaved { virtual_stages: parallel.virtual_stages }
             }
         }

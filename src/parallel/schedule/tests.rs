@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use super::*;
 use crate::parallel::schedule::plan;
-use crate::config::ParallelConfig;
+use crate::parallel::options::ParallelConfig;
 
 use Action::{
     Backward as B, Forward as F, RecvActivation as RecvA, RecvGrad as RecvG, SendActivation as SendA,
@@ -110,7 +110,7 @@ fn invalid_inputs_name_their_config_key() {
 fn schedule_from_config() {
     let mut parallel = ParallelConfig::default();
     assert_eq!(Schedule::from_config(&parallel), ONE_F_ONE_B);
-    parallel.schedule = crate::config::ScheduleName::Interleaved;
+    parallel.schedule = crate::parallel::options::ScheduleName::Interleaved;
     parallel.virtual_stages = 3;
     assert_eq!(Schedule::from_config(&parallel), Schedule::Interleaved { virtual_stages: 3 });
     assert_eq!(Schedule::from_config(&parallel).chunks(), 3);

@@ -593,6 +593,9 @@ fn main() {
             });
             match cfg {
                 Ok(cfg) => train_job(&cfg, args),
+                // Every rank loads the same job before MPI: rank 0 alone says what is wrong, the
+                // others end with the same status.
+                Err(e) if rank_hint().is_some_and(|r| r != 0) => std::process::exit(e.exit_code()),
                 Err(e) => Err(e),
             }
         }

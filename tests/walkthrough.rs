@@ -1,6 +1,6 @@
 //! The README's "Train on your own text" walkthrough, command for command, on the small text
-//! shipped in `tests/data/lighthouse.txt`: tokenize -> train on one rank -> train on two ranks
-//! (data parallel) -> inspect -> export -> generate, which must print decoded text that continues
+//! shipped in `tests/data/lighthouse.txt`: tokenize -> train on one rank -> train on eight ranks
+//! (TP2 x PP2 x DP2) -> inspect -> export -> generate, which must print decoded text that continues
 //! the prompt. Along the way: the default output is quiet (no per-communicator lines, no effective
 //! config on screen, which goes beside the metrics instead), and a layout that does not fit the
 //! ranks is said once with the `--set` that would fit.
@@ -94,27 +94,32 @@ fn train_on_your_own_text_ends_in_generated_text() {
         "the loss falls: {losses:?}"
     );
 
-    // 3. Train on two ranks (data parallel), into its own checkpoint directory.
-    let mut two = common::mpirun(2);
-    two.args([
+    // 3. Train on eight ranks (2-way tensor x 2-stage pipeline x 2-way data parallel), into its
+    // own checkpoint directory; everything after reads that checkpoint on one rank.
+    let mut eight = common::mpirun(8);
+    eight.args([
         "train",
         &job,
         "--set",
         steps,
         "--set",
+        "parallel.tp=2",
+        "--set",
+        "parallel.pp=2",
+        "--set",
         "parallel.dp=2",
         "--set",
-        "checkpoint.dir=ckpt/dp2",
+        "checkpoint.dir=ckpt/grid",
     ]);
-    let (said, _) = ok(two, &dir, "train on 2 ranks");
+    let (said, _) = ok(eight, &dir, "train on 8 ranks");
     assert!(
-        said.contains("# checkpoint ckpt/dp2/step_00000030") && said.contains("# done: 30 steps"),
+        said.contains("# checkpoint ckpt/grid/step_00000030") && said.contains("# done: 30 steps"),
         "{said}"
     );
 
     // 4. Inspect one tensor by its short name.
     let (said, _) = ok(
-        meshtrain(&["inspect", "ckpt/dp2/latest", "--tensor", "wpe"]),
+        meshtrain(&["inspect", "ckpt/grid/latest", "--tensor", "wpe"]),
         &dir,
         "inspect",
     );
@@ -125,7 +130,7 @@ fn train_on_your_own_text_ends_in_generated_text() {
 
     // 5. Export the weights, 6. generate from the export: text that continues the prompt.
     let (said, _) = ok(
-        meshtrain(&["export", "ckpt/dp2", "model.h5"]),
+        meshtrain(&["export", "ckpt/grid", "model.h5"]),
         &dir,
         "export",
     );
@@ -172,7 +177,7 @@ fn train_on_your_own_text_ends_in_generated_text() {
     assert!(a == b && a.starts_with(prompt), "{a:?} vs {b:?}");
 
     // The same weights for transformers (safetensors) read back by `generate`: the same text.
-    let (said, _) = ok(meshtrain(&["export", "--format", "safetensors", "ckpt/dp2", "hf"]), &dir, "export safetensors");
+    let (said, _) = ok(meshtrain(&["export", "--format", "safetensors", "ckpt/grid", "hf"]), &dir, "export safetensors");
     assert!(said.contains("export: 28 tensors"), "{said}");
     let greedy = |m: &str| ok(meshtrain(&["generate", m, "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "8"]), &dir, m).0;
     assert_eq!(greedy("hf"), greedy("model.h5"));

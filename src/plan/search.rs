@@ -90,6 +90,25 @@ fn divisors(n: usize) -> Vec<usize> {
     (1..=n).filter(|d| n % d == 0).collect()
 }
 
+/// Why `tp` cannot split the model's heads or padded vocabulary, if it cannot.
+fn tp_misfit(job: &Job, tp: usize) -> Option<String> {
+    let model = &job.model;
+    if model.n_head % tp != 0 {
+        return Some(format!("tp {tp} does not divide n_head {}", model.n_head));
+    }
+    (job.vocab() % tp != 0)
+        .then(|| format!("tp {tp} does not divide the padded vocabulary {}", job.vocab()))
+}
+
+/// Why `pp` stages or `dp` replicas cannot hold the job, if they cannot.
+fn grid_misfit(job: &Job, pp: usize, dp: usize) -> Option<String> {
+    if pp > job.model.n_layer {
+        return Some(format!("pp {pp} exceeds n_layer {}", job.model.n_layer));
+    }
+    (job.global_batch % dp != 0)
+        .then(|| format!("global batch {} does not divide over dp {dp}", job.global_batch))
+}
+
 fn reject(out: &mut Vec<Rejected>, layout: String, reason: String) {
     out.push(Rejected {
         layout,
@@ -135,45 +154,15 @@ pub fn search(job: &Job, mach: &Machine, opts: &Options) -> Result<Plan> {
     let mut splits: HashMap<usize, Option<Vec<usize>>> = HashMap::new();
     let model = &job.model;
     for tp in divisors(job.gpus) {
-        if model.n_head % tp != 0 {
-            reject(
-                &mut rejected,
-                format!("tp {tp}"),
-                format!("tp {tp} does not divide n_head {}", model.n_head),
-            );
-            continue;
-        }
-        if job.vocab() % tp != 0 {
-            reject(
-                &mut rejected,
-                format!("tp {tp}"),
-                format!(
-                    "tp {tp} does not divide the padded vocabulary {}",
-                    job.vocab()
-                ),
-            );
+        if let Some(why) = tp_misfit(job, tp) {
+            reject(&mut rejected, format!("tp {tp}"), why);
             continue;
         }
         for pp in divisors(job.gpus / tp) {
             let dp = job.gpus / (tp * pp);
             let fam = format!("tp {tp} pp {pp} dp {dp}");
-            if pp > model.n_layer {
-                reject(
-                    &mut rejected,
-                    fam,
-                    format!("pp {pp} exceeds n_layer {}", model.n_layer),
-                );
-                continue;
-            }
-            if job.global_batch % dp != 0 {
-                reject(
-                    &mut rejected,
-                    fam,
-                    format!(
-                        "global batch {} does not divide over dp {dp}",
-                        job.global_batch
-                    ),
-                );
+            if let Some(why) = grid_misfit(job, pp, dp) {
+                reject(&mut rejected, fam, why);
                 continue;
             }
             let per_replica = job.global_batch / dp;

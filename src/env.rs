@@ -53,6 +53,7 @@ pub const RUNTIME_VARS: &[(&str, &str)] = &[
     ("MESHTRAIN_GPU_IPC", "auto, on or off"),
     ("MESHTRAIN_GPU_STAGE_CHUNK", "a size > 0 (K/M/G suffix)"),
     ("MESHTRAIN_GPU_ONESHOT", "a size 0..=1G (K/M/G suffix; 0 = off)"),
+    ("MESHTRAIN_GPU_OVERLAP", "on or off"),
     ("MESHTRAIN_GPU_DIRECT", "auto, on or off (on needs libfabric links: MESHTRAIN_TRANSPORT=ofi, or auto with a fabric NIC)"),
     ("MESHTRAIN_OFI_PROVIDER", "a libfabric provider name, e.g. cxi, verbs, tcp or shm (else FI_PROVIDER)"),
     ("MESHTRAIN_OFI_PROFILE", "frontier"),
@@ -64,6 +65,7 @@ pub const RUNTIME_VARS: &[(&str, &str)] = &[
 pub const TOOL_VARS: &[&str] = &[
     "MESHTRAIN_EMU_CXX",
     "MESHTRAIN_EMU_CACHE",
+    "MESHTRAIN_EMU_THREADS",
     "MESHTRAIN_HIP_ARCH",
     "MESHTRAIN_FONT",
     "MESHTRAIN_GIT_SHA",
@@ -309,6 +311,12 @@ pub fn gpu_ipc() -> Result<Option<GpuIpc>> {
         choice(v, &[("auto", GpuIpc::Auto), ("on", GpuIpc::On), ("off", GpuIpc::Off)])
             .ok_or_else(|| format!("`{v}` is not auto, on or off"))
     })
+}
+
+/// `MESHTRAIN_GPU_OVERLAP`: whether device-memory gradient buckets are reduced on a
+/// communication thread during the backward (on) or after it on the compute thread (off).
+pub fn gpu_overlap() -> Result<Option<bool>> {
+    parsed("MESHTRAIN_GPU_OVERLAP", |v| choice(v, &[("on", true), ("off", false)]).ok_or_else(|| format!("`{v}` is not on or off")))
 }
 
 /// `MESHTRAIN_GPU_STAGE_CHUNK`: bytes per staged chunk of a device collective, > 0.

@@ -105,3 +105,57 @@ fn zero2_and_zero3_device_checkpoints_resume_bitwise() {
         }
     }
 }
+
+/// Device memory (the emu arm): gradient buckets reduced on a communication thread during the
+/// backward (`MESHTRAIN_GPU_OVERLAP`, on by default) give the bits of the reduction after the
+/// backward on the compute thread, at ZeRO 0 to 3, with gradient accumulation, buckets that
+/// outnumber the staging pool, and a pipeline whose stages hand their whole buffer over after
+/// each round: same losses and same final parameters, bit for bit. The emu kernels run on one
+/// host thread: the embedding backward adds into `wte` with atomics, whose order (and so the
+/// last bits of a few `wte` gradients) varies run to run when blocks run in parallel, as on a GPU.
+#[test]
+fn device_memory_overlap_gives_the_bits_of_the_reduction_after_the_backward() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        ("z0", 2, "dp = 2\nzero = 0"),
+        ("z1", 2, "dp = 2\nzero = 1"),
+        ("z3", 2, "dp = 2\nzero = 3"),
+        ("pp2z2", 4, "dp = 2\npp = 2\nmicrobatches = 2\nzero = 2"),
+    ];
+    for (name, np, parallel) in cases {
+        let mut runs = Vec::new();
+        for overlap in ["on", "off"] {
+            let tag = format!("{name}_{overlap}");
+            let metrics = dir.path().join(format!("{tag}.jsonl"));
+            let ckpt = dir.path().join(format!("{tag}_ckpt"));
+            // Buckets of 0.02 MiB: about 25 of them, more than the reducer's staging pool.
+            let job = common::tiny_job(dir.path(), &format!("{tag}.toml"), &format!("[parallel]\nbucket_mb = 0.02\n{parallel}"));
+            let sets = [
+                "device=emu".to_string(),
+                "precision=bf16".into(),
+                "model.n_layer=2".into(),
+                "train.steps=2".into(),
+                "train.grad_accum=2".into(),
+                "checkpoint.every=2".into(),
+                format!("checkpoint.dir={:?}", ckpt.display().to_string()),
+            ];
+            let out = common::train_env(np, &job, &metrics, &sets, &[("MESHTRAIN_GPU_OVERLAP", overlap), ("MESHTRAIN_EMU_THREADS", "1")]);
+            let said = match overlap {
+                "on" => "on a communication thread during the backward",
+                _ => "after the backward",
+            };
+            assert!(out.stderr.contains(said), "{tag}: the log does not say the reduction ran {said}:\n{}", out.stderr);
+            let params = common::export(&ckpt.join("step_00000002"), &dir.path().join(format!("{tag}.h5")));
+            runs.push((common::losses(&metrics), params));
+        }
+        let (on, off) = (&runs[0], &runs[1]);
+        let bits = |l: &[(u64, f64)]| l.iter().map(|(s, x)| (*s, x.to_bits())).collect::<Vec<_>>();
+        assert_eq!(bits(&on.0), bits(&off.0), "{name}: losses differ with the overlap on");
+        assert_eq!(on.1.len(), off.1.len());
+        for ((na, _, a), (nb, _, b)) in on.1.iter().zip(&off.1) {
+            assert_eq!(na, nb);
+            let same = a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{name}: `{na}` differs with the overlap on");
+        }
+    }
+}

@@ -3,8 +3,10 @@
 //!
 //! cudarc loads libcuda at run time and panics when it is missing; [`CudaDevice::open`] checks
 //! for the library first and runs the rest of the set-up under `catch_unwind`, so a machine
-//! without a driver gets an [`Error::Device`]. All work goes to a single stream, so stream order
-//! alone orders launches, copies and frees; cudarc's per-buffer event tracking is switched off.
+//! without a driver gets an [`Error::Device`]. All compute goes to a single stream, so stream
+//! order alone orders launches, copies and frees; cudarc's per-buffer event tracking is switched
+//! off. A communication thread gets a second stream ([`CudaDevice::lane`]); a buffer passes
+//! between the two only after the stream that wrote it was synchronized.
 //!
 //! Buffers come from the stream-ordered pool ([`CudaDevice::alloc`]) or, when other processes
 //! must map them through IPC handles, from `cuMemAlloc` ([`CudaDevice::alloc_shareable`]: pool
@@ -163,6 +165,14 @@ impl CudaDevice {
         })
     }
 
+    /// The same GPU, context and kernels with a stream of its own (a communication thread's).
+    /// Buffers shared with the main stream are ordered by the callers' synchronizations, since
+    /// event tracking is off.
+    pub(crate) fn lane(&self) -> Result<CudaDevice> {
+        let stream = self.stream.context().new_stream().map_err(|e| driver_err("create a communication stream", e))?;
+        Ok(CudaDevice { ordinal: self.ordinal, name: self.name.clone(), stream, functions: self.functions.clone() })
+    }
+
     /// Ordinal among the visible GPUs.
     pub fn ordinal(&self) -> usize {
         self.ordinal
@@ -207,7 +217,7 @@ impl CudaDevice {
         Ok(CudaBuffer { memory: Memory::Shareable(self.stream.clone()), address, len: bytes })
     }
 
-    fn bind(&self) -> Result<()> {
+    pub(crate) fn bind(&self) -> Result<()> {
         self.stream.context().bind_to_thread().map_err(|e| driver_err("bind context", e))
     }
 

@@ -89,6 +89,11 @@ impl EmuDevice {
         Ok(EmuDevice { module, reverse: AtomicBool::new(false) })
     }
 
+    /// Another handle to the same loaded kernels (launches from several threads take turns).
+    pub fn lane(&self) -> EmuDevice {
+        EmuDevice { module: self.module, reverse: AtomicBool::new(self.reverse.load(Ordering::Relaxed)) }
+    }
+
     /// Runs the blocks of later launches, and the threads of each block, in reverse order.
     pub fn set_reverse_order(&self, reverse: bool) {
         self.reverse.store(reverse, Ordering::Relaxed);

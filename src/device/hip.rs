@@ -54,6 +54,12 @@ mod imp {
         pub fn synchronize(&self) -> Result<()> {
             match self.0 {}
         }
+        pub fn lane(&self) -> HipDevice {
+            match self.0 {}
+        }
+        pub fn bind_thread(&self) -> Result<()> {
+            match self.0 {}
+        }
         pub fn ordinal(&self) -> usize {
             match self.0 {}
         }
@@ -160,6 +166,16 @@ impl HipDevice {
     /// Ordinal among the visible GPUs.
     pub fn ordinal(&self) -> usize {
         self.0.ordinal()
+    }
+
+    /// The same GPU and kernels for another thread (the HIP arm's one queue is the null stream).
+    pub(crate) fn lane(&self) -> HipDevice {
+        HipDevice(self.0.lane())
+    }
+
+    /// Makes this GPU current on the calling thread.
+    pub(crate) fn bind_thread(&self) -> Result<()> {
+        self.0.bind_thread()
     }
 
     pub(crate) fn alloc(&self, bytes: usize) -> Result<HipBuffer> {

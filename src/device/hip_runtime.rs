@@ -32,12 +32,19 @@ pub struct HipDevice {
     functions: HashMap<String, hip::hipFunction_t>,
 }
 
+// SAFETY: the function handles belong to a module loaded once and never unloaded, and the HIP
+// runtime API may be called from any thread (a thread selects the GPU with `bind_thread`).
+unsafe impl Send for HipDevice {}
+
 pub struct HipBuffer {
     ptr: *mut c_void,
     len: usize,
     /// False for memory owned elsewhere (see [`HipBuffer::borrowed`]).
     owned: bool,
 }
+
+// SAFETY: a device allocation may be used and freed from any thread; the owner moves with it.
+unsafe impl Send for HipBuffer {}
 
 impl HipBuffer {
     pub fn len(&self) -> usize {
@@ -106,6 +113,15 @@ impl HipDevice {
 
     pub fn ordinal(&self) -> usize {
         self.ordinal
+    }
+
+    pub fn lane(&self) -> HipDevice {
+        HipDevice { ordinal: self.ordinal, functions: self.functions.clone() }
+    }
+
+    pub fn bind_thread(&self) -> Result<()> {
+        // SAFETY: a plain runtime call; the ordinal was valid when the device opened.
+        check("set device", unsafe { hip::hipSetDevice(self.ordinal as i32) })
     }
 
     pub fn alloc(&self, bytes: usize) -> Result<HipBuffer> {

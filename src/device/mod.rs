@@ -279,6 +279,31 @@ impl Device {
         }
     }
 
+    /// A second handle to this device for a communication thread: its work goes to a queue of
+    /// its own, so a collective it runs can overlap the compute queue's kernels. On the CPU and
+    /// emu arms work runs on the calling thread, so the lane is a copy; on CUDA it is a new
+    /// stream of the same context; on HIP the null stream again (the HIP arm has one queue), so
+    /// there only the host side of a collective overlaps. Nothing orders the two queues: the
+    /// caller synchronizes the producer's queue before handing a buffer over and the lane's
+    /// before handing it back.
+    pub fn comm_lane(&self) -> Result<Device> {
+        Ok(match self {
+            Device::Cpu => Device::Cpu,
+            Device::Cuda(d) => Device::Cuda(d.lane()?),
+            Device::Hip(d) => Device::Hip(d.lane()),
+            Device::Emu(d) => Device::Emu(d.lane()),
+        })
+    }
+
+    /// Makes this device current on the calling thread (a thread that did not open it).
+    pub fn bind_thread(&self) -> Result<()> {
+        match self {
+            Device::Cuda(d) => d.bind(),
+            Device::Hip(d) => d.bind_thread(),
+            Device::Cpu | Device::Emu(_) => Ok(()),
+        }
+    }
+
     /// Waits until all queued work on this device has finished and reports its errors.
     pub fn synchronize(&self) -> Result<()> {
         match self {

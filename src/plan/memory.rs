@@ -206,6 +206,7 @@ fn meshtrain(
         wte: if holds_wte { Some(0..wte_len) } else { None },
         releases_grads: l.zero >= 2 && l.pp == 1,
         host_reduce,
+        device_overlap: !host_reduce && l.dp > 1,
         activations: 0,
     });
     // bf16 copies of the 2D weights (all but biases and LayerNorms: ~ every parameter).

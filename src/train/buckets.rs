@@ -62,35 +62,113 @@ pub enum Reduction {
 
 /// Reduces gradient buckets on a communication thread as they become final.
 pub struct OverlapReducer {
-    buckets: Vec<Range<usize>>,
-    reduction: Reduction,
-    dp_rank: usize,
-    dp_size: usize,
-    /// Elements of each bucket reported since its last launch.
-    ready: Vec<usize>,
+    book: Ledger,
     /// Staging buffer of each bucket while it fills (AllReduce: also between steps).
     staging: Vec<Option<Vec<f32>>>,
     /// Free staging buffers (ReduceScatter).
     pool: Vec<Vec<f32>>,
     /// Staging buffers filling or in flight (ReduceScatter).
     staged: usize,
-    /// Launches of each bucket this step.
-    launches: Vec<usize>,
-    /// Reduced results of each bucket received this step.
-    received: Vec<usize>,
     in_flight: usize,
     /// Reduced own block of each bucket, summed over this step's launches (ReduceScatter).
     shards: Vec<Vec<f32>>,
-    scale: f32,
-    worker: CommWorker,
-    /// Time the communication thread spent in collectives this step.
-    busy: Duration,
+    worker: CommWorker<Vec<f32>>,
     /// First error of the communication thread, reported by `finish`.
     failed: Option<Error>,
 }
 
 /// Receives an all-reduced bucket: (bucket index, its flat range, the averaged values).
 pub type BucketSink<'a> = dyn FnMut(usize, Range<usize>, &[f32]) -> Result<()> + 'a;
+
+/// The bookkeeping the host and the device reducers share: which buckets a reported range
+/// touches, how much of each has arrived, the launches and results of this step, and the block
+/// this rank owns.
+pub(super) struct Ledger {
+    pub buckets: Vec<Range<usize>>,
+    pub reduction: Reduction,
+    /// (rank, size) in the data-parallel group.
+    dp: (usize, usize),
+    /// Elements of each bucket reported since its last launch.
+    pub ready: Vec<usize>,
+    /// Launches of each bucket this step.
+    pub launches: Vec<usize>,
+    /// Reduced results of each bucket received this step.
+    pub received: Vec<usize>,
+    /// 1 / micro-batches of this step.
+    pub scale: f32,
+    /// Time the communication thread spent in collectives this step.
+    pub busy: Duration,
+}
+
+impl Ledger {
+    pub fn new(buckets: Vec<Range<usize>>, reduction: Reduction, dp: (usize, usize)) -> Self {
+        let k = buckets.len();
+        Ledger { buckets, reduction, dp, ready: vec![0; k], launches: vec![0; k], received: vec![0; k], scale: 1.0, busy: Duration::ZERO }
+    }
+
+    /// The part of bucket `b` this rank owns (all of it with [`Reduction::AllReduce`]).
+    pub fn shard(&self, b: usize) -> Range<usize> {
+        let r = self.buckets[b].clone();
+        if self.reduction == Reduction::AllReduce {
+            return r;
+        }
+        let blk = block_range(r.len(), self.dp.1, self.dp.0);
+        r.start + blk.start..r.start + blk.end
+    }
+
+    /// Starts a step of `micro_batches` micro-batches.
+    pub fn begin(&mut self, micro_batches: usize) {
+        self.ready.iter_mut().for_each(|r| *r = 0);
+        self.launches.iter_mut().for_each(|l| *l = 0);
+        self.received.iter_mut().for_each(|l| *l = 0);
+        self.scale = 1.0 / micro_batches.max(1) as f32;
+        self.busy = Duration::ZERO;
+    }
+
+    /// The buckets the flat range `range` touches, with the part inside each, in bucket order;
+    /// an all-reduced bucket reported again after its launch is an error.
+    pub fn touched(&self, range: &Range<usize>) -> Vec<(usize, Range<usize>, Result<()>)> {
+        let mut out = Vec::new();
+        for (b, r) in self.buckets.iter().enumerate() {
+            let (lo, hi) = (r.start.max(range.start), r.end.min(range.end));
+            if lo >= hi {
+                continue;
+            }
+            let ok = match self.reduction == Reduction::AllReduce && self.launches[b] > 0 {
+                true => Err(Error::Check(format!("gradient bucket {b} reported twice in one step"))),
+                false => Ok(()),
+            };
+            out.push((b, lo..hi, ok));
+        }
+        out
+    }
+
+    /// Counts `len` more elements of bucket `b`; true when it is complete (then launched).
+    pub fn arrived(&mut self, b: usize, len: usize) -> bool {
+        self.ready[b] += len;
+        let full = self.ready[b] == self.buckets[b].len();
+        if full {
+            self.ready[b] = 0;
+            self.launches[b] += 1;
+        }
+        full
+    }
+
+    /// Fails if a bucket was never launched this step or is partly reported.
+    pub fn check_complete(&self) -> Result<()> {
+        for (b, r) in self.buckets.iter().enumerate() {
+            if self.launches[b] == 0 || self.ready[b] != 0 {
+                return Err(Error::Check(format!(
+                    "gradient bucket {b} ({r:?}): {} of {} elements reported after {} launches",
+                    self.ready[b],
+                    r.len(),
+                    self.launches[b]
+                )));
+            }
+        }
+        Ok(())
+    }
+}
 
 /// Timing of one step's gradient reduction.
 #[derive(Debug, Clone, Copy, Default)]
@@ -105,8 +183,8 @@ impl OverlapReducer {
     /// A reducer of `buckets` (from [`plan_buckets`]) on `comm`, which the thread owns (give it a
     /// communicator no other thread uses).
     pub fn new(comm: Communicator, buckets: Vec<Range<usize>>, reduction: Reduction) -> Self {
-        let (dp_rank, dp_size) = (comm.rank(), comm.size());
-        let worker = CommWorker::spawn("meshtrain-grad-comm", "gradient communication", comm, move |c, data| match reduction {
+        let dp = (comm.rank(), comm.size());
+        let worker = CommWorker::spawn("meshtrain-grad-comm", "gradient communication", comm, move |c: &mut Communicator, data: &mut Vec<f32>| match reduction {
             Reduction::ReduceScatter => c.reduce_scatter(data, ReduceOp::Avg),
             Reduction::AllReduce => c.all_reduce(data, ReduceOp::Avg),
         });
@@ -114,22 +192,14 @@ impl OverlapReducer {
         let sharded = reduction == Reduction::ReduceScatter;
         let staging = buckets.iter().map(|b| (!sharded).then(|| vec![0f32; b.len()])).collect();
         let mut red = OverlapReducer {
-            reduction,
-            dp_rank,
-            dp_size,
-            ready: vec![0; k],
+            book: Ledger::new(buckets, reduction, dp),
             staging,
             pool: Vec::new(),
             staged: 0,
-            launches: vec![0; k],
-            received: vec![0; k],
             in_flight: 0,
             shards: Vec::new(),
-            scale: 1.0,
             worker,
-            busy: Duration::ZERO,
             failed: None,
-            buckets,
         };
         if sharded {
             red.shards = (0..k).map(|b| vec![0f32; red.shard(b).len()]).collect();
@@ -139,12 +209,7 @@ impl OverlapReducer {
 
     /// The part of bucket `b` this rank owns (all of it with [`Reduction::AllReduce`]).
     pub fn shard(&self, b: usize) -> Range<usize> {
-        let r = self.buckets[b].clone();
-        if self.reduction == Reduction::AllReduce {
-            return r;
-        }
-        let blk = block_range(r.len(), self.dp_size, self.dp_rank);
-        r.start + blk.start..r.start + blk.end
+        self.book.shard(b)
     }
 
     /// The reduced gradients of bucket `b`'s shard after `finish` (ReduceScatter only).
@@ -154,11 +219,7 @@ impl OverlapReducer {
 
     /// Starts a step whose gradients are averaged over `micro_batches` micro-batches.
     pub fn begin(&mut self, micro_batches: usize) {
-        self.ready.iter_mut().for_each(|r| *r = 0);
-        self.launches.iter_mut().for_each(|l| *l = 0);
-        self.received.iter_mut().for_each(|l| *l = 0);
-        self.scale = 1.0 / micro_batches.max(1) as f32;
-        self.busy = Duration::ZERO;
+        self.book.begin(micro_batches);
     }
 
     /// Records that the gradients `range` are final for this report with values `data`
@@ -167,26 +228,22 @@ impl OverlapReducer {
     /// kept for `finish`.
     pub fn on_final(&mut self, range: Range<usize>, data: &[f32]) {
         debug_assert_eq!(range.len(), data.len());
-        for b in 0..self.buckets.len() {
-            let r = self.buckets[b].clone();
-            let (lo, hi) = (r.start.max(range.start), r.end.min(range.end));
-            if lo >= hi {
+        for (b, part, ok) in self.book.touched(&range) {
+            if let Err(e) = ok {
+                self.failed.get_or_insert(e);
                 continue;
             }
-            if self.reduction == Reduction::AllReduce && self.launches[b] > 0 {
-                self.failed.get_or_insert(Error::Check(format!("gradient bucket {b} reported twice in one step")));
-                continue;
-            }
+            let r = self.book.buckets[b].clone();
             if self.staging[b].is_none() {
                 let buf = self.take_staging(r.len());
                 self.staging[b] = Some(buf);
             }
             let stage = self.staging[b].as_mut().expect("staged above");
-            for (d, s) in stage[lo - r.start..hi - r.start].iter_mut().zip(&data[lo - range.start..hi - range.start]) {
-                *d = s * self.scale;
+            let src = &data[part.start - range.start..part.end - range.start];
+            for (d, s) in stage[part.start - r.start..part.end - r.start].iter_mut().zip(src) {
+                *d = s * self.book.scale;
             }
-            self.ready[b] += hi - lo;
-            if self.ready[b] == r.len() {
+            if self.book.arrived(b, part.len()) {
                 self.launch(b);
             }
         }
@@ -207,8 +264,6 @@ impl OverlapReducer {
     }
 
     fn launch(&mut self, b: usize) {
-        self.ready[b] = 0;
-        self.launches[b] += 1;
         let data = self.staging[b].take().expect("a launched bucket was staged");
         // A failed send means the thread stopped on an error, which `finish` reports.
         if self.worker.send(b, data).is_ok() {
@@ -221,14 +276,14 @@ impl OverlapReducer {
     fn receive_one(&mut self, sink: Option<&mut BucketSink>) -> Result<()> {
         let (b, data, busy) = self.worker.recv()?;
         self.in_flight -= 1;
-        self.busy += busy;
-        self.received[b] += 1;
+        self.book.busy += busy;
+        self.book.received[b] += 1;
         let own = self.shard(b);
-        let base = self.buckets[b].start;
-        match self.reduction {
+        let base = self.book.buckets[b].start;
+        match self.book.reduction {
             Reduction::ReduceScatter => {
                 let block = &data[own.start - base..own.end - base];
-                if self.received[b] == 1 {
+                if self.book.received[b] == 1 {
                     self.shards[b].copy_from_slice(block);
                 } else {
                     self.shards[b].iter_mut().zip(block).for_each(|(s, x)| *s += x);
@@ -267,17 +322,8 @@ impl OverlapReducer {
         if let Some(e) = self.failed.take() {
             return Err(e);
         }
-        for (b, r) in self.buckets.iter().enumerate() {
-            if self.launches[b] == 0 || self.ready[b] != 0 {
-                return Err(Error::Check(format!(
-                    "gradient bucket {b} ({r:?}): {} of {} elements reported after {} launches",
-                    self.ready[b],
-                    r.len(),
-                    self.launches[b]
-                )));
-            }
-        }
-        Ok(ReduceTiming { comm: self.busy, exposed: t0.elapsed() })
+        self.book.check_complete()?;
+        Ok(ReduceTiming { comm: self.book.busy, exposed: t0.elapsed() })
     }
 }
 

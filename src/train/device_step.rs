@@ -8,10 +8,14 @@
 //!   are final (a pipeline stage: its whole buffer after the round), they are staged into
 //!   buckets and every full bucket is reduced on a communication thread with a communicator of
 //!   its own while the backward goes on ([`OverlapReducer`]); the step waits only for what is left;
-//! - device memory (cuda, hip, emu): the device collectives (`comm::device`: peers' memory mapped
-//!   within a node, stream-ordered small calls, libfabric rings or staging between nodes): at ZeRO
-//!   0 and 1 once after the last backward, at ZeRO 2 after every backward, unit by unit during
-//!   the backward of a whole model that frees its reduced gradients (ZeRO-2/3).
+//! - device memory (cuda, hip, emu) with more than one data-parallel rank: the same hand-over,
+//!   each unit's gradients packed into bucket staging on the device and every full bucket
+//!   reduced with the device collectives (`comm::device`: peers' memory mapped within a node,
+//!   libfabric rings or staging between nodes) on a communication thread with a device lane
+//!   (a CUDA stream) of its own ([`DeviceReducer`]); `MESHTRAIN_GPU_OVERLAP=off` reduces on the
+//!   compute thread instead: at ZeRO 0 and 1 once after the last backward, at ZeRO 2 after every
+//!   backward, unit by unit during the backward of a whole model that frees its reduced
+//!   gradients (ZeRO-2/3). Both give the same bits.
 //!
 //! At ZeRO 0 the reduced gradients are one flat buffer, clipped by their global norm (under
 //! tensor parallelism the squares of the elements this rank counts, summed over the TP group: a
@@ -32,6 +36,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::buckets::{OverlapReducer, ReduceTiming, Reduction};
+use super::device_overlap::DeviceReducer;
 use super::device_whole::WholeState;
 use super::device_zero::DeviceShards;
 use super::grad_sync::{DataParallel, Spans, StepOutcome};
@@ -53,6 +58,12 @@ enum State {
     Sharded(DeviceShards),
 }
 
+/// The reduction overlapping the backward: on host memory or on device memory.
+enum Overlap {
+    Host(OverlapReducer),
+    Device(DeviceReducer),
+}
+
 /// The optimizer step of the device model on its device.
 pub struct DeviceStep {
     state: State,
@@ -62,8 +73,9 @@ pub struct DeviceStep {
     step: u64,
     /// The data-parallel gradient reduction on device buffers (IPC within a node, staged across).
     coll: GpuCommState,
-    /// Host-memory arms: the bucket reducer overlapping the backward, and its traffic counters.
-    overlap: Option<(OverlapReducer, Arc<CommStats>)>,
+    /// The bucket reducer overlapping the backward, and its traffic counters (more than one
+    /// data-parallel rank).
+    overlap: Option<(Overlap, Arc<CommStats>)>,
     /// ZeRO-2/3: every backward's gradients are reduced (not only the step's last).
     every_backward: bool,
 }
@@ -81,15 +93,20 @@ impl DeviceStep {
         config: AdamWConfig,
     ) -> Result<Self> {
         let dev = model.device();
+        let cfg = GpuCommConfig::from_env()?;
         // One data-parallel rank has nothing to reduce: no thread, no staging of every bucket.
-        let overlap = match dev {
-            Device::Cpu if dp.size() > 1 => {
-                let comm = dp.split(Some(0), dp.rank() as i64)?.expect("every rank joins color 0");
-                let stats = comm.stats();
-                let reduction = if sync.zero == 0 { Reduction::AllReduce } else { Reduction::ReduceScatter };
-                Some((OverlapReducer::new(comm, sync.bucket_ranges().to_vec(), reduction), stats))
-            }
-            _ => None,
+        let overlap = if dp.size() > 1 && (cfg.overlap || matches!(dev, Device::Cpu)) {
+            let comm = dp.split(Some(0), dp.rank() as i64)?.expect("every rank joins color 0");
+            let stats = comm.stats();
+            let reduction = if sync.zero == 0 { Reduction::AllReduce } else { Reduction::ReduceScatter };
+            let buckets = sync.bucket_ranges().to_vec();
+            let o = match dev {
+                Device::Cpu => Overlap::Host(OverlapReducer::new(comm, buckets, reduction)),
+                _ => Overlap::Device(DeviceReducer::new(dev, comm, cfg.clone(), buckets, reduction)?),
+            };
+            Some((o, stats))
+        } else {
+            None
         };
         let state = match sync.zero {
             0 => State::Whole(WholeState::new(model, sync, (decay, norm), overlap.is_none())?),
@@ -101,7 +118,7 @@ impl DeviceStep {
             partials: dev.alloc(SUM_BLOCKS * 4)?,
             config,
             step: 0,
-            coll: GpuCommState::new(GpuCommConfig::from_env()?),
+            coll: GpuCommState::new(cfg),
             overlap,
             every_backward: sync.reduces_every_backward(),
         })
@@ -120,17 +137,24 @@ impl DeviceStep {
 
     /// Starts a step of `micro_batches` micro-batches (their gradients are averaged).
     pub fn begin(&mut self, micro_batches: usize) {
-        if let Some((r, _)) = &mut self.overlap {
-            r.begin(micro_batches);
+        match &mut self.overlap {
+            Some((Overlap::Host(r), _)) => r.begin(micro_batches),
+            Some((Overlap::Device(r), _)) => r.begin(micro_batches),
+            None => {}
         }
     }
 
     /// Device bytes of the optimizer state and its staging buffers.
     pub fn device_bytes(&self) -> usize {
-        match &self.state {
-            State::Whole(w) => w.device_bytes(),
-            State::Sharded(s) => s.device_bytes(),
-        }
+        let staging = match &self.overlap {
+            Some((Overlap::Device(r), _)) => r.device_bytes(),
+            _ => 0,
+        };
+        staging
+            + match &self.state {
+                State::Whole(w) => w.device_bytes(),
+                State::Sharded(s) => s.device_bytes(),
+            }
     }
 
     /// Takes the master weights from the model's host copy and the moments and step count from
@@ -161,6 +185,9 @@ impl DeviceStep {
 
     /// Unmaps the peers' buffers (collective over `dp`; before the buffers are freed).
     pub fn finish(&mut self, model: &DeviceGpt, dp: &Communicator) -> Result<()> {
+        if let Some((Overlap::Device(r), _)) = &mut self.overlap {
+            r.release(model.device())?;
+        }
         self.coll.release_mappings(dp, model.device())
     }
 
@@ -170,11 +197,11 @@ impl DeviceStep {
     /// ZeRO-2/3 then zeroes the model's); on device memory ZeRO-2 reduces them over `dp` into the
     /// shards (and zeroes the model's gradients).
     pub fn after_backward(&mut self, model: &mut DeviceGpt, dp: &Communicator, batches: (usize, usize)) -> Result<()> {
-        if let Some((r, _)) = &mut self.overlap {
+        if self.overlap.is_some() {
             // A whole model handed its units over during the backward.
             if !model.is_whole() {
                 let n = model.layout().total_len();
-                model.host_grads_in(0..n, &mut |range, g| r.on_final(range, g))?;
+                self.hand_over(model, 0..n)?;
                 if self.every_backward {
                     model.zero_grad()?;
                 }
@@ -191,12 +218,22 @@ impl DeviceStep {
     /// ([`DeviceGpt::backward_reducing`]): reduces the unit `unit` (host memory: stages it and
     /// launches its complete buckets; device memory, ZeRO-2/3: reduce-scatters its buckets).
     pub fn reduce_unit(&mut self, model: &DeviceGpt, dp: &Communicator, micro_batches: usize, unit: Range<usize>) -> Result<()> {
-        if let Some((r, _)) = &mut self.overlap {
-            return model.host_grads_in(unit, &mut |range, g| r.on_final(range, g));
+        if self.overlap.is_some() {
+            return self.hand_over(model, unit);
         }
         match &mut self.state {
             State::Sharded(s) if s.per_unit() => s.reduce_unit(model, dp, &mut self.coll, micro_batches, unit),
             _ => Err(Error::Check("a unit's gradients reached a device step that reduces them whole".into())),
+        }
+    }
+
+    /// Hands the final gradients `range` to the overlapping reducer (a device reducer adds
+    /// the blocks it receives meanwhile into the shards).
+    fn hand_over(&mut self, model: &DeviceGpt, range: Range<usize>) -> Result<()> {
+        match (&mut self.overlap, &mut self.state) {
+            (Some((Overlap::Host(r), _)), _) => model.host_grads_in(range, &mut |range, g| r.on_final(range, g)),
+            (Some((Overlap::Device(r), _)), state) => r.on_final(model, range, &mut shard_sink(model.device(), state)),
+            (None, _) => Err(Error::Check("gradients handed to a step that reduces after the backward".into())),
         }
     }
 
@@ -219,13 +256,22 @@ impl DeviceStep {
         // The step's stream-ordered TP calls are only checked here: before anything is applied.
         model.check_collectives()?;
         let (mut sq, timing) = match (&mut self.overlap, &mut self.state) {
-            (Some((r, _)), State::Whole(w)) => {
+            (Some((Overlap::Host(r), _)), State::Whole(w)) => {
                 let timing = w.take_reduced(model, r)?;
                 (w.square(), timing)
             }
-            (Some((r, _)), State::Sharded(s)) => {
+            (Some((Overlap::Host(r), _)), State::Sharded(s)) => {
                 let timing = r.finish(&mut [])?;
                 s.take_reduced(model, r)?;
+                (s.square(model, dp, &mut self.partials)?, timing)
+            }
+            (Some((Overlap::Device(r), _)), State::Whole(w)) => {
+                let timing = w.take_device_reduced(model, r, &mut self.partials)?;
+                (w.square(), timing)
+            }
+            (Some((Overlap::Device(r), _)), State::Sharded(s)) => {
+                let timing = r.finish(&mut |k, _, block, first| s.add_block(model.device(), k, block, first))?;
+                s.end_overlapped()?;
                 (s.square(model, dp, &mut self.partials)?, timing)
             }
             (None, State::Whole(w)) => {
@@ -238,10 +284,11 @@ impl DeviceStep {
                 (s.square(model, dp, &mut self.partials)?, ReduceTiming { comm, exposed: comm })
             }
         };
+        // A device reducer's thread says which path its buckets took.
         if self.step == 0 && dp.size() > 1 && self.overlap.is_none() {
             let (ipc, calls) = self.coll.path_counts();
             let path = if ipc == calls { "mapped peer memory (IPC)" } else { "staging through host memory" };
-            log::info!("data-parallel gradient reduction over {} ranks: {path}", dp.size());
+            log::info!("data-parallel gradient reduction over {} ranks after the backward: {path}", dp.size());
         }
         for g in groups {
             let mut s = [sq];
@@ -265,5 +312,14 @@ impl DeviceStep {
             State::Sharded(s) => s.update(model, dp, &mut self.coll, &update)?,
         }
         Ok(StepOutcome { grad_norm, timing })
+    }
+}
+
+/// The sink a device reducer hands reduced blocks to during the backward: the shards' (the
+/// whole state all-reduces, and receives its buckets at the step only).
+fn shard_sink<'a>(dev: &'a Device, state: &'a mut State) -> impl FnMut(usize, Range<usize>, &DeviceBuffer, bool) -> Result<()> + 'a {
+    move |k, _, block, first| match state {
+        State::Sharded(s) => s.add_block(dev, k, block, first),
+        State::Whole(_) => Err(Error::Check("an all-reduced bucket was handed over before the step".into())),
     }
 }

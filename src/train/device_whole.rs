@@ -23,6 +23,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use super::buckets::{OverlapReducer, ReduceTiming};
+use super::device_overlap::DeviceReducer;
 use super::grad_sync::{DataParallel, Spans};
 use crate::comm::device::GpuCommState;
 use crate::comm::{Communicator, DType, ReduceOp};
@@ -126,6 +127,24 @@ impl WholeState {
                 *sq = sum_of_squares(&data[c.start - range.start..c.end - range.start]);
             }
             model.set_grads_range(range, data)
+        })
+    }
+
+    /// Takes the buckets the device reducer averaged during the backward into the model's
+    /// gradients, with their squares (`partials`: the norm kernel's block sums); returns the
+    /// reduction's timing.
+    pub fn take_device_reduced(
+        &mut self,
+        model: &mut DeviceGpt,
+        reducer: &mut DeviceReducer,
+        partials: &mut DeviceBuffer,
+    ) -> Result<ReduceTiming> {
+        let WholeState { counted, squares, .. } = self;
+        reducer.finish(&mut |b, range, buf, _| {
+            for (sq, c) in squares[b].iter_mut().zip(&counted[b]) {
+                *sq = ops::sum_squares(model.device(), partials, buf, c.start - range.start, c.len())?;
+            }
+            model.unpack_grads_range(range, buf)
         })
     }
 

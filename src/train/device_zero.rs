@@ -37,7 +37,7 @@ use crate::comm::{Communicator, DType, ReduceOp};
 use crate::device::cpu::adamw::AdamWStep;
 use crate::device::ipc::alloc_shareable;
 use crate::device::ops::{self, AdamWBuffers};
-use crate::device::DeviceBuffer;
+use crate::device::{Device, DeviceBuffer};
 use crate::error::{Error, Result};
 use crate::model::DeviceGpt;
 
@@ -262,6 +262,27 @@ impl DeviceShards {
             s.fresh = true;
         }
         Ok(std::mem::take(&mut self.comm))
+    }
+
+    /// Adds a reduced block of bucket `k` (its first this step: sets it) into the gradient
+    /// shard, as the device reducer hands it over.
+    pub fn add_block(&mut self, dev: &Device, k: usize, block: &DeviceBuffer, first: bool) -> Result<()> {
+        let s = &mut self.shards[k];
+        let n = s.own.len();
+        s.fresh = false;
+        match first {
+            true => ops::copy(dev, &mut s.grads, 0, block, 0, n),
+            false => ops::reduce_into(dev, DType::F32, ReduceOp::Sum, &mut s.grads, block, n),
+        }
+    }
+
+    /// Ends a step whose shards the device reducer filled: every shard must have had a result.
+    pub fn end_overlapped(&mut self) -> Result<()> {
+        if let Some(s) = self.shards.iter().find(|s| s.fresh) {
+            return Err(Error::Check(format!("gradient bucket {:?} was never reduced this step", s.bucket)));
+        }
+        self.shards.iter_mut().for_each(|s| s.fresh = true);
+        Ok(())
     }
 
     /// Takes the step's reduced gradient shards from the host reducer (which reduced them while

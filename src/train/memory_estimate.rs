@@ -14,6 +14,8 @@
 //! | AdamW m, v  | 2n     | 2s     | 2s     | 2s     |
 //! | staging     | n or bucket | pool + bucket + block | pool + bucket + block | pool + 2 buckets + block |
 //!
+//! (`(+ s)` and `pool` depend on where the reduction runs, see below.)
+//!
 //! - the `+ s` of ZeRO >= 1 parameters: the step's master weights of the shard (ZeRO-3: the
 //!   model's parameter shards and the master weights);
 //! - *gathered* (ZeRO-3): the units one layer reads at once, all of them (the embedding `wte` +
@@ -21,9 +23,12 @@
 //! - *live* gradients (ZeRO-2/3 on a whole model, which frees each unit's gradients once they
 //!   are reduced): the tied `wte` gradient (written by the head, final after the embedding) plus
 //!   the largest other unit; a pipeline stage keeps all `n`;
-//! - *(+ s)* and *pool* only where the reduction runs on a host thread (the CPU arm, dp > 1): the
-//!   reducer's summed shard and the [`MAX_STAGED`] largest buckets; at ZeRO-0 the host reducer
-//!   keeps every bucket's staging (`n`), device collectives one bucket;
+//! - *(+ s)* and *pool* where the reduction runs on a communication thread (dp > 1): on the
+//!   CPU arm the host reducer's summed shard and the [`MAX_STAGED`] largest buckets; on device
+//!   memory (`MESHTRAIN_GPU_OVERLAP=on`) no summed shard (reduced blocks are added into the
+//!   step's shard) and a pool of at most [`MAX_STAGED`] staging buffers of the largest bucket and
+//!   block each; at ZeRO-0 either reducer keeps every bucket's staging (`n`), the reduction
+//!   after the backward one bucket;
 //! - *bucket* and *block*: the device step's staging (largest bucket) and receive buffer (largest
 //!   block); ZeRO-3 gathers through one more bucket.
 //!
@@ -57,6 +62,9 @@ pub struct MemoryInputs<'a> {
     pub releases_grads: bool,
     /// The reduction runs on a host thread (the CPU arm with more than one data-parallel rank).
     pub host_reduce: bool,
+    /// The reduction runs on a communication thread over device memory (a device arm with more
+    /// than one data-parallel rank and `MESHTRAIN_GPU_OVERLAP` on).
+    pub device_overlap: bool,
     /// Activation elements (all slots and scratch).
     pub activations: usize,
 }
@@ -85,7 +93,11 @@ impl MemoryEstimate {
         let largest_bucket = bucket_lens.first().copied().unwrap_or(0) as u64;
         let block = largest_bucket.div_ceil(i.dp.max(1) as u64);
         let host = u64::from(i.host_reduce);
-        let pool = host * bucket_lens.iter().take(MAX_STAGED).sum::<usize>() as u64;
+        let pool = match (i.host_reduce, i.device_overlap) {
+            (true, _) => bucket_lens.iter().take(MAX_STAGED).sum::<usize>() as u64,
+            (false, true) => bucket_lens.len().min(MAX_STAGED) as u64 * (largest_bucket + block),
+            (false, false) => 0,
+        };
         let wte = i.wte.as_ref().map_or(0, |w| w.len()) as u64;
         let others = || i.units.iter().filter(|u| Some(*u) != i.wte.as_ref());
         let largest_other = others().map(|u| u.len()).max().unwrap_or(0) as u64;
@@ -95,7 +107,7 @@ impl MemoryEstimate {
         let (wpe, lnf) = (others().next().map_or(0, |u| u.len()) as u64, others().next_back().map_or(0, |u| u.len()) as u64);
         let gathered = (wte + wpe).max(largest_other).max(lnf + wte);
         let (params, grads, optimizer, staging) = match i.zero {
-            0 => (n, n, 2 * n, if i.host_reduce { n } else { largest_bucket }),
+            0 => (n, n, 2 * n, if i.host_reduce || i.device_overlap { n } else { largest_bucket }),
             1 => (n + s, n + s + host * s, 2 * s, pool + largest_bucket + block),
             2 => (n + s, live + s + host * s, 2 * s, pool + largest_bucket + block),
             _ => (2 * s + gathered, live + s + host * s, 2 * s, pool + 2 * largest_bucket + block),
@@ -135,7 +147,7 @@ mod tests {
 
     fn inputs<'a>(zero: u8, buckets: &'a [Range<usize>], units: &'a [Range<usize>], host_reduce: bool) -> MemoryInputs<'a> {
         let releases_grads = zero >= 2;
-        MemoryInputs { zero, n: 1000, shard: 250, dp: 4, buckets, units, wte: Some(0..400), releases_grads, host_reduce, activations: 10 }
+        MemoryInputs { zero, n: 1000, shard: 250, dp: 4, buckets, units, wte: Some(0..400), releases_grads, host_reduce, device_overlap: false, activations: 10 }
     }
 
     #[test]
@@ -152,6 +164,12 @@ mod tests {
         assert_eq!(e(1, true), MemoryEstimate { params: 5000, grads: 6000, optimizer: 2000, staging: 2100, activations: 40 });
         assert_eq!(e(1, false).grads, 5000);
         assert_eq!(e(1, false).staging, 500);
+        // Device memory reduced on a communication thread: every bucket's staging at ZeRO-0; at
+        // ZeRO-1 no summed shard and a pool of 4 (bucket 100 + block 25) besides the step's
+        // bucket and block.
+        let dev = |z| MemoryEstimate::new(&MemoryInputs { device_overlap: true, ..inputs(z, &buckets, &units, false) });
+        assert_eq!(dev(0).staging, 4000);
+        assert_eq!((dev(1).grads, dev(1).staging), (5000, (4 * 125 + 125) * 4));
         // Live gradients: wte 400 + largest other unit 200.
         assert_eq!(e(2, false).grads, (600 + 250) * 4);
         // Gathered: lnf + wte = wte + wpe = 500 > a block; parameters 2s + 500.

@@ -14,6 +14,7 @@ pub(crate) use buckets::plan_buckets;
 mod checkpointing;
 mod comm_worker;
 mod config_agree;
+mod device_overlap;
 mod device_step;
 mod device_whole;
 mod device_zero;

@@ -24,6 +24,7 @@ use super::shutdown;
 use super::stragglers::Stragglers;
 use super::{TrainOptions, TrainReport};
 use crate::bootstrap::World;
+use crate::comm::device::GpuCommConfig;
 use crate::comm::stats::CommStats;
 use crate::comm::{Communicator, ReduceOp};
 use crate::config::JobConfig;
@@ -188,6 +189,7 @@ impl<'a> Session<'a> {
             wte: model.wte(),
             releases_grads: zero >= 2 && model.model().is_whole(),
             host_reduce: matches!(model.device(), Device::Cpu) && dp.size() > 1,
+            device_overlap: !matches!(model.device(), Device::Cpu) && dp.size() > 1 && GpuCommConfig::from_env()?.overlap,
             activations: model.activation_elements(),
         });
         if world.rank == 0 {

@@ -154,7 +154,13 @@ grad_clip = 1.0
 
 /// Runs `meshtrain train JOB --metrics METRICS [--set ...]` on `np` ranks and asserts success.
 pub fn train(np: usize, job: &std::path::Path, metrics: &std::path::Path, sets: &[String]) -> Finished {
+    train_env(np, job, metrics, sets, &[])
+}
+
+/// [`train`] with the environment variables `env` set for every rank.
+pub fn train_env(np: usize, job: &std::path::Path, metrics: &std::path::Path, sets: &[String], env: &[(&str, &str)]) -> Finished {
     let mut cmd = mpirun(np);
+    cmd.envs(env.iter().copied());
     cmd.arg("train").arg(job).arg("--metrics").arg(metrics);
     for s in sets {
         cmd.args(["--set", s]);

@@ -66,17 +66,20 @@ pub struct GpuCommConfig {
     pub oneshot_bytes: usize,
     /// Whether send/recv may post device buffers to libfabric directly.
     pub gpu_direct: GpuDirect,
+    /// Whether the training step reduces device-memory gradient buckets on a communication
+    /// thread while the backward runs (`MESHTRAIN_GPU_OVERLAP`, default on).
+    pub overlap: bool,
 }
 
 impl Default for GpuCommConfig {
     fn default() -> Self {
-        GpuCommConfig { ipc: GpuIpc::Auto, stage_chunk: 4 << 20, oneshot_bytes: 1 << 20, gpu_direct: GpuDirect::Auto }
+        GpuCommConfig { ipc: GpuIpc::Auto, stage_chunk: 4 << 20, oneshot_bytes: 1 << 20, gpu_direct: GpuDirect::Auto, overlap: true }
     }
 }
 
 impl GpuCommConfig {
-    /// Defaults overridden by `MESHTRAIN_GPU_IPC`, `MESHTRAIN_GPU_STAGE_CHUNK` and
-    /// `MESHTRAIN_GPU_ONESHOT`; `MESHTRAIN_GPU_DIRECT`.
+    /// Defaults overridden by `MESHTRAIN_GPU_IPC`, `MESHTRAIN_GPU_STAGE_CHUNK`,
+    /// `MESHTRAIN_GPU_ONESHOT`, `MESHTRAIN_GPU_DIRECT` and `MESHTRAIN_GPU_OVERLAP`.
     pub fn from_env() -> Result<Self> {
         let d = GpuCommConfig::default();
         // Read in this order so that, of several bad variables, the same one is reported as before.
@@ -86,6 +89,7 @@ impl GpuCommConfig {
             stage_chunk: env::gpu_stage_chunk()?.unwrap_or(d.stage_chunk),
             oneshot_bytes: env::gpu_oneshot()?.unwrap_or(d.oneshot_bytes),
             gpu_direct,
+            overlap: env::gpu_overlap()?.unwrap_or(d.overlap),
         })
     }
 }

@@ -106,9 +106,17 @@ impl DeviceGpt {
 
     /// Copies the device gradients of the flat range `r` into `dst` (`r.len()` elements from 0).
     pub fn pack_grads_range(&self, r: Range<usize>, dst: &mut DeviceBuffer) -> Result<()> {
+        self.pack_grads_at(r, dst, 0)
+    }
+
+    /// Copies the device gradients of the flat range `r` into `dst` from element `at` on.
+    pub fn pack_grads_at(&self, r: Range<usize>, dst: &mut DeviceBuffer, at: usize) -> Result<()> {
         for (i, p) in entry_parts(&self.layout, r.clone()) {
             let e = &self.layout.entries()[i];
-            ops::copy(&self.dev, dst, p.start - r.start, &self.grads[i], p.start - e.offset, p.len())?;
+            if self.grads[i].len() < e.len * 4 {
+                return Err(Error::Check(format!("the gradients of `{}` were packed after being freed", e.name)));
+            }
+            ops::copy(&self.dev, dst, at + p.start - r.start, &self.grads[i], p.start - e.offset, p.len())?;
         }
         Ok(())
     }

@@ -34,6 +34,16 @@ extern "C" __global__ void sum_squares_f32(float *partials, const float *g, mt_u
     if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
 
+// flag[0] = 1 if any of x (N) is NaN or infinite (all exponent bits set); else flag is left
+// as it is, so one flag can collect several buffers. Racing writers all write 1.
+extern "C" __global__ void nonfinite_mark_f32(const float *x, mt_u64 n, unsigned int *flag) {
+    const mt_u64 stride = (mt_u64)gridDim.x * blockDim.x;
+    bool bad = false;
+    for (mt_u64 i = (mt_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        bad |= (__float_as_uint(x[i]) & 0x7f800000u) == 0x7f800000u;
+    if (bad) flag[0] = 1u;
+}
+
 // g (N) *= s.
 extern "C" __global__ void scale_f32(float *g, float s, mt_u64 n) {
     const mt_u64 stride = (mt_u64)gridDim.x * blockDim.x;

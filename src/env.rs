@@ -57,7 +57,7 @@ pub const RUNTIME_VARS: &[(&str, &str)] = &[
     ("MESHTRAIN_GPU_DIRECT", "auto, on or off (on needs libfabric links: MESHTRAIN_TRANSPORT=ofi, or auto with a fabric NIC)"),
     ("MESHTRAIN_OFI_PROVIDER", "a libfabric provider name, e.g. cxi, verbs, tcp or shm (else FI_PROVIDER)"),
     ("MESHTRAIN_OFI_PROFILE", "frontier"),
-    ("MESHTRAIN_FAULT", "test only: stall-bootstrap@RANK or slow-step@RANK:MS"),
+    ("MESHTRAIN_FAULT", "test only: stall-bootstrap@RANK, slow-step@RANK:MS or nan-grad@RANK:STEP"),
 ];
 
 /// Variables read outside the runtime: by the emu and HIP devices, the plots, build and test
@@ -384,12 +384,18 @@ pub enum Fault {
     /// `slow-step@RANK:MS`: world rank RANK works MS milliseconds longer in every training step
     /// (a straggler).
     SlowStep(usize, u64),
+    /// `nan-grad@RANK:STEP`: world rank RANK's loss gradient is NaN at step STEP (its gradients
+    /// NaN, every loss finite).
+    NanGrad(usize, u64),
 }
 
 fn parse_fault(v: &str) -> std::result::Result<Fault, String> {
     let bad = || format!("`{v}` is not {}", accepted("MESHTRAIN_FAULT"));
     if let Some(r) = v.strip_prefix("stall-bootstrap@") {
         return r.parse().map(Fault::StallBootstrap).map_err(|_| bad());
+    }
+    if let Some((r, step)) = v.strip_prefix("nan-grad@").and_then(|x| x.split_once(':')) {
+        return Ok(Fault::NanGrad(r.parse().map_err(|_| bad())?, step.parse().map_err(|_| bad())?));
     }
     let (r, ms) = v.strip_prefix("slow-step@").and_then(|x| x.split_once(':')).ok_or_else(bad)?;
     Ok(Fault::SlowStep(r.parse().map_err(|_| bad())?, ms.parse().map_err(|_| bad())?))
@@ -412,6 +418,14 @@ pub fn stalled_bootstrap_rank() -> Result<Option<usize>> {
 pub fn slow_step_ms(rank: usize) -> Result<Option<u64>> {
     Ok(match fault()? {
         Some(Fault::SlowStep(r, ms)) if r == rank => Some(ms),
+        _ => None,
+    })
+}
+
+/// The step at which `MESHTRAIN_FAULT=nan-grad@RANK:STEP` poisons `rank`'s gradients, if any.
+pub fn nan_grad_step(rank: usize) -> Result<Option<u64>> {
+    Ok(match fault()? {
+        Some(Fault::NanGrad(r, step)) if r == rank => Some(step),
         _ => None,
     })
 }

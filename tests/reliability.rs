@@ -344,3 +344,47 @@ fn a_slow_but_alive_rank_is_named_with_its_lag_and_the_run_goes_on() {
     // The injected 40 ms, less what the other ranks' own work varies by.
     assert!(reports.iter().all(|&(r, lag)| r == 2 && (0.02..0.1).contains(&lag)), "{reports:?}");
 }
+
+/// A NaN gradient with a finite loss is traced to the rank it came from, by every rank, on each
+/// path that stages gradients for the reduction: the host reducer (CPU, ZeRO-0 and ZeRO-1), the
+/// device reducer on its communication thread (emu), the device reduction after the backward
+/// (emu, `MESHTRAIN_GPU_OVERLAP=off`), and one data-parallel rank under tensor parallelism (its own
+/// squares before the TP sum; the NaN of rank 1's loss gradient reaches rank 0 through the TP
+/// all-reduce inside the backward, so both ranks' own gradients are NaN and both are named).
+/// `skip` goes on; `stop` ends every rank naming the step and rank.
+#[test]
+fn a_nan_gradient_with_a_finite_loss_is_traced_to_its_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(&str, usize, &str, &[&str], &[(&str, &str)], &str); 5] = [
+        ("cpu_z0", 3, "dp = 3", &[], &[], "2"),
+        ("cpu_z1", 3, "dp = 3\nzero = 1", &[], &[], "2"),
+        ("emu_z1", 2, "dp = 2\nzero = 1", &["device=emu", "model.n_layer=1"], &[], "1"),
+        ("emu_after", 2, "dp = 2", &["device=emu", "model.n_layer=1"], &[("MESHTRAIN_GPU_OVERLAP", "off")], "1"),
+        ("cpu_tp2", 2, "tp = 2", &[], &[], "0, 1"),
+    ];
+    for (name, np, parallel, sets, env, named) in cases {
+        let job = common::tiny_job(dir.path(), &format!("{name}.toml"), &format!("[parallel]\n{parallel}"));
+        let source = np - 1;
+        let mut cmd = common::mpirun(np);
+        cmd.envs(env.iter().copied()).env("MESHTRAIN_FAULT", format!("nan-grad@{source}:2")).arg("train").arg(&job);
+        cmd.args(["--set", "train.steps=3", "--set", "train.nonfinite=\"skip\""]);
+        for s in sets {
+            cmd.args(["--set", s]);
+        }
+        let out = common::run(cmd, WATCHDOG);
+        let all = out.stdout.clone() + &out.stderr;
+        let said = format!("step 2; the loss was finite on every rank; the non-finite gradients came from rank(s) {named}:");
+        assert!(out.success() && all.contains(&said) && all.contains("# done: 3 steps"), "{name}: {all}");
+    }
+    // stop: every rank fails naming the step and the rank.
+    let job = common::tiny_job(dir.path(), "stop.toml", "[parallel]\ndp = 2");
+    let mut cmd = mpirun_without_abort(2);
+    cmd.env("MESHTRAIN_FAULT", "nan-grad@0:2").arg("train").arg(&job).args(["--set", "train.steps=3"]);
+    let out = common::run(cmd, WATCHDOG);
+    // (mpirun may exit 0 when every rank failed: what the ranks said is the test.)
+    assert!(!out.stdout.contains("# done"), "{}", out.stdout);
+    for r in 0..2 {
+        let said = out.rank_stderr(r).join("\n");
+        assert!(said.contains("the non-finite gradients came from rank(s) 0; stopping"), "rank {r}: {said}");
+    }
+}

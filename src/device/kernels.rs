@@ -38,7 +38,7 @@ pub const SOURCES: [(&str, &str); 12] = [
 ];
 
 /// Entry points other than the reductions.
-const MODEL_KERNELS: [&str; 32] = [
+const MODEL_KERNELS: [&str; 33] = [
     "layernorm_forward_f32",
     "layernorm_backward_dinp_f32",
     "layernorm_backward_dparams_f32",
@@ -62,6 +62,7 @@ const MODEL_KERNELS: [&str; 32] = [
     "fill_zero_f32",
     "sum_squares_f32",
     "scale_f32",
+    "nonfinite_mark_f32",
     "copy_f32",
     "embedding_shard_forward_f32",
     "embedding_shard_backward_f32",

@@ -671,6 +671,30 @@ pub fn sum_squares_parts(
     sum_squares(dev, partials, stage, 0, at)
 }
 
+/// Sets `flag` (one u32 on the device) to 1 if any of x[start..start + n] (f32) is NaN or
+/// infinite; leaves it as it is otherwise, so one flag collects several calls until the caller
+/// reads and clears it. No host synchronization.
+pub fn mark_nonfinite(dev: &Device, flag: &mut DeviceBuffer, x: &DeviceBuffer, start: usize, n: usize) -> Result<()> {
+    let k = "nonfinite_mark_f32";
+    need(k, "x", x, f32s(start + n))?;
+    need(k, "flag", flag, 4)?;
+    if let Device::Cpu = dev {
+        let x = &host(k, x)?.view::<f32>(start + n)[start..];
+        let per = chunk_items(n, 1);
+        let bad = std::sync::atomic::AtomicBool::new(false);
+        run_parts(x.chunks(per), |part| {
+            if part.iter().any(|v| !v.is_finite()) {
+                bad.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        });
+        if bad.into_inner() {
+            host_mut(k, flag)?.view_mut::<u32>(1)[0] = 1;
+        }
+        return Ok(());
+    }
+    dev.launch(k, stride_grid(n), &[A::BufAt(x, f32s(start)), A::U64(n as u64), A::Buf(flag)])
+}
+
 /// g[start..start + n] *= s (f32). Reference: `cpu::clip::scale_grads`.
 pub fn scale(dev: &Device, g: &mut DeviceBuffer, start: usize, n: usize, s: f32) -> Result<()> {
     let k = "scale_f32";

@@ -124,6 +124,8 @@ pub struct DeviceGpt {
     shards: Option<ParamShards>,
     /// Gradients are freed once reduced and allocated again when written (ZeRO-2/3).
     release_grads: bool,
+    /// The next loss backward starts from a NaN gradient (fault injection for tests).
+    poison: bool,
 }
 
 /// What a stage's forward consumes.
@@ -266,6 +268,7 @@ impl DeviceGpt {
             hidden: vec![0.0; r * c],
             shards: None,
             release_grads: false,
+            poison: false,
         };
         model.zero_grad()?;
         Ok(model)
@@ -490,6 +493,13 @@ impl DeviceGpt {
             return Err(Error::InvalidArgument("backward: this device model is a pipeline stage".into()));
         }
         Ok(())
+    }
+
+    /// Makes the next backward of the loss start from a NaN gradient, so that every gradient of
+    /// this rank is NaN while its loss stays finite (`MESHTRAIN_FAULT=nan-grad@RANK:STEP`; only a
+    /// rank holding the head computes a loss backward).
+    pub fn poison_next_backward(&mut self) {
+        self.poison = true;
     }
 
     /// Whether the model is whole (one chunk with the embedding and the head: not a pipeline

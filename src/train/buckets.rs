@@ -12,13 +12,14 @@
 //! - [`Reduction::AllReduce`] (ZeRO-0): every rank gets the whole averaged bucket; each bucket has a
 //!   staging buffer of its own for the whole run and `finish` writes the results back into the
 //!   model's gradients.
-//! - [`Reduction::ReduceScatter`] (ZeRO >= 1): this rank keeps block `dp_rank` of every bucket
-//!   ([`OverlapReducer::shard`]), accumulated in a compact shard buffer ([`OverlapReducer::shard_grads`],
-//!   Ψ/dp elements in all) that the optimizer reads. Staging buffers come from a pool of at most
+//! - [`Reduction::ReduceScatter`] (ZeRO >= 1): this rank's result is block `dp_rank` of every
+//!   bucket ([`OverlapReducer::shard`]), handed to the caller's sink as soon as it arrives (with
+//!   whether it is the bucket's first this step), which sums it into the optimizer's gradient
+//!   shard: the reducer keeps no shard of its own. Staging buffers come from a pool of at most
 //!   [`MAX_STAGED`] (filling or in flight; a report waits for a finished bucket when the pool is
 //!   empty), so transient gradient memory is bounded by `MAX_STAGED` buckets. A bucket may be
 //!   reported several times per step (ZeRO-2/3 reduce every micro-batch instead of keeping the
-//!   full accumulated gradient); the shard sums the reports.
+//!   full accumulated gradient); the sink sums the reports.
 //!
 //! Invariants: buckets are disjoint, contiguous and cover the buffer; every rank launches the same
 //! buckets in the same order (readiness order is deterministic), so the thread's collectives match
@@ -70,15 +71,14 @@ pub struct OverlapReducer {
     /// Staging buffers filling or in flight (ReduceScatter).
     staged: usize,
     in_flight: usize,
-    /// Reduced own block of each bucket, summed over this step's launches (ReduceScatter).
-    shards: Vec<Vec<f32>>,
     worker: CommWorker<Vec<f32>>,
     /// First error of the communication thread, reported by `finish`.
     failed: Option<Error>,
 }
 
-/// Receives an all-reduced bucket: (bucket index, its flat range, the averaged values).
-pub type BucketSink<'a> = dyn FnMut(usize, Range<usize>, &[f32]) -> Result<()> + 'a;
+/// Receives a reduced bucket: (bucket index, the flat range this rank owns, its averaged values,
+/// whether it is the bucket's first result this step).
+pub type BucketSink<'a> = dyn FnMut(usize, Range<usize>, &[f32], bool) -> Result<()> + 'a;
 
 /// The bookkeeping the host and the device reducers share: which buckets a reported range
 /// touches, how much of each has arrived, the launches and results of this step, and the block
@@ -98,12 +98,15 @@ pub(super) struct Ledger {
     pub scale: f32,
     /// Time the communication thread spent in collectives this step.
     pub busy: Duration,
+    /// A reported gradient held a NaN or an infinity this step (before the reduction).
+    pub nonfinite: bool,
 }
 
 impl Ledger {
     pub fn new(buckets: Vec<Range<usize>>, reduction: Reduction, dp: (usize, usize)) -> Self {
         let k = buckets.len();
-        Ledger { buckets, reduction, dp, ready: vec![0; k], launches: vec![0; k], received: vec![0; k], scale: 1.0, busy: Duration::ZERO }
+        let z = vec![0; k];
+        Ledger { buckets, reduction, dp, ready: z.clone(), launches: z.clone(), received: z, scale: 1.0, busy: Duration::ZERO, nonfinite: false }
     }
 
     /// The part of bucket `b` this rank owns (all of it with [`Reduction::AllReduce`]).
@@ -123,6 +126,7 @@ impl Ledger {
         self.received.iter_mut().for_each(|l| *l = 0);
         self.scale = 1.0 / micro_batches.max(1) as f32;
         self.busy = Duration::ZERO;
+        self.nonfinite = false;
     }
 
     /// The buckets the flat range `range` touches, with the part inside each, in bucket order;
@@ -188,33 +192,14 @@ impl OverlapReducer {
             Reduction::ReduceScatter => c.reduce_scatter(data, ReduceOp::Avg),
             Reduction::AllReduce => c.all_reduce(data, ReduceOp::Avg),
         });
-        let k = buckets.len();
         let sharded = reduction == Reduction::ReduceScatter;
         let staging = buckets.iter().map(|b| (!sharded).then(|| vec![0f32; b.len()])).collect();
-        let mut red = OverlapReducer {
-            book: Ledger::new(buckets, reduction, dp),
-            staging,
-            pool: Vec::new(),
-            staged: 0,
-            in_flight: 0,
-            shards: Vec::new(),
-            worker,
-            failed: None,
-        };
-        if sharded {
-            red.shards = (0..k).map(|b| vec![0f32; red.shard(b).len()]).collect();
-        }
-        red
+        OverlapReducer { book: Ledger::new(buckets, reduction, dp), staging, pool: Vec::new(), staged: 0, in_flight: 0, worker, failed: None }
     }
 
     /// The part of bucket `b` this rank owns (all of it with [`Reduction::AllReduce`]).
     pub fn shard(&self, b: usize) -> Range<usize> {
         self.book.shard(b)
-    }
-
-    /// The reduced gradients of bucket `b`'s shard after `finish` (ReduceScatter only).
-    pub fn shard_grads(&mut self, b: usize) -> &mut [f32] {
-        &mut self.shards[b]
     }
 
     /// Starts a step whose gradients are averaged over `micro_batches` micro-batches.
@@ -224,9 +209,9 @@ impl OverlapReducer {
 
     /// Records that the gradients `range` are final for this report with values `data`
     /// (`range.len()` of them) and launches every bucket that became complete. May wait for a
-    /// finished bucket when the staging pool is used up; an error of the communication thread is
-    /// kept for `finish`.
-    pub fn on_final(&mut self, range: Range<usize>, data: &[f32]) {
+    /// reduced bucket when the staging pool is used up, handing it to `sink`; an error (of the
+    /// communication thread or the sink) is kept for `finish`.
+    pub fn on_final(&mut self, range: Range<usize>, data: &[f32], sink: &mut BucketSink) {
         debug_assert_eq!(range.len(), data.len());
         for (b, part, ok) in self.book.touched(&range) {
             if let Err(e) = ok {
@@ -235,25 +220,34 @@ impl OverlapReducer {
             }
             let r = self.book.buckets[b].clone();
             if self.staging[b].is_none() {
-                let buf = self.take_staging(r.len());
+                let buf = self.take_staging(r.len(), sink);
                 self.staging[b] = Some(buf);
             }
             let stage = self.staging[b].as_mut().expect("staged above");
             let src = &data[part.start - range.start..part.end - range.start];
+            // Exponent bits all set: NaN or infinite (an OR of integers vectorizes with the copy).
+            let mut bad = 0u32;
             for (d, s) in stage[part.start - r.start..part.end - r.start].iter_mut().zip(src) {
                 *d = s * self.book.scale;
+                bad |= u32::from(s.to_bits() & 0x7f80_0000 == 0x7f80_0000);
             }
+            self.book.nonfinite |= bad != 0;
             if self.book.arrived(b, part.len()) {
                 self.launch(b);
             }
         }
     }
 
+    /// Whether a gradient reported this step was NaN or infinite (before the reduction).
+    pub fn local_nonfinite(&self) -> bool {
+        self.book.nonfinite
+    }
+
     /// A staging buffer of `len` elements from the pool, waiting for a finished bucket if
     /// [`MAX_STAGED`] are out.
-    fn take_staging(&mut self, len: usize) -> Vec<f32> {
+    fn take_staging(&mut self, len: usize, sink: &mut BucketSink) -> Vec<f32> {
         while self.staged >= MAX_STAGED && self.in_flight > 0 && self.failed.is_none() {
-            if let Err(e) = self.receive_one(None) {
+            if let Err(e) = self.receive_one(sink) {
                 self.failed = Some(e);
             }
         }
@@ -271,9 +265,9 @@ impl OverlapReducer {
         }
     }
 
-    /// Waits for one reduced bucket and files it: into the shard (ReduceScatter, returning the
-    /// buffer to the pool) or hands it to `sink(bucket, range, values)` (AllReduce).
-    fn receive_one(&mut self, sink: Option<&mut BucketSink>) -> Result<()> {
+    /// Waits for one reduced bucket and hands it to `sink`: its block (ReduceScatter, the buffer
+    /// back to the pool) or all of it (AllReduce, the buffer kept as the bucket's staging).
+    fn receive_one(&mut self, sink: &mut BucketSink) -> Result<()> {
         let (b, data, busy) = self.worker.recv()?;
         self.in_flight -= 1;
         self.book.busy += busy;
@@ -282,40 +276,25 @@ impl OverlapReducer {
         let base = self.book.buckets[b].start;
         match self.book.reduction {
             Reduction::ReduceScatter => {
-                let block = &data[own.start - base..own.end - base];
-                if self.book.received[b] == 1 {
-                    self.shards[b].copy_from_slice(block);
-                } else {
-                    self.shards[b].iter_mut().zip(block).for_each(|(s, x)| *s += x);
-                }
+                let r = sink(b, own.clone(), &data[own.start - base..own.end - base], self.book.received[b] == 1);
                 self.pool.push(data);
                 self.staged -= 1;
+                r
             }
             Reduction::AllReduce => {
-                let sink = sink.expect("all-reduced buckets are received in `finish` only");
-                let r = sink(b, own, &data);
+                let r = sink(b, own, &data, true);
                 self.staging[b] = Some(data);
-                r?;
+                r
             }
         }
-        Ok(())
     }
 
-    /// Waits for every launched bucket; with [`Reduction::AllReduce`] writes the results into
-    /// `grads`, with [`Reduction::ReduceScatter`] they are in [`OverlapReducer::shard_grads`].
-    pub fn finish(&mut self, grads: &mut [f32]) -> Result<ReduceTiming> {
-        self.finish_with(&mut |_, r, data| {
-            grads[r].copy_from_slice(data);
-            Ok(())
-        })
-    }
-
-    /// [`OverlapReducer::finish`] handing each all-reduced bucket to `sink(bucket, range, values)`
-    /// as it arrives (in launch order) instead of writing one flat buffer.
-    pub fn finish_with(&mut self, sink: &mut BucketSink) -> Result<ReduceTiming> {
+    /// Waits for every launched bucket, handing each result not handed over yet to `sink` (in
+    /// launch order), and checks that every bucket was reported whole.
+    pub fn finish(&mut self, sink: &mut BucketSink) -> Result<ReduceTiming> {
         let t0 = Instant::now();
         while self.in_flight > 0 && self.failed.is_none() {
-            if let Err(e) = self.receive_one(Some(&mut *sink)) {
+            if let Err(e) = self.receive_one(sink) {
                 self.failed = Some(e);
             }
         }
@@ -324,6 +303,28 @@ impl OverlapReducer {
         }
         self.book.check_complete()?;
         Ok(ReduceTiming { comm: self.book.busy, exposed: t0.elapsed() })
+    }
+}
+
+/// Reduce-scattered blocks summed per bucket, as an optimizer's gradient shard sums them (the
+/// reference in tests).
+#[cfg(test)]
+pub(crate) struct ShardSums(pub Vec<Vec<f32>>);
+
+#[cfg(test)]
+impl ShardSums {
+    /// Zeroed sums of `red`'s owned blocks of its `buckets` buckets.
+    pub fn new(red: &OverlapReducer, buckets: usize) -> Self {
+        ShardSums((0..buckets).map(|b| vec![0.0; red.shard(b).len()]).collect())
+    }
+
+    /// A [`BucketSink`] body: sets (first) or adds bucket `b`'s block.
+    pub fn add(&mut self, b: usize, block: &[f32], first: bool) -> Result<()> {
+        match first {
+            true => self.0[b].copy_from_slice(block),
+            false => self.0[b].iter_mut().zip(block).for_each(|(s, x)| *s += x),
+        }
+        Ok(())
     }
 }
 
@@ -375,6 +376,7 @@ mod tests {
                 let buckets = plan_buckets(&[0..380, 380..n], 64);
                 let mut red = OverlapReducer::new(thread_comm, buckets.clone(), reduction);
                 let mut g = vec![0f32; n];
+                let mut sums = ShardSums::new(&red, buckets.len());
                 // Two steps: the second must not see anything of the first (reused staging,
                 // shard accumulators).
                 for _step in 0..2 {
@@ -382,11 +384,19 @@ mod tests {
                     for k in 0..reports {
                         let data: Vec<f32> = (0..n).map(|i| grad(i, c.rank(), k)).collect();
                         // Reported out of bucket order and in pieces, as a backward would.
-                        red.on_final(600..n, &data[600..n]);
-                        red.on_final(0..300, &data[..300]);
-                        red.on_final(300..600, &data[300..600]);
+                        let mut sink = |b, _, v: &[f32], first| sums.add(b, v, first);
+                        red.on_final(600..n, &data[600..n], &mut sink);
+                        red.on_final(0..300, &data[..300], &mut sink);
+                        red.on_final(300..600, &data[300..600], &mut sink);
                     }
-                    red.finish(&mut g).unwrap();
+                    red.finish(&mut |b, r, v, first| match reduction {
+                        Reduction::AllReduce => {
+                            g[r].copy_from_slice(v);
+                            Ok(())
+                        }
+                        Reduction::ReduceScatter => sums.add(b, v, first),
+                    })
+                    .unwrap();
                 }
                 (0..buckets.len())
                     .map(|b| {
@@ -394,7 +404,7 @@ mod tests {
                         let v = if reduction == Reduction::AllReduce {
                             g[own.clone()].to_vec()
                         } else {
-                            red.shard_grads(b).to_vec()
+                            sums.0[b].clone()
                         };
                         (own, v)
                     })
@@ -423,8 +433,9 @@ mod tests {
             let thread_comm = c.split(Some(0), c.rank() as i64).unwrap().unwrap();
             let mut red = OverlapReducer::new(thread_comm, plan_buckets(&[0..100], 40), Reduction::ReduceScatter);
             red.begin(1);
-            red.on_final(30..100, &[1.0; 70]);
-            red.finish(&mut [0.0; 100]).map(|_| ()).map_err(|e| e.to_string())
+            let mut ignore = |_, _, _: &[f32], _| Ok(());
+            red.on_final(30..100, &[1.0; 70], &mut ignore);
+            red.finish(&mut ignore).map(|_| ()).map_err(|e| e.to_string())
         });
         for r in results {
             let e = r.unwrap_err();

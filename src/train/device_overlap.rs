@@ -31,6 +31,7 @@ use std::time::Instant;
 
 use super::buckets::{Ledger, ReduceTiming, Reduction, MAX_STAGED};
 use super::comm_worker::CommWorker;
+use super::nonfinite::LocalFlag;
 use crate::comm::device::{GpuCommConfig, GpuCommState};
 use crate::comm::{Communicator, DType, ReduceOp};
 use crate::device::ipc::alloc_shareable;
@@ -73,6 +74,8 @@ pub struct DeviceReducer {
     worker: CommWorker<Staged>,
     /// Bytes of staging on the device.
     bytes: usize,
+    /// This rank's packed gradients held a NaN or an infinity this step.
+    flag: LocalFlag,
     failed: Option<Error>,
 }
 
@@ -113,6 +116,7 @@ impl DeviceReducer {
             in_flight: 0,
             worker,
             bytes: 0,
+            flag: LocalFlag::new(dev)?,
             failed: None,
         };
         if reduction == Reduction::AllReduce {
@@ -171,6 +175,7 @@ impl DeviceReducer {
                 // The host reducer's staging copy multiplies by the same f32 factor.
                 ops::scale(dev, &mut stage.buf, at, part.len(), self.book.scale)?;
             }
+            self.flag.mark(dev, &stage.buf, at, part.len())?;
             if self.book.arrived(b, part.len()) {
                 // The packing is queued on the compute queue: it must be done before the lane reads.
                 dev.synchronize()?;
@@ -253,6 +258,12 @@ impl DeviceReducer {
             }
         }
         Ok(ReduceTiming { comm: self.book.busy, exposed })
+    }
+
+    /// Whether this rank's gradients packed this step held a NaN or an infinity (before the
+    /// reduction); clears the flag.
+    pub fn take_nonfinite(&mut self, dev: &Device) -> Result<bool> {
+        self.flag.take(dev)
     }
 
     /// Releases the thread's peer mappings (collective over the group; before buffers are freed).

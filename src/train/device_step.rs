@@ -231,16 +231,60 @@ impl DeviceStep {
     /// the blocks it receives meanwhile into the shards).
     fn hand_over(&mut self, model: &DeviceGpt, range: Range<usize>) -> Result<()> {
         match (&mut self.overlap, &mut self.state) {
-            (Some((Overlap::Host(r), _)), _) => model.host_grads_in(range, &mut |range, g| r.on_final(range, g)),
+            (Some((Overlap::Host(r), _)), state) => {
+                let dev = model.device();
+                model.host_grads_in(range, &mut |range, g| r.on_final(range, g, &mut host_sink(dev, state)))
+            }
             (Some((Overlap::Device(r), _)), state) => r.on_final(model, range, &mut shard_sink(model.device(), state)),
             (None, _) => Err(Error::Check("gradients handed to a step that reduces after the backward".into())),
         }
     }
 
+    /// Finishes the step's gradient reduction: returns this rank's sum of squares of the counted
+    /// reduced gradients (summed over `dp` where sharded), the reduction's timing and whether this
+    /// rank's own gradients held a NaN or an infinity before the reduction.
+    fn reduce(&mut self, model: &mut DeviceGpt, dp: &Communicator, micro_batches: usize) -> Result<(f64, ReduceTiming, bool)> {
+        Ok(match (&mut self.overlap, &mut self.state) {
+            (Some((Overlap::Host(r), _)), State::Whole(w)) => {
+                let timing = w.take_reduced(model, r)?;
+                (w.square(), timing, r.local_nonfinite())
+            }
+            (Some((Overlap::Host(r), _)), State::Sharded(s)) => {
+                let timing = r.finish(&mut |k, _, block, first| s.add_host_block(model.device(), k, block, first))?;
+                s.end_overlapped()?;
+                (s.square(model, dp, &mut self.partials)?, timing, r.local_nonfinite())
+            }
+            (Some((Overlap::Device(r), _)), State::Whole(w)) => {
+                let timing = w.take_device_reduced(model, r, &mut self.partials)?;
+                (w.square(), timing, r.take_nonfinite(model.device())?)
+            }
+            (Some((Overlap::Device(r), _)), State::Sharded(s)) => {
+                let timing = r.finish(&mut |k, _, block, first| s.add_block(model.device(), k, block, first))?;
+                s.end_overlapped()?;
+                (s.square(model, dp, &mut self.partials)?, timing, r.take_nonfinite(model.device())?)
+            }
+            (None, State::Whole(w)) => {
+                let comm = w.reduce(model, (dp, &mut self.coll), &mut self.partials, micro_batches)?;
+                // The reduction runs after the backward, so all of it is exposed.
+                let sq = w.square();
+                // One data-parallel rank: its squares are its own (before the TP sum).
+                let bad = w.take_nonfinite(model)? || dp.size() == 1 && !sq.is_finite();
+                (sq, ReduceTiming { comm, exposed: comm }, bad)
+            }
+            (None, State::Sharded(s)) => {
+                let comm = s.reduce_all(model, dp, &mut self.coll, micro_batches)?;
+                let sq = s.square(model, dp, &mut self.partials)?;
+                let bad = s.take_nonfinite(model)? || dp.size() == 1 && !sq.is_finite();
+                (sq, ReduceTiming { comm, exposed: comm }, bad)
+            }
+        })
+    }
+
     /// One optimizer step from the model's device gradients summed over `micro_batches` (ZeRO-2:
     /// already reduced into the shards), averaged over them and over `dp`; clips to `max_norm`
     /// (<= 0: off) and returns the pre-clip global norm, whose partial sums of squares are added
-    /// over `groups` (the TP group). `apply` sees the norm before anything changes; `false` (the
+    /// over `groups` (the TP group). `apply(norm, own)` sees the norm, and whether this rank's own
+    /// gradients were non-finite before the reduction, before anything changes; `false` (the
     /// same on every rank) skips the update.
     #[allow(clippy::too_many_arguments)]
     pub fn step(
@@ -251,39 +295,11 @@ impl DeviceStep {
         micro_batches: usize,
         lr: f64,
         max_norm: f64,
-        apply: &mut dyn FnMut(f64) -> Result<bool>,
+        apply: &mut dyn FnMut(f64, bool) -> Result<bool>,
     ) -> Result<StepOutcome> {
         // The step's stream-ordered TP calls are only checked here: before anything is applied.
         model.check_collectives()?;
-        let (mut sq, timing) = match (&mut self.overlap, &mut self.state) {
-            (Some((Overlap::Host(r), _)), State::Whole(w)) => {
-                let timing = w.take_reduced(model, r)?;
-                (w.square(), timing)
-            }
-            (Some((Overlap::Host(r), _)), State::Sharded(s)) => {
-                let timing = r.finish(&mut [])?;
-                s.take_reduced(model, r)?;
-                (s.square(model, dp, &mut self.partials)?, timing)
-            }
-            (Some((Overlap::Device(r), _)), State::Whole(w)) => {
-                let timing = w.take_device_reduced(model, r, &mut self.partials)?;
-                (w.square(), timing)
-            }
-            (Some((Overlap::Device(r), _)), State::Sharded(s)) => {
-                let timing = r.finish(&mut |k, _, block, first| s.add_block(model.device(), k, block, first))?;
-                s.end_overlapped()?;
-                (s.square(model, dp, &mut self.partials)?, timing)
-            }
-            (None, State::Whole(w)) => {
-                let comm = w.reduce(model, (dp, &mut self.coll), &mut self.partials, micro_batches)?;
-                // The reduction runs after the backward, so all of it is exposed.
-                (w.square(), ReduceTiming { comm, exposed: comm })
-            }
-            (None, State::Sharded(s)) => {
-                let comm = s.reduce_all(model, dp, &mut self.coll, micro_batches)?;
-                (s.square(model, dp, &mut self.partials)?, ReduceTiming { comm, exposed: comm })
-            }
-        };
+        let (mut sq, timing, own_bad) = self.reduce(model, dp, micro_batches)?;
         // A device reducer's thread says which path its buckets took.
         if self.step == 0 && dp.size() > 1 && self.overlap.is_none() {
             let (ipc, calls) = self.coll.path_counts();
@@ -297,7 +313,7 @@ impl DeviceStep {
         }
         self.coll.check(dp, model.device())?;
         let grad_norm = sq.sqrt();
-        if !apply(grad_norm)? {
+        if !apply(grad_norm, own_bad)? {
             return Ok(StepOutcome { grad_norm, timing });
         }
         self.step += 1;
@@ -320,6 +336,14 @@ impl DeviceStep {
 fn shard_sink<'a>(dev: &'a Device, state: &'a mut State) -> impl FnMut(usize, Range<usize>, &DeviceBuffer, bool) -> Result<()> + 'a {
     move |k, _, block, first| match state {
         State::Sharded(s) => s.add_block(dev, k, block, first),
+        State::Whole(_) => Err(Error::Check("an all-reduced bucket was handed over before the step".into())),
+    }
+}
+
+/// [`shard_sink`] for the host reducer's blocks in host memory.
+fn host_sink<'a>(dev: &'a Device, state: &'a mut State) -> impl FnMut(usize, Range<usize>, &[f32], bool) -> Result<()> + 'a {
+    move |k, _, block, first| match state {
+        State::Sharded(s) => s.add_host_block(dev, k, block, first),
         State::Whole(_) => Err(Error::Check("an all-reduced bucket was handed over before the step".into())),
     }
 }

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use super::buckets::{OverlapReducer, ReduceTiming};
 use super::device_overlap::DeviceReducer;
 use super::grad_sync::{DataParallel, Spans};
+use super::nonfinite::LocalFlag;
 use crate::comm::device::GpuCommState;
 use crate::comm::{Communicator, DType, ReduceOp};
 use crate::device::cpu::adamw::AdamWStep;
@@ -48,6 +49,8 @@ pub struct WholeState {
     /// Per bucket: the sums of squares of `counted`, this step.
     squares: Vec<Vec<f64>>,
     n: usize,
+    /// The gradients packed for the device reduction held a NaN or an infinity.
+    flag: LocalFlag,
 }
 
 impl WholeState {
@@ -72,6 +75,7 @@ impl WholeState {
             counted: Vec::new(),
             squares: Vec::new(),
             n: model.layout().total_len(),
+            flag: LocalFlag::new(dev)?,
         };
         state.counted = state.buckets.iter().map(|b| clip_spans(b, norm)).collect();
         state.squares = state.counted.iter().map(|c| vec![0.0; c.len()]).collect();
@@ -122,7 +126,7 @@ impl WholeState {
     /// gradients, with their squares; returns the reduction's timing.
     pub fn take_reduced(&mut self, model: &mut DeviceGpt, reducer: &mut OverlapReducer) -> Result<ReduceTiming> {
         let WholeState { counted, squares, .. } = self;
-        reducer.finish_with(&mut |b, range, data| {
+        reducer.finish(&mut |b, range, data, _| {
             for (sq, c) in squares[b].iter_mut().zip(&counted[b]) {
                 *sq = sum_of_squares(&data[c.start - range.start..c.end - range.start]);
             }
@@ -172,6 +176,7 @@ impl WholeState {
                 continue;
             }
             model.pack_grads_range(bucket.clone(), &mut self.stage)?;
+            self.flag.mark(dev, &self.stage, 0, n)?;
             if micro_batches > 1 {
                 // The host reducer's staging copy multiplies by the same f32 factor.
                 ops::scale(dev, &mut self.stage, 0, n, 1.0 / micro_batches as f32)?;
@@ -189,6 +194,12 @@ impl WholeState {
             model.unpack_grads_range(bucket.clone(), &self.stage)?;
         }
         Ok(comm)
+    }
+
+    /// Whether the gradients this rank packed for the reduction this step held a NaN or an
+    /// infinity; clears the flag.
+    pub fn take_nonfinite(&mut self, model: &DeviceGpt) -> Result<bool> {
+        self.flag.take(model.device())
     }
 
     /// This rank's sum of squares of the counted reduced gradients: per (bucket, counted span),

@@ -30,8 +30,8 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use super::buckets::OverlapReducer;
 use super::grad_sync::DataParallel;
+use super::nonfinite::LocalFlag;
 use crate::comm::device::GpuCommState;
 use crate::comm::{Communicator, DType, ReduceOp};
 use crate::device::cpu::adamw::AdamWStep;
@@ -76,6 +76,8 @@ pub struct DeviceShards {
     reduced: usize,
     /// Time spent in the reductions this step.
     comm: Duration,
+    /// The gradients packed for the device reduction held a NaN or an infinity.
+    flag: LocalFlag,
 }
 
 /// The part of `span` inside `own`, relative to `own.start`.
@@ -118,6 +120,7 @@ impl DeviceShards {
             sharded_params: sync.zero == 3,
             reduced: 0,
             comm: Duration::ZERO,
+            flag: LocalFlag::new(dev)?,
         })
     }
 
@@ -228,6 +231,7 @@ impl DeviceShards {
             let first = std::mem::replace(&mut s.fresh, false);
             let n = s.bucket.len();
             model.pack_grads_range(s.bucket.clone(), &mut self.stage)?;
+            self.flag.mark(dev, &self.stage, 0, n)?;
             // The host reducer's staging copy multiplies by the same f32 factor.
             ops::scale(dev, &mut self.stage, 0, n, 1.0 / micro_batches.max(1) as f32)?;
             // The packing is still queued: the communication time starts after it.
@@ -285,13 +289,24 @@ impl DeviceShards {
         Ok(())
     }
 
-    /// Takes the step's reduced gradient shards from the host reducer (which reduced them while
-    /// the backward ran), bucket by bucket.
-    pub fn take_reduced(&mut self, model: &DeviceGpt, reducer: &mut OverlapReducer) -> Result<()> {
-        for (k, s) in self.shards.iter_mut().enumerate() {
-            model.device().copy_to_device(&mut s.grads, reducer.shard_grads(k))?;
+    /// Adds a reduced block of bucket `k` in host memory (its first this step: sets it) into
+    /// the gradient shard, as the host reducer hands it over (the CPU arm: the shard is host
+    /// memory too, so this is the host reducer's own sum, in place).
+    pub fn add_host_block(&mut self, dev: &Device, k: usize, block: &[f32], first: bool) -> Result<()> {
+        let s = &mut self.shards[k];
+        s.fresh = false;
+        if first {
+            return dev.copy_to_device(&mut s.grads, block);
         }
+        let g = ops::host_mut("add_host_block", &mut s.grads)?.view_mut::<f32>(block.len());
+        g.iter_mut().zip(block).for_each(|(a, x)| *a += x);
         Ok(())
+    }
+
+    /// Whether the gradients this rank packed for the reduction this step held a NaN or an
+    /// infinity; clears the flag.
+    pub fn take_nonfinite(&mut self, model: &DeviceGpt) -> Result<bool> {
+        self.flag.take(model.device())
     }
 
     /// This rank's sum of the squares of its counted shard elements, summed over `dp`.
@@ -346,7 +361,7 @@ impl DeviceShards {
 
 #[cfg(test)]
 mod tests {
-    use super::super::buckets::{OverlapReducer, Reduction};
+    use super::super::buckets::{OverlapReducer, Reduction, ShardSums};
     use super::super::device_step::DeviceStep;
     use super::*;
     use crate::comm::testing::run_ranks;
@@ -369,24 +384,23 @@ mod tests {
     /// the norm's squares per (bucket shard, counted span) summed over `dp`, the clip factor,
     /// AdamW per shard and the buckets all-gathered. Returns the pre-clip norm.
     fn reference_step(
-        red: &mut OverlapReducer,
+        (red, sums): (&mut OverlapReducer, &mut ShardSums),
         (states, buckets): (&mut [AdamWState<f32>], &[Range<usize>]),
         dp: &Communicator,
         (opt, lr, max_norm): (&AdamW, f64, f64),
         params: &mut [f32],
     ) -> f64 {
-        red.finish(&mut []).unwrap();
+        red.finish(&mut |b, _, v, first| sums.add(b, v, first)).unwrap();
         let mut sq = [0.0f64];
         for (b, s) in states.iter().enumerate() {
-            let own = s.range();
-            sq[0] += sum_of_squares(red.shard_grads(b));
-            debug_assert_eq!(own.len(), red.shard_grads(b).len());
+            sq[0] += sum_of_squares(&sums.0[b]);
+            debug_assert_eq!(s.range().len(), sums.0[b].len());
         }
         dp.all_reduce(&mut sq, ReduceOp::Sum).unwrap();
         let norm = sq[0].sqrt();
         let scale = clip_scale(norm, max_norm);
         for (b, s) in states.iter_mut().enumerate() {
-            let g = red.shard_grads(b);
+            let g = &mut sums.0[b];
             scale_grads(g, scale);
             let r = s.range();
             opt.step(s, lr, &mut params[r], g).unwrap();
@@ -425,6 +439,7 @@ mod tests {
                 let buckets = host_sync.bucket_ranges().to_vec();
                 let red_comm = c.split(Some(0), c.rank() as i64).unwrap().unwrap();
                 let mut red = OverlapReducer::new(red_comm, buckets.clone(), Reduction::ReduceScatter);
+                let mut sums = ShardSums::new(&red, buckets.len());
                 let mut step = DeviceStep::new(&dev, &dev_sync, &c, (&decay, &norm), adamw).unwrap();
                 step.load(&mut dev, &mut dev_sync).unwrap();
                 let (accum, lr, max_norm) = (2, 1e-3, 0.5);
@@ -437,7 +452,7 @@ mod tests {
                         let tokens = batch(s, c.rank(), k);
                         host.forward(&tokens, &tokens).unwrap();
                         let report = zero == 2 || k + 1 == accum;
-                        host.backward(report, &mut |r, g| red.on_final(r, g)).unwrap();
+                        host.backward(report, &mut |r, g| red.on_final(r, g, &mut |b, _, v, first| sums.add(b, v, first))).unwrap();
                         if zero == 2 {
                             host.zero_grad().unwrap();
                         }
@@ -451,9 +466,9 @@ mod tests {
                         step.after_backward(&mut dev, &c, (accum, 1)).unwrap();
                     }
                     let mut params = host.params().to_vec();
-                    let want = reference_step(&mut red, (host_sync.states_mut(), &buckets), &c, (&opt, lr, max_norm), &mut params);
+                    let want = reference_step((&mut red, &mut sums), (host_sync.states_mut(), &buckets), &c, (&opt, lr, max_norm), &mut params);
                     host.params_and_grads().0.copy_from_slice(&params);
-                    let got = step.step(&mut dev, &c, &[], accum, lr, max_norm, &mut |_| Ok(true)).unwrap();
+                    let got = step.step(&mut dev, &c, &[], accum, lr, max_norm, &mut |_, _| Ok(true)).unwrap();
                     assert!(want > max_norm, "clipping is exercised");
                     assert_eq!(got.grad_norm.to_bits(), want.to_bits(), "ZeRO {zero} step {s}");
                 }

@@ -10,11 +10,11 @@
 //! | term        | ZeRO-0 | ZeRO-1 | ZeRO-2 | ZeRO-3 |
 //! |-------------|--------|--------|--------|--------|
 //! | parameters  | n      | n + s  | n + s  | 2s + gathered |
-//! | gradients   | n      | n + s (+ s) | live + s (+ s) | live + s (+ s) |
+//! | gradients   | n      | n + s  | live + s | live + s |
 //! | AdamW m, v  | 2n     | 2s     | 2s     | 2s     |
 //! | staging     | n or bucket | pool + bucket + block | pool + bucket + block | pool + 2 buckets + block |
 //!
-//! (`(+ s)` and `pool` depend on where the reduction runs, see below.)
+//! (`pool` depends on where the reduction runs, see below.)
 //!
 //! - the `+ s` of ZeRO >= 1 parameters: the step's master weights of the shard (ZeRO-3: the
 //!   model's parameter shards and the master weights);
@@ -23,12 +23,11 @@
 //! - *live* gradients (ZeRO-2/3 on a whole model, which frees each unit's gradients once they
 //!   are reduced): the tied `wte` gradient (written by the head, final after the embedding) plus
 //!   the largest other unit; a pipeline stage keeps all `n`;
-//! - *(+ s)* and *pool* where the reduction runs on a communication thread (dp > 1): on the
-//!   CPU arm the host reducer's summed shard and the [`MAX_STAGED`] largest buckets; on device
-//!   memory (`MESHTRAIN_GPU_OVERLAP=on`) no summed shard (reduced blocks are added into the
-//!   step's shard) and a pool of at most [`MAX_STAGED`] staging buffers of the largest bucket and
-//!   block each; at ZeRO-0 either reducer keeps every bucket's staging (`n`), the reduction
-//!   after the backward one bucket;
+//! - *pool* where the reduction runs on a communication thread (dp > 1; either reducer adds the
+//!   blocks it receives into the step's gradient shard, keeping no shard of its own): on the
+//!   CPU arm the [`MAX_STAGED`] largest buckets; on device memory (`MESHTRAIN_GPU_OVERLAP=on`) at
+//!   most [`MAX_STAGED`] staging buffers of the largest bucket and block each; at ZeRO-0 either
+//!   reducer keeps every bucket's staging (`n`), the reduction after the backward one bucket;
 //! - *bucket* and *block*: the device step's staging (largest bucket) and receive buffer (largest
 //!   block); ZeRO-3 gathers through one more bucket.
 //!
@@ -92,7 +91,6 @@ impl MemoryEstimate {
         bucket_lens.sort_unstable_by(|a, b| b.cmp(a));
         let largest_bucket = bucket_lens.first().copied().unwrap_or(0) as u64;
         let block = largest_bucket.div_ceil(i.dp.max(1) as u64);
-        let host = u64::from(i.host_reduce);
         let pool = match (i.host_reduce, i.device_overlap) {
             (true, _) => bucket_lens.iter().take(MAX_STAGED).sum::<usize>() as u64,
             (false, true) => bucket_lens.len().min(MAX_STAGED) as u64 * (largest_bucket + block),
@@ -108,9 +106,9 @@ impl MemoryEstimate {
         let gathered = (wte + wpe).max(largest_other).max(lnf + wte);
         let (params, grads, optimizer, staging) = match i.zero {
             0 => (n, n, 2 * n, if i.host_reduce || i.device_overlap { n } else { largest_bucket }),
-            1 => (n + s, n + s + host * s, 2 * s, pool + largest_bucket + block),
-            2 => (n + s, live + s + host * s, 2 * s, pool + largest_bucket + block),
-            _ => (2 * s + gathered, live + s + host * s, 2 * s, pool + 2 * largest_bucket + block),
+            1 => (n + s, n + s, 2 * s, pool + largest_bucket + block),
+            2 => (n + s, live + s, 2 * s, pool + largest_bucket + block),
+            _ => (2 * s + gathered, live + s, 2 * s, pool + 2 * largest_bucket + block),
         };
         MemoryEstimate {
             params: params * F32,
@@ -159,9 +157,9 @@ mod tests {
         // ZeRO-0: host staging of every bucket, or one bucket on a device.
         assert_eq!(e(0, true), MemoryEstimate { params: 4000, grads: 4000, optimizer: 8000, staging: 4000, activations: 40 });
         assert_eq!(e(0, false).staging, 400);
-        // ZeRO-1: master shard 250; host: reducer shard 250 and a pool of the 4 largest buckets
+        // ZeRO-1: master shard 250, gradient shard 250; host: a pool of the 4 largest buckets
         // (100 each); staging bucket 100 and block 25.
-        assert_eq!(e(1, true), MemoryEstimate { params: 5000, grads: 6000, optimizer: 2000, staging: 2100, activations: 40 });
+        assert_eq!(e(1, true), MemoryEstimate { params: 5000, grads: 5000, optimizer: 2000, staging: 2100, activations: 40 });
         assert_eq!(e(1, false).grads, 5000);
         assert_eq!(e(1, false).staging, 500);
         // Device memory reduced on a communication thread: every bucket's staging at ZeRO-0; at

@@ -9,12 +9,51 @@
 //! rank's own loss is the only locally attributable signal. Saving refuses non-finite values
 //! separately (`checkpoint::save`), so a NaN never reaches a checkpoint.
 //!
+//! A NaN gradient with a finite loss is attributed too: each rank also flags whether its own
+//! gradients held a NaN or infinity before the data-parallel reduction mixed them with its
+//! peers' ([`LocalFlag`], marked where the gradients are staged for the reduction: the host
+//! reducer's copy, the device packing; with one data-parallel rank the rank's own squares
+//! before the tensor-parallel sum), so the verdict names the ranks the NaN came from.
+//!
 //! `train.inject_nan_at = [step, rank]` makes that rank's loss NaN at that step (a testing knob:
-//! the same config on every rank, so config agreement holds).
+//! the same config on every rank, so config agreement holds);
+//! `MESHTRAIN_FAULT=nan-grad@RANK:STEP` makes that rank's loss gradient NaN at that step, so its
+//! gradients are NaN and every loss finite.
 
 use crate::comm::{Communicator, ReduceOp};
 use crate::config::{NonFinitePolicy, TrainConfig};
+use crate::device::{ops, Device, DeviceBuffer};
 use crate::error::{Error, Result};
+
+/// A flag on the device that collects whether any buffer marked into it held a NaN or an
+/// infinity, without a host synchronization until it is read.
+pub struct LocalFlag {
+    buf: DeviceBuffer, // (1) u32: 0 or 1
+}
+
+impl LocalFlag {
+    /// A cleared flag on `dev`.
+    pub fn new(dev: &Device) -> Result<Self> {
+        let mut buf = dev.alloc(4)?;
+        dev.copy_to_device(&mut buf, &[0u32])?;
+        Ok(LocalFlag { buf })
+    }
+
+    /// Marks the flag if x[start..start + n] (f32) holds a non-finite value.
+    pub fn mark(&mut self, dev: &Device, x: &DeviceBuffer, start: usize, n: usize) -> Result<()> {
+        ops::mark_nonfinite(dev, &mut self.buf, x, start, n)
+    }
+
+    /// Whether anything marked since the last call held a non-finite value; clears the flag.
+    pub fn take(&mut self, dev: &Device) -> Result<bool> {
+        let mut v = [0u32];
+        dev.copy_to_host(&self.buf, &mut v)?;
+        if v[0] != 0 {
+            dev.copy_to_device(&mut self.buf, &[0u32])?;
+        }
+        Ok(v[0] != 0)
+    }
+}
 
 /// The per-step decision and the count of skipped steps.
 pub struct NonFiniteGuard {
@@ -47,19 +86,25 @@ impl NonFiniteGuard {
         }
     }
 
-    /// Collective over `world`: the verdict of `step` given this rank's `loss` and the global
-    /// `grad_norm`; the same on every rank. `stop` returns the error instead.
-    pub fn decide(&mut self, world: &Communicator, step: u64, loss: f64, grad_norm: f64) -> Result<Verdict> {
+    /// Collective over `world`: the verdict of `step` given this rank's `loss`, the global
+    /// `grad_norm` and whether this rank's own gradients were non-finite before the reduction
+    /// (`local_grads`); the same on every rank. `stop` returns the error instead.
+    pub fn decide(&mut self, world: &Communicator, step: u64, loss: f64, (grad_norm, local_grads): (f64, bool)) -> Result<Verdict> {
         let mut flags = vec![0u8; world.size()];
-        flags[world.rank()] = u8::from(!loss.is_finite()) | (u8::from(!grad_norm.is_finite()) << 1);
+        flags[world.rank()] = u8::from(!loss.is_finite()) | (u8::from(!grad_norm.is_finite()) << 1) | (u8::from(local_grads) << 2);
         world.all_reduce(&mut flags, ReduceOp::Max)?;
         if flags.iter().all(|&f| f == 0) {
             return Ok(Verdict::Apply);
         }
-        let ranks: Vec<String> = (0..flags.len()).filter(|&r| flags[r] & 1 != 0).map(|r| r.to_string()).collect();
-        let what = match ranks.is_empty() {
-            true => format!("non-finite gradient norm ({grad_norm}) at step {step}; the loss was finite on every rank"),
-            false => format!("non-finite loss at step {step} on rank(s) {} (gradient norm {grad_norm})", ranks.join(", ")),
+        let with = |bit: u8| -> Vec<String> { (0..flags.len()).filter(|&r| flags[r] & bit != 0).map(|r| r.to_string()).collect() };
+        let (ranks, sources) = (with(1), with(4));
+        let what = match (ranks.is_empty(), sources.is_empty()) {
+            (true, true) => format!("non-finite gradient norm ({grad_norm}) at step {step}; the loss was finite on every rank"),
+            (true, false) => format!(
+                "non-finite gradient norm ({grad_norm}) at step {step}; the loss was finite on every rank; the non-finite gradients came from rank(s) {}",
+                sources.join(", ")
+            ),
+            (false, _) => format!("non-finite loss at step {step} on rank(s) {} (gradient norm {grad_norm})", ranks.join(", ")),
         };
         match self.policy {
             NonFinitePolicy::Stop => Err(Error::Check(format!(
@@ -87,13 +132,15 @@ mod tests {
     fn every_rank_reaches_the_same_verdict_naming_the_rank() {
         let verdicts = run_ranks(3, CommConfig::default(), |c| {
             let mut g = guard(NonFinitePolicy::Skip);
-            let fine = g.decide(&c, 2, g.local_loss(2, c.rank(), 1.5), 0.5).unwrap();
-            let bad = g.decide(&c, 3, g.local_loss(3, c.rank(), 1.5), 0.5).unwrap();
+            let fine = g.decide(&c, 2, g.local_loss(2, c.rank(), 1.5), (0.5, false)).unwrap();
+            let bad = g.decide(&c, 3, g.local_loss(3, c.rank(), 1.5), (0.5, false)).unwrap();
             let mut stop = guard(NonFinitePolicy::Stop);
-            let err = stop.decide(&c, 4, 1.0, f64::INFINITY).unwrap_err().to_string();
-            (fine, bad, g.skipped, err)
+            let err = stop.decide(&c, 4, 1.0, (f64::INFINITY, false)).unwrap_err().to_string();
+            let blamed = stop.decide(&c, 5, 1.0, (f64::NAN, c.rank() == 2)).unwrap_err().to_string();
+            (fine, bad, g.skipped, err, blamed)
         });
-        for (fine, bad, skipped, err) in verdicts {
+        for (fine, bad, skipped, err, blamed) in verdicts {
+            assert!(blamed.contains("step 5; the loss was finite on every rank; the non-finite gradients came from rank(s) 2;"), "{blamed}");
             assert_eq!(fine, Verdict::Apply);
             assert_eq!(skipped, 1);
             match bad {

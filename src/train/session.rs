@@ -103,6 +103,8 @@ pub(super) struct Session<'a> {
     stragglers: Stragglers,
     /// Test-only: milliseconds this rank works longer per step (`MESHTRAIN_FAULT=slow-step@R:MS`).
     slow_ms: Option<u64>,
+    /// `MESHTRAIN_FAULT=nan-grad@RANK:STEP`: this rank's loss gradient is NaN at that step.
+    nan_grad_at: Option<u64>,
 }
 
 /// How a step ended.
@@ -248,6 +250,7 @@ impl<'a> Session<'a> {
             dir_lock: None,
             stragglers: Stragglers::new(if cfg.train.log_every > 0 { cfg.train.log_every } else { 100 }),
             slow_ms: crate::env::slow_step_ms(world.rank)?,
+            nan_grad_at: crate::env::nan_grad_step(world.rank)?,
         })
     }
 
@@ -313,6 +316,9 @@ impl<'a> Session<'a> {
         if let Some(ms) = self.slow_ms {
             std::thread::sleep(std::time::Duration::from_millis(ms));
         }
+        if self.nan_grad_at == Some(step) {
+            self.model.model_mut().poison_next_backward();
+        }
         let accum = self.accum;
         self.step.begin(accum);
         let units = self.step.wants_units(self.model.model());
@@ -328,8 +334,8 @@ impl<'a> Session<'a> {
         // Every rank applies or skips the update alike (`nonfinite.rs`), before anything changes.
         let mut verdict = Verdict::Apply;
         let Session { guard, world_comm, step: dstep, model, dp, norm_groups, cfg, .. } = self;
-        let mut apply = |norm: f64| -> Result<bool> {
-            verdict = guard.decide(world_comm, step, loss_mean, norm)?;
+        let mut apply = |norm: f64, own: bool| -> Result<bool> {
+            verdict = guard.decide(world_comm, step, loss_mean, (norm, own))?;
             Ok(verdict == Verdict::Apply)
         };
         let groups: Vec<&Communicator> = norm_groups.iter().collect();

@@ -208,7 +208,10 @@ impl DeviceGpt {
         let x = blocks.last().map_or(input, |blk| &blk.residual3); // (R, C)
         let h = head.as_ref().expect("the last chunk keeps the head's activations");
         ops::fill_zero(dev, &mut s.dlogits, bt * vocab.vl)?;
-        let dloss = (1.0 / bt as f64) as f32;
+        let dloss = match std::mem::take(&mut self.poison) {
+            true => f32::NAN,
+            false => (1.0 / bt as f64) as f32,
+        };
         ops_vocab::cross_entropy_backward(dev, &mut s.dlogits, &h.logits, &h.lse, &h.targets, dloss, bt, vocab)?;
         let w = Weight { f32: &p[wte], bf16: self.params16[wte].as_ref() };
         let dinp = if rows.sp { &mut s.partial } else { &mut s.dln };

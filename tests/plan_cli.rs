@@ -67,3 +67,41 @@ fn tune_runs_its_trials_and_records_the_error() {
     assert!(tune["mean_abs_error_pct"].as_f64().unwrap().is_finite());
     meshtrain::config::JobConfig::load(&out.join("best.toml"), &[]).unwrap().validate_world(1).unwrap();
 }
+
+/// A measured strong-scaling point of `ranks` ranks whose steps take `step_s`, as `sweep run`
+/// writes it.
+fn sweep_point(dir: &std::path::Path, ranks: usize, step_s: f64) {
+    use meshtrain::sweep::{Mode, PointMeta};
+    let meta = PointMeta::new(Mode::Strong, 1, ranks, [1, 1, ranks], [8 / ranks, 1, 1024], 1e9);
+    let points = dir.join("points");
+    std::fs::create_dir_all(&points).unwrap();
+    std::fs::write(points.join(format!("{}.json", meta.name())), serde_json::to_string(&meta).unwrap()).unwrap();
+    let line = format!("{{\"step\":1,\"step_s\":{step_s},\"compute_s\":{step_s}}}\n");
+    std::fs::write(points.join(format!("{}.jsonl", meta.name())), line.repeat(4)).unwrap();
+}
+
+#[test]
+fn scaling_overlay_draws_prediction_and_sweep_on_one_chart() {
+    let dir = tempfile::tempdir().unwrap();
+    let sweep = dir.path().join("sweep");
+    for (ranks, step) in [(1, 0.8), (2, 0.45), (4, 0.3)] {
+        sweep_point(&sweep, ranks, step);
+    }
+    let out = dir.path().join("charts");
+    let args = ["--model", "d12", "--machine", "dgx-a100", "--global-batch", "8", "--seq-len", "1024", "--scaling", "strong"];
+    let (code, text, err) = plan(&[&args[..], &["--gpus", "1,2,4", "--overlay", sweep.to_str().unwrap(), "--out", out.to_str().unwrap()]].concat());
+    assert_eq!(code, 0, "{err}");
+    // One comparison row per rank count, with the measured step time of the sweep's point.
+    for (ranks, measured) in [("1", "0.8000"), ("2", "0.4500"), ("4", "0.3000")] {
+        assert!(text.lines().any(|l| l.split_whitespace().next() == Some(ranks) && l.contains(measured)), "{text}");
+    }
+    for stem in ["predicted_vs_measured_efficiency", "predicted_vs_measured_throughput_per_rank"] {
+        let svg = std::fs::read_to_string(out.join(format!("{stem}.svg"))).unwrap();
+        assert!(svg.contains("strong predicted") && svg.contains("strong measured"), "{stem}: both series in the legend");
+        assert!(out.join(format!("{stem}.png")).exists());
+    }
+    // A sweep without points of the predicted mode is refused, naming the flag.
+    let (code, _, err) = plan(&[&args[..9], &["weak", "--gpus", "1,2", "--overlay", sweep.to_str().unwrap()]].concat());
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--overlay"), "{err}");
+}

@@ -76,6 +76,13 @@ struct Query {
     /// With --scaling: write the sweep's CSV and charts here.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// With --scaling: a `meshtrain sweep` directory whose measured points are drawn with the
+    /// prediction (`predicted_vs_measured_*` charts under --out, default `DIR/plots`).
+    #[arg(long, requires = "scaling")]
+    overlay: Option<PathBuf>,
+    /// With --overlay: leading steps of each measured point left out (as `sweep report`).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
     /// Sequences per optimizer step.
     #[arg(long)]
     global_batch: Option<usize>,
@@ -213,6 +220,13 @@ fn plan(q: &Query) -> Result<()> {
     if let Some(mode) = q.scaling {
         let points = super::scaling::curve(&job, &q.gpus, mode, &mach, &opts, q.out.as_deref())?;
         print!("{}", super::scaling::table(&points));
+        if let Some(sweep) = &q.overlay {
+            let out = q.out.clone().unwrap_or_else(|| sweep.join("plots"));
+            print!(
+                "{}",
+                super::scaling::overlay(&points, sweep, q.warmup, &out)?
+            );
+        }
         return Ok(());
     }
     let plan = search(&job, &mach, &opts)?;

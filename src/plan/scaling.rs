@@ -27,21 +27,16 @@ fn point(job: &Job, mach: &Machine, opts: &Options, mode: Mode) -> Result<PointS
     let tokens_per_s = tokens as f64 / e.step_s;
     Ok(PointSummary {
         meta: PointMeta {
-            mode,
-            nodes: ranks.div_ceil(mach.profile.devices_per_node),
-            ranks,
-            tp: l.tp,
-            pp: l.pp,
-            dp: l.dp,
-            micro_batch: l.micro_batch,
-            grad_accum: l.grad_accum,
-            seq_len: job.seq_len,
-            tokens_per_step: tokens,
-            flops_per_token,
-            job_id: None,
             nodelist: format!("predicted: {}", mach.profile.name),
             command: vec!["meshtrain".into(), "plan".into(), l.describe()],
-            env: Vec::new(),
+            ..PointMeta::new(
+                mode,
+                ranks.div_ceil(mach.profile.devices_per_node),
+                ranks,
+                [l.tp, l.pp, l.dp],
+                [l.micro_batch, l.grad_accum, job.seq_len],
+                flops_per_token,
+            )
         },
         steps: 0,
         step_median_s: e.step_s,
@@ -126,6 +121,65 @@ pub fn table(points: &[PointSummary]) -> String {
         );
     }
     s
+}
+
+/// Draws `predicted` over the measured sweep in `sweep_dir` (its points summarized as `sweep
+/// report` does, leaving out `warmup` steps each) into `out`, and returns the comparison table:
+/// per rank count of the predicted mode, predicted and measured step time, the error of the
+/// prediction and both efficiencies. Errors name `--overlay` when the sweep has no point of the
+/// predicted mode.
+pub fn overlay(
+    predicted: &[PointSummary],
+    sweep_dir: &Path,
+    warmup: usize,
+    out: &Path,
+) -> Result<String> {
+    let measured = crate::sweep::load_points(sweep_dir, warmup)?;
+    let mode = predicted
+        .first()
+        .ok_or_else(|| Error::config("--gpus", "needs at least one GPU count"))?
+        .meta
+        .mode;
+    let same: Vec<&PointSummary> = measured.iter().filter(|p| p.meta.mode == mode).collect();
+    if same.is_empty() {
+        return Err(Error::config(
+            "--overlay",
+            format!(
+                "{} has no {} scaling points to draw the prediction over",
+                sweep_dir.display(),
+                mode.name()
+            ),
+        ));
+    }
+    let files = plot::overlay_plots(predicted, &measured, out)?;
+    let mut s = format!(
+        "{:>6} {:>12} {:>11} {:>7} {:>9} {:>9}\n",
+        "ranks", "predicted_s", "measured_s", "error%", "pred_eff%", "meas_eff%"
+    );
+    for p in predicted {
+        let m = same.iter().find(|m| m.meta.ranks == p.meta.ranks);
+        let cell = |f: &dyn Fn(&PointSummary) -> f64, prec: usize| {
+            m.map_or("-".to_string(), |m| format!("{:.*}", prec, f(m)))
+        };
+        s += &format!(
+            "{:>6} {:>12.4} {:>11} {:>7} {:>9.1} {:>9}\n",
+            p.meta.ranks,
+            p.step_median_s,
+            cell(&|m| m.step_median_s, 4),
+            cell(
+                &|m| 100.0 * (p.step_median_s - m.step_median_s) / m.step_median_s,
+                1
+            ),
+            100.0 * p.efficiency,
+            cell(&|m| 100.0 * m.efficiency, 1),
+        );
+    }
+    s += &format!(
+        "# wrote {} chart files under {}\n",
+        files.len(),
+        out.display()
+    );
+    Ok(s)
 }
 
 #[cfg(test)]

@@ -143,21 +143,15 @@ fn trial(a: &TuneArgs, launch: &[String], job: &Job, r: &Ranked, i: usize) -> Re
         .map_err(|e| Error::io(format!("read {}", metrics.display()), e))?;
     let l = r.layout;
     let meta = PointMeta {
-        mode: Mode::Strong,
-        nodes,
-        ranks: job.gpus,
-        tp: l.tp,
-        pp: l.pp,
-        dp: l.dp,
-        micro_batch: l.micro_batch,
-        grad_accum: l.grad_accum,
-        seq_len: job.seq_len,
-        tokens_per_step: (job.global_batch * job.seq_len) as u64,
-        flops_per_token: crate::metrics::train_flops_per_token(&job.model, job.seq_len),
-        job_id: None,
-        nodelist: String::new(),
         command: words,
-        env: Vec::new(),
+        ..PointMeta::new(
+            Mode::Strong,
+            nodes,
+            job.gpus,
+            [l.tp, l.pp, l.dp],
+            [l.micro_batch, l.grad_accum, job.seq_len],
+            crate::metrics::train_flops_per_token(&job.model, job.seq_len),
+        )
     };
     Ok(sweep::summarize(meta, &text, &metrics, a.warmup)?.step_median_s)
 }

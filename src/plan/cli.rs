@@ -55,6 +55,14 @@ enum PlanAction {
         /// Memory per device, GB (required for GPUs; the CPU arm reads MemAvailable).
         #[arg(long)]
         memory_gb: Option<f64>,
+        /// Fit collectives from `meshtrain bench --csv` output instead of measuring them:
+        /// `SCHEDULE=FILE` (the schedule it ran under, e.g. `ring=ring.csv` from
+        /// `MESHTRAIN_ALGO=ring meshtrain bench --csv`); repeatable.
+        #[arg(long, value_name = "SCHEDULE=FILE")]
+        bench_csv: Vec<String>,
+        /// Ranks the --bench-csv files were measured on (default: this run's).
+        #[arg(long)]
+        bench_ranks: Option<usize>,
     },
 }
 
@@ -151,6 +159,8 @@ pub fn calibrate(world: &crate::bootstrap::World, args: &PlanArgs) -> Result<()>
         device,
         max_bytes,
         memory_gb,
+        bench_csv,
+        bench_ranks,
     }) = &args.action
     else {
         return main(args);
@@ -168,12 +178,24 @@ pub fn calibrate(world: &crate::bootstrap::World, args: &PlanArgs) -> Result<()>
     };
     let max_bytes = crate::env::parse_size(max_bytes)
         .map_err(|e| Error::config("--max-bytes", e.to_string()))?;
+    let bench_csv = bench_csv
+        .iter()
+        .map(|s| match s.split_once('=') {
+            Some((algo, file)) if !algo.is_empty() => Ok((algo.to_string(), PathBuf::from(file))),
+            _ => Err(Error::config(
+                "--bench-csv",
+                format!("`{s}` is not SCHEDULE=FILE (e.g. ring=ring.csv)"),
+            )),
+        })
+        .collect::<Result<Vec<_>>>()?;
     let o = super::calibrate::Options {
         name: name.clone(),
         device,
         out: out.clone(),
         max_bytes,
         memory_gb: *memory_gb,
+        bench_csv,
+        bench_ranks: *bench_ranks,
     };
     super::calibrate::calibrate(world, &o).map(|_| ())
 }

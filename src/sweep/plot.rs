@@ -362,7 +362,8 @@ fn mode_series(points: &[PointSummary], mode: Mode, label: String, ideal: bool, 
 /// definitions (each against its own first point). Writes `dir/predicted_vs_measured_*`.
 pub fn overlay_plots(predicted: &[PointSummary], measured: &[PointSummary], dir: &Path) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
-    let charts: [(&str, &str, &str, fn(&PointSummary) -> f64); 2] = [
+    type Metric = fn(&PointSummary) -> f64;
+    let charts: [(&str, &str, &str, Metric); 2] = [
         ("efficiency", "Scaling efficiency: predicted vs measured", "efficiency %", |p| 100.0 * p.efficiency),
         ("throughput_per_rank", "Throughput per rank: predicted vs measured", "tokens/s per rank", |p| p.tokens_per_s_per_rank),
     ];

@@ -78,11 +78,11 @@ fn tune_runs_its_trials_and_records_the_error() {
     meshtrain::config::JobConfig::load(&out.join("best.toml"), &[]).unwrap().validate_world(1).unwrap();
 }
 
-/// A measured strong-scaling point of `ranks` ranks whose steps take `step_s`, as `sweep run`
-/// writes it.
+/// A measured strong-scaling point of `ranks` ranks, all tensor parallel, whose steps take
+/// `step_s`, as `sweep run` writes it.
 fn sweep_point(dir: &std::path::Path, ranks: usize, step_s: f64) {
     use meshtrain::sweep::{Mode, PointMeta};
-    let meta = PointMeta::new(Mode::Strong, 1, ranks, [1, 1, ranks], [8 / ranks, 1, 1024], 1e9);
+    let meta = PointMeta::new(Mode::Strong, 1, ranks, [ranks, 1, 1], [8, 1, 1024], 1e9);
     let points = dir.join("points");
     std::fs::create_dir_all(&points).unwrap();
     std::fs::write(points.join(format!("{}.json", meta.name())), serde_json::to_string(&meta).unwrap()).unwrap();
@@ -101,6 +101,10 @@ fn scaling_overlay_draws_prediction_and_sweep_on_one_chart() {
     let args = ["--model", "d12", "--machine", "dgx-a100", "--global-batch", "8", "--seq-len", "1024", "--scaling", "strong"];
     let (code, text, err) = plan(&[&args[..], &["--gpus", "1,2,4", "--overlay", sweep.to_str().unwrap(), "--out", out.to_str().unwrap()]].concat());
     assert_eq!(code, 0, "{err}");
+    // Each count is predicted on the sweep's own grid (all TP here; the free choice is DP).
+    for layout in ["tp1-pp1-dp1", "tp2-pp1-dp1", "tp4-pp1-dp1"] {
+        assert!(text.contains(layout), "{layout}: {text}");
+    }
     // One comparison row per rank count, with the measured step time of the sweep's point.
     for (ranks, measured) in [("1", "0.8000"), ("2", "0.4500"), ("4", "0.3000")] {
         assert!(text.lines().any(|l| l.split_whitespace().next() == Some(ranks) && l.contains(measured)), "{text}");

@@ -240,7 +240,18 @@ fn plan(q: &Query) -> Result<()> {
     opts.max_micro_batch = q.max_micro_batch.max(1);
     opts.refine = opts.refine.max(q.top);
     if let Some(mode) = q.scaling {
-        let points = super::scaling::curve(&job, &q.gpus, mode, &mach, &opts, q.out.as_deref())?;
+        let grids = match &q.overlay {
+            Some(sweep) => super::scaling::sweep_grids(sweep, q.warmup, mode)?,
+            None => Default::default(),
+        };
+        let points = super::scaling::curve(
+            &job,
+            (&q.gpus, &grids),
+            mode,
+            &mach,
+            &opts,
+            q.out.as_deref(),
+        )?;
         print!("{}", super::scaling::table(&points));
         if let Some(sweep) = &q.overlay {
             let out = q.out.clone().unwrap_or_else(|| sweep.join("plots"));

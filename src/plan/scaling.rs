@@ -7,7 +7,10 @@
 //! [`fill_efficiency`] (strong: `T_1 N_1 / (T_N N)`; weak: tokens/s per rank over the first
 //! point's) and the CSV and charts are the sweep's (`sweep.csv`, `efficiency.svg`, ...). Strong
 //! scaling keeps the global batch; weak scaling grows it with the GPU count from the first one's.
+//! Drawn over a measured sweep (`--overlay`), each count predicts the sweep's own (tp, pp) grid,
+//! its best micro-batch and ZeRO stage, so both series describe the same layouts.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::cost::Machine;
@@ -16,10 +19,25 @@ use super::Job;
 use crate::error::{Error, Result};
 use crate::sweep::{fill_efficiency, plot, to_csv, Mode, PointMeta, PointSummary};
 
-/// The predicted point of `job` at its GPU count.
-fn point(job: &Job, mach: &Machine, opts: &Options, mode: Mode) -> Result<PointSummary> {
+/// The (tp, pp) grid each GPU count must use (a measured sweep's), where given; the best layout
+/// of any grid elsewhere.
+pub type Grids = BTreeMap<usize, (usize, usize)>;
+
+/// The predicted point of `job` at its GPU count: its best layout, of the grid `grids` gives.
+fn point(job: &Job, mach: &Machine, opts: &Options, mode: Mode, grids: &Grids) -> Result<PointSummary> {
     let plan = search(job, mach, opts)?;
-    let best = &plan.ranked[0];
+    let want = grids.get(&job.gpus);
+    let best = plan
+        .ranked
+        .iter()
+        .find(|r| want.is_none_or(|&(tp, pp)| r.layout.tp == tp && r.layout.pp == pp))
+        .ok_or_else(|| {
+            let (tp, pp) = want.copied().unwrap_or_default();
+            Error::config(
+                "--overlay",
+                format!("no layout with the sweep's tp {tp} pp {pp} fits {} GPUs", job.gpus),
+            )
+        })?;
     let (l, e) = (best.layout, &best.estimate);
     let ranks = job.gpus;
     let tokens = (job.global_batch * job.seq_len) as u64;
@@ -54,10 +72,11 @@ fn point(job: &Job, mach: &Machine, opts: &Options, mode: Mode) -> Result<PointS
 }
 
 /// Predicts `base` (its GPU count and global batch are the first point's) at every count of
-/// `gpus`; with `out`, writes the sweep's CSV and charts there.
+/// `gpus`, on the grid `grids` names for a count (else the best one); with `out`, writes the
+/// sweep's CSV and charts there.
 pub fn curve(
     base: &Job,
-    gpus: &[usize],
+    (gpus, grids): (&[usize], &Grids),
     mode: Mode,
     mach: &Machine,
     opts: &Options,
@@ -88,7 +107,7 @@ pub fn curve(
             global_batch: batch,
             ..base.clone()
         };
-        points.push(point(&job, mach, opts, mode)?);
+        points.push(point(&job, mach, opts, mode, grids)?);
     }
     fill_efficiency(&mut points);
     if let Some(dir) = out {
@@ -121,6 +140,16 @@ pub fn table(points: &[PointSummary]) -> String {
         );
     }
     s
+}
+
+/// The (tp, pp) grid of each rank count of `mode` in the sweep at `sweep_dir`, so the prediction
+/// drawn over it is of the layouts it ran.
+pub fn sweep_grids(sweep_dir: &Path, warmup: usize, mode: Mode) -> Result<Grids> {
+    Ok(crate::sweep::load_points(sweep_dir, warmup)?
+        .iter()
+        .filter(|p| p.meta.mode == mode)
+        .map(|p| (p.meta.ranks, (p.meta.tp, p.meta.pp)))
+        .collect())
 }
 
 /// Draws `predicted` over the measured sweep in `sweep_dir` (its points summarized as `sweep
@@ -195,7 +224,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let pts = curve(
             &job,
-            &[8, 16, 32, 64],
+            (&[8, 16, 32, 64], &Grids::new()),
             Mode::Strong,
             &mach,
             &Options::for_stack(Stack::Meshtrain),
@@ -210,7 +239,7 @@ mod tests {
         );
         let weak = curve(
             &job,
-            &[8, 16],
+            (&[8, 16], &Grids::new()),
             Mode::Weak,
             &mach,
             &Options::for_stack(Stack::Meshtrain),

@@ -27,7 +27,9 @@ use std::time::Instant;
 
 use super::collfit::{self, Sample};
 use super::cost::{self, Machine};
-use super::profile::{CollFit, Compute, GemmCurve, GemmPoint, Inter, Intra, Memory, Overhead, Profile};
+use super::profile::{
+    CollFit, Compute, GemmCurve, GemmPoint, Inter, Intra, Memory, Overhead, Profile,
+};
 use super::{Job, Layout, Recompute, Stack};
 use crate::bench::collectives::{self, CollBench};
 use crate::bootstrap::World;
@@ -230,7 +232,12 @@ const STEP_DEPTHS: [usize; 2] = [2, 6];
 const STEP_REPS: usize = 9;
 
 /// The planner's step time of a one-rank, one-micro-batch job of `config` on `profile`.
-fn predicted_step(config: &GptConfig, (b, t): (usize, usize), profile: &Profile, precision: &str) -> Result<f64> {
+fn predicted_step(
+    config: &GptConfig,
+    (b, t): (usize, usize),
+    profile: &Profile,
+    precision: &str,
+) -> Result<f64> {
     let job = Job::new("calibrate", config, 1, b, t)?;
     let mach = Machine::new(profile, Stack::Meshtrain, precision)?;
     let l = Layout {
@@ -249,7 +256,12 @@ fn predicted_step(config: &GptConfig, (b, t): (usize, usize), profile: &Profile,
 
 /// Times the trainer's step (every rank its own one-rank job, at once) at each of
 /// [`STEP_DEPTHS`] and fits what `profile` (without overhead) does not predict.
-fn step_overhead(world: &World, comm: &Communicator, o: &Options, profile: &Profile) -> Result<Overhead> {
+fn step_overhead(
+    world: &World,
+    comm: &Communicator,
+    o: &Options,
+    profile: &Profile,
+) -> Result<Overhead> {
     let own = comm
         .split(Some(comm.rank() as u32), 0)?
         .ok_or_else(|| Error::Check("calibrate: no one-rank communicator for the step".into()))?;
@@ -260,7 +272,13 @@ fn step_overhead(world: &World, comm: &Communicator, o: &Options, profile: &Prof
     let (b, t) = (1, 64);
     let mut rows = Vec::new();
     for depth in STEP_DEPTHS {
-        let config = GptConfig { n_layer: depth, n_head: 4, n_embd: 64, vocab_size: 256, max_seq_len: t };
+        let config = GptConfig {
+            n_layer: depth,
+            n_head: 4,
+            n_embd: 64,
+            vocab_size: 256,
+            max_seq_len: t,
+        };
         let dev = Device::open(o.device, world.local_rank)?;
         let mut h = StepHarness::new(&own, config, (b, t), (dev, precision), 1)?;
         let mut times = Vec::new();
@@ -273,7 +291,11 @@ fn step_overhead(world: &World, comm: &Communicator, o: &Options, profile: &Prof
         }
         h.finish()?;
         let measured = slowest(comm, median(times))?;
-        rows.push((depth, measured, predicted_step(&config, (b, t), profile, name)?));
+        rows.push((
+            depth,
+            measured,
+            predicted_step(&config, (b, t), profile, name)?,
+        ));
     }
     let [(d0, m0, p0), (d1, m1, p1)] = [rows[0], rows[1]];
     let block = (((m1 - p1) - (m0 - p0)) / (d1 - d0) as f64).max(0.0);

@@ -51,7 +51,12 @@ pub fn read_bench_csv(path: &Path, algo: &str, ranks: usize) -> Result<Vec<Sampl
             )
         })
     };
-    let (c, b, t, w) = (need("coll")?, need("bytes")?, need("time_us")?, col("wrong"));
+    let (c, b, t, w) = (
+        need("coll")?,
+        need("bytes")?,
+        need("time_us")?,
+        col("wrong"),
+    );
     let a = col("algo");
     let mut out = Vec::new();
     for (i, line) in lines.enumerate() {
@@ -217,7 +222,10 @@ mod tests {
         assert_eq!((s[0].algo.as_str(), s[0].seconds), ("ring", 20.5e-6));
         std::fs::write(&p, "coll,bytes,time_us\nall_reduce,8192,fast\n").unwrap();
         let e = read_bench_csv(&p, "ring", 4).unwrap_err().to_string();
-        assert!(e.contains("b.csv") && e.contains("line 2") && e.contains("time_us"), "{e}");
+        assert!(
+            e.contains("b.csv") && e.contains("line 2") && e.contains("time_us"),
+            "{e}"
+        );
         std::fs::write(&p, "coll,size\n").unwrap();
         let e = read_bench_csv(&p, "ring", 4).unwrap_err().to_string();
         assert!(e.contains("bytes"), "{e}");

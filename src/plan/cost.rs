@@ -259,7 +259,8 @@ fn tp_block_comm(job: &Job, l: &Layout, mach: &Machine) -> f64 {
     }
     let bytes = (l.micro_batch * job.seq_len * job.model.n_embd) as f64 * mach.act_bytes();
     if l.sp {
-        2.0 * (mach.coll("all_gather", l.tp, 1, bytes) + mach.coll("reduce_scatter", l.tp, 1, bytes))
+        2.0 * (mach.coll("all_gather", l.tp, 1, bytes)
+            + mach.coll("reduce_scatter", l.tp, 1, bytes))
     } else {
         2.0 * mach.coll("all_reduce", l.tp, 1, bytes)
     }
@@ -537,17 +538,39 @@ mod tests {
         use crate::plan::profile::{CollFit, Overhead};
         let p = Profile::load("dgx-a100").unwrap();
         let job = job();
-        let l = Layout { zero: 0, ..layout(8, 8, 1, 1, 64) };
-        let base = estimate(&job, &l, &Machine::new(&p, Stack::Megatron, "bf16").unwrap(), &[12; 8]);
+        let l = Layout {
+            zero: 0,
+            ..layout(8, 8, 1, 1, 64)
+        };
+        let base = estimate(
+            &job,
+            &l,
+            &Machine::new(&p, Stack::Megatron, "bf16").unwrap(),
+            &[12; 8],
+        );
         // 12 blocks per rank, 64 micro-batches: 12 * 64 * block_ms more pipeline compute on every
         // rank (so the closed form's sum-plus-max grows by (8 + 63) of them), step_ms once.
         let with = Profile {
-            overhead: Overhead { block_ms: 0.5, step_ms: 3.0, source: String::new() },
+            overhead: Overhead {
+                block_ms: 0.5,
+                step_ms: 3.0,
+                source: String::new(),
+            },
             ..p.clone()
         };
-        let e = estimate(&job, &l, &Machine::new(&with, Stack::Megatron, "bf16").unwrap(), &[12; 8]);
+        let e = estimate(
+            &job,
+            &l,
+            &Machine::new(&with, Stack::Megatron, "bf16").unwrap(),
+            &[12; 8],
+        );
         let want = 12.0 * 0.5e-3 * (8.0 + 63.0) + 3e-3;
-        assert!((e.step_s - base.step_s - want).abs() < 1e-9, "{} {} {want}", e.step_s, base.step_s);
+        assert!(
+            (e.step_s - base.step_s - want).abs() < 1e-9,
+            "{} {} {want}",
+            e.step_s,
+            base.step_s
+        );
         // A (slow) measured all-reduce fit replaces the ring model of the TP group's tier.
         let fit = CollFit {
             coll: "all_reduce".into(),
@@ -559,15 +582,24 @@ mod tests {
             points: 6,
             max_error_pct: 1.0,
         };
-        let slow = Profile { collectives: vec![fit], ..p.clone() };
+        let slow = Profile {
+            collectives: vec![fit],
+            ..p.clone()
+        };
         let mach = Machine::new(&slow, Stack::Megatron, "bf16").unwrap();
         let bytes = 1e6;
         let want = 1e-3 + bytes * crate::comm::stats::bus_factor("all_reduce", 8) / 1e9;
         assert!((mach.coll("all_reduce", 8, 1, bytes) - want).abs() < 1e-12);
         // No fit for the inter tier or for all_gather: the ring model on the profile's links.
         let ring = Machine::new(&p, Stack::Megatron, "bf16").unwrap();
-        assert_eq!(mach.coll("all_reduce", 16, 1, bytes), ring.coll("all_reduce", 16, 1, bytes));
-        assert_eq!(mach.coll("all_gather", 8, 1, bytes), ring.coll("all_gather", 8, 1, bytes));
+        assert_eq!(
+            mach.coll("all_reduce", 16, 1, bytes),
+            ring.coll("all_reduce", 16, 1, bytes)
+        );
+        assert_eq!(
+            mach.coll("all_gather", 8, 1, bytes),
+            ring.coll("all_gather", 8, 1, bytes)
+        );
         assert!(estimate(&job, &l, &mach, &[12; 8]).tp_comm_s > base.tp_comm_s);
     }
 

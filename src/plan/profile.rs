@@ -330,11 +330,18 @@ impl Profile {
             if !super::collfit::COLLECTIVES.contains(&f.coll.as_str()) {
                 return Err(Error::config(
                     key("coll"),
-                    format!("`{}` is not one of {:?}", f.coll, super::collfit::COLLECTIVES),
+                    format!(
+                        "`{}` is not one of {:?}",
+                        f.coll,
+                        super::collfit::COLLECTIVES
+                    ),
                 ));
             }
             if !["intra", "inter"].contains(&f.tier.as_str()) {
-                return Err(Error::config(key("tier"), format!("`{}` is not intra or inter", f.tier)));
+                return Err(Error::config(
+                    key("tier"),
+                    format!("`{}` is not intra or inter", f.tier),
+                ));
             }
             if f.ranks < 2 {
                 return Err(Error::config(key("ranks"), "must be at least 2"));
@@ -347,7 +354,10 @@ impl Profile {
             ("overhead.step_ms", self.overhead.step_ms),
         ] {
             if !(v.is_finite() && v >= 0.0) {
-                return Err(Error::config(key, format!("{v} must be a finite number >= 0")));
+                return Err(Error::config(
+                    key,
+                    format!("{v} must be a finite number >= 0"),
+                ));
             }
         }
         Ok(())
@@ -493,9 +503,19 @@ mod tests {
         let fit = "\n[[collectives]]\ncoll = \"all_reduce\"\nalgo = \"ring\"\ntier = \"intra\"\nranks = 4\n\
                    latency_us = 20.0\nbusbw_gbs = 5.0\npoints = 6\nmax_error_pct = 3.0\n";
         let with_fit = format!("{text}{fit}");
-        assert_eq!(Profile::parse(&with_fit, "m.toml").unwrap().collectives.len(), 1);
+        assert_eq!(
+            Profile::parse(&with_fit, "m.toml")
+                .unwrap()
+                .collectives
+                .len(),
+            1
+        );
         let bcast = with_fit.replace("coll = \"all_reduce\"", "coll = \"bcast\"");
-        assert!(err(&bcast).contains("m.toml: collectives[0].coll"), "{}", err(&bcast));
+        assert!(
+            err(&bcast).contains("m.toml: collectives[0].coll"),
+            "{}",
+            err(&bcast)
+        );
         let one = with_fit.replace("ranks = 4", "ranks = 1");
         assert!(err(&one).contains("collectives[0].ranks"), "{}", err(&one));
         let neg = format!("{text}\n[overhead]\nblock_ms = -1.0\nstep_ms = 0.0\n");

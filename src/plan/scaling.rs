@@ -24,7 +24,13 @@ use crate::sweep::{fill_efficiency, plot, to_csv, Mode, PointMeta, PointSummary}
 pub type Grids = BTreeMap<usize, (usize, usize)>;
 
 /// The predicted point of `job` at its GPU count: its best layout, of the grid `grids` gives.
-fn point(job: &Job, mach: &Machine, opts: &Options, mode: Mode, grids: &Grids) -> Result<PointSummary> {
+fn point(
+    job: &Job,
+    mach: &Machine,
+    opts: &Options,
+    mode: Mode,
+    grids: &Grids,
+) -> Result<PointSummary> {
     let plan = search(job, mach, opts)?;
     let want = grids.get(&job.gpus);
     let best = plan
@@ -35,7 +41,10 @@ fn point(job: &Job, mach: &Machine, opts: &Options, mode: Mode, grids: &Grids) -
             let (tp, pp) = want.copied().unwrap_or_default();
             Error::config(
                 "--overlay",
-                format!("no layout with the sweep's tp {tp} pp {pp} fits {} GPUs", job.gpus),
+                format!(
+                    "no layout with the sweep's tp {tp} pp {pp} fits {} GPUs",
+                    job.gpus
+                ),
             )
         })?;
     let (l, e) = (best.layout, &best.estimate);

@@ -107,7 +107,13 @@ fn trial_sets(r: &Ranked, steps: u64) -> Vec<String> {
 }
 
 /// Runs one trial; the measured median step time, or why it failed.
-fn trial(a: &TuneArgs, launch: &[String], job: &Job, r: &Ranked, (i, run): (usize, usize)) -> Result<f64> {
+fn trial(
+    a: &TuneArgs,
+    launch: &[String],
+    job: &Job,
+    r: &Ranked,
+    (i, run): (usize, usize),
+) -> Result<f64> {
     let dir = a.out.join("trials");
     std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
     let metrics = dir.join(format!("trial{i}-run{run}.jsonl"));
@@ -188,7 +194,11 @@ pub fn main(a: &TuneArgs) -> Result<()> {
     };
     let mach = Machine::new(&profile, Stack::Meshtrain, precision)?;
     let opts = Options {
-        refine: if a.per_grid { usize::MAX } else { a.top.max(16) },
+        refine: if a.per_grid {
+            usize::MAX
+        } else {
+            a.top.max(16)
+        },
         ..Options::for_stack(Stack::Meshtrain)
     };
     let plan = search(&job, &mach, &opts)?;

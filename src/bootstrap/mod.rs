@@ -351,6 +351,12 @@ impl World {
         Communicator::world(self.connector.clone() as Arc<dyn Connector>, self.comm_cfg.clone())
     }
 
+    /// The communicator of all ranks with settings `cfg` instead of the environment's (e.g. one
+    /// schedule forced, to measure it); every rank must pass the same `cfg`.
+    pub fn communicator_with(&self, cfg: CommConfig) -> Result<Communicator> {
+        Communicator::world(self.connector.clone() as Arc<dyn Connector>, cfg)
+    }
+
     /// Collective settings taken from the environment.
     pub fn comm_config(&self) -> &CommConfig {
         &self.comm_cfg

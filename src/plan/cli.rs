@@ -55,6 +55,14 @@ enum PlanAction {
         /// Memory per device, GB (required for GPUs; the CPU arm reads MemAvailable).
         #[arg(long)]
         memory_gb: Option<f64>,
+        /// Fit collectives from `meshtrain bench --csv` output instead of measuring them:
+        /// `SCHEDULE=FILE` (the schedule it ran under, e.g. `ring=ring.csv` from
+        /// `MESHTRAIN_ALGO=ring meshtrain bench --csv`); repeatable.
+        #[arg(long, value_name = "SCHEDULE=FILE")]
+        bench_csv: Vec<String>,
+        /// Ranks the --bench-csv files were measured on (default: this run's).
+        #[arg(long)]
+        bench_ranks: Option<usize>,
     },
 }
 
@@ -76,6 +84,13 @@ struct Query {
     /// With --scaling: write the sweep's CSV and charts here.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// With --scaling: a `meshtrain sweep` directory whose measured points are drawn with the
+    /// prediction (`predicted_vs_measured_*` charts under --out, default `DIR/plots`).
+    #[arg(long, requires = "scaling")]
+    overlay: Option<PathBuf>,
+    /// With --overlay: leading steps of each measured point left out (as `sweep report`).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
     /// Sequences per optimizer step.
     #[arg(long)]
     global_batch: Option<usize>,
@@ -144,6 +159,8 @@ pub fn calibrate(world: &crate::bootstrap::World, args: &PlanArgs) -> Result<()>
         device,
         max_bytes,
         memory_gb,
+        bench_csv,
+        bench_ranks,
     }) = &args.action
     else {
         return main(args);
@@ -161,12 +178,24 @@ pub fn calibrate(world: &crate::bootstrap::World, args: &PlanArgs) -> Result<()>
     };
     let max_bytes = crate::env::parse_size(max_bytes)
         .map_err(|e| Error::config("--max-bytes", e.to_string()))?;
+    let bench_csv = bench_csv
+        .iter()
+        .map(|s| match s.split_once('=') {
+            Some((algo, file)) if !algo.is_empty() => Ok((algo.to_string(), PathBuf::from(file))),
+            _ => Err(Error::config(
+                "--bench-csv",
+                format!("`{s}` is not SCHEDULE=FILE (e.g. ring=ring.csv)"),
+            )),
+        })
+        .collect::<Result<Vec<_>>>()?;
     let o = super::calibrate::Options {
         name: name.clone(),
         device,
         out: out.clone(),
         max_bytes,
         memory_gb: *memory_gb,
+        bench_csv,
+        bench_ranks: *bench_ranks,
     };
     super::calibrate::calibrate(world, &o).map(|_| ())
 }
@@ -211,8 +240,26 @@ fn plan(q: &Query) -> Result<()> {
     opts.max_micro_batch = q.max_micro_batch.max(1);
     opts.refine = opts.refine.max(q.top);
     if let Some(mode) = q.scaling {
-        let points = super::scaling::curve(&job, &q.gpus, mode, &mach, &opts, q.out.as_deref())?;
+        let grids = match &q.overlay {
+            Some(sweep) => super::scaling::sweep_grids(sweep, q.warmup, mode)?,
+            None => Default::default(),
+        };
+        let points = super::scaling::curve(
+            &job,
+            (&q.gpus, &grids),
+            mode,
+            &mach,
+            &opts,
+            q.out.as_deref(),
+        )?;
         print!("{}", super::scaling::table(&points));
+        if let Some(sweep) = &q.overlay {
+            let out = q.out.clone().unwrap_or_else(|| sweep.join("plots"));
+            print!(
+                "{}",
+                super::scaling::overlay(&points, sweep, q.warmup, &out)?
+            );
+        }
         return Ok(());
     }
     let plan = search(&job, &mach, &opts)?;

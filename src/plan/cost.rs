@@ -17,6 +17,9 @@
 //! max_r t_r` for 1F1B, `(m + (p-1)/v) max_r t_r` interleaved; [`refine`] replaces it by the
 //! schedule simulator's makespan for the same per-rank times), plus the data-parallel reduction
 //! that the last backward does not hide, plus the optimizer (memory-bound, its shard's state).
+//! A calibrated profile adds its measured fixed costs (`overhead`: per block and micro-batch to
+//! each rank's forward and backward, per step to the optimizer) and costs collectives by its
+//! measured fits per algorithm (`collfit`) instead of the ring model.
 //! meshtrain reduces gradient buckets while the last micro-batch's backward runs and gathers the
 //! updated parameters after the step (ZeRO >= 1; ZeRO-3 also gathers each micro-batch's
 //! parameters, overlapped with its compute); the Megatron-LM stack of the published runs
@@ -28,6 +31,7 @@
 
 use serde::Serialize;
 
+use super::collfit;
 use super::memory::{self, RankMemory, RankShare};
 use super::profile::{Link, Profile};
 use super::{Job, Layout, Recompute, Stack};
@@ -85,14 +89,44 @@ impl<'a> Machine<'a> {
         bytes / (self.profile.memory.bandwidth_gbs * 1e9)
     }
 
-    /// The link tier of a group of `size` ranks `stride` ranks apart (ranks fill nodes in order).
-    fn link(&self, size: usize, stride: usize) -> Link {
+    /// Whether a group of `size` ranks `stride` ranks apart stays inside one node (ranks fill
+    /// nodes in order).
+    fn within_node(&self, size: usize, stride: usize) -> bool {
         let dpn = self.profile.devices_per_node;
         let per_node = (dpn / stride.max(1)).max(1).min(size);
-        if size <= per_node && stride * (size - 1) < dpn {
+        size <= per_node && stride * (size - 1) < dpn
+    }
+
+    /// The link tier of a group of `size` ranks `stride` ranks apart.
+    fn link(&self, size: usize, stride: usize) -> Link {
+        if self.within_node(size, stride) {
             return self.profile.intra_link(size == 2 && stride == 1);
         }
-        self.profile.inter_link(dpn / per_node)
+        let dpn = self.profile.devices_per_node;
+        self.profile
+            .inter_link(dpn / (dpn / stride.max(1)).max(1).min(size))
+    }
+
+    /// Seconds of `coll` (`all_reduce`, `all_gather`, `reduce_scatter`) of a `bytes` buffer over a
+    /// group of `size` ranks `stride` apart: the profile's measured fits of the group's tier where
+    /// it has them (`collfit::predict`), else the ring model on the tier's link.
+    fn coll(&self, coll: &str, size: usize, stride: usize, bytes: f64) -> f64 {
+        if size < 2 {
+            return 0.0;
+        }
+        let tier = if self.within_node(size, stride) {
+            "intra"
+        } else {
+            "inter"
+        };
+        if let Some(t) = collfit::predict(&self.profile.collectives, coll, tier, size, bytes) {
+            return t;
+        }
+        let link = self.link(size, stride);
+        match coll {
+            "all_reduce" => all_reduce(link, size, bytes),
+            _ => gather(link, size, bytes),
+        }
     }
 }
 
@@ -127,7 +161,7 @@ pub struct Estimate {
     pub pp_comm_s: f64,
     /// Data-parallel reduction and gathers not hidden by compute.
     pub dp_exposed_s: f64,
-    /// The optimizer's update of this rank's shard.
+    /// The optimizer's update of this rank's shard (with the profile's per-step overhead).
     pub optimizer_s: f64,
     /// Bytes of the fullest rank.
     pub memory: RankMemory,
@@ -224,11 +258,11 @@ fn tp_block_comm(job: &Job, l: &Layout, mach: &Machine) -> f64 {
         return 0.0;
     }
     let bytes = (l.micro_batch * job.seq_len * job.model.n_embd) as f64 * mach.act_bytes();
-    let link = mach.link(l.tp, 1);
     if l.sp {
-        4.0 * gather(link, l.tp, bytes)
+        2.0 * (mach.coll("all_gather", l.tp, 1, bytes)
+            + mach.coll("reduce_scatter", l.tp, 1, bytes))
     } else {
-        2.0 * all_reduce(link, l.tp, bytes)
+        2.0 * mach.coll("all_reduce", l.tp, 1, bytes)
     }
 }
 
@@ -239,11 +273,7 @@ fn head(job: &Job, l: &Layout, mach: &Machine) -> Part {
     let (f, b) = mach.gemm_fb(bt, vl, c, 1.0);
     // Logits written, read by the softmax, gradient written (fp32).
     let elem = mach.stream(3.0 * 4.0 * bt * vl);
-    let comm = if l.tp > 1 {
-        3.0 * all_reduce(mach.link(l.tp, 1), l.tp, bt * 4.0)
-    } else {
-        0.0
-    };
+    let comm = 3.0 * mach.coll("all_reduce", l.tp, 1, bt * 4.0);
     Part {
         fwd: f + elem,
         bwd: b + elem,
@@ -255,10 +285,10 @@ fn head(job: &Job, l: &Layout, mach: &Machine) -> Part {
 /// The embedding of one micro-batch: a lookup, and without SP the TP sum of its output.
 fn embed(job: &Job, l: &Layout, mach: &Machine) -> Part {
     let bytes = (l.micro_batch * job.seq_len * job.model.n_embd) as f64 * mach.act_bytes();
-    let comm = if l.tp > 1 && !l.sp {
-        all_reduce(mach.link(l.tp, 1), l.tp, bytes)
-    } else {
+    let comm = if l.sp {
         0.0
+    } else {
+        mach.coll("all_reduce", l.tp, 1, bytes)
     };
     Part {
         fwd: mach.stream(3.0 * bytes),
@@ -289,6 +319,8 @@ pub fn estimate(job: &Job, l: &Layout, mach: &Machine, stage_blocks: &[usize]) -
     let (blk, hd, emb) = (block(job, l, mach), head(job, l, mach), embed(job, l, mach));
     let msg = p2p(job, l, mach);
     let v = l.virtual_stages as f64;
+    // Measured per-block costs the terms below do not describe (zero for datasheets).
+    let block_overhead = mach.profile.overhead.block_ms * 1e-3;
     let ranks: Vec<(RankShare, Part)> = (0..l.pp)
         .map(|r| {
             let share = RankShare::of(l, stage_blocks, r);
@@ -299,9 +331,10 @@ pub fn estimate(job: &Job, l: &Layout, mach: &Machine, stage_blocks: &[usize]) -
             if share.ends {
                 part = part.plus(hd);
             }
+            let overhead = share.blocks as f64 * block_overhead;
             let pp = Part {
-                fwd: 0.0,
-                bwd: 0.0,
+                fwd: overhead / 2.0,
+                bwd: overhead / 2.0,
                 fwd_comm: v * msg,
                 bwd_comm: v * msg,
             };
@@ -369,25 +402,25 @@ fn data_parallel(
 ) -> (f64, f64) {
     let n = share.params(job, l.tp);
     let shard = n / l.dp as f64;
-    let optimizer = mach.stream(32.0 * shard);
+    let optimizer = mach.stream(32.0 * shard) + mach.profile.overhead.step_ms * 1e-3;
     if l.dp < 2 {
         return (0.0, optimizer);
     }
-    let link = mach.link(l.dp, l.tp * l.pp);
+    let stride = l.tp * l.pp;
     let grad_bytes = 4.0 * n;
     let param_bytes = match mach.stack {
         Stack::Meshtrain => 4.0 * n,
         Stack::Megatron => 2.0 * n,
     };
     let (reduce, after) = match l.zero {
-        0 => (all_reduce(link, l.dp, grad_bytes), 0.0),
+        0 => (mach.coll("all_reduce", l.dp, stride, grad_bytes), 0.0),
         _ => (
-            gather(link, l.dp, grad_bytes),
-            gather(link, l.dp, param_bytes),
+            mach.coll("reduce_scatter", l.dp, stride, grad_bytes),
+            mach.coll("all_gather", l.dp, stride, param_bytes),
         ),
     };
     let gathers = if l.zero >= 3 {
-        let per_mb = 2.0 * gather(link, l.dp, param_bytes);
+        let per_mb = 2.0 * mach.coll("all_gather", l.dp, stride, param_bytes);
         l.grad_accum as f64 * (per_mb - mb_compute).max(0.0)
     } else {
         0.0
@@ -498,6 +531,76 @@ mod tests {
         let a = estimate(&job, &layout(4, 8, 1, 2, 32), &mach, &[12; 8]);
         let b = estimate(&job, &layout(8, 8, 1, 1, 64), &mach, &[12; 8]);
         assert!(b.compute_s / 64.0 < a.compute_s / 32.0 && b.tp_comm_s / 64.0 > a.tp_comm_s / 32.0);
+    }
+
+    #[test]
+    fn measured_overhead_and_collective_fits_are_costed() {
+        use crate::plan::profile::{CollFit, Overhead};
+        let p = Profile::load("dgx-a100").unwrap();
+        let job = job();
+        let l = Layout {
+            zero: 0,
+            ..layout(8, 8, 1, 1, 64)
+        };
+        let base = estimate(
+            &job,
+            &l,
+            &Machine::new(&p, Stack::Megatron, "bf16").unwrap(),
+            &[12; 8],
+        );
+        // 12 blocks per rank, 64 micro-batches: 12 * 64 * block_ms more pipeline compute on every
+        // rank (so the closed form's sum-plus-max grows by (8 + 63) of them), step_ms once.
+        let with = Profile {
+            overhead: Overhead {
+                block_ms: 0.5,
+                step_ms: 3.0,
+                source: String::new(),
+            },
+            ..p.clone()
+        };
+        let e = estimate(
+            &job,
+            &l,
+            &Machine::new(&with, Stack::Megatron, "bf16").unwrap(),
+            &[12; 8],
+        );
+        let want = 12.0 * 0.5e-3 * (8.0 + 63.0) + 3e-3;
+        assert!(
+            (e.step_s - base.step_s - want).abs() < 1e-9,
+            "{} {} {want}",
+            e.step_s,
+            base.step_s
+        );
+        // A (slow) measured all-reduce fit replaces the ring model of the TP group's tier.
+        let fit = CollFit {
+            coll: "all_reduce".into(),
+            algo: "ring".into(),
+            tier: "intra".into(),
+            ranks: 8,
+            latency_us: 1000.0,
+            busbw_gbs: 1.0,
+            points: 6,
+            max_error_pct: 1.0,
+        };
+        let slow = Profile {
+            collectives: vec![fit],
+            ..p.clone()
+        };
+        let mach = Machine::new(&slow, Stack::Megatron, "bf16").unwrap();
+        let bytes = 1e6;
+        let want = 1e-3 + bytes * crate::comm::stats::bus_factor("all_reduce", 8) / 1e9;
+        assert!((mach.coll("all_reduce", 8, 1, bytes) - want).abs() < 1e-12);
+        // No fit for the inter tier or for all_gather: the ring model on the profile's links.
+        let ring = Machine::new(&p, Stack::Megatron, "bf16").unwrap();
+        assert_eq!(
+            mach.coll("all_reduce", 16, 1, bytes),
+            ring.coll("all_reduce", 16, 1, bytes)
+        );
+        assert_eq!(
+            mach.coll("all_gather", 8, 1, bytes),
+            ring.coll("all_gather", 8, 1, bytes)
+        );
+        assert!(estimate(&job, &l, &mach, &[12; 8]).tp_comm_s > base.tp_comm_s);
     }
 
     #[test]

@@ -18,7 +18,8 @@
 //! - [`report`]: the ranked table, JSON, a job file and an sbatch script for a layout;
 //!   [`scaling`]: predicted strong/weak scaling curves in the sweep's format; [`published`]: the
 //!   published runs the model is checked against; [`calibrate`]: a profile of this node from
-//!   measurements; [`tune`]: short trials of the best predicted layouts, predicted vs measured;
+//!   measurements, [`collfit`] its collective fits per schedule; [`tune`]: short trials of the
+//!   best predicted layouts, predicted vs measured;
 //!   [`cli`]: the subcommand.
 //!
 //! Invariants: planning is a pure function of (job, profile, stack): no measurement, no I/O
@@ -27,6 +28,7 @@
 
 pub mod calibrate;
 pub mod cli;
+pub mod collfit;
 pub mod cost;
 pub mod memory;
 pub mod profile;

@@ -51,6 +51,56 @@ pub struct Profile {
     pub intra: Intra,
     /// Links between nodes.
     pub inter: Inter,
+    /// Measured collectives (`plan calibrate`): one alpha-beta fit per collective, algorithm and
+    /// tier; where a collective has fits they replace the ring model of its tier's link.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub collectives: Vec<CollFit>,
+    /// Measured fixed costs of a training step (`plan calibrate`); zero in datasheet profiles.
+    #[serde(default, skip_serializing_if = "Overhead::is_zero")]
+    pub overhead: Overhead,
+}
+
+/// One collective's alpha-beta fit (see `plan::collfit`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CollFit {
+    /// `all_reduce`, `all_gather` or `reduce_scatter`.
+    pub coll: String,
+    /// The schedule measured (`ring`, `direct`, `auto`, ...).
+    pub algo: String,
+    /// `intra` (one node) or `inter`.
+    pub tier: String,
+    /// Ranks measured.
+    pub ranks: usize,
+    /// Time of an empty collective on `ranks` ranks, microseconds.
+    pub latency_us: f64,
+    /// Bus bandwidth of large buffers, GB/s.
+    pub busbw_gbs: f64,
+    /// Sizes fitted.
+    pub points: usize,
+    /// Largest relative error of the fit over those sizes, percent.
+    pub max_error_pct: f64,
+}
+
+/// Per-step costs that neither the GEMMs nor the bandwidth terms describe: kernel launches,
+/// thread hand-offs, synchronisation, the step's bookkeeping.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Overhead {
+    /// Per block and micro-batch (forward and backward) on the rank holding the block, ms.
+    pub block_ms: f64,
+    /// Per optimizer step and rank (head, embedding, optimizer, bookkeeping), ms.
+    pub step_ms: f64,
+    /// How it was obtained.
+    #[serde(default)]
+    pub source: String,
+}
+
+impl Overhead {
+    /// No measured overhead (a datasheet profile).
+    pub fn is_zero(&self) -> bool {
+        *self == Overhead::default()
+    }
 }
 
 /// Dense arithmetic of one device.
@@ -274,7 +324,43 @@ impl Profile {
         fraction("intra.achievable", self.intra.achievable)?;
         positive("inter.nic_bandwidth_gbs", self.inter.nic_bandwidth_gbs)?;
         positive("inter.latency_us", self.inter.latency_us)?;
-        fraction("inter.achievable", self.inter.achievable)
+        fraction("inter.achievable", self.inter.achievable)?;
+        for (i, f) in self.collectives.iter().enumerate() {
+            let key = |k: &str| format!("collectives[{i}].{k}");
+            if !super::collfit::COLLECTIVES.contains(&f.coll.as_str()) {
+                return Err(Error::config(
+                    key("coll"),
+                    format!(
+                        "`{}` is not one of {:?}",
+                        f.coll,
+                        super::collfit::COLLECTIVES
+                    ),
+                ));
+            }
+            if !["intra", "inter"].contains(&f.tier.as_str()) {
+                return Err(Error::config(
+                    key("tier"),
+                    format!("`{}` is not intra or inter", f.tier),
+                ));
+            }
+            if f.ranks < 2 {
+                return Err(Error::config(key("ranks"), "must be at least 2"));
+            }
+            positive(&key("latency_us"), f.latency_us)?;
+            positive(&key("busbw_gbs"), f.busbw_gbs)?;
+        }
+        for (key, v) in [
+            ("overhead.block_ms", self.overhead.block_ms),
+            ("overhead.step_ms", self.overhead.step_ms),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(Error::config(
+                    key,
+                    format!("{v} must be a finite number >= 0"),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Dense peak FLOP/s of one device at `precision`; an error names the missing key.
@@ -414,6 +500,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(fp8.contains("compute.peak_tflops.fp8"), "{fp8}");
+        let fit = "\n[[collectives]]\ncoll = \"all_reduce\"\nalgo = \"ring\"\ntier = \"intra\"\nranks = 4\n\
+                   latency_us = 20.0\nbusbw_gbs = 5.0\npoints = 6\nmax_error_pct = 3.0\n";
+        let with_fit = format!("{text}{fit}");
+        assert_eq!(
+            Profile::parse(&with_fit, "m.toml")
+                .unwrap()
+                .collectives
+                .len(),
+            1
+        );
+        let bcast = with_fit.replace("coll = \"all_reduce\"", "coll = \"bcast\"");
+        assert!(
+            err(&bcast).contains("m.toml: collectives[0].coll"),
+            "{}",
+            err(&bcast)
+        );
+        let one = with_fit.replace("ranks = 4", "ranks = 1");
+        assert!(err(&one).contains("collectives[0].ranks"), "{}", err(&one));
+        let neg = format!("{text}\n[overhead]\nblock_ms = -1.0\nstep_ms = 0.0\n");
+        assert!(err(&neg).contains("overhead.block_ms"), "{}", err(&neg));
     }
 
     #[test]

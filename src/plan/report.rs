@@ -16,18 +16,12 @@ use super::{Job, Layout, Recompute, Stack};
 use crate::config::JobConfig;
 use crate::error::{Error, Result};
 
-/// One ranked layout as the table and the JSON show it.
+/// One ranked layout as the table and the JSON show it: the layout's own fields (flattened, so
+/// the JSON object has `tp`, `pp`, ... at its top level) and the predicted figures.
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
-    pub tp: usize,
-    pub pp: usize,
-    pub virtual_stages: usize,
-    pub dp: usize,
-    pub zero: u8,
-    pub micro_batch: usize,
-    pub grad_accum: usize,
-    pub sp: bool,
-    pub recompute: &'static str,
+    #[serde(flatten)]
+    pub layout: Layout,
     pub schedule: &'static str,
     pub step_s: f64,
     pub tokens_per_s: f64,
@@ -46,15 +40,7 @@ impl Row {
         let (l, e) = (r.layout, &r.estimate);
         let tflops = job.model_flops_per_step() / e.step_s / job.gpus as f64 / 1e12;
         Row {
-            tp: l.tp,
-            pp: l.pp,
-            virtual_stages: l.virtual_stages,
-            dp: l.dp,
-            zero: l.zero,
-            micro_batch: l.micro_batch,
-            grad_accum: l.grad_accum,
-            sp: l.sp,
-            recompute: l.recompute.name(),
+            layout: l,
             schedule: l.schedule(),
             step_s: e.step_s,
             tokens_per_s: (job.global_batch * job.seq_len) as f64 / e.step_s,
@@ -93,18 +79,19 @@ pub fn table(job: &Job, mach: &Machine, plan: &Plan, top: usize, show_rejected: 
     );
     for (i, r) in plan.ranked.iter().take(top).enumerate() {
         let w = Row::new(job, mach, r);
+        let l = &w.layout;
         s += &format!(
             "{:>4} {:>3} {:>4} {:>2} {:>5} {:>3} {:>3} {:>5} {:>2} {:>9} {:>9.3} {:>11.0} {:>8.1} {:>6.1} {:>7.1} {:>8.3} {:>8.3}\n",
             i + 1,
-            w.tp,
-            w.pp,
-            w.virtual_stages,
-            w.dp,
-            w.zero,
-            w.micro_batch,
-            w.grad_accum,
-            if w.sp { "y" } else { "n" },
-            w.recompute,
+            l.tp,
+            l.pp,
+            l.virtual_stages,
+            l.dp,
+            l.zero,
+            l.micro_batch,
+            l.grad_accum,
+            if l.sp { "y" } else { "n" },
+            l.recompute.name(),
             w.step_s,
             w.tokens_per_s,
             w.tflops_per_gpu,
@@ -284,6 +271,7 @@ mod tests {
         ] {
             assert!(!first[key].is_null(), "{key}");
         }
+        assert!(first["recompute"] == "none" && first["schedule"].is_string());
         let t = table(&job, &mach, &plan, 5, 3);
         assert_eq!(t.lines().filter(|l| !l.starts_with('#')).count(), 6, "{t}");
     }

@@ -7,7 +7,10 @@
 //! [`fill_efficiency`] (strong: `T_1 N_1 / (T_N N)`; weak: tokens/s per rank over the first
 //! point's) and the CSV and charts are the sweep's (`sweep.csv`, `efficiency.svg`, ...). Strong
 //! scaling keeps the global batch; weak scaling grows it with the GPU count from the first one's.
+//! Drawn over a measured sweep (`--overlay`), each count predicts the sweep's own (tp, pp) grid,
+//! its best micro-batch and ZeRO stage, so both series describe the same layouts.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::cost::Machine;
@@ -16,10 +19,34 @@ use super::Job;
 use crate::error::{Error, Result};
 use crate::sweep::{fill_efficiency, plot, to_csv, Mode, PointMeta, PointSummary};
 
-/// The predicted point of `job` at its GPU count.
-fn point(job: &Job, mach: &Machine, opts: &Options, mode: Mode) -> Result<PointSummary> {
+/// The (tp, pp) grid each GPU count must use (a measured sweep's), where given; the best layout
+/// of any grid elsewhere.
+pub type Grids = BTreeMap<usize, (usize, usize)>;
+
+/// The predicted point of `job` at its GPU count: its best layout, of the grid `grids` gives.
+fn point(
+    job: &Job,
+    mach: &Machine,
+    opts: &Options,
+    mode: Mode,
+    grids: &Grids,
+) -> Result<PointSummary> {
     let plan = search(job, mach, opts)?;
-    let best = &plan.ranked[0];
+    let want = grids.get(&job.gpus);
+    let best = plan
+        .ranked
+        .iter()
+        .find(|r| want.is_none_or(|&(tp, pp)| r.layout.tp == tp && r.layout.pp == pp))
+        .ok_or_else(|| {
+            let (tp, pp) = want.copied().unwrap_or_default();
+            Error::config(
+                "--overlay",
+                format!(
+                    "no layout with the sweep's tp {tp} pp {pp} fits {} GPUs",
+                    job.gpus
+                ),
+            )
+        })?;
     let (l, e) = (best.layout, &best.estimate);
     let ranks = job.gpus;
     let tokens = (job.global_batch * job.seq_len) as u64;
@@ -27,21 +54,16 @@ fn point(job: &Job, mach: &Machine, opts: &Options, mode: Mode) -> Result<PointS
     let tokens_per_s = tokens as f64 / e.step_s;
     Ok(PointSummary {
         meta: PointMeta {
-            mode,
-            nodes: ranks.div_ceil(mach.profile.devices_per_node),
-            ranks,
-            tp: l.tp,
-            pp: l.pp,
-            dp: l.dp,
-            micro_batch: l.micro_batch,
-            grad_accum: l.grad_accum,
-            seq_len: job.seq_len,
-            tokens_per_step: tokens,
-            flops_per_token,
-            job_id: None,
             nodelist: format!("predicted: {}", mach.profile.name),
             command: vec!["meshtrain".into(), "plan".into(), l.describe()],
-            env: Vec::new(),
+            ..PointMeta::new(
+                mode,
+                ranks.div_ceil(mach.profile.devices_per_node),
+                ranks,
+                [l.tp, l.pp, l.dp],
+                [l.micro_batch, l.grad_accum, job.seq_len],
+                flops_per_token,
+            )
         },
         steps: 0,
         step_median_s: e.step_s,
@@ -59,10 +81,11 @@ fn point(job: &Job, mach: &Machine, opts: &Options, mode: Mode) -> Result<PointS
 }
 
 /// Predicts `base` (its GPU count and global batch are the first point's) at every count of
-/// `gpus`; with `out`, writes the sweep's CSV and charts there.
+/// `gpus`, on the grid `grids` names for a count (else the best one); with `out`, writes the
+/// sweep's CSV and charts there.
 pub fn curve(
     base: &Job,
-    gpus: &[usize],
+    (gpus, grids): (&[usize], &Grids),
     mode: Mode,
     mach: &Machine,
     opts: &Options,
@@ -93,7 +116,7 @@ pub fn curve(
             global_batch: batch,
             ..base.clone()
         };
-        points.push(point(&job, mach, opts, mode)?);
+        points.push(point(&job, mach, opts, mode, grids)?);
     }
     fill_efficiency(&mut points);
     if let Some(dir) = out {
@@ -128,6 +151,75 @@ pub fn table(points: &[PointSummary]) -> String {
     s
 }
 
+/// The (tp, pp) grid of each rank count of `mode` in the sweep at `sweep_dir`, so the prediction
+/// drawn over it is of the layouts it ran.
+pub fn sweep_grids(sweep_dir: &Path, warmup: usize, mode: Mode) -> Result<Grids> {
+    Ok(crate::sweep::load_points(sweep_dir, warmup)?
+        .iter()
+        .filter(|p| p.meta.mode == mode)
+        .map(|p| (p.meta.ranks, (p.meta.tp, p.meta.pp)))
+        .collect())
+}
+
+/// Draws `predicted` over the measured sweep in `sweep_dir` (its points summarized as `sweep
+/// report` does, leaving out `warmup` steps each) into `out`, and returns the comparison table:
+/// per rank count of the predicted mode, predicted and measured step time, the error of the
+/// prediction and both efficiencies. Errors name `--overlay` when the sweep has no point of the
+/// predicted mode.
+pub fn overlay(
+    predicted: &[PointSummary],
+    sweep_dir: &Path,
+    warmup: usize,
+    out: &Path,
+) -> Result<String> {
+    let measured = crate::sweep::load_points(sweep_dir, warmup)?;
+    let mode = predicted
+        .first()
+        .ok_or_else(|| Error::config("--gpus", "needs at least one GPU count"))?
+        .meta
+        .mode;
+    let same: Vec<&PointSummary> = measured.iter().filter(|p| p.meta.mode == mode).collect();
+    if same.is_empty() {
+        return Err(Error::config(
+            "--overlay",
+            format!(
+                "{} has no {} scaling points to draw the prediction over",
+                sweep_dir.display(),
+                mode.name()
+            ),
+        ));
+    }
+    let files = plot::overlay_plots(predicted, &measured, out)?;
+    let mut s = format!(
+        "{:>6} {:>12} {:>11} {:>7} {:>9} {:>9}\n",
+        "ranks", "predicted_s", "measured_s", "error%", "pred_eff%", "meas_eff%"
+    );
+    for p in predicted {
+        let m = same.iter().find(|m| m.meta.ranks == p.meta.ranks);
+        let cell = |f: &dyn Fn(&PointSummary) -> f64, prec: usize| {
+            m.map_or("-".to_string(), |m| format!("{:.*}", prec, f(m)))
+        };
+        s += &format!(
+            "{:>6} {:>12.4} {:>11} {:>7} {:>9.1} {:>9}\n",
+            p.meta.ranks,
+            p.step_median_s,
+            cell(&|m| m.step_median_s, 4),
+            cell(
+                &|m| 100.0 * (p.step_median_s - m.step_median_s) / m.step_median_s,
+                1
+            ),
+            100.0 * p.efficiency,
+            cell(&|m| 100.0 * m.efficiency, 1),
+        );
+    }
+    s += &format!(
+        "# wrote {} chart files under {}\n",
+        files.len(),
+        out.display()
+    );
+    Ok(s)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -141,7 +233,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let pts = curve(
             &job,
-            &[8, 16, 32, 64],
+            (&[8, 16, 32, 64], &Grids::new()),
             Mode::Strong,
             &mach,
             &Options::for_stack(Stack::Meshtrain),
@@ -156,7 +248,7 @@ mod tests {
         );
         let weak = curve(
             &job,
-            &[8, 16],
+            (&[8, 16], &Grids::new()),
             Mode::Weak,
             &mach,
             &Options::for_stack(Stack::Meshtrain),

@@ -8,8 +8,10 @@
 //! an srun step inside an allocation, mpirun outside; `--launch` replaces it), each `meshtrain
 //! train JOB --set ...` for `--steps` steps with its metrics under `OUT/trials/`, and each is
 //! summarized by the sweep's own `summarize` (median step time after the warm-up steps). A trial
-//! that fails is reported with its command and left out of the ranking; `OUT/tune.json` holds
-//! every prediction, measurement and error and the mean absolute error.
+//! that fails is reported with its command and left out of the ranking; with `--repeat N` each
+//! layout runs N times (interleaved) and counts its median. The comparison is printed in measured
+//! order with each layout's predicted rank; `OUT/tune.json` holds every prediction, measurement,
+//! error and both ranks, and the mean absolute error.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -44,6 +46,14 @@ pub struct TuneArgs {
     /// Steps left out of each trial's median.
     #[arg(long, default_value_t = 2)]
     warmup: usize,
+    /// Runs of each trial, interleaved over the layouts; a layout's time is the median of its
+    /// runs' medians (a noisy or shared node).
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
+    /// Try only the best predicted layout of each (tp, pp, dp) grid, so the K trials compare
+    /// grids rather than ZeRO stages or micro-batch sizes of one grid.
+    #[arg(long)]
+    per_grid: bool,
     /// Launcher words (`{ranks}`, `{nodes}` replaced); default srun in an allocation, else mpirun.
     #[arg(long, allow_hyphen_values = true)]
     launch: Option<String>,
@@ -97,10 +107,16 @@ fn trial_sets(r: &Ranked, steps: u64) -> Vec<String> {
 }
 
 /// Runs one trial; the measured median step time, or why it failed.
-fn trial(a: &TuneArgs, launch: &[String], job: &Job, r: &Ranked, i: usize) -> Result<f64> {
+fn trial(
+    a: &TuneArgs,
+    launch: &[String],
+    job: &Job,
+    r: &Ranked,
+    (i, run): (usize, usize),
+) -> Result<f64> {
     let dir = a.out.join("trials");
     std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
-    let metrics = dir.join(format!("trial{i}.jsonl"));
+    let metrics = dir.join(format!("trial{i}-run{run}.jsonl"));
     let _ = std::fs::remove_file(&metrics);
     let binary = match &a.binary {
         Some(b) => b.clone(),
@@ -143,21 +159,15 @@ fn trial(a: &TuneArgs, launch: &[String], job: &Job, r: &Ranked, i: usize) -> Re
         .map_err(|e| Error::io(format!("read {}", metrics.display()), e))?;
     let l = r.layout;
     let meta = PointMeta {
-        mode: Mode::Strong,
-        nodes,
-        ranks: job.gpus,
-        tp: l.tp,
-        pp: l.pp,
-        dp: l.dp,
-        micro_batch: l.micro_batch,
-        grad_accum: l.grad_accum,
-        seq_len: job.seq_len,
-        tokens_per_step: (job.global_batch * job.seq_len) as u64,
-        flops_per_token: crate::metrics::train_flops_per_token(&job.model, job.seq_len),
-        job_id: None,
-        nodelist: String::new(),
         command: words,
-        env: Vec::new(),
+        ..PointMeta::new(
+            Mode::Strong,
+            nodes,
+            job.gpus,
+            [l.tp, l.pp, l.dp],
+            [l.micro_batch, l.grad_accum, job.seq_len],
+            crate::metrics::train_flops_per_token(&job.model, job.seq_len),
+        )
     };
     Ok(sweep::summarize(meta, &text, &metrics, a.warmup)?.step_median_s)
 }
@@ -184,7 +194,11 @@ pub fn main(a: &TuneArgs) -> Result<()> {
     };
     let mach = Machine::new(&profile, Stack::Meshtrain, precision)?;
     let opts = Options {
-        refine: a.top.max(16),
+        refine: if a.per_grid {
+            usize::MAX
+        } else {
+            a.top.max(16)
+        },
         ..Options::for_stack(Stack::Meshtrain)
     };
     let plan = search(&job, &mach, &opts)?;
@@ -192,30 +206,56 @@ pub fn main(a: &TuneArgs) -> Result<()> {
         Some(words) => words.split_whitespace().map(str::to_string).collect(),
         None => sweep::run::default_launch(),
     };
-    let mut rows = Vec::new();
-    for (i, r) in plan.ranked.iter().take(a.top).enumerate() {
-        let measured = trial(a, &launch, &job, r, i);
-        if let Err(e) = &measured {
-            eprintln!("# tune: {e}");
+    let mut grids = std::collections::HashSet::new();
+    let tried: Vec<&Ranked> = plan
+        .ranked
+        .iter()
+        .filter(|r| !a.per_grid || grids.insert((r.layout.tp, r.layout.pp, r.layout.dp)))
+        .take(a.top)
+        .collect();
+    let mut runs: Vec<Vec<f64>> = vec![Vec::new(); tried.len()];
+    for run in 0..a.repeat.max(1) {
+        for (i, r) in tried.iter().enumerate() {
+            match trial(a, &launch, &job, r, (i, run)) {
+                Ok(t) => runs[i].push(t),
+                Err(e) => eprintln!("# tune: {e}"),
+            }
         }
-        rows.push((r, measured.ok()));
     }
+    let rows: Vec<(&Ranked, Option<f64>)> = tried
+        .into_iter()
+        .zip(runs)
+        .map(|(r, mut v)| {
+            v.sort_by(f64::total_cmp);
+            (r, (!v.is_empty()).then(|| v[v.len() / 2]))
+        })
+        .collect();
     finish(a, &job, &mach, &rows)
 }
 
-/// Prints the comparison, writes the winner's job file and `tune.json`.
+/// Prints the comparison (predicted rank, measured rank, both times and the prediction's error,
+/// in measured order: the ranking `tune` hands back), writes the winner's job file and
+/// `tune.json`.
 fn finish(a: &TuneArgs, job: &Job, mach: &Machine, rows: &[(&Ranked, Option<f64>)]) -> Result<()> {
+    let mut order: Vec<usize> = (0..rows.len()).collect();
+    // Measured first by time, failed trials last in predicted order.
+    order.sort_by(|&x, &y| match (rows[x].1, rows[y].1) {
+        (Some(p), Some(q)) => p.total_cmp(&q),
+        (a, b) => b.is_some().cmp(&a.is_some()).then(x.cmp(&y)),
+    });
     println!(
-        "{:>4} {:<36} {:>11} {:>10} {:>7}",
-        "pred", "layout", "predicted_s", "measured_s", "error%"
+        "{:>4} {:>4} {:<36} {:>11} {:>10} {:>7}",
+        "meas", "pred", "layout", "predicted_s", "measured_s", "error%"
     );
     let mut errors = Vec::new();
     let mut records = Vec::new();
-    for (i, (r, m)) in rows.iter().enumerate() {
+    for (rank, &i) in order.iter().enumerate() {
+        let (r, m) = rows[i];
         let p = r.estimate.step_s;
         let err = m.map(|m| 100.0 * (p - m) / m);
         println!(
-            "{:>4} {:<36} {:>11.4} {:>10} {:>7}",
+            "{:>4} {:>4} {:<36} {:>11.4} {:>10} {:>7}",
+            m.map_or("-".into(), |_| (rank + 1).to_string()),
             i + 1,
             r.layout.describe(),
             p,
@@ -223,8 +263,10 @@ fn finish(a: &TuneArgs, job: &Job, mach: &Machine, rows: &[(&Ranked, Option<f64>
             err.map_or("-".into(), |e| format!("{e:+.1}"))
         );
         errors.extend(err.map(f64::abs));
-        records
-            .push(json!({"layout": r.layout, "predicted_s": p, "measured_s": m, "error_pct": err}));
+        records.push(json!({
+            "layout": r.layout, "predicted_rank": i + 1, "measured_rank": m.map(|_| rank + 1),
+            "predicted_s": p, "measured_s": m, "error_pct": err,
+        }));
     }
     let best = rows
         .iter()
@@ -233,9 +275,10 @@ fn finish(a: &TuneArgs, job: &Job, mach: &Machine, rows: &[(&Ranked, Option<f64>
         .ok_or_else(|| Error::Check("tune: every trial failed (see the messages above)".into()))?;
     let mae = errors.iter().sum::<f64>() / errors.len() as f64;
     println!(
-        "# calibration error: mean absolute {mae:.1}% over {} trials; measured best {}",
+        "# calibration error: mean absolute {mae:.1}% over {} trials; measured best {} (predicted rank {})",
         errors.len(),
-        best.0.layout.describe()
+        best.0.layout.describe(),
+        order[0] + 1
     );
     let path = a.out.join("best.toml");
     let text = report::job_toml(job, mach, &best.0.layout, best.1)?;

@@ -94,6 +94,31 @@ pub struct PointMeta {
 }
 
 impl PointMeta {
+    /// A point of `mode` on `ranks` ranks over `nodes` nodes with the grid `[tp, pp, dp]` and the
+    /// batch `[micro_batch, grad_accum, seq_len]`, training `flops_per_token` model FLOPs per token;
+    /// tokens per step are `dp * micro_batch * grad_accum * seq_len`. No Slurm job, node list,
+    /// command or environment: callers that have them set the fields.
+    pub fn new(mode: Mode, nodes: usize, ranks: usize, [tp, pp, dp]: [usize; 3], batch: [usize; 3], flops_per_token: f64) -> PointMeta {
+        let [micro_batch, grad_accum, seq_len] = batch;
+        PointMeta {
+            mode,
+            nodes,
+            ranks,
+            tp,
+            pp,
+            dp,
+            micro_batch,
+            grad_accum,
+            seq_len,
+            tokens_per_step: (dp * micro_batch * grad_accum * seq_len) as u64,
+            flops_per_token,
+            job_id: None,
+            nodelist: String::new(),
+            command: Vec::new(),
+            env: Vec::new(),
+        }
+    }
+
     /// `tp1-pp1-dp4`.
     pub fn layout(&self) -> String {
         format!("tp{}-pp{}-dp{}", self.tp, self.pp, self.dp)

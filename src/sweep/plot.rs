@@ -349,6 +349,39 @@ pub fn sweep_plots(points: &[PointSummary], dir: &Path) -> Result<Vec<PathBuf>> 
     Ok(files)
 }
 
+/// `value` over log2(ranks) of the `points` of `mode`, labelled `label` (dashed when `ideal`).
+fn mode_series(points: &[PointSummary], mode: Mode, label: String, ideal: bool, value: impl Fn(&PointSummary) -> f64) -> Option<Series> {
+    let pts: Vec<(f64, f64)> =
+        points.iter().filter(|p| p.meta.mode == mode).map(|p| ((p.meta.ranks as f64).log2(), value(p))).collect();
+    (!pts.is_empty()).then_some(Series { label, points: pts, color: mode_color(mode) + if ideal { 0 } else { 2 }, ideal })
+}
+
+/// A prediction (`meshtrain plan --scaling`) and a measured sweep on one chart each for scaling
+/// efficiency and tokens/s per rank, per mode present in `predicted`: the measured series solid
+/// with markers, the predicted one dashed. Both sets carry the sweep's own efficiency
+/// definitions (each against its own first point). Writes `dir/predicted_vs_measured_*`.
+pub fn overlay_plots(predicted: &[PointSummary], measured: &[PointSummary], dir: &Path) -> Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
+    type Metric = fn(&PointSummary) -> f64;
+    let charts: [(&str, &str, &str, Metric); 2] = [
+        ("efficiency", "Scaling efficiency: predicted vs measured", "efficiency %", |p| 100.0 * p.efficiency),
+        ("throughput_per_rank", "Throughput per rank: predicted vs measured", "tokens/s per rank", |p| p.tokens_per_s_per_rank),
+    ];
+    let mut files = Vec::new();
+    for (stem, title, y_desc, value) in charts {
+        let mut series = Vec::new();
+        for mode in [Mode::Strong, Mode::Weak] {
+            if let Some(pred) = mode_series(predicted, mode, format!("{} predicted", mode.name()), true, value) {
+                series.push(pred);
+                series.extend(mode_series(measured, mode, format!("{} measured", mode.name()), false, value));
+            }
+        }
+        let chart = LineChart { title: title.into(), x_desc: "ranks".into(), y_desc: y_desc.into(), x_ticks: Ticks::Log2Count, series };
+        files.extend(render(&chart, &dir.join(format!("predicted_vs_measured_{stem}")))?);
+    }
+    Ok(files)
+}
+
 /// One row of a `meshtrain bench --csv` file: (collective, bytes, bus bandwidth GB/s).
 fn bench_rows(path: &Path) -> Result<Vec<(String, u64, f64)>> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(format!("read {}", path.display()), e))?;

@@ -126,21 +126,17 @@ pub fn plan_points(plan: &SweepPlan) -> Result<Vec<(PointMeta, Vec<String>)>> {
         ]);
         let cfg = JobConfig::load(&plan.job, &sets)?;
         let meta = PointMeta {
-            mode: plan.mode,
-            nodes: ranks.div_ceil(plan.ranks_per_node),
-            ranks,
-            tp: plan.tp,
-            pp: plan.pp,
-            dp,
-            micro_batch,
-            grad_accum: accum,
-            seq_len: cfg.train.seq_len,
-            tokens_per_step: (dp * accum * micro_batch * cfg.train.seq_len) as u64,
-            flops_per_token: train_flops_per_token(&cfg.model, cfg.train.seq_len),
             job_id: std::env::var("SLURM_JOB_ID").ok(),
             nodelist: std::env::var("SLURM_JOB_NODELIST").unwrap_or_else(|_| hostname()),
-            command: Vec::new(),
             env: recorded_env(),
+            ..PointMeta::new(
+                plan.mode,
+                ranks.div_ceil(plan.ranks_per_node),
+                ranks,
+                [plan.tp, plan.pp, dp],
+                [micro_batch, accum, cfg.train.seq_len],
+                train_flops_per_token(&cfg.model, cfg.train.seq_len),
+            )
         };
         points.push((meta, sets));
     }

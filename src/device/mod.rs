@@ -309,7 +309,7 @@ use crate::device::cpu::parallel::set_cpu_threads;
 
 /// Cores this rank may use when `ranks_on_node` ranks share the node (at least 1).
 pub fn cores_per_rank(ranks_on_node: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cores = crate::device::cpu::parallel::available_cores();
     (cores / ranks_on_node.max(1)).max(1)
 }
 

@@ -9,6 +9,7 @@
 //! share a node's cores: oversubscribed OpenBLAS threads spin and slow everything down).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 use super::blas::set_gemm_threads;
 
@@ -23,9 +24,17 @@ const MIN_PARALLEL_WORK: usize = 1 << 16;
 /// process (1 if unknown).
 pub fn cores() -> usize {
     match THREADS.load(Ordering::Relaxed) {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        0 => available_cores(),
         n => n,
     }
+}
+
+/// The cores available to this process (1 if unknown), asked once: the standard library reads
+/// the affinity mask and the cgroup quota files on every call, tens of microseconds that every
+/// layer call would pay.
+pub fn available_cores() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// Uses `n` (at least 1) threads for the GEMMs (OpenBLAS) and for the other layers from now on.

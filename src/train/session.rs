@@ -128,7 +128,10 @@ impl<'a> Session<'a> {
         };
         let device = (Device::open(cfg.device, world.local_rank)?, cfg.precision);
         let leader = world.rank == 0;
-        bind_cpu_threads(world.local_size);
+        let threads = bind_cpu_threads(cfg.train.threads, world.local_size)?;
+        if leader {
+            log::info!("CPU threads per rank (BLAS and layers): {threads}");
+        }
         let baseline = rss_bytes()?;
         if leader {
             write_effective_config(cfg, opts.metrics.as_deref())?;
@@ -208,7 +211,7 @@ impl<'a> Session<'a> {
         }
         let peak = match (cfg.metrics.peak_tflops, model.device()) {
             (Some(p), _) => Some(p),
-            (None, Device::Cpu) => Some(cpu_peak_tflops(world.local_size)),
+            (None, Device::Cpu) => Some(cpu_peak_tflops()),
             (None, dev) => dev.peak_tflops(cfg.precision),
         };
         let step = DeviceStep::new(model.model(), &sync, &dp, (&model.decay_spans(), &model.norm_spans()), adamw)?;

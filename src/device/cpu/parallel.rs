@@ -169,7 +169,7 @@ mod tests {
 
     #[test]
     fn bad_thread_counts_name_their_source() {
-        let err = |c, pairs: &'static [(&'static str, &'static str)]| {
+        let err = |c: usize, pairs: &[(&str, &str)]| {
             let e = choose_threads_with(c, 2, |v| pairs.iter().find(|(k, _)| *k == v).map(|(_, x)| x.to_string()));
             e.unwrap_err().to_string()
         };

@@ -4,7 +4,9 @@
 //! each part. The number of heads is an argument, so a tensor-parallel rank holding a subset of
 //! heads calls the same function with its local count. The forward keeps the softmax
 //! probabilities `att` (B, NH, T, T) for the backward; entries above the diagonal are zero.
-//! Batch rows are independent, so they are split across cores (see `parallel.rs`).
+//! Batch rows are independent, so they are split across cores (see `parallel.rs`). The q·k
+//! scores and the backward's dy·v products are taken four keys at a time (`dots`), each sum
+//! still in index order, so the results are bitwise those of one dot product at a time.
 
 use super::float::Float;
 use super::parallel::{chunk_items, run_parts};

@@ -238,6 +238,24 @@ mod tests {
         assert_eq!(&out[..4], &qkv[8..12]);
     }
 
+    /// Four dot products at a time give every sum bit for bit as the plain iterator sum, for
+    /// any count of rows (whole groups of four and the rest).
+    #[test]
+    fn grouped_dots_equal_one_at_a_time_bitwise() {
+        let x: Vec<f32> = (0..64).map(|i| ((i * 29) % 83) as f32 * 0.013 - 0.5).collect();
+        let rows: Vec<Vec<f32>> = (0..11)
+            .map(|j| (0..64).map(|i| ((i * 17 + j * 31) % 89) as f32 * 0.021 - 0.9).collect())
+            .collect();
+        for n in 0..=rows.len() {
+            let mut got = vec![f32::NAN; n];
+            dots(&mut got, &x, |j| &rows[j][..]);
+            for (j, g) in got.iter().enumerate() {
+                let want: f32 = x.iter().zip(&rows[j]).map(|(&a, &b)| a * b).sum();
+                assert_eq!(g.to_bits(), want.to_bits(), "row {j} of {n}");
+            }
+        }
+    }
+
     /// Splitting the batch across threads computes every element exactly as one thread does.
     #[test]
     fn threaded_equals_serial_bitwise() {

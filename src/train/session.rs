@@ -131,6 +131,10 @@ impl<'a> Session<'a> {
         let threads = bind_cpu_threads(cfg.train.threads, world.local_size)?;
         if leader {
             log::info!("CPU threads per rank (BLAS and layers): {threads}");
+            let cores = crate::device::cpu::parallel::available_cores();
+            if threads.threads * world.local_size > cores {
+                log::warn!("{} threads x {} ranks on this node exceed its {cores} cores (oversubscribed BLAS threads spin against each other)", threads.threads, world.local_size);
+            }
         }
         let baseline = rss_bytes()?;
         if leader {

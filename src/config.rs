@@ -29,6 +29,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::device::cpu::parallel::MAX_THREADS;
 use crate::model::GptConfig;
 use crate::parallel::stage_split;
 
@@ -122,6 +123,9 @@ pub struct TrainConfig {
     pub log_every: u64,
     /// What a non-finite loss or gradient norm does: `stop` the run (default) or `skip` the step.
     pub nonfinite: NonFinitePolicy,
+    /// CPU threads per rank for the GEMMs and the other layers; 0 = `OMP_NUM_THREADS`, else
+    /// `OPENBLAS_NUM_THREADS`, else the node's cores / its ranks (default 0).
+    pub threads: usize,
     /// Testing knob `[step, rank]`: rank's loss is made NaN at that step (default: none).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub inject_nan_at: Option<[u64; 2]>,
@@ -151,6 +155,7 @@ struct TrainSection {
     eval_batches: usize,
     log_every: u64,
     nonfinite: NonFinitePolicy,
+    threads: usize,
     inject_nan_at: Option<[u64; 2]>,
 }
 
@@ -166,6 +171,7 @@ impl Default for TrainSection {
             eval_batches: 10,
             log_every: 10,
             nonfinite: NonFinitePolicy::Stop,
+            threads: 0,
             inject_nan_at: None,
         }
     }
@@ -359,6 +365,9 @@ impl JobConfig {
         }
         if t.eval_every > 0 {
             at_least("train.eval_batches", t.eval_batches as u64, 1)?;
+        }
+        if t.threads > MAX_THREADS {
+            return Err(Error::config("train.threads", format!("{} is above the maximum {MAX_THREADS} (0 = automatic)", t.threads)));
         }
 
         let o = &self.optim;
@@ -603,6 +612,7 @@ impl FileConfig {
                 eval_batches: t.eval_batches,
                 log_every: t.log_every,
                 nonfinite: t.nonfinite,
+                threads: t.threads,
                 inject_nan_at: t.inject_nan_at,
             },
             optim: self.optim,

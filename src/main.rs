@@ -293,6 +293,7 @@ fn bench_step(world: &World, args: &BenchArgs) -> Result<()> {
         seed: 0,
         device: device_kind(args.device.as_deref().unwrap_or("cpu"))?,
         precision,
+        threads: 0,
     })?;
     if args.csv {
         println!("{}", serde_json::to_string(&report).map_err(|e| Error::Check(e.to_string()))?);

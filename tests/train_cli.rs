@@ -77,6 +77,41 @@ fn bad_configs_are_rejected_with_the_key_and_exit_code_2() {
     }
 }
 
+/// `train.threads` wins over `OMP_NUM_THREADS`, which wins over `OPENBLAS_NUM_THREADS`; the
+/// choice is logged once; a bad key or variable is refused naming it.
+#[test]
+fn cpu_threads_come_from_the_key_then_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = job(dir.path(), "threads.toml", "");
+    let run = |env: &[(&str, &str)], sets: &[&str]| {
+        let mut cmd = Command::new(common::meshtrain());
+        cmd.arg("train").arg(&path).args(["--set", "train.steps=2"]);
+        cmd.env_remove("OMP_NUM_THREADS").env_remove("OPENBLAS_NUM_THREADS");
+        for s in sets {
+            cmd.args(["--set", s]);
+        }
+        let out = cmd.envs(env.iter().copied()).output().unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let logged = |err: &str| {
+        let lines: Vec<&str> = err.lines().filter(|l| l.contains("CPU threads per rank")).collect();
+        assert_eq!(lines.len(), 1, "logged once: {err}");
+        lines[0].split("(BLAS and layers): ").nth(1).unwrap_or("").to_string()
+    };
+    let (code, err) = run(&[("OMP_NUM_THREADS", "2"), ("OPENBLAS_NUM_THREADS", "3")], &["train.threads=1"]);
+    assert_eq!((code, logged(&err)), (Some(0), "1 (train.threads)".to_string()), "{err}");
+    let (code, err) = run(&[("OMP_NUM_THREADS", "1"), ("OPENBLAS_NUM_THREADS", "3")], &[]);
+    assert_eq!((code, logged(&err)), (Some(0), "1 (OMP_NUM_THREADS)".to_string()), "{err}");
+    let (code, err) = run(&[("OPENBLAS_NUM_THREADS", "1")], &[]);
+    assert_eq!((code, logged(&err)), (Some(0), "1 (OPENBLAS_NUM_THREADS)".to_string()), "{err}");
+    let (code, err) = run(&[], &[]);
+    assert!(code == Some(0) && logged(&err).contains("(automatic"), "{err}");
+    let (code, err) = run(&[], &["train.threads=100000"]);
+    assert!(code == Some(2) && err.contains("train.threads"), "{code:?}: {err}");
+    let (code, err) = run(&[("OMP_NUM_THREADS", "lots")], &[]);
+    assert!(code != Some(0) && err.contains("OMP_NUM_THREADS") && err.contains("lots"), "{code:?}: {err}");
+}
+
 #[test]
 fn same_seed_gives_bitwise_identical_losses() {
     let dir = tempfile::tempdir().unwrap();

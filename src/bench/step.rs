@@ -30,7 +30,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::comm::Communicator;
 use crate::config::{DeviceKind, Precision};
 use crate::device::cpu::matmul::{matmul, Mat};
-use crate::device::Device;
+use crate::device::{bind_cpu_threads, Device};
 use crate::error::{Error, Result};
 use crate::model::{GptConfig, ParamLayout};
 use crate::train::{HeldBytes, StepHarness};
@@ -54,6 +54,9 @@ pub struct StepBenchArgs {
     pub device: DeviceKind,
     /// Element type of the matrix products.
     pub precision: Precision,
+    /// CPU threads (GEMMs and other layers) as `train.threads`: 0 = `OMP_NUM_THREADS`, else
+    /// `OPENBLAS_NUM_THREADS`, else every core.
+    pub threads: usize,
 }
 
 impl Default for StepBenchArgs {
@@ -67,6 +70,7 @@ impl Default for StepBenchArgs {
             seed: 0,
             device: DeviceKind::Cpu,
             precision: Precision::Fp32,
+            threads: 0,
         }
     }
 }
@@ -97,6 +101,8 @@ pub struct StepBenchReport {
     pub size: String,
     /// Device arm and precision, e.g. `cpu fp32`.
     pub executor: String,
+    /// CPU threads of the GEMMs and the other layers, and where the count came from.
+    pub threads: String,
     /// Parameter count (flat buffer length, padded vocabulary included).
     pub params: usize,
     /// Micro-batch size B.
@@ -149,6 +155,8 @@ pub fn run_step_bench(comm: &Communicator, args: &StepBenchArgs) -> Result<StepB
     let (b, t) = (args.batch, args.seq_len);
     let executor = format!("{} {}", device_name(args.device), precision_name(args.precision));
     log::info!("bench step: building {} (B={b}, T={t}) on the {executor} executor", args.size);
+    let threads = bind_cpu_threads(args.threads, 1)?.to_string();
+    log::info!("bench step: CPU threads {threads}");
     let baseline_bytes = crate::memory::rss_bytes()?;
     let device = Device::open(args.device, 0)?;
     let mut harness = StepHarness::new(comm, config, (b, t), (device, args.precision), args.seed)?;
@@ -192,6 +200,7 @@ pub fn run_step_bench(comm: &Communicator, args: &StepBenchArgs) -> Result<StepB
     Ok(StepBenchReport {
         size: args.size.clone(),
         executor,
+        threads,
         params,
         batch: b,
         seq_len: t,
@@ -317,8 +326,8 @@ impl fmt::Display for StepBenchReport {
         let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
         writeln!(
             f,
-            "step bench: {} ({} params), B={} T={}, {} timed steps, executor DeviceGpt on {}",
-            self.size, self.params, self.batch, self.seq_len, self.steps, self.executor
+            "step bench: {} ({} params), B={} T={}, {} timed steps, executor DeviceGpt on {}, CPU threads {}",
+            self.size, self.params, self.batch, self.seq_len, self.steps, self.executor, self.threads
         )?;
         writeln!(
             f,
@@ -398,6 +407,7 @@ mod tests {
         let n = p as usize - cfg.max_seq_len * cfg.n_embd;
         assert_eq!(r.flops_per_token, (6 * n + 12 * 2 * 64 * 16) as f64);
         assert_eq!(bf16.executor, "cpu bf16");
+        assert!(!r.threads.is_empty() && !r.threads.starts_with('0'), "threads {}", r.threads);
         assert!(bf16.held.model_tensors > 8 * p && bf16.losses.iter().all(|l| l.is_finite()));
     }
 }

@@ -330,24 +330,27 @@ pub(crate) fn pick_ordinal(local_rank: usize, count: usize, visible_var: &str) -
 use std::time::Instant;
 
 use crate::device::cpu::matmul::{matmul, Mat};
-use crate::device::cpu::parallel::set_cpu_threads;
+use crate::device::cpu::parallel::{choose_threads, set_cpu_threads, ThreadChoice};
 
 /// Cores this rank may use when `ranks_on_node` ranks share the node (at least 1).
 pub fn cores_per_rank(ranks_on_node: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cores = crate::device::cpu::parallel::available_cores();
     (cores / ranks_on_node.max(1)).max(1)
 }
 
-/// Splits the node's cores among its ranks for this process's BLAS and layer threads
-/// (oversubscribed OpenBLAS threads spin and slow every rank down).
-pub fn bind_cpu_threads(ranks_on_node: usize) {
-    set_cpu_threads(cores_per_rank(ranks_on_node));
+/// Sets this process's BLAS and layer threads: `configured` (`train.threads`, 0 = not set), else
+/// `OMP_NUM_THREADS` / `OPENBLAS_NUM_THREADS`, else the node's cores split among its
+/// `ranks_on_node` ranks (oversubscribed OpenBLAS threads spin and slow every rank down).
+/// Returns the choice, for the log.
+pub fn bind_cpu_threads(configured: usize, ranks_on_node: usize) -> Result<ThreadChoice> {
+    let choice = choose_threads(configured, cores_per_rank(ranks_on_node))?;
+    set_cpu_threads(choice.threads);
+    Ok(choice)
 }
 
-/// Measured sgemm TFLOP/s of this process (a square GEMM of 768, best of a few runs, ~0.1 s),
-/// used as the CPU's peak for MFU.
-pub fn cpu_peak_tflops(ranks_on_node: usize) -> f64 {
-    bind_cpu_threads(ranks_on_node);
+/// Measured sgemm TFLOP/s of this process on the threads [`bind_cpu_threads`] set (a square
+/// GEMM of 768, best of a few runs, ~0.1 s), used as the CPU's peak for MFU.
+pub fn cpu_peak_tflops() -> f64 {
     let n = 768;
     let a = vec![1.0f32; n * n];
     let b = vec![0.5f32; n * n];

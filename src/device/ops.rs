@@ -577,9 +577,12 @@ pub fn bias_add(
     need(k, "bias", bias, f32s(oc))?;
     if let Device::Cpu = dev {
         let bias = host(k, bias)?.view::<f32>(oc);
-        for row in host_mut(k, out)?.view_mut::<f32>(n * oc).chunks_exact_mut(oc.max(1)) {
-            row.iter_mut().zip(bias).for_each(|(o, &b)| *o += b);
-        }
+        let rows = host_mut(k, out)?.view_mut::<f32>(n * oc).chunks_mut(chunk_items(n, oc) * oc.max(1));
+        run_parts(rows, |part| {
+            for row in part.chunks_exact_mut(oc.max(1)) {
+                row.iter_mut().zip(bias).for_each(|(o, &b)| *o += b);
+            }
+        });
         return Ok(());
     }
     let args = [A::Buf(out), A::Buf(bias), A::U64((n * oc) as u64), A::I32(as_i32(k, "oc", oc)?)];
@@ -598,11 +601,14 @@ pub fn bias_backward(
     need(k, "dbias", dbias, f32s(oc))?;
     need(k, "dout", dout, f32s(n * oc))?;
     if let Device::Cpu = dev {
+        // Columns split across the cores; each column adds its rows in order.
         let dout = host(k, dout)?.view::<f32>(n * oc);
-        let dbias = host_mut(k, dbias)?.view_mut::<f32>(oc);
-        for row in dout.chunks_exact(oc.max(1)) {
-            dbias.iter_mut().zip(row).for_each(|(g, &d)| *g += d);
-        }
+        let per = chunk_items(oc, n);
+        run_parts(host_mut(k, dbias)?.view_mut::<f32>(oc).chunks_mut(per).enumerate(), |(i, part)| {
+            for row in dout.chunks_exact(oc) {
+                part.iter_mut().zip(&row[i * per..]).for_each(|(g, &d)| *g += d);
+            }
+        });
         return Ok(());
     }
     let dims = column_tiles(k, oc)?;
@@ -615,7 +621,8 @@ pub fn fill_zero(dev: &Device, buf: &mut DeviceBuffer, n: usize) -> Result<()> {
     let k = "fill_zero_f32";
     need(k, "buf", buf, f32s(n))?;
     if let Device::Cpu = dev {
-        host_mut(k, buf)?.view_mut::<f32>(n).fill(0.0);
+        let buf = host_mut(k, buf)?.view_mut::<f32>(n);
+        run_parts(buf.chunks_mut(chunk_items(n, 1)), |part| part.fill(0.0));
         return Ok(());
     }
     dev.launch(k, stride_grid(n), &[A::Buf(buf), A::U64(n as u64)])

@@ -340,7 +340,7 @@ pub fn calibrate(world: &World, o: &Options) -> Result<Profile> {
         }
     };
     if o.device == DeviceKind::Cpu {
-        bind_cpu_threads(world.local_size);
+        bind_cpu_threads(0, world.local_size)?;
     }
     let comm = world.communicator()?;
     let dev = Device::open(o.device, world.local_rank)?;

@@ -131,7 +131,14 @@ impl<'a> Session<'a> {
         };
         let device = (Device::open(cfg.device, world.local_rank)?, cfg.precision);
         let leader = world.rank == 0;
-        bind_cpu_threads(world.local_size);
+        let threads = bind_cpu_threads(cfg.train.threads, world.local_size)?;
+        if leader {
+            log::info!("CPU threads per rank (BLAS and layers): {threads}");
+            let cores = crate::device::cpu::parallel::available_cores();
+            if threads.threads * world.local_size > cores {
+                log::warn!("{} threads x {} ranks on this node exceed its {cores} cores (oversubscribed BLAS threads spin against each other)", threads.threads, world.local_size);
+            }
+        }
         let baseline = rss_bytes()?;
         if leader {
             write_effective_config(cfg, opts.metrics.as_deref())?;
@@ -212,7 +219,7 @@ impl<'a> Session<'a> {
         }
         let peak = match (cfg.metrics.peak_tflops, model.device()) {
             (Some(p), _) => Some(p),
-            (None, Device::Cpu) => Some(cpu_peak_tflops(world.local_size)),
+            (None, Device::Cpu) => Some(cpu_peak_tflops()),
             (None, dev) => dev.peak_tflops(cfg.precision),
         };
         let step = DeviceStep::new(model.model(), &sync, &dp, (&model.decay_spans(), &model.norm_spans()), adamw)?;

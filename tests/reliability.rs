@@ -355,7 +355,9 @@ fn a_slow_but_alive_rank_is_named_with_its_lag_and_the_run_goes_on() {
 #[test]
 fn a_nan_gradient_with_a_finite_loss_is_traced_to_its_rank() {
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(&str, usize, &str, &[&str], &[(&str, &str)], &str); 5] = [
+    // (name, ranks, [parallel] lines, --set overrides, environment, the ranks to be named)
+    type Case<'a> = (&'a str, usize, &'a str, &'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
+    let cases: [Case; 5] = [
         ("cpu_z0", 3, "dp = 3", &[], &[], "2"),
         ("cpu_z1", 3, "dp = 3\nzero = 1", &[], &[], "2"),
         ("emu_z1", 2, "dp = 2\nzero = 1", &["device=emu", "model.n_layer=1"], &[], "1"),

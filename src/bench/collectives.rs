@@ -18,20 +18,13 @@ use half::{bf16, f16};
 use mpi::collective::SystemOperation;
 use mpi::traits::{CommunicatorCollectives, Root};
 
+use crate::dtype::{exact_input, exact_result};
 pub use crate::comm::stats::bus_factor;
 use crate::comm::{block_range, Communicator, DType, Element, ReduceOp};
-use crate::dtype::{exact_input, exact_result};
 use crate::error::{Error, Result};
 
 /// The collectives the benchmark knows, in `all` order.
-pub const COLLECTIVES: [&str; 6] = [
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "broadcast",
-    "reduce",
-];
+pub const COLLECTIVES: [&str; 6] = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce"];
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -101,16 +94,7 @@ impl Row {
     }
 }
 
-const HEADER: [&str; 8] = [
-    "coll",
-    "bytes",
-    "count",
-    "dtype",
-    "time_us",
-    "algbw_gbs",
-    "busbw_gbs",
-    "wrong",
-];
+const HEADER: [&str; 8] = ["coll", "bytes", "count", "dtype", "time_us", "algbw_gbs", "busbw_gbs", "wrong"];
 const MPI_HEADER: [&str; 3] = ["mpi_time_us", "mpi_busbw_gbs", "speedup"];
 
 /// The header line (CSV or table).
@@ -122,10 +106,7 @@ pub fn header(csv: bool, vs_mpi: bool) -> String {
     if csv {
         cols.join(",")
     } else {
-        cols.iter()
-            .map(|c| format!("{c:>14}"))
-            .collect::<Vec<_>>()
-            .join("")
+        cols.iter().map(|c| format!("{c:>14}")).collect::<Vec<_>>().join("")
     }
 }
 
@@ -145,11 +126,7 @@ pub fn format_row(r: &Row, csv: bool, vs_mpi: bool) -> String {
         match r.mpi_time_us {
             Some(t) => {
                 let busbw = r.algbw(t) * bus_factor(&r.coll, r.ranks);
-                cells.extend([
-                    format!("{t:.2}"),
-                    format!("{busbw:.3}"),
-                    format!("{:.2}", t / r.time_us),
-                ]);
+                cells.extend([format!("{t:.2}"), format!("{busbw:.3}"), format!("{:.2}", t / r.time_us)]);
             }
             None => cells.extend(["".to_string(), "".to_string(), "".to_string()]),
         }
@@ -167,13 +144,7 @@ pub fn format_row(r: &Row, csv: bool, vs_mpi: bool) -> String {
 /// Element types the benchmark can run, with their MPI equivalent where MPI has one.
 pub trait BenchElement: Element {
     /// Times `iters` calls of MPI's version of `coll` (None: MPI has no such type or operator).
-    fn mpi_time(
-        mpi: &mpi::topology::SimpleCommunicator,
-        coll: &str,
-        op: ReduceOp,
-        n: usize,
-        rounds: Rounds,
-    ) -> Option<f64>;
+    fn mpi_time(mpi: &mpi::topology::SimpleCommunicator, coll: &str, op: ReduceOp, n: usize, rounds: Rounds) -> Option<f64>;
 }
 
 fn mpi_op(op: ReduceOp) -> Option<SystemOperation> {
@@ -205,9 +176,7 @@ fn mpi_time_of<T: Element + mpi::datatype::Equivalence>(
 ) -> Option<f64> {
     use mpi::traits::Communicator as _;
     let k = mpi.size() as usize;
-    let input: Vec<T> = (0..n)
-        .map(|i| exact_input(op, mpi.rank() as usize, i))
-        .collect();
+    let input: Vec<T> = (0..n).map(|i| exact_input(op, mpi.rank() as usize, i)).collect();
     // Written element by element so that every page is touched before the warm-up, as the
     // standalone program's buffers are (a zeroed allocation would fault pages during it).
     let mut out: Vec<T> = Vec::with_capacity(n);
@@ -270,31 +239,14 @@ fn owner_value<T: Element>(i: usize) -> T {
 }
 
 /// Exact inputs (and an output buffer) for one call of `coll` on this rank.
-fn build<T: Element>(
-    c: &Communicator,
-    coll: &str,
-    op: ReduceOp,
-    n: usize,
-    inplace: bool,
-) -> Case<T> {
+fn build<T: Element>(c: &Communicator, coll: &str, op: ReduceOp, n: usize, inplace: bool) -> Case<T> {
     let (k, me) = (c.size(), c.rank());
     let filler = T::from_i64(0);
     match coll {
         "all_reduce" | "reduce" | "reduce_scatter" => {
             let input: Vec<T> = (0..n).map(|i| exact_input(op, me, i)).collect();
-            let out_len = if coll == "reduce_scatter" {
-                block_range(n, k, me).len()
-            } else {
-                n
-            };
-            Case {
-                out: if inplace {
-                    input.clone()
-                } else {
-                    vec![filler; out_len]
-                },
-                input,
-            }
+            let out_len = if coll == "reduce_scatter" { block_range(n, k, me).len() } else { n };
+            Case { out: if inplace { input.clone() } else { vec![filler; out_len] }, input }
         }
         "all_gather" => {
             let mine = block_range(n, k, me);
@@ -307,32 +259,16 @@ fn build<T: Element>(
         }
         "all_to_all" => {
             let input: Vec<T> = (0..n).map(|i| exact_input(ReduceOp::Sum, me, i)).collect();
-            Case {
-                input,
-                out: vec![filler; block_range(n, k, me).len() * k],
-            }
+            Case { input, out: vec![filler; block_range(n, k, me).len() * k] }
         }
         _ => {
-            let out = if me == 0 {
-                (0..n).map(owner_value).collect()
-            } else {
-                vec![filler; n]
-            };
-            Case {
-                input: Vec::new(),
-                out,
-            }
+            let out = if me == 0 { (0..n).map(owner_value).collect() } else { vec![filler; n] };
+            Case { input: Vec::new(), out }
         }
     }
 }
 
-fn run_once<T: Element>(
-    c: &Communicator,
-    coll: &str,
-    op: ReduceOp,
-    inplace: bool,
-    case: &mut Case<T>,
-) -> Result<()> {
+fn run_once<T: Element>(c: &Communicator, coll: &str, op: ReduceOp, inplace: bool, case: &mut Case<T>) -> Result<()> {
     let Case { input, out } = case;
     match (coll, inplace) {
         ("all_reduce", false) => c.all_reduce_into(input, out, op),
@@ -345,27 +281,15 @@ fn run_once<T: Element>(
         ("broadcast", _) => c.broadcast(out, 0),
         ("reduce", false) => c.reduce_into(input, out, op, 0),
         ("reduce", true) => c.reduce(out, op, 0),
-        _ => Err(Error::InvalidArgument(format!(
-            "unknown collective `{coll}` (known: {})",
-            COLLECTIVES.join(", ")
-        ))),
+        _ => Err(Error::InvalidArgument(format!("unknown collective `{coll}` (known: {})", COLLECTIVES.join(", ")))),
     }
 }
 
 /// Elements of this rank's result that differ from the exact expectation.
-fn count_wrong<T: Element>(
-    c: &Communicator,
-    coll: &str,
-    op: ReduceOp,
-    n: usize,
-    inplace: bool,
-    case: &Case<T>,
-) -> u64 {
+fn count_wrong<T: Element>(c: &Communicator, coll: &str, op: ReduceOp, n: usize, inplace: bool, case: &Case<T>) -> u64 {
     let (k, me) = (c.size(), c.rank());
     let eq = |a: &T, b: &T| bytemuck::bytes_of(a) == bytemuck::bytes_of(b);
-    let wrong = |got: &[T], want: &mut dyn Iterator<Item = T>| {
-        got.iter().zip(want).filter(|(g, w)| !eq(g, w)).count()
-    };
+    let wrong = |got: &[T], want: &mut dyn Iterator<Item = T>| got.iter().zip(want).filter(|(g, w)| !eq(g, w)).count();
     let out = &case.out;
     let n_wrong = match coll {
         "all_reduce" => wrong(out, &mut (0..n).map(|i| exact_result(op, k, i))),
@@ -373,21 +297,13 @@ fn count_wrong<T: Element>(
         "reduce" => 0,
         "reduce_scatter" => {
             let mine = block_range(n, k, me);
-            let got = if inplace {
-                &out[mine.clone()]
-            } else {
-                &out[..]
-            };
+            let got = if inplace { &out[mine.clone()] } else { &out[..] };
             wrong(got, &mut mine.map(|i| exact_result(op, k, i)))
         }
         "all_gather" | "broadcast" => wrong(out, &mut (0..n).map(owner_value)),
         "all_to_all" => {
             let mine = block_range(n, k, me);
-            wrong(
-                out,
-                &mut (0..k)
-                    .flat_map(|s| mine.clone().map(move |i| exact_input(ReduceOp::Sum, s, i))),
-            )
+            wrong(out, &mut (0..k).flat_map(|s| mine.clone().map(move |i| exact_input(ReduceOp::Sum, s, i))))
         }
         _ => 0,
     };
@@ -421,32 +337,14 @@ fn bench_size<T: BenchElement>(
 
     let mpi_time_us = match mpi {
         Some(m) => {
-            let t = T::mpi_time(
-                m,
-                coll,
-                b.op,
-                n,
-                Rounds {
-                    warmup: b.warmup,
-                    iters: b.iters.max(1),
-                },
-            );
+            let t = T::mpi_time(m, coll, b.op, n, Rounds { warmup: b.warmup, iters: b.iters.max(1) });
             let mut t = [t.unwrap_or(f64::NAN)];
             c.all_reduce(&mut t, ReduceOp::Max)?;
             Some(t[0]).filter(|t| t.is_finite())
         }
         None => None,
     };
-    Ok(Row {
-        coll: coll.to_string(),
-        bytes: n * T::DTYPE.size(),
-        count: n,
-        dtype: T::DTYPE,
-        time_us: time[0],
-        wrong: wrong[0] as u64,
-        mpi_time_us,
-        ranks: c.size(),
-    })
+    Ok(Row { coll: coll.to_string(), bytes: n * T::DTYPE.size(), count: n, dtype: T::DTYPE, time_us: time[0], wrong: wrong[0] as u64, mpi_time_us, ranks: c.size() })
 }
 
 /// Element counts of the size sweep: each size rounded down to whole elements and to a multiple
@@ -474,10 +372,7 @@ pub fn run(
     let mut rows = Vec::new();
     for coll in &b.colls {
         if !COLLECTIVES.contains(&coll.as_str()) {
-            return Err(Error::InvalidArgument(format!(
-                "unknown collective `{coll}` (known: {}, all)",
-                COLLECTIVES.join(", ")
-            )));
+            return Err(Error::InvalidArgument(format!("unknown collective `{coll}` (known: {}, all)", COLLECTIVES.join(", "))));
         }
         for n in counts(b, c.size()) {
             let row = match b.dtype {
@@ -511,34 +406,23 @@ mod tests {
     fn every_benchmarked_result_is_checked_and_right() {
         use crate::comm::testing::run_ranks;
         use crate::comm::CommConfig;
-        let rows = run_ranks(
-            3,
-            CommConfig {
-                chunk_bytes: 256,
-                small_bytes: 1024,
-                ..CommConfig::default()
-            },
-            |c| {
-                let b = CollBench {
-                    colls: COLLECTIVES.iter().map(|s| s.to_string()).collect(),
-                    min_bytes: 64,
-                    max_bytes: 8192,
-                    factor: 4,
-                    dtype: DType::BF16,
-                    op: ReduceOp::Avg,
-                    warmup: 1,
-                    iters: 2,
-                    inplace: c.size() == 3,
-                    vs_mpi: false,
-                    csv: true,
-                };
-                run(&c, None, &b, |_| {}).unwrap()
-            },
-        );
+        let rows = run_ranks(3, CommConfig { chunk_bytes: 256, small_bytes: 1024, ..CommConfig::default() }, |c| {
+            let b = CollBench {
+                colls: COLLECTIVES.iter().map(|s| s.to_string()).collect(),
+                min_bytes: 64,
+                max_bytes: 8192,
+                factor: 4,
+                dtype: DType::BF16,
+                op: ReduceOp::Avg,
+                warmup: 1,
+                iters: 2,
+                inplace: c.size() == 3,
+                vs_mpi: false,
+                csv: true,
+            };
+            run(&c, None, &b, |_| {}).unwrap()
+        });
         assert_eq!(rows[0].len(), 6 * 4);
-        assert!(rows
-            .iter()
-            .flatten()
-            .all(|r| r.wrong == 0 && r.count % 3 == 0));
+        assert!(rows.iter().flatten().all(|r| r.wrong == 0 && r.count % 3 == 0));
     }
 }

@@ -310,14 +310,9 @@ fn count_wrong<T: Element>(c: &Communicator, coll: &str, op: ReduceOp, n: usize,
     n_wrong as u64
 }
 
-/// Runs one size of one collective; every rank returns the same row.
-fn bench_size<T: BenchElement>(
-    c: &Communicator,
-    mpi: Option<&mpi::topology::SimpleCommunicator>,
-    b: &CollBench,
-    coll: &str,
-    n: usize,
-) -> Result<Row> {
+/// Microseconds per call of `coll` on `n` elements under the benchmark's rule (warm-up, barrier,
+/// timed calls, the slowest rank's average); the same on every rank.
+pub fn time_calls<T: Element>(c: &Communicator, b: &CollBench, coll: &str, n: usize) -> Result<f64> {
     let mut case = build::<T>(c, coll, b.op, n, b.inplace);
     for _ in 0..b.warmup {
         run_once(c, coll, b.op, b.inplace, &mut case)?;
@@ -329,6 +324,18 @@ fn bench_size<T: BenchElement>(
     }
     let mut time = [t0.elapsed().as_secs_f64() * 1e6 / b.iters.max(1) as f64];
     c.all_reduce(&mut time, ReduceOp::Max)?;
+    Ok(time[0])
+}
+
+/// Runs one size of one collective; every rank returns the same row.
+fn bench_size<T: BenchElement>(
+    c: &Communicator,
+    mpi: Option<&mpi::topology::SimpleCommunicator>,
+    b: &CollBench,
+    coll: &str,
+    n: usize,
+) -> Result<Row> {
+    let time = [time_calls::<T>(c, b, coll, n)?];
 
     let mut check = build::<T>(c, coll, b.op, n, b.inplace);
     run_once(c, coll, b.op, b.inplace, &mut check)?;

@@ -332,6 +332,11 @@ impl Communicator {
         self.members[r]
     }
 
+    /// Shared memory (every member on one node) or network links: what the tuner tells apart.
+    pub fn link_kind(&self) -> LinkKind {
+        self.link_kind
+    }
+
     /// Node of member `r` (hostname and boot id; an index every rank agrees on).
     pub fn node_of(&self, r: usize) -> usize {
         self.connector.node_of(self.members[r])
@@ -404,8 +409,7 @@ impl Communicator {
     /// configuration) only ([`tuner::choose`]); `run` may still fall back from `Read` to `Ring`
     /// when the probe fails.
     fn schedule(&self, call: &Call, bytes: usize) -> (Sched, usize) {
-        let table = self.tuning.read().unwrap_or_else(|e| e.into_inner()).clone();
-        let c = tuner::choose(&self.cfg, table.as_deref(), call.name(), self.size(), self.link_kind, bytes);
+        let c = tuner::choose(&self.cfg, self.tuning().as_deref(), call.name(), self.size(), self.link_kind, bytes);
         let sched = match c.family {
             Family::Ring => Sched::Ring,
             Family::Direct => Sched::Direct,
@@ -420,11 +424,15 @@ impl Communicator {
         *self.tuning.write().unwrap_or_else(|e| e.into_inner()) = table;
     }
 
+    /// The schedule table in use (`None`: the fixed rule).
+    pub fn tuning(&self) -> Option<Arc<Tuning>> {
+        self.tuning.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
     /// The schedule family (`ring`, `direct`, `read`) and chunk bytes the table or configuration
     /// picks for `coll` with `bytes` bytes on this communicator (before the read probe).
     pub fn planned_schedule(&self, coll: &str, bytes: usize) -> tuner::Choice {
-        let table = self.tuning.read().unwrap_or_else(|e| e.into_inner()).clone();
-        tuner::choose(&self.cfg, table.as_deref(), coll, self.size(), self.link_kind, bytes)
+        tuner::choose(&self.cfg, self.tuning().as_deref(), coll, self.size(), self.link_kind, bytes)
     }
 
     /// Whether this call reads peers' buffers, probing on first use. Every member gets here on
@@ -448,7 +456,7 @@ impl Communicator {
             (Reads::Fail(_), _) => Ok(false),
             (Reads::Pay, _) | (Reads::Slow(_), Cma::On) => Ok(true),
             // A measured table chose reads for this size: the copy-rate probe does not overrule it.
-            (Reads::Slow(_), _) => Ok(self.tuning.read().unwrap_or_else(|e| e.into_inner()).is_some()),
+            (Reads::Slow(_), _) => Ok(self.tuning().is_some()),
         }
     }
 

@@ -52,7 +52,8 @@ pub struct SizeResult {
 
 /// The candidates for `coll` on a communicator whose chunk is `chunk` bytes.
 fn candidates(coll: &str, chunk: usize, reads: bool) -> Vec<(Family, usize)> {
-    let mut out: Vec<(Family, usize)> = RING_CHUNKS.iter().filter(|&&c| c <= chunk).map(|&c| (Family::Ring, c)).collect();
+    let mut out: Vec<(Family, usize)> =
+        RING_CHUNKS.iter().filter(|&&c| c <= chunk).map(|&c| (Family::Ring, c)).collect();
     if !RING_CHUNKS.contains(&chunk) {
         out.push((Family::Ring, chunk));
     }
@@ -71,7 +72,14 @@ fn reads_work(c: &Communicator, b: &CollBench, chunk: usize) -> Result<bool> {
 }
 
 fn force(c: &Communicator, coll: &str, family: Family, chunk_bytes: usize) -> Result<()> {
-    let rule = Rule { coll: coll.to_string(), ranks: c.size(), link: c.link_kind(), max_bytes: None, algo: family, chunk_bytes };
+    let rule = Rule {
+        coll: coll.to_string(),
+        ranks: c.size(),
+        link: c.link_kind(),
+        max_bytes: None,
+        algo: family,
+        chunk_bytes,
+    };
     c.set_tuning(Some(Arc::new(Tuning::from_rules(vec![rule], "bench --tune candidate")?)));
     Ok(())
 }
@@ -90,8 +98,9 @@ pub fn measure(
     }
     let own = c.tuning();
     let reads = reads_work(c, b, chunk)?;
-    let mut out = Vec::new();
+    let mut out: Vec<SizeResult> = Vec::new();
     for coll in TUNED {
+        let mut prev: Option<(Family, usize)> = None;
         for n in collectives::counts(b, c.size()) {
             let cands = candidates(coll, chunk, reads);
             let mut best_times = vec![f64::INFINITY; cands.len()];
@@ -107,7 +116,8 @@ pub fn measure(
                 .zip(&best_times)
                 .map(|(&(family, chunk_bytes), &time_us)| Timed { family, chunk_bytes, time_us })
                 .collect();
-            let best = (0..timed.len()).fold(0, |b, i| if timed[i].time_us < timed[b].time_us { i } else { b });
+            let best = pick(&timed, prev);
+            prev = Some((timed[best].family, timed[best].chunk_bytes));
             let r = SizeResult { coll, bytes: n * 4, timed, best };
             emit(&r);
             out.push(r);
@@ -115,6 +125,21 @@ pub fn measure(
     }
     c.set_tuning(own);
     Ok(out)
+}
+
+/// Within this fraction of the fastest, the previous size's winner keeps the size: differences
+/// smaller than the run-to-run noise should not cut a bucket.
+const KEEP_WITHIN: f64 = 0.05;
+
+/// The winner among `timed`: the fastest (the first among equals), unless `prev`, the previous
+/// size's winner, is within [`KEEP_WITHIN`] of it.
+fn pick(timed: &[Timed], prev: Option<(Family, usize)>) -> usize {
+    let fastest = (0..timed.len()).fold(0, |b, i| if timed[i].time_us < timed[b].time_us { i } else { b });
+    let kept = prev.and_then(|p| timed.iter().position(|t| (t.family, t.chunk_bytes) == p));
+    match kept {
+        Some(k) if timed[k].time_us <= timed[fastest].time_us * (1.0 + KEEP_WITHIN) => k,
+        _ => fastest,
+    }
 }
 
 /// The rules for `ranks` members over `link`: consecutive sizes with the same winner merge into
@@ -130,7 +155,14 @@ pub fn rules_from(results: &[SizeResult], ranks: usize, link: crate::comm::tuner
                 Some(last) if last.coll == coll && last.algo == w.family && last.chunk_bytes == w.chunk_bytes => {
                     last.max_bytes = max_bytes;
                 }
-                _ => rules.push(Rule { coll: coll.to_string(), ranks, link, max_bytes, algo: w.family, chunk_bytes: w.chunk_bytes }),
+                _ => rules.push(Rule {
+                    coll: coll.to_string(),
+                    ranks,
+                    link,
+                    max_bytes,
+                    algo: w.family,
+                    chunk_bytes: w.chunk_bytes,
+                }),
             }
         }
     }
@@ -161,11 +193,8 @@ pub fn write_table(path: &Path, rules: Vec<Rule>, header: &[String]) -> Result<T
 
 /// One size's line: every candidate's time and the winner.
 pub fn format_result(r: &SizeResult) -> String {
-    let cells: Vec<String> = r
-        .timed
-        .iter()
-        .map(|t| format!("{}/{}K={:.1}", t.family.name(), t.chunk_bytes >> 10, t.time_us))
-        .collect();
+    let cells: Vec<String> =
+        r.timed.iter().map(|t| format!("{}/{}K={:.1}", t.family.name(), t.chunk_bytes >> 10, t.time_us)).collect();
     let w = &r.timed[r.best];
     format!("{},{},{},best={}/{}K", r.coll, r.bytes, cells.join(" "), w.family.name(), w.chunk_bytes >> 10)
 }
@@ -194,6 +223,16 @@ mod tests {
     }
 
     #[test]
+    fn a_previous_winner_within_the_noise_keeps_the_size() {
+        let t = |family, time_us| Timed { family, chunk_bytes: 1024, time_us };
+        let timed = [t(Family::Ring, 10.0), t(Family::Direct, 10.4), t(Family::Read, 12.0)];
+        assert_eq!(pick(&timed, None), 0);
+        assert_eq!(pick(&timed, Some((Family::Direct, 1024))), 1);
+        assert_eq!(pick(&timed, Some((Family::Read, 1024))), 0);
+        assert_eq!(pick(&timed, Some((Family::Direct, 4096))), 0);
+    }
+
+    #[test]
     fn every_rank_measures_the_same_winners_and_the_rules_cover_every_size() {
         let cfg = CommConfig { chunk_bytes: 1024, ..CommConfig::default() };
         let results = run_ranks(3, cfg, |c| {
@@ -204,7 +243,12 @@ mod tests {
         assert_eq!(results[0].len(), TUNED.len() * 3);
         let fake: Vec<SizeResult> = results[0]
             .iter()
-            .map(|&(coll, bytes, family, chunk_bytes)| SizeResult { coll, bytes, timed: vec![Timed { family, chunk_bytes, time_us: 1.0 }], best: 0 })
+            .map(|&(coll, bytes, family, chunk_bytes)| SizeResult {
+                coll,
+                bytes,
+                timed: vec![Timed { family, chunk_bytes, time_us: 1.0 }],
+                best: 0,
+            })
             .collect();
         let t = Tuning::from_rules(rules_from(&fake, 3, LinkKind::Shm), "test").unwrap();
         for &(coll, bytes, family, chunk_bytes) in &results[0] {

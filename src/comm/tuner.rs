@@ -189,7 +189,8 @@ impl Tuning {
     /// `None` when the table has no rule for the collective and link kind.
     pub fn select(&self, coll: &str, ranks: usize, link: LinkKind, bytes: usize) -> Option<Choice> {
         let n = self.measured_size(coll, ranks, link)?;
-        let mut rules: Vec<&Rule> = self.rules.iter().filter(|r| r.coll == coll && r.link == link && r.ranks == n).collect();
+        let mut rules: Vec<&Rule> =
+            self.rules.iter().filter(|r| r.coll == coll && r.link == link && r.ranks == n).collect();
         rules.sort_by_key(|r| r.max_bytes.unwrap_or(usize::MAX));
         let rule = rules.iter().find(|r| bytes <= r.max_bytes.unwrap_or(usize::MAX)).or(rules.last())?;
         Some(Choice { family: rule.algo, chunk_bytes: rule.chunk_bytes })
@@ -224,7 +225,14 @@ impl Tuning {
 /// `small_bytes`, reads above it for all-reduce and all-gather, the ring otherwise).
 /// `MESHTRAIN_CMA=off` turns a read the table chose into the ring. The chunk never exceeds the
 /// communicator's, for which its links were sized.
-pub fn choose(cfg: &CommConfig, table: Option<&Tuning>, coll: &str, ranks: usize, link: LinkKind, bytes: usize) -> Choice {
+pub fn choose(
+    cfg: &CommConfig,
+    table: Option<&Tuning>,
+    coll: &str,
+    ranks: usize,
+    link: LinkKind,
+    bytes: usize,
+) -> Choice {
     let full = |family| Choice { family, chunk_bytes: cfg.chunk_bytes };
     match (cfg.cma, cfg.algo) {
         (Cma::On, _) if Family::Read.serves(coll) => return full(Family::Read),

@@ -129,7 +129,14 @@ fn forcing(family: Family, chunk: usize) -> Arc<Tuning> {
     let rules = TUNED
         .iter()
         .filter(|c| family.serves(c))
-        .map(|c| Rule { coll: c.to_string(), ranks: 2, link: LinkKind::Shm, max_bytes: None, algo: family, chunk_bytes: chunk })
+        .map(|c| Rule {
+            coll: c.to_string(),
+            ranks: 2,
+            link: LinkKind::Shm,
+            max_bytes: None,
+            algo: family,
+            chunk_bytes: chunk,
+        })
         .collect();
     Arc::new(Tuning::from_rules(rules, "forced").unwrap())
 }

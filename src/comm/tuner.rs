@@ -139,7 +139,8 @@ impl Tuning {
 
     /// Reads and validates a table file.
     pub fn load(path: &Path) -> Result<Tuning> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::file(path, None, format!("tuning table: {e}")))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| bad(&path.display().to_string(), "cannot read the tuning table", e))?;
         Tuning::parse(&text, &path.display().to_string())
     }
 

@@ -185,7 +185,7 @@ pub fn write_table(path: &Path, rules: Vec<Rule>, header: &[String]) -> Result<T
     let table = Tuning::from_rules(all, &path.display().to_string())?;
     let text = table.to_toml(header)?;
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(&dir.display().to_string(), e))?;
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir.display().to_string(), e))?;
     }
     std::fs::write(path, text).map_err(|e| Error::file(path, None, format!("writing the tuning table: {e}")))?;
     Ok(table)

@@ -10,7 +10,8 @@
 //! - links are opened in one global order of rank pairs, so creation never deadlocks; ring links
 //!   at creation, the others when a direct algorithm or point-to-point call first needs them;
 //! - the schedule (family and chunk) depends only on (operation, bytes, size, link kind, tuning
-//!   table, configuration) ([`crate::comm::tuner`]), so it is the same on every member; any failure raises the job-wide abort so that no other rank hangs;
+//!   table, configuration) ([`crate::comm::tuner`]), so it is the same on every member; any
+//!   failure raises the job-wide abort so that no other rank hangs;
 //!   a failure on a peer (deadline, closed link) first asks rank 0 which rank actually failed
 //!   (`AbortState::blame`) and reports its verdict; every call is in the flight record
 //!   ([`flight`]);

@@ -98,8 +98,7 @@ pub fn rank_pids(mpirun_pid: u32) -> Vec<(usize, u32)> {
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let ppid: u32 =
-            stat.rsplit(')').next().and_then(|s| s.split_whitespace().nth(1)).and_then(|p| p.parse().ok()).unwrap_or(0);
+        let ppid: u32 = stat.rsplit(')').next().and_then(|s| s.split_whitespace().nth(1)).and_then(|p| p.parse().ok()).unwrap_or(0);
         if ppid != mpirun_pid {
             continue;
         }
@@ -119,12 +118,7 @@ pub fn rank_pids(mpirun_pid: u32) -> Vec<(usize, u32)> {
 /// Files in /dev/shm whose names start with `prefix`.
 pub fn shm_files(prefix: &str) -> Vec<String> {
     std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with(prefix))
-                .collect()
-        })
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(prefix)).collect())
         .unwrap_or_default()
 }
 

@@ -36,8 +36,14 @@ demo: build
 test: deps
 	PATH="$$HOME/.cargo/bin:$$PATH" cargo test --release -- --test-threads=1
 
-bench: build
-	$(MPIRUN) --bind-to none -np 4 target/release/meshtrain bench all --min 4K --max 64M --factor 4 --vs-mpi
+# meshtrain's collectives, MPI's inside meshtrain and the standalone MPI program (benches/mpi_coll.c)
+# on 2 and 4 ranks, alternating, medians and spread of BENCH_ROUNDS runs (benches/README.md).
+BENCH_ROUNDS ?= 3
+bench: build target/bench/mpi_coll
+	python3 benches/mpi_compare.py --ranks 2,4 --rounds $(BENCH_ROUNDS) --min 4K --max 64M --factor 4 --markdown
+
+target/bench/mpi_coll: benches/mpi_coll.c
+	mkdir -p target/bench && mpicc -O2 -Wall -o $@ $<
 
 slurm-test: build
 	@dpkg -s $(SLURM_PACKAGES) >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $(SLURM_PACKAGES); }

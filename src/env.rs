@@ -46,6 +46,7 @@ pub const RUNTIME_VARS: &[(&str, &str)] = &[
     ("MESHTRAIN_CMA", "auto, on (1) or off (0)"),
     ("MESHTRAIN_SMALL_BYTES", "bytes > 0"),
     ("MESHTRAIN_CHUNK_BYTES", "a multiple of 64 bytes"),
+    ("MESHTRAIN_TUNING", "the path of a tuning table (meshtrain bench --tune), or off"),
     ("MESHTRAIN_SHM_CHUNK", "a size 1..=shm maximum (K/M/G suffix)"),
     ("MESHTRAIN_SHM_DEPTH", "slots 1..=shm maximum"),
     ("MESHTRAIN_TCP_CHUNK", "a size 1..=tcp maximum (K/M/G suffix)"),
@@ -266,6 +267,12 @@ pub fn cma() -> Result<Option<Cma>> {
 /// `MESHTRAIN_SMALL_BYTES`: the largest message the direct schedule takes under `Algo::Auto`.
 pub fn small_bytes() -> Result<Option<usize>> {
     parsed("MESHTRAIN_SMALL_BYTES", |v| positive(v).map(|b| b as usize))
+}
+
+/// `MESHTRAIN_TUNING`: a tuning table's path or `off` (read and checked by
+/// [`crate::comm::tuner::Tuning`]); `None` when unset.
+pub fn tuning() -> Option<String> {
+    var("MESHTRAIN_TUNING")
 }
 
 /// `MESHTRAIN_CHUNK_BYTES`: the largest message a schedule puts on a link, a multiple of 64.

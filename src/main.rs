@@ -225,6 +225,16 @@ struct BenchArgs {
     /// Print CSV (header + one line per size).
     #[arg(long)]
     csv: bool,
+    /// Collectives: time every schedule candidate per size and write the tuner's table
+    /// (MESHTRAIN_TUNING=FILE loads it); rules for other world sizes in the file are kept.
+    #[arg(long)]
+    tune: bool,
+    /// `--tune`: the table file written.
+    #[arg(long, default_value = "tuning.toml")]
+    tune_out: PathBuf,
+    /// `--tune`: rounds per candidate (its time is the best round's).
+    #[arg(long, default_value_t = 3)]
+    tune_rounds: usize,
     /// `device`: the collective timed (all_reduce, all_gather, broadcast).
     #[arg(long, default_value = "all_reduce")]
     coll: String,
@@ -303,8 +313,36 @@ fn bench_step(world: &World, args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// `meshtrain bench all --tune`: the tuner's table, measured on this communicator.
+fn bench_tune(world: &World, args: &BenchArgs, b: &CollBench) -> Result<()> {
+    use meshtrain::bench::tune;
+    let comm = world.communicator()?;
+    let chunk = meshtrain::comm::CommConfig::from_env()?.chunk_bytes;
+    let leader = world.rank == 0;
+    let results = tune::measure(&comm, b, chunk, args.tune_rounds, |r| {
+        if leader {
+            println!("{}", tune::format_result(r));
+            let _ = std::io::stdout().flush();
+        }
+    })?;
+    if leader {
+        let rules = tune::rules_from(&results, comm.size(), comm.link_kind());
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let header = [
+            format!("meshtrain bench --tune: {} ranks, {} links, host {}", comm.size(), comm.link_kind().name(), host.trim()),
+            format!("sizes {}..{} bytes x{}, warm-up {}, {} timed calls, best of {} rounds, f32", b.min_bytes, b.max_bytes, b.factor, b.warmup, b.iters, args.tune_rounds),
+        ];
+        let table = tune::write_table(&args.tune_out, rules, &header)?;
+        println!("# wrote {} ({} rules); load it with MESHTRAIN_TUNING={}", args.tune_out.display(), table.rules().len(), args.tune_out.display());
+    }
+    Ok(())
+}
+
 fn bench(world: &World, args: &BenchArgs) -> Result<()> {
     let b = args.to_bench()?;
+    if args.tune {
+        return bench_tune(world, args, &b);
+    }
     let comm = world.communicator()?;
     let mpi = b.vs_mpi.then(|| world.mpi_for_comparison());
     let leader = world.rank == 0;

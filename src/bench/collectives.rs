@@ -2,9 +2,12 @@
 //! nccl-tests, optionally side by side with the system MPI's own collective on the same buffers.
 //!
 //! For each size (bytes of the whole buffer, rounded down to a multiple of the element size times
-//! the world size so that MPI's equal-block collectives apply): warm-up, timed iterations (time per
-//! operation = the slowest rank's average), then one more call on freshly built exact inputs whose
-//! result is compared element by element (`wrong` = elements that differ). Bus bandwidth uses the
+//! the world size so that MPI's equal-block collectives apply): warm-up, a barrier, timed
+//! iterations (time per operation = the slowest rank's average), then one more call on freshly
+//! built exact inputs whose result is compared element by element (`wrong` = elements that
+//! differ). MPI's collective, with `--vs-mpi`, runs under the same rule (same warm-up count,
+//! buffers touched before it) so that its column agrees with the standalone program
+//! benches/mpi_coll.c, the baseline the ratios are quoted against. Bus bandwidth uses the
 //! usual factors: all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n; broadcast
 //! and reduce 1.
 
@@ -141,7 +144,7 @@ pub fn format_row(r: &Row, csv: bool, vs_mpi: bool) -> String {
 /// Element types the benchmark can run, with their MPI equivalent where MPI has one.
 pub trait BenchElement: Element {
     /// Times `iters` calls of MPI's version of `coll` (None: MPI has no such type or operator).
-    fn mpi_time(mpi: &mpi::topology::SimpleCommunicator, coll: &str, op: ReduceOp, n: usize, iters: usize) -> Option<f64>;
+    fn mpi_time(mpi: &mpi::topology::SimpleCommunicator, coll: &str, op: ReduceOp, n: usize, rounds: Rounds) -> Option<f64>;
 }
 
 fn mpi_op(op: ReduceOp) -> Option<SystemOperation> {
@@ -154,17 +157,30 @@ fn mpi_op(op: ReduceOp) -> Option<SystemOperation> {
     }
 }
 
+/// Untimed and timed calls per size: the same for meshtrain's collectives, MPI's inside this
+/// binary and the standalone program (benches/mpi_coll.c).
+#[derive(Debug, Clone, Copy)]
+pub struct Rounds {
+    /// Untimed calls.
+    pub warmup: usize,
+    /// Timed calls (at least 1).
+    pub iters: usize,
+}
+
 fn mpi_time_of<T: Element + mpi::datatype::Equivalence>(
     mpi: &mpi::topology::SimpleCommunicator,
     coll: &str,
     op: ReduceOp,
     n: usize,
-    iters: usize,
+    rounds: Rounds,
 ) -> Option<f64> {
     use mpi::traits::Communicator as _;
     let k = mpi.size() as usize;
     let input: Vec<T> = (0..n).map(|i| exact_input(op, mpi.rank() as usize, i)).collect();
-    let mut out = vec![T::from_i64(0); n];
+    // Written element by element so that every page is touched before the warm-up, as the
+    // standalone program's buffers are (a zeroed allocation would fault pages during it).
+    let mut out: Vec<T> = Vec::with_capacity(n);
+    out.extend((0..n).map(|_| std::hint::black_box(T::from_i64(0))));
     let block = n / k;
     let sop = mpi_op(op);
     let root = mpi.process_at_rank(0);
@@ -181,28 +197,28 @@ fn mpi_time_of<T: Element + mpi::datatype::Equivalence>(
         }
         Some(())
     };
-    for _ in 0..2 {
+    for _ in 0..rounds.warmup {
         one(&mut out)?;
     }
     mpi.barrier();
     let t0 = Instant::now();
-    for _ in 0..iters {
+    for _ in 0..rounds.iters {
         one(&mut out)?;
     }
-    Some(t0.elapsed().as_secs_f64() * 1e6 / iters as f64)
+    Some(t0.elapsed().as_secs_f64() * 1e6 / rounds.iters as f64)
 }
 
 macro_rules! bench_element {
     (mpi: $($t:ty),*) => {$(
         impl BenchElement for $t {
-            fn mpi_time(m: &mpi::topology::SimpleCommunicator, c: &str, op: ReduceOp, n: usize, it: usize) -> Option<f64> {
-                mpi_time_of::<$t>(m, c, op, n, it)
+            fn mpi_time(m: &mpi::topology::SimpleCommunicator, c: &str, op: ReduceOp, n: usize, r: Rounds) -> Option<f64> {
+                mpi_time_of::<$t>(m, c, op, n, r)
             }
         }
     )*};
     (no_mpi: $($t:ty),*) => {$(
         impl BenchElement for $t {
-            fn mpi_time(_: &mpi::topology::SimpleCommunicator, _: &str, _: ReduceOp, _: usize, _: usize) -> Option<f64> {
+            fn mpi_time(_: &mpi::topology::SimpleCommunicator, _: &str, _: ReduceOp, _: usize, _: Rounds) -> Option<f64> {
                 None
             }
         }
@@ -294,14 +310,9 @@ fn count_wrong<T: Element>(c: &Communicator, coll: &str, op: ReduceOp, n: usize,
     n_wrong as u64
 }
 
-/// Runs one size of one collective; every rank returns the same row.
-fn bench_size<T: BenchElement>(
-    c: &Communicator,
-    mpi: Option<&mpi::topology::SimpleCommunicator>,
-    b: &CollBench,
-    coll: &str,
-    n: usize,
-) -> Result<Row> {
+/// Microseconds per call of `coll` on `n` elements under the benchmark's rule (warm-up, barrier,
+/// timed calls, the slowest rank's average); the same on every rank.
+pub fn time_calls<T: Element>(c: &Communicator, b: &CollBench, coll: &str, n: usize) -> Result<f64> {
     let mut case = build::<T>(c, coll, b.op, n, b.inplace);
     for _ in 0..b.warmup {
         run_once(c, coll, b.op, b.inplace, &mut case)?;
@@ -313,6 +324,18 @@ fn bench_size<T: BenchElement>(
     }
     let mut time = [t0.elapsed().as_secs_f64() * 1e6 / b.iters.max(1) as f64];
     c.all_reduce(&mut time, ReduceOp::Max)?;
+    Ok(time[0])
+}
+
+/// Runs one size of one collective; every rank returns the same row.
+fn bench_size<T: BenchElement>(
+    c: &Communicator,
+    mpi: Option<&mpi::topology::SimpleCommunicator>,
+    b: &CollBench,
+    coll: &str,
+    n: usize,
+) -> Result<Row> {
+    let time = [time_calls::<T>(c, b, coll, n)?];
 
     let mut check = build::<T>(c, coll, b.op, n, b.inplace);
     run_once(c, coll, b.op, b.inplace, &mut check)?;
@@ -321,7 +344,7 @@ fn bench_size<T: BenchElement>(
 
     let mpi_time_us = match mpi {
         Some(m) => {
-            let t = T::mpi_time(m, coll, b.op, n, b.iters.max(1));
+            let t = T::mpi_time(m, coll, b.op, n, Rounds { warmup: b.warmup, iters: b.iters.max(1) });
             let mut t = [t.unwrap_or(f64::NAN)];
             c.all_reduce(&mut t, ReduceOp::Max)?;
             Some(t[0]).filter(|t| t.is_finite())

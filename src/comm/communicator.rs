@@ -9,8 +9,9 @@
 //!   creation and logged once by member 0, so that a ring leaves each node at most once;
 //! - links are opened in one global order of rank pairs, so creation never deadlocks; ring links
 //!   at creation, the others when a direct algorithm or point-to-point call first needs them;
-//! - the algorithm choice depends only on (operation, bytes, size, configuration), so it is the
-//!   same on every member; any failure raises the job-wide abort so that no other rank hangs;
+//! - the schedule (family and chunk) depends only on (operation, bytes, size, link kind, tuning
+//!   table, configuration) ([`crate::comm::tuner`]), so it is the same on every member; any
+//!   failure raises the job-wide abort so that no other rank hangs;
 //!   a failure on a peer (deadline, closed link) first asks rank 0 which rank actually failed
 //!   (`AbortState::blame`) and reports its verdict; every call is in the flight record
 //!   ([`flight`]);
@@ -27,7 +28,8 @@ use crate::comm::algo::direct::{self, DirectShape, Peers};
 use crate::comm::algo::read;
 use crate::comm::algo::ring::{self, RingShape};
 use crate::comm::block_range;
-use crate::comm::tuning::{Algo, Cma, CommConfig};
+use crate::comm::tuner::{self, Family, LinkKind, Tuning};
+use crate::comm::tuning::{Cma, CommConfig};
 use crate::dtype::{DType, Element, ReduceOp, Reducer};
 use crate::comm::fingerprint::{self, LinkPrints, OpKind, OpPrint};
 use crate::comm::flight;
@@ -51,6 +53,10 @@ pub struct Communicator {
     ring: Vec<usize>,
     ring_pos: usize,
     cfg: CommConfig,
+    /// Shared memory when every member is on one node (the tuner's link kind).
+    link_kind: LinkKind,
+    /// The schedule table in use (`cfg.tuning` unless [`Communicator::set_tuning`] replaced it).
+    tuning: std::sync::RwLock<Option<Arc<Tuning>>>,
     state: Mutex<State>,
     stats: Arc<CommStats>,
 }
@@ -149,18 +155,6 @@ impl Call<'_> {
             Call::Broadcast { buf, .. } => buf.len(),
             Call::ReduceScatter { n, .. } | Call::Reduce { n, .. } => n * esize,
         }
-    }
-
-    /// True for the calls that have a single-copy schedule.
-    fn has_read_schedule(&self) -> bool {
-        matches!(self, Call::AllReduce { .. } | Call::AllGather { .. } | Call::Broadcast { .. })
-    }
-
-    /// True for the calls `Cma::Auto` sends through their single-copy schedule. Not broadcast:
-    /// the ring's pipeline shares the copying between the root and the other ranks, where reads
-    /// leave the root idle, and measured faster on one node (README, "where the time goes").
-    fn reads_by_default(&self) -> bool {
-        matches!(self, Call::AllReduce { .. } | Call::AllGather { .. })
     }
 
     /// The call on a one-rank communicator: the result is the input.
@@ -287,6 +281,11 @@ impl Communicator {
         }
         let links = (0..k).map(|_| None).collect();
         let scratch = vec![0u8; cfg.chunk_bytes];
+        let one_node = members.iter().all(|&m| connector.node_of(m) == connector.node_of(members[0]));
+        let link_kind = if one_node { LinkKind::Shm } else { LinkKind::Net };
+        if let (0, true, Some(t)) = (rank, k > 1, &cfg.tuning) {
+            log::debug!("comm {id:#x} ({k} ranks, {}): schedules from {}: {}", link_kind.name(), t.source, t.describe(k, link_kind).join("; "));
+        }
         let comm = Communicator {
             connector,
             id,
@@ -294,7 +293,9 @@ impl Communicator {
             members,
             ring,
             ring_pos,
+            tuning: std::sync::RwLock::new(cfg.tuning.clone()),
             cfg,
+            link_kind,
             state: Mutex::new(State {
                 links,
                 seq: 0,
@@ -330,6 +331,11 @@ impl Communicator {
     /// World rank of member `r`.
     pub fn world_rank(&self, r: usize) -> usize {
         self.members[r]
+    }
+
+    /// Shared memory (every member on one node) or network links: what the tuner tells apart.
+    pub fn link_kind(&self) -> LinkKind {
+        self.link_kind
     }
 
     /// Node of member `r` (hostname and boot id; an index every rank agrees on).
@@ -400,17 +406,34 @@ impl Communicator {
         Ok(())
     }
 
-    /// The schedule family a call wants, from (call, bytes, configuration) only; `run` may still
-    /// fall back from `Read` to `Ring` when the probe fails.
-    fn schedule(&self, call: &Call, bytes: usize) -> Sched {
-        match (self.cfg.cma, self.cfg.algo) {
-            (Cma::On, _) if call.has_read_schedule() => Sched::Read,
-            (_, Algo::Ring) => Sched::Ring,
-            (_, Algo::Direct) => Sched::Direct,
-            (_, Algo::Auto) if bytes <= self.cfg.small_bytes => Sched::Direct,
-            (Cma::Auto, Algo::Auto) if call.reads_by_default() => Sched::Read,
-            _ => Sched::Ring,
-        }
+    /// The schedule family and chunk a call wants, from (call, bytes, size, link kind, table,
+    /// configuration) only ([`tuner::choose`]); `run` may still fall back from `Read` to `Ring`
+    /// when the probe fails.
+    fn schedule(&self, call: &Call, bytes: usize) -> (Sched, usize) {
+        let c = tuner::choose(&self.cfg, self.tuning().as_deref(), call.name(), self.size(), self.link_kind, bytes);
+        let sched = match c.family {
+            Family::Ring => Sched::Ring,
+            Family::Direct => Sched::Direct,
+            Family::Read => Sched::Read,
+        };
+        (sched, c.chunk_bytes)
+    }
+
+    /// Replaces the schedule table (`None`: the fixed rule). Every member must make the same
+    /// call between the same collectives (`bench --tune` forces one candidate at a time).
+    pub fn set_tuning(&self, table: Option<Arc<Tuning>>) {
+        *self.tuning.write().unwrap_or_else(|e| e.into_inner()) = table;
+    }
+
+    /// The schedule table in use (`None`: the fixed rule).
+    pub fn tuning(&self) -> Option<Arc<Tuning>> {
+        self.tuning.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The schedule family (`ring`, `direct`, `read`) and chunk bytes the table or configuration
+    /// picks for `coll` with `bytes` bytes on this communicator (before the read probe).
+    pub fn planned_schedule(&self, coll: &str, bytes: usize) -> tuner::Choice {
+        tuner::choose(&self.cfg, self.tuning().as_deref(), coll, self.size(), self.link_kind, bytes)
     }
 
     /// Whether this call reads peers' buffers, probing on first use. Every member gets here on
@@ -422,7 +445,7 @@ impl Communicator {
                 // Peers' reads of this rank may fail now; the probe finds out and says so.
                 log::debug!("rank {}: {why}", self.rank);
             }
-            let found = probe::probe(&mut LinkTable(&mut st.links), &self.direct_shape(DType::U8), w)?;
+            let found = probe::probe(&mut LinkTable(&mut st.links), &self.direct_shape(DType::U8, self.cfg.chunk_bytes), w)?;
             self.log_probe(&found);
             st.reads = Some(found);
         }
@@ -433,7 +456,8 @@ impl Communicator {
             )),
             (Reads::Fail(_), _) => Ok(false),
             (Reads::Pay, _) | (Reads::Slow(_), Cma::On) => Ok(true),
-            (Reads::Slow(_), _) => Ok(false),
+            // A measured table chose reads for this size: the copy-rate probe does not overrule it.
+            (Reads::Slow(_), _) => Ok(self.tuning().is_some()),
         }
     }
 
@@ -539,7 +563,7 @@ impl Communicator {
     /// Runs one collective with the schedule chosen for it.
     fn collective(&self, dtype: DType, call: Call) -> Result<()> {
         let bytes = call.bytes(dtype.size());
-        let want = self.schedule(&call, bytes);
+        let (want, chunk) = self.schedule(&call, bytes);
         let print = Print::Collective(call.print(dtype));
         self.run(call.name(), bytes, want, print, |st, sched, w| {
             if self.size() == 1 {
@@ -547,17 +571,17 @@ impl Communicator {
                 return Ok(());
             }
             match sched {
-                Sched::Ring => self.ring_call(st, dtype, call, w),
-                Sched::Direct => self.direct_call(st, dtype, call, w),
-                Sched::Read => self.read_call(st, dtype, call, w),
+                Sched::Ring => self.ring_call(st, (dtype, chunk), call, w),
+                Sched::Direct => self.direct_call(st, (dtype, chunk), call, w),
+                Sched::Read => self.read_call(st, (dtype, chunk), call, w),
                 Sched::Pair => unreachable!("schedule() never picks Pair for a collective"),
             }
         })
     }
 
-    fn ring_call(&self, st: &mut State, dtype: DType, call: Call, w: &Waiter) -> Result<()> {
+    fn ring_call(&self, st: &mut State, (dtype, chunk): (DType, usize), call: Call, w: &Waiter) -> Result<()> {
         let (prev, next) = self.ring_neighbours();
-        let (p, s) = (&mut ring_pipe(&mut st.links, prev, next), &self.ring_shape(dtype));
+        let (p, s) = (&mut ring_pipe(&mut st.links, prev, next), &self.ring_shape(dtype, chunk));
         let pos = |root: usize| self.ring.iter().position(|&r| r == root).expect("root is a member");
         match call {
             Call::AllReduce { input, out, red } => ring::all_reduce(p, s, input, out, &red, w),
@@ -570,9 +594,9 @@ impl Communicator {
         }
     }
 
-    fn direct_call(&self, st: &mut State, dtype: DType, call: Call, w: &Waiter) -> Result<()> {
+    fn direct_call(&self, st: &mut State, (dtype, chunk): (DType, usize), call: Call, w: &Waiter) -> Result<()> {
         let State { links, scratch, .. } = st;
-        let (p, s) = (&mut LinkTable(links), &self.direct_shape(dtype));
+        let (p, s) = (&mut LinkTable(links), &self.direct_shape(dtype, chunk));
         match call {
             Call::AllReduce { input, out, red } => direct::all_reduce(p, s, input, out, scratch, &red, w),
             Call::ReduceScatter { input, out, n, red } => {
@@ -586,11 +610,11 @@ impl Communicator {
         }
     }
 
-    fn read_call(&self, st: &mut State, dtype: DType, call: Call, w: &Waiter) -> Result<()> {
-        let (p, s) = (&mut LinkTable(&mut st.links), &self.direct_shape(dtype));
+    fn read_call(&self, st: &mut State, (dtype, chunk): (DType, usize), call: Call, w: &Waiter) -> Result<()> {
+        let (p, s) = (&mut LinkTable(&mut st.links), &self.direct_shape(dtype, chunk));
         match call {
             Call::AllReduce { input, out, red } => {
-                read::all_reduce(p, &self.ring_shape(dtype), s, input, out, &red, w)
+                read::all_reduce(p, &self.ring_shape(dtype, chunk), s, input, out, &red, w)
             }
             Call::AllGather { input, out } => read::all_gather(p, s, input, out, w),
             Call::Broadcast { root, buf } => read::broadcast(p, s, root, buf, w),
@@ -600,22 +624,13 @@ impl Communicator {
         }
     }
 
-    fn ring_shape(&self, dtype: DType) -> RingShape<'_> {
-        RingShape {
-            order: &self.ring,
-            pos: self.ring_pos,
-            esize: dtype.size(),
-            chunk: self.cfg.chunk_bytes / dtype.size(),
-        }
+    /// The ring's shape with pieces of at most `chunk` bytes (at most the configured chunk).
+    fn ring_shape(&self, dtype: DType, chunk: usize) -> RingShape<'_> {
+        RingShape { order: &self.ring, pos: self.ring_pos, esize: dtype.size(), chunk: chunk / dtype.size() }
     }
 
-    fn direct_shape(&self, dtype: DType) -> DirectShape {
-        DirectShape {
-            k: self.size(),
-            me: self.rank,
-            esize: dtype.size(),
-            chunk: self.cfg.chunk_bytes / dtype.size(),
-        }
+    fn direct_shape(&self, dtype: DType, chunk: usize) -> DirectShape {
+        DirectShape { k: self.size(), me: self.rank, esize: dtype.size(), chunk: chunk / dtype.size() }
     }
 
     /// In-place all-reduce of `buf`.
@@ -717,7 +732,8 @@ impl Communicator {
                 out.copy_from_slice(input);
                 return Ok(());
             }
-            direct::all_to_all(&mut LinkTable(&mut st.links), &self.direct_shape(T::DTYPE), input, out, w)
+            let shape = self.direct_shape(T::DTYPE, self.cfg.chunk_bytes);
+            direct::all_to_all(&mut LinkTable(&mut st.links), &shape, input, out, w)
         })
     }
 

@@ -146,6 +146,7 @@ pub mod primitives;
 pub mod probe;
 pub mod selftest;
 pub mod stats;
+pub mod tuner;
 pub mod tuning;
 #[cfg(test)]
 mod collective_tests;

@@ -4,9 +4,11 @@
 //! Invariant: every member of a communicator must use the same values (the schedule choice
 //! depends on them), so they come from the job-wide environment, read the same way on every rank.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 pub use crate::env::{Algo, Cma};
+use crate::comm::tuner::Tuning;
 use crate::env;
 use crate::error::Result;
 
@@ -24,6 +26,9 @@ pub struct CommConfig {
     pub chunk_bytes: usize,
     /// Single-copy reads of peers' buffers (`MESHTRAIN_CMA=auto|on|off`).
     pub cma: Cma,
+    /// The measured schedule table ([`crate::comm::tuner`]); `None`: the fixed `small_bytes`
+    /// threshold. A forced `algo` or `cma` wins over it.
+    pub tuning: Option<Arc<Tuning>>,
 }
 
 impl Default for CommConfig {
@@ -34,13 +39,15 @@ impl Default for CommConfig {
             small_bytes: 64 << 10,
             chunk_bytes: 1 << 20,
             cma: Cma::Auto,
+            tuning: None,
         }
     }
 }
 
 impl CommConfig {
     /// Defaults overridden by `MESHTRAIN_TIMEOUT` (seconds), `MESHTRAIN_ALGO`, `MESHTRAIN_CMA`,
-    /// `MESHTRAIN_SMALL_BYTES` and `MESHTRAIN_CHUNK_BYTES`.
+    /// `MESHTRAIN_SMALL_BYTES` and `MESHTRAIN_CHUNK_BYTES`; the tuning table is the built-in one
+    /// unless `MESHTRAIN_TUNING` names a file (or `off`).
     pub fn from_env() -> Result<Self> {
         let d = CommConfig::default();
         // Read in this order so that, of several bad variables, the same one is reported as before.
@@ -50,6 +57,11 @@ impl CommConfig {
             cma: env::cma()?.unwrap_or(d.cma),
             small_bytes: env::small_bytes()?.unwrap_or(d.small_bytes),
             chunk_bytes: env::chunk_bytes()?.unwrap_or(d.chunk_bytes),
+            tuning: match env::tuning() {
+                None => Some(Arc::new(Tuning::builtin()?)),
+                Some(v) if v.eq_ignore_ascii_case("off") => None,
+                Some(path) => Some(Arc::new(Tuning::load(std::path::Path::new(&path))?)),
+            },
         })
     }
 }

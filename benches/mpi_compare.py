@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Runs `meshtrain bench --vs-mpi` and the standalone MPI benchmark (benches/mpi_coll.c) in
+alternation, several rounds per world size, and prints per collective and size the median and
+spread (min-max) of: meshtrain's time, MPI's time measured inside meshtrain, MPI's time from the
+standalone program, the agreement of the two MPI columns (inside / standalone) and meshtrain's
+speedup over the standalone program (the honest baseline).
+
+Why alternate: the machine may be shared; alternating rounds spreads any load over both programs
+rather than over one. Ratios are of medians over the same rounds.
+
+usage: mpi_compare.py [--ranks 2,4] [--rounds 3] [--min 4K] [--max 64M] [--factor 4]
+                      [--colls all] [--meshtrain target/release/meshtrain]
+                      [--baseline target/bench/mpi_coll] [--csv OUT.csv] [--markdown]
+"""
+import argparse
+import csv
+import io
+import os
+import statistics
+import subprocess
+import sys
+
+
+def mpirun(ranks):
+    cmd = ["mpirun", "--bind-to", "none", "-np", str(ranks)]
+    if os.geteuid() == 0:
+        cmd[1:1] = ["--allow-run-as-root", "--oversubscribe"]
+    return cmd
+
+
+def run_csv(cmd, env=None):
+    """Runs cmd, returns its CSV rows (lines after the header that starts with `coll,`)."""
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        sys.exit(f"mpi_compare: `{' '.join(cmd)}` failed (exit {p.returncode}):\n{p.stderr[-2000:]}")
+    lines = p.stdout.splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith("coll,")), None)
+    if start is None:
+        sys.exit(f"mpi_compare: `{' '.join(cmd)}` printed no CSV header")
+    return list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
+
+
+def spread(xs):
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def fmt_size(b):
+    for unit, s in (("M", 20), ("K", 10)):
+        if b >= 1 << s and b % (1 << s) == 0:
+            return f"{b >> s}{unit}"
+    return str(b)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--min", default="4K")
+    ap.add_argument("--max", default="64M")
+    ap.add_argument("--factor", default="4")
+    ap.add_argument("--iters", default="20")
+    ap.add_argument("--warmup", default="5")
+    ap.add_argument("--colls", default="all")
+    ap.add_argument("--meshtrain", default="target/release/meshtrain")
+    ap.add_argument("--baseline", default="target/bench/mpi_coll")
+    ap.add_argument("--csv", help="also write every measurement here")
+    ap.add_argument("--markdown", action="store_true", help="print markdown tables")
+    a = ap.parse_args()
+    if a.rounds < 1:
+        sys.exit("mpi_compare: --rounds must be >= 1")
+    sweep = ["--min", a.min, "--max", a.max, "--factor", a.factor, "--iters", a.iters, "--warmup", a.warmup]
+    raw = []  # (ranks, round, coll, bytes, meshtrain_us, inside_us, standalone_us)
+    for ranks in [int(r) for r in a.ranks.split(",")]:
+        for rnd in range(a.rounds):
+            mt_cmd = mpirun(ranks) + [a.meshtrain, "bench", a.colls, "--vs-mpi", "--csv"] + sweep
+            sa_cmd = mpirun(ranks) + [a.baseline, a.colls] + sweep
+            order = [("mt", mt_cmd), ("sa", sa_cmd)]
+            if rnd % 2:
+                order.reverse()
+            got = {name: run_csv(cmd) for name, cmd in order}
+            sa = {(r["coll"], int(r["bytes"])): float(r["mpi_time_us"]) for r in got["sa"]}
+            for r in got["mt"]:
+                key = (r["coll"], int(r["bytes"]))
+                if r["wrong"] != "0":
+                    sys.exit(f"mpi_compare: meshtrain reported {r['wrong']} wrong elements at {key}")
+                inside = float(r["mpi_time_us"]) if r["mpi_time_us"] else float("nan")
+                raw.append((ranks, rnd, key[0], key[1], float(r["time_us"]), inside, sa.get(key, float("nan"))))
+            print(f"# {ranks} ranks: round {rnd + 1}/{a.rounds} done", file=sys.stderr)
+    if a.csv:
+        with open(a.csv, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["ranks", "round", "coll", "bytes", "meshtrain_us", "mpi_inside_us", "mpi_standalone_us"])
+            w.writerows(raw)
+    report(raw, a.markdown)
+
+
+def report(raw, markdown):
+    keys = []
+    for r in raw:
+        if (r[0], r[2], r[3]) not in keys:
+            keys.append((r[0], r[2], r[3]))
+    head = ["ranks", "coll", "size", "meshtrain us", "MPI inside us", "MPI standalone us", "inside/standalone", "speedup vs standalone"]
+    print(("| " + " | ".join(head) + " |\n|" + "---|" * len(head)) if markdown else ",".join(head))
+    for ranks, coll, size in keys:
+        rows = [r for r in raw if (r[0], r[2], r[3]) == (ranks, coll, size)]
+        mt, ins, sa = (spread([r[i] for r in rows]) for i in (4, 5, 6))
+        cell = lambda s: f"{s[0]:.1f} ({s[1]:.1f}-{s[2]:.1f})"
+        agree = ins[0] / sa[0] if sa[0] > 0 else float("nan")
+        speed = sa[0] / mt[0] if mt[0] > 0 else float("nan")
+        cells = [str(ranks), coll, fmt_size(size), cell(mt), cell(ins), cell(sa), f"{agree:.2f}", f"{speed:.2f}x"]
+        print(("| " + " | ".join(cells) + " |") if markdown else ",".join(cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+//! The collective tuner: one table that says, for each collective, world size, link kind and size
+//! bucket, which schedule family (ring, direct, read) and chunk size carries a call.
+//!
+//! Why: the best schedule depends on the size (direct all-pairs exchanges win on latency, the
+//! pipelined ring and the single-copy reads on bandwidth, and where the cross-overs lie depends on
+//! the machine and on the world size); one threshold and one probe per communicator cannot choose
+//! for every size. The table is measured by `meshtrain bench --tune`, which times every candidate
+//! per size and writes the winners to a TOML file; a job loads one with `MESHTRAIN_TUNING=FILE`
+//! (`off`: the fixed size threshold of [`crate::comm::CommConfig`]), and without one uses the
+//! table built into the binary (measured on the development machine, `tuning_default.toml`).
+//!
+//! Invariants:
+//! - [`Tuning::select`] is a pure function of (table, collective, world size, link kind, bytes):
+//!   every member of a communicator holds the same table (the job-wide environment names it) and
+//!   therefore picks the same schedule;
+//! - a table that parses is valid: every rule names a known collective, a schedule that exists for
+//!   it, a world size >= 2 and a chunk size that is a positive multiple of 64 bytes; anything else
+//!   is an error naming the file, the rule and the field;
+//! - world sizes the table does not list use the rules of the nearest listed size below (or the
+//!   smallest listed one); a size above every bucket uses the last bucket.
+
+use std::fmt;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::comm::tuning::{Algo, Cma, CommConfig};
+use crate::error::{Error, Result};
+
+/// The table compiled into the binary (`meshtrain bench --tune` on the development machine).
+const BUILTIN: &str = include_str!("tuning_default.toml");
+
+/// The collectives the tuner chooses for (all-to-all has only the direct schedule).
+pub const TUNED: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"];
+
+/// Schedule families a rule may name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    /// Pipelined ring.
+    Ring,
+    /// All pairs through the FIFOs.
+    Direct,
+    /// Single copy: peers read each other's buffers (all-reduce, all-gather, broadcast).
+    Read,
+}
+
+impl Family {
+    /// Lower-case name, as in the table.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Ring => "ring",
+            Family::Direct => "direct",
+            Family::Read => "read",
+        }
+    }
+
+    /// Whether `coll` has a schedule of this family.
+    pub fn serves(self, coll: &str) -> bool {
+        self != Family::Read || matches!(coll, "all_reduce" | "all_gather" | "broadcast")
+    }
+}
+
+/// Links between the members of a communicator, as the tuner tells them apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LinkKind {
+    /// Every member on one node (shared memory).
+    Shm,
+    /// Members on several nodes (network links on the ring).
+    Net,
+}
+
+impl LinkKind {
+    /// Lower-case name, as in the table.
+    pub fn name(self) -> &'static str {
+        match self {
+            LinkKind::Shm => "shm",
+            LinkKind::Net => "net",
+        }
+    }
+}
+
+/// The schedule chosen for one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Choice {
+    /// Schedule family.
+    pub family: Family,
+    /// Largest piece a schedule puts on a link, bytes (capped by the communicator's chunk size).
+    pub chunk_bytes: usize,
+}
+
+impl fmt::Display for Choice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (chunk {})", self.family.name(), self.chunk_bytes)
+    }
+}
+
+/// One row of the table: calls of `coll` on `ranks` members over `link` links with at most
+/// `max_bytes` bytes (no bound when absent) use `algo` in pieces of `chunk_bytes`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rule {
+    /// Collective (one of [`TUNED`]).
+    pub coll: String,
+    /// World size the rule was measured on (>= 2).
+    pub ranks: usize,
+    /// Link kind.
+    pub link: LinkKind,
+    /// Largest whole-buffer size the rule covers, bytes; absent: every larger size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_bytes: Option<usize>,
+    /// Schedule family.
+    pub algo: Family,
+    /// Chunk size, bytes (a positive multiple of 64).
+    pub chunk_bytes: usize,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    #[serde(default)]
+    rule: Vec<Rule>,
+}
+
+/// A validated tuning table and where it came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tuning {
+    /// The file it was read from, or `built-in`.
+    pub source: String,
+    rules: Vec<Rule>,
+}
+
+impl Tuning {
+    /// The table compiled into the binary.
+    pub fn builtin() -> Result<Tuning> {
+        Tuning::parse(BUILTIN, "built-in tuning table")
+    }
+
+    /// Reads and validates a table file.
+    pub fn load(path: &Path) -> Result<Tuning> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| bad(&path.display().to_string(), "cannot read the tuning table", e))?;
+        Tuning::parse(&text, &path.display().to_string())
+    }
+
+    /// A table of `rules` (validated as a file would be).
+    pub fn from_rules(rules: Vec<Rule>, source: &str) -> Result<Tuning> {
+        for (i, r) in rules.iter().enumerate() {
+            validate(r).map_err(|(field, msg)| bad(source, &format!("rule[{i}].{field}"), msg))?;
+        }
+        Ok(Tuning { source: source.to_string(), rules })
+    }
+
+    /// Parses and validates the text of a table; errors name `source`, the rule and the field.
+    pub fn parse(text: &str, source: &str) -> Result<Tuning> {
+        let de = toml::Deserializer::new(text);
+        let file: File = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            bad(source, if path == "." { "(top level)" } else { &path }, e.into_inner().message().trim().to_string())
+        })?;
+        Tuning::from_rules(file.rule, source)
+    }
+
+    /// The rules, in table order.
+    pub fn rules(&self) -> &[Rule] {
+        &self.rules
+    }
+
+    /// The table as TOML (what `bench --tune` writes), after `header` comment lines.
+    pub fn to_toml(&self, header: &[String]) -> Result<String> {
+        let body = toml::to_string(&File { rule: self.rules.clone() })
+            .map_err(|e| Error::Check(format!("tuning table to TOML: {e}")))?;
+        let mut out: String = header.iter().map(|h| format!("# {h}\n")).collect();
+        out.push('\n');
+        out.push_str(&body);
+        Ok(out)
+    }
+
+    /// The world size whose rules serve `ranks` members over `link` (see the module invariants).
+    fn measured_size(&self, coll: &str, ranks: usize, link: LinkKind) -> Option<usize> {
+        let sizes = self.rules.iter().filter(|r| r.coll == coll && r.link == link).map(|r| r.ranks);
+        let (below, smallest) = sizes.fold((None, None), |(b, s): (Option<usize>, Option<usize>), n| {
+            (if n <= ranks { Some(b.map_or(n, |b| b.max(n))) } else { b }, Some(s.map_or(n, |s| s.min(n))))
+        });
+        below.or(smallest)
+    }
+
+    /// The schedule for a call of `coll` on `ranks` members over `link` with `bytes` bytes;
+    /// `None` when the table has no rule for the collective and link kind.
+    pub fn select(&self, coll: &str, ranks: usize, link: LinkKind, bytes: usize) -> Option<Choice> {
+        let n = self.measured_size(coll, ranks, link)?;
+        let mut rules: Vec<&Rule> =
+            self.rules.iter().filter(|r| r.coll == coll && r.link == link && r.ranks == n).collect();
+        rules.sort_by_key(|r| r.max_bytes.unwrap_or(usize::MAX));
+        let rule = rules.iter().find(|r| bytes <= r.max_bytes.unwrap_or(usize::MAX)).or(rules.last())?;
+        Some(Choice { family: rule.algo, chunk_bytes: rule.chunk_bytes })
+    }
+
+    /// One line per tuned collective: the buckets that serve `ranks` members over `link` (what a
+    /// communicator logs once).
+    pub fn describe(&self, ranks: usize, link: LinkKind) -> Vec<String> {
+        TUNED
+            .iter()
+            .filter_map(|&coll| {
+                let n = self.measured_size(coll, ranks, link)?;
+                let mut rules: Vec<&Rule> =
+                    self.rules.iter().filter(|r| r.coll == coll && r.link == link && r.ranks == n).collect();
+                rules.sort_by_key(|r| r.max_bytes.unwrap_or(usize::MAX));
+                let buckets: Vec<String> = rules
+                    .iter()
+                    .map(|r| match r.max_bytes {
+                        Some(m) => format!("<={m} {} ({})", r.algo.name(), r.chunk_bytes),
+                        None => format!("rest {} ({})", r.algo.name(), r.chunk_bytes),
+                    })
+                    .collect();
+                Some(format!("{coll} [as measured on {n} ranks]: {}", buckets.join(", ")))
+            })
+            .collect()
+    }
+}
+
+/// The schedule for one call of `coll` with `bytes` bytes on `ranks` members over `link`: a forced
+/// setting first (`MESHTRAIN_CMA=on` for the collectives with a read schedule, then
+/// `MESHTRAIN_ALGO=ring|direct`), then the table, then the fixed rule (direct up to
+/// `small_bytes`, reads above it for all-reduce and all-gather, the ring otherwise).
+/// `MESHTRAIN_CMA=off` turns a read the table chose into the ring. The chunk never exceeds the
+/// communicator's, for which its links were sized.
+pub fn choose(
+    cfg: &CommConfig,
+    table: Option<&Tuning>,
+    coll: &str,
+    ranks: usize,
+    link: LinkKind,
+    bytes: usize,
+) -> Choice {
+    let full = |family| Choice { family, chunk_bytes: cfg.chunk_bytes };
+    match (cfg.cma, cfg.algo) {
+        (Cma::On, _) if Family::Read.serves(coll) => return full(Family::Read),
+        (_, Algo::Ring) => return full(Family::Ring),
+        (_, Algo::Direct) => return full(Family::Direct),
+        _ => {}
+    }
+    if let Some(c) = table.and_then(|t| t.select(coll, ranks, link, bytes)) {
+        let family = if c.family == Family::Read && cfg.cma == Cma::Off { Family::Ring } else { c.family };
+        return Choice { family, chunk_bytes: c.chunk_bytes.min(cfg.chunk_bytes) };
+    }
+    match cfg.cma {
+        _ if bytes <= cfg.small_bytes => full(Family::Direct),
+        Cma::Auto if matches!(coll, "all_reduce" | "all_gather") => full(Family::Read),
+        _ => full(Family::Ring),
+    }
+}
+
+fn bad(source: &str, field: &str, msg: impl fmt::Display) -> Error {
+    Error::config("MESHTRAIN_TUNING", format!("{source}: {field}: {msg}"))
+}
+
+/// What is wrong with one rule: (field, message).
+fn validate(r: &Rule) -> std::result::Result<(), (&'static str, String)> {
+    if !TUNED.contains(&r.coll.as_str()) {
+        return Err(("coll", format!("`{}` is not one of {}", r.coll, TUNED.join(", "))));
+    }
+    if r.ranks < 2 {
+        return Err(("ranks", format!("{} (a rule is for a world of at least 2 ranks)", r.ranks)));
+    }
+    if r.max_bytes == Some(0) {
+        return Err(("max_bytes", "0 (leave it out for no bound)".to_string()));
+    }
+    if !r.algo.serves(&r.coll) {
+        return Err(("algo", format!("`{}` has no {} schedule (ring or direct)", r.coll, r.algo.name())));
+    }
+    if r.chunk_bytes < 64 || r.chunk_bytes % 64 != 0 {
+        return Err(("chunk_bytes", format!("{} is not a positive multiple of 64", r.chunk_bytes)));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+#[path = "tuner_tests.rs"]
+mod tests;

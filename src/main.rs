@@ -344,7 +344,7 @@ fn bench(world: &World, args: &BenchArgs) -> Result<()> {
         return bench_tune(world, args, &b);
     }
     let comm = world.communicator()?;
-    let mpi = b.vs_mpi.then(|| world.mpi_for_comparison());
+    let mpi = if b.vs_mpi { Some(world.mpi_for_comparison()?) } else { None };
     let leader = world.rank == 0;
     if leader {
         if !b.csv {
@@ -550,13 +550,18 @@ fn tokenize(args: &TokenizeArgs) -> Result<()> {
 /// `meshtrain train`: a layout that does not fit the ranks the job got is said once, by rank 0,
 /// before any rank exits (the world's shutdown barrier), with the `--set` that would fit.
 fn train_job(cfg: &JobConfig, args: &TrainArgs) -> Result<()> {
-    let world = World::init()?;
+    let mut world = World::init()?;
     if let Err(e) = cfg.validate_world(world.size) {
         if world.rank == 0 {
             let _ = std::io::stderr().write_all(format!("meshtrain: error: {e}\n").as_bytes());
         }
         drop(world);
         std::process::exit(e.exit_code());
+    }
+    // Training never uses MPI again: its transports and listeners close now.
+    if let Err(e) = world.end_mpi() {
+        world.abort_state().raise(&e.to_string());
+        fail(&e);
     }
     in_world(world, |w| train::train(w, cfg, &TrainOptions { metrics: args.metrics.clone() }).map(|_| ()))
 }

@@ -197,6 +197,36 @@ fn mpi_opens_no_listener_on_the_wildcard_address_within_one_node() {
     assert!(out.stderr.contains("MPI defaults (MCA, unset by the user): btl=self,vader pml=ob1"), "{}", out.stderr);
 }
 
+/// Open MPI's TCP transport (what a job across nodes uses; forced here with `OMPI_MCA_btl`)
+/// listens on every interface: training finalizes MPI once its own world is up, so once the steps
+/// run no rank listens on the wildcard address.
+#[test]
+fn mpi_listeners_close_once_training_runs_even_with_its_tcp_transport() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = ckpt_job(dir.path(), "tcp.toml", &dir.path().join("ckpt"), 100_000);
+    let metrics = dir.path().join("m.jsonl");
+    let mut cmd = common::mpirun(2);
+    cmd.env("OMPI_MCA_btl", "self,tcp").env("OMPI_MCA_pml", "ob1").arg("train").arg(&job).arg("--metrics").arg(&metrics);
+    cmd.args(["--set", "parallel.dp=2", "--set", "checkpoint.every=0"]);
+    let child = common::spawn(cmd);
+    let launcher = child.id();
+    let start = Instant::now();
+    // A step has finished: every rank is past MPI_Finalize.
+    while std::fs::read_to_string(&metrics).map_or(true, |m| m.lines().count() < 2) {
+        assert!(start.elapsed() < WATCHDOG, "no training step within the deadline");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let sockets: Vec<(usize, Vec<String>)> = common::rank_pids(launcher).iter().map(|&(r, pid)| (r, listening(pid))).collect();
+    Command::new("kill").args(["-TERM", &launcher.to_string()]).status().unwrap();
+    let out = common::wait(child, WATCHDOG);
+    assert_eq!(sockets.len(), 2, "{sockets:?}\n{}", out.stderr);
+    for (r, addrs) in sockets {
+        assert!(!addrs.is_empty(), "rank {r}: its own listener is gone too: {}", out.stderr);
+        let wildcard: Vec<&String> = addrs.iter().filter(|a| a.split(':').next().is_some_and(|ip| ip.bytes().all(|b| b == b'0'))).collect();
+        assert!(wildcard.is_empty(), "rank {r} listens on the wildcard address after start-up: {addrs:?}\n{}", out.stderr);
+    }
+}
+
 #[test]
 fn deadlines_of_inf_and_unreadable_or_broken_job_files_are_configuration_errors() {
     let dir = tempfile::tempdir().unwrap();

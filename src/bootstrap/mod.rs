@@ -135,8 +135,9 @@ pub struct World {
     comm_cfg: CommConfig,
     /// Process ids of the other ranks on this node (to free what a killed one left in /dev/shm).
     node_peer_pids: Vec<u32>,
-    mpi_world: mpi::topology::SimpleCommunicator,
-    _universe: mpi::environment::Universe,
+    /// MPI until [`World::end_mpi`] (the world communicator, and the universe that finalizes
+    /// MPI when dropped).
+    mpi: Option<(mpi::topology::SimpleCommunicator, mpi::environment::Universe)>,
 }
 
 /// The best-effort rank of this process before MPI is up (for log prefixes only).
@@ -340,9 +341,23 @@ impl World {
             control: net.control,
             comm_cfg: net.comm_cfg,
             node_peer_pids: net.node_peer_pids,
-            mpi_world,
-            _universe: universe,
+            mpi: Some((mpi_world, universe)),
         })
+    }
+
+    /// Finalizes MPI once the world is up (every rank calls it at the same point): meshtrain's
+    /// own transports carry everything from here, and MPI's transports, with their listening
+    /// sockets (Open MPI's TCP transport listens on every interface when the job spans nodes),
+    /// close. The start-up deadline covers it: a rank gone before it would hold the others in
+    /// MPI_Finalize's fence.
+    pub fn end_mpi(&mut self) -> Result<()> {
+        let Some((world, universe)) = self.mpi.take() else { return Ok(()) };
+        let limit = env::bootstrap_timeout()?;
+        let watch = Watchdog::start("MPI_Finalize", limit, Some(self.rank));
+        drop(world);
+        drop(universe);
+        watch.finish();
+        Ok(())
     }
 
     /// The communicator of all ranks. Every rank must call it, in the same order as other
@@ -364,8 +379,8 @@ impl World {
 
     /// The MPI world, for the benchmark's `--vs-mpi` comparison only: meshtrain itself never moves
     /// data through MPI.
-    pub fn mpi_for_comparison(&self) -> &mpi::topology::SimpleCommunicator {
-        &self.mpi_world
+    pub fn mpi_for_comparison(&self) -> Result<&mpi::topology::SimpleCommunicator> {
+        self.mpi.as_ref().map(|(w, _)| w).ok_or_else(|| Error::Check("MPI was finalized after start-up".into()))
     }
 
     /// Frees the libfabric shared-memory regions of ranks on this node whose process is gone

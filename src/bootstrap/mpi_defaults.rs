@@ -10,8 +10,9 @@
 //!   no TCP at all) and `pml = ob1` (no UCX, which may open its own sockets);
 //! - several nodes: MPI needs a network, and `btl_tcp_if_include` / `oob_tcp_if_include` are set
 //!   to `MESHTRAIN_SOCKET_IFNAME` when given, so MPI's traffic at least stays on the interface
-//!   meshtrain uses; the TCP BTL's listener stays on the wildcard address (Open MPI 4 has no
-//!   setting for it): on untrusted networks pick a launcher/MPI without one (UCX, Cray MPICH).
+//!   meshtrain uses; the TCP BTL's listener is on the wildcard address (Open MPI 4 has no
+//!   setting for it) until training finalizes MPI right after start-up
+//!   ([`super::World::end_mpi`]).
 //!
 //! Invariant: a value the user set (the `OMPI_MCA_*` variable exists, even empty) is never
 //! changed; rank 0 logs the settings made. Other MPIs ignore these variables. Set before any

@@ -70,6 +70,8 @@ pub struct DeviceReducer {
     pool: Vec<Staged>,
     /// Staging allocated (ReduceScatter: at most MAX_STAGED).
     allocated: usize,
+    /// Elements of the largest bucket and of the largest owned block (a pooled buffer fits any).
+    largest: (usize, usize),
     in_flight: usize,
     worker: CommWorker<Staged>,
     /// Bytes of staging on the device.
@@ -113,12 +115,15 @@ impl DeviceReducer {
             staging: (0..k).map(|_| None).collect(),
             pool: Vec::new(),
             allocated: 0,
+            largest: (0, 0),
             in_flight: 0,
             worker,
             bytes: 0,
             flag: LocalFlag::new(dev)?,
             failed: None,
         };
+        let largest_block = (0..k).map(|b| red.shard(b).len()).max().unwrap_or(0);
+        red.largest = (red.book.buckets.iter().map(|r| r.len()).max().unwrap_or(0), largest_block);
         if reduction == Reduction::AllReduce {
             for b in 0..k {
                 let n = red.book.buckets[b].len();
@@ -194,12 +199,10 @@ impl DeviceReducer {
                 self.failed = Some(e);
             }
         }
-        let largest = self.book.buckets.iter().map(|r| r.len()).max().unwrap_or(0);
-        let largest_block = (0..self.book.buckets.len()).map(|k| self.shard(k).len()).max().unwrap_or(0);
         let mut s = match self.pool.pop() {
             Some(s) => s,
             // Every pooled buffer fits the largest bucket, so any bucket can reuse it.
-            None => self.alloc(dev, largest, largest_block.max(1))?,
+            None => self.alloc(dev, self.largest.0, self.largest.1.max(1))?,
         };
         s.n = n;
         debug_assert!(s.block.len() >= block * 4);

@@ -124,6 +124,16 @@ impl DeviceStep {
         })
     }
 
+    /// Whether the gradients are reduced during the backward on a communication thread, as
+    /// (host reducer, device reducer): what the memory formula counts as staging.
+    pub fn reduces_during_backward(&self) -> (bool, bool) {
+        match &self.overlap {
+            Some((Overlap::Host(_), _)) => (true, false),
+            Some((Overlap::Device(_), _)) => (false, true),
+            None => (false, false),
+        }
+    }
+
     /// Traffic counters of the overlapping reducer's communicator (host-memory arms).
     pub fn bucket_stats(&self) -> Option<Arc<CommStats>> {
         self.overlap.as_ref().map(|(_, s)| s.clone())

@@ -24,7 +24,6 @@ use super::shutdown;
 use super::stragglers::Stragglers;
 use super::{TrainOptions, TrainReport};
 use crate::bootstrap::World;
-use crate::comm::device::GpuCommConfig;
 use crate::comm::stats::CommStats;
 use crate::comm::{Communicator, ReduceOp};
 use crate::config::JobConfig;
@@ -188,6 +187,9 @@ impl<'a> Session<'a> {
             let gathers = dp.split(Some(0), dp.rank() as i64)?.expect("every rank joins");
             model.model_mut().shard_params(gathers, sync.bucket_ranges(), &sync.owned())?;
         }
+        let adamw = AdamWConfig { beta1: cfg.optim.beta1, beta2: cfg.optim.beta2, eps: cfg.optim.eps, weight_decay: cfg.optim.weight_decay };
+        let step = DeviceStep::new(model.model(), &sync, &dp, (&model.decay_spans(), &model.norm_spans()), adamw)?;
+        let (host_reduce, device_overlap) = step.reduces_during_backward();
         let estimate = MemoryEstimate::new(&MemoryInputs {
             zero,
             n: model.params().len(),
@@ -197,8 +199,8 @@ impl<'a> Session<'a> {
             units: &units,
             wte: model.wte(),
             releases_grads: zero >= 2 && model.model().is_whole(),
-            host_reduce: matches!(model.device(), Device::Cpu) && dp.size() > 1,
-            device_overlap: !matches!(model.device(), Device::Cpu) && dp.size() > 1 && GpuCommConfig::from_env()?.overlap,
+            host_reduce,
+            device_overlap,
             activations: model.activation_elements(),
         });
         if world.rank == 0 {
@@ -212,7 +214,6 @@ impl<'a> Session<'a> {
             );
             println!("# memory estimate per rank (rank 0): {} + runtime baseline {:.1} MB", estimate.describe(), baseline as f64 / 1e6);
         }
-        let adamw = AdamWConfig { beta1: cfg.optim.beta1, beta2: cfg.optim.beta2, eps: cfg.optim.eps, weight_decay: cfg.optim.weight_decay };
         let maps = model.tensor_maps();
         if let Some(path) = &cfg.init_from {
             checkpointing::init_from(path, cfg, &maps, model.params_mut())?;
@@ -222,7 +223,6 @@ impl<'a> Session<'a> {
             (None, Device::Cpu) => Some(cpu_peak_tflops()),
             (None, dev) => dev.peak_tflops(cfg.precision),
         };
-        let step = DeviceStep::new(model.model(), &sync, &dp, (&model.decay_spans(), &model.norm_spans()), adamw)?;
         let accum = cfg.train.grad_accum * cfg.parallel.microbatches;
         let tokens_per_step = (dp.size() * accum * cfg.train.micro_batch * cfg.train.seq_len) as f64;
         Ok(Session {

@@ -59,7 +59,7 @@ enum Command {
     /// Choose the 3D layout for a model on a machine: `plan --model 175b --machine frontier
     /// --gpus 1024 --global-batch 1536` (ranked table, `--json`, `--write job.toml`),
     /// `plan validate` (published runs predicted vs measured).
-    Plan(meshtrain::plan::cli::PlanArgs),
+    Plan(meshtrain::plan::command::PlanArgs),
     /// Run the best predicted layouts of a job as short trials (`tune JOB --machine M --top K`),
     /// print predicted vs measured step times and write the measured winner's job file.
     Tune(meshtrain::plan::tune::TuneArgs),
@@ -315,7 +315,7 @@ fn bench_step(world: &World, args: &BenchArgs) -> Result<()> {
 
 /// `meshtrain bench all --tune`: the tuner's table, measured on this communicator.
 fn bench_tune(world: &World, args: &BenchArgs, b: &CollBench) -> Result<()> {
-    use meshtrain::bench::tune;
+    use meshtrain::bench::tune_table as tune;
     let comm = world.communicator()?;
     let chunk = meshtrain::comm::CommConfig::from_env()?.chunk_bytes;
     let leader = world.rank == 0;
@@ -649,8 +649,8 @@ fn main() {
         Command::Generate(args) => generate(args),
         Command::Selftest(args) => with_world(|w| selftest(w, args)),
         Command::Sweep(args) => meshtrain::sweep::cli::main(args),
-        Command::Plan(args) if args.needs_world() => with_world(|w| meshtrain::plan::cli::calibrate(w, args)),
-        Command::Plan(args) => meshtrain::plan::cli::main(args),
+        Command::Plan(args) if args.needs_world() => with_world(|w| meshtrain::plan::command::calibrate(w, args)),
+        Command::Plan(args) => meshtrain::plan::command::main(args),
         Command::Tune(args) => meshtrain::plan::tune::main(args),
     };
     if let Err(e) = result {

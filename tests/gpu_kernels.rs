@@ -34,7 +34,7 @@ use meshtrain::device::reduce_bench::reduce_bandwidth;
 use meshtrain::device::{Device, DeviceBuffer};
 use meshtrain::dtype::Reducer;
 use meshtrain::model::{GptConfig, ParamLayout};
-use meshtrain::optim::adamw::{AdamW, AdamWConfig, AdamWState, DecayMask};
+use meshtrain::optim::optimizer::{AdamW, AdamWConfig, AdamWState, DecayMask};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 

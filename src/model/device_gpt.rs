@@ -330,8 +330,8 @@ impl DeviceGpt {
     }
 
     /// Flat parameters and gradients (host mirrors), mutable; the parameters go to the device
-    /// again before the next forward, unless a device-resident optimizer holds the master
-    /// weights (from its load on, what it sets wins; at ZeRO-3 the model keeps only its shards).
+    /// again before the next forward (at ZeRO-3, where the model keeps only its shards, with
+    /// [`DeviceGpt::param_shards_from_host`]).
     pub fn params_and_grads(&mut self) -> (&mut [f32], &mut [f32]) {
         self.params_stale = true;
         (&mut self.host_params, &mut self.host_grads)

@@ -7,9 +7,9 @@
 //! same code with its sub-slices. Combining partial results across ranks (norms) is the caller's
 //! job; gradient accumulation is the training loop's (the model's backward adds into grads).
 
-pub mod adamw;
+pub mod optimizer;
 pub mod lr_schedule;
 
 pub use crate::device::cpu::clip::{clip_scale, scale_grads, sum_of_squares};
-pub use adamw::{AdamW, AdamWConfig, AdamWState, DecayMask};
+pub use optimizer::{AdamW, AdamWConfig, AdamWState, DecayMask};
 pub use lr_schedule::LrSchedule;

@@ -32,7 +32,7 @@
 use serde::Serialize;
 
 use super::collfit;
-use super::memory::{self, RankMemory, RankShare};
+use super::rank_memory::{self as memory, RankMemory, RankShare};
 use super::profile::{Link, Profile};
 use super::{Job, Layout, Recompute, Stack};
 use crate::error::Result;

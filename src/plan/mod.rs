@@ -4,7 +4,7 @@
 //! Pieces, bottom up:
 //! - [`profile`]: machine profiles (TOML): peak per precision, a GEMM efficiency model, memory and
 //!   its bandwidth, alpha-beta links within and between nodes.
-//! - [`memory`]: bytes per rank of a layout. For meshtrain itself the parameter, gradient,
+//! - [`rank_memory`]: bytes per rank of a layout. For meshtrain itself the parameter, gradient,
 //!   optimizer and staging terms are `train::memory_estimate`'s formula (the one checked against
 //!   measured peak RSS) and the activations those of `model::device_acts`; for the Megatron-LM
 //!   stack (used to check the model against published runs) mixed-precision state and the
@@ -20,17 +20,17 @@
 //!   published runs the model is checked against; [`calibrate`]: a profile of this node from
 //!   measurements, [`collfit`] its collective fits per schedule; [`tune`]: short trials of the
 //!   best predicted layouts, predicted vs measured;
-//!   [`cli`]: the subcommand.
+//!   [`command`]: the subcommand.
 //!
 //! Invariants: planning is a pure function of (job, profile, stack): no measurement, no I/O
 //! except reading the profile; a layout is either ranked (it fits memory and every divisibility
 //! rule meshtrain's config validation applies) or rejected with a reason, never silently dropped.
 
 pub mod calibrate;
-pub mod cli;
+pub mod command;
 pub mod collfit;
 pub mod cost;
-pub mod memory;
+pub mod rank_memory;
 pub mod profile;
 pub mod published;
 pub mod report;

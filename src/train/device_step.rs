@@ -20,11 +20,12 @@
 //! At ZeRO 0 the reduced gradients are one flat buffer, clipped by their global norm (under
 //! tensor parallelism the squares of the elements this rank counts, summed over the TP group: a
 //! replicated tensor is counted once), AdamW runs on the flat f32 master weights and the updated
-//! weights are copied back into the model's tensors. At ZeRO 1 to 3 the master weights, moments
-//! and reduced gradients are this rank's shard only ([`super::device_zero`]).
+//! weights are copied back into the model's tensors. At ZeRO 1 to 3 the moments and reduced
+//! gradients are this rank's shard only, and AdamW updates the shard's block of the model's own
+//! f32 parameters, which are the master weights ([`super::device_zero`]).
 //!
 //! Invariants: the flat buffers follow the layout table (an entry is an offset range); the
-//! device master weights and moments are the truth during training, the host copies (the model's
+//! device parameters and moments are the truth during training, the host copies (the model's
 //! mirror, [`DataParallel`]'s AdamW states) are refreshed by [`DeviceStep::store`] before a
 //! checkpoint and loaded by [`DeviceStep::load`] after initialisation or resume. The norm's
 //! squares are added per (bucket, counted span), in bucket order, so the CPU arm's norm is the

@@ -1,6 +1,6 @@
 //! The sharded optimizer state of the device step (ZeRO 1, 2 and 3), on the device: so that a GPU
-//! rank holds a 1/N share of the master weights, AdamW moments and reduced gradients instead of
-//! all of them, and nothing but the norm's partial sums crosses to the host.
+//! rank holds a 1/N share of the AdamW moments and reduced gradients instead of all of them, and
+//! nothing but the norm's partial sums crosses to the host.
 //!
 //! A rank's shard is exactly [`DataParallel`]'s: block `dp_rank` of every gradient bucket, so
 //! the per-bucket AdamW states that checkpoints save per rank are the host copies of this state
@@ -10,15 +10,17 @@
 //! shard: ZeRO-1 once per step after the last backward, ZeRO-2 after every micro-batch's backward,
 //! summing into the shard, the model's gradients then zeroed for the next micro-batch. The step
 //! adds the squares of the shard's counted elements (summed over DP by the caller's step and over
-//! the TP group), clips, runs AdamW on the shard, and all-gathers each bucket's updated master
-//! weights through the staging buffer into the model's tensors; at ZeRO-3 it copies them into the
-//! model's parameter shards instead, which the model gathers unit by unit when it reads them
+//! the TP group), clips, and runs AdamW on the shard's weights. The model's f32 parameters are the
+//! master weights, so the step keeps no copy of them: at ZeRO 1/2 each bucket's block is packed
+//! from the model's tensors into the receive buffer, updated there and all-gathered through the
+//! staging buffer back into the model's tensors; at ZeRO-3 AdamW updates the model's own
+//! parameter shards in place, which the model gathers unit by unit when it reads them
 //! (`model::device_gpt::shards`).
 //!
-//! Device memory per rank (f32; Ψ parameters on the rank, N data-parallel ranks): master weights,
-//! gradient shard, m and v, 4Ψ/N bytes each, plus one bucket of staging and one bucket block of
-//! receive buffer; no full-length flat buffer (the model's own per-tensor parameters and
-//! gradients are all that is whole).
+//! Device memory per rank (f32; Ψ parameters on the rank, N data-parallel ranks): gradient shard,
+//! m and v, 4Ψ/N bytes each, plus one bucket of staging and one bucket block of receive buffer;
+//! no full-length flat buffer (the model's own per-tensor parameters and gradients are all that
+//! is whole).
 //!
 //! Invariants: the shard ranges are `sync.owned()`, bucket by bucket; the arithmetic is
 //! [`DataParallel::step`]'s at ZeRO 1/2 (staging scaled by the same f32 factor, the same average,
@@ -47,7 +49,6 @@ struct Shard {
     bucket: Range<usize>,
     /// This rank's block of it (flat range; `DataParallel`'s state range).
     own: Range<usize>,
-    params: DeviceBuffer, // (own.len) f32 master weights (shareable: the all-gather reads it)
     grads: DeviceBuffer,  // (own.len) reduced gradients, summed over the step's micro-batches
     m: DeviceBuffer,      // (own.len) first moments
     v: DeviceBuffer,      // (own.len) second moments
@@ -63,13 +64,13 @@ struct Shard {
 pub struct DeviceShards {
     shards: Vec<Shard>,
     stage: DeviceBuffer, // (largest bucket) f32: a bucket's gradients to reduce, then its gathered weights (shareable)
-    recv: DeviceBuffer,  // (largest block) f32: a later micro-batch's reduced block before it is added
+    recv: DeviceBuffer,  // (largest block) f32: a later micro-batch's reduced block before it is added; the block's weights while AdamW updates them (shareable: the all-gather reads it)
     /// ZeRO-2/3: reduce after every backward.
     every_backward: bool,
     /// ZeRO-2/3 on a whole model: each unit's buckets are reduced during the backward, as soon
     /// as the unit's gradients are final, and the model frees those gradients.
     per_unit: bool,
-    /// ZeRO-3: the model keeps only parameter shards (set from the master weights, never
+    /// ZeRO-3: the model keeps only parameter shards (the master weights, updated in place, never
     /// all-gathered here).
     sharded_params: bool,
     /// Micro-batches reduced into the shards this step.
@@ -99,7 +100,6 @@ impl DeviceShards {
             let n = own.len();
             shards.push(Shard {
                 bucket: bucket.clone(),
-                params: shareable(n)?,
                 grads: dev.alloc(n * 4)?,
                 m: dev.alloc(n * 4)?,
                 v: dev.alloc(n * 4)?,
@@ -114,7 +114,7 @@ impl DeviceShards {
         Ok(DeviceShards {
             shards,
             stage: shareable(bucket)?,
-            recv: dev.alloc(block * 4)?,
+            recv: shareable(block)?,
             every_backward: sync.reduces_every_backward(),
             per_unit: sync.reduces_every_backward() && model.is_whole(),
             sharded_params: sync.zero == 3,
@@ -124,30 +124,29 @@ impl DeviceShards {
         })
     }
 
-    /// Device bytes of the optimizer state and its staging (4 shard-sized buffers, one bucket,
+    /// Device bytes of the optimizer state and its staging (3 shard-sized buffers, one bucket,
     /// one block).
     pub fn device_bytes(&self) -> usize {
         let shard: usize = self.shards.iter().map(|s| s.own.len()).sum();
-        16 * shard + self.stage.len() + self.recv.len()
+        12 * shard + self.stage.len() + self.recv.len()
     }
 
-    /// Takes the master weights from the model's host mirror (whole on every rank at ZeRO <= 2,
-    /// the owned ranges at ZeRO-3) and the moments from `sync`'s AdamW states; returns their step
-    /// count. The model uploads its host parameters before its next forward (ZeRO-3: takes the
-    /// master weights as its parameter shards).
+    /// Takes the moments from `sync`'s AdamW states and returns their step count. The weights
+    /// are the model's: it uploads its host parameters before its next forward (whole on every
+    /// rank at ZeRO <= 2); at ZeRO-3 its parameter shards are set from the host mirror's owned
+    /// ranges here.
     pub fn load(&mut self, model: &mut DeviceGpt, sync: &DataParallel) -> Result<u64> {
         let mut step = None;
-        for (k, (s, state)) in self.shards.iter_mut().zip(sync.states()).enumerate() {
+        for (s, state) in self.shards.iter_mut().zip(sync.states()) {
             if state.range() != s.own || *step.get_or_insert(state.step) != state.step {
                 return Err(Error::Check("AdamW states do not match the device shards".into()));
             }
             let dev = model.device();
-            dev.copy_to_device(&mut s.params, &model.params()[s.own.clone()])?;
             dev.copy_to_device(&mut s.m, &state.m)?;
             dev.copy_to_device(&mut s.v, &state.v)?;
-            if self.sharded_params {
-                model.set_param_shard(k, &s.params)?;
-            }
+        }
+        if self.sharded_params {
+            model.param_shards_from_host()?;
         }
         if self.per_unit {
             model.set_grad_release()?;
@@ -160,9 +159,7 @@ impl DeviceShards {
     pub fn store(&self, model: &mut DeviceGpt, sync: &mut DataParallel, step: u64) -> Result<()> {
         if self.sharded_params {
             // ZeRO-3 checkpoints write each rank's owned ranges only.
-            for s in &self.shards {
-                model.host_params_range_from(s.own.clone(), &s.params)?;
-            }
+            model.host_params_from_shards()?;
         } else {
             model.host_params_from_device()?;
         }
@@ -322,8 +319,9 @@ impl DeviceShards {
         Ok(sq[0])
     }
 
-    /// Applies the AdamW update `u` (clipping scale included) to the shards, and gathers the
-    /// updated weights over `dp` into the model's tensors.
+    /// Applies the AdamW update `u` (clipping scale included) to the shards' weights, and
+    /// gathers the updated weights over `dp` into the model's tensors (ZeRO-3: updates the
+    /// model's parameter shards in place).
     pub fn update(
         &mut self,
         model: &mut DeviceGpt,
@@ -332,24 +330,24 @@ impl DeviceShards {
         u: &AdamWStep,
     ) -> Result<()> {
         for (k, s) in self.shards.iter_mut().enumerate() {
-            // The device is borrowed from the model until the gather; the unpack writes the model.
-            let dev = model.device();
-            for (span, decay) in &s.decay {
-                let bufs = AdamWBuffers {
-                    params: &mut s.params,
-                    grads: &s.grads,
-                    m: &mut s.m,
-                    v: &mut s.v,
-                };
-                ops::adamw_update(dev, bufs, span.clone(), u, *decay)?;
-            }
+            let mut adamw = |dev: &Device, params: &mut DeviceBuffer| {
+                for (span, decay) in &s.decay {
+                    let bufs = AdamWBuffers { params: &mut *params, grads: &s.grads, m: &mut s.m, v: &mut s.v };
+                    ops::adamw_update(dev, bufs, span.clone(), u, *decay)?;
+                }
+                Ok(())
+            };
             if self.sharded_params {
-                model.set_param_shard(k, &s.params)?;
-            } else if dp.size() > 1 {
-                coll.bind(dp, dev).all_gather_into(&s.params, &mut self.stage, s.bucket.len(), DType::F32)?;
+                model.with_param_shard(k, &mut adamw)?;
+                continue;
+            }
+            model.pack_params_range(s.own.clone(), &mut self.recv)?;
+            adamw(model.device(), &mut self.recv)?;
+            if dp.size() > 1 {
+                coll.bind(dp, model.device()).all_gather_into(&self.recv, &mut self.stage, s.bucket.len(), DType::F32)?;
                 model.unpack_params_range(s.bucket.clone(), &self.stage)?;
             } else {
-                model.unpack_params_range(s.bucket.clone(), &s.params)?;
+                model.unpack_params_range(s.bucket.clone(), &self.recv)?;
             }
         }
         match self.sharded_params {
@@ -479,10 +477,11 @@ mod tests {
                     assert_eq!((d.range(), d.step), (h.range(), h.step));
                     assert!(same(&d.m, &h.m) && same(&d.v, &h.v), "ZeRO {zero}: moments of {:?} differ", d.range());
                 }
-                // The state is a shard: 4 shard-sized buffers, one bucket and one block of staging.
+                // The state is a shard: 3 shard-sized buffers (the weights are the model's), one
+                // bucket and one block of staging.
                 let shard = dev_sync.state_len();
                 assert!(shard < n / 2 + dev_sync.buckets());
-                assert_eq!(step.device_bytes(), 16 * shard + 4 * bucket + 4 * bucket.div_ceil(2));
+                assert_eq!(step.device_bytes(), 12 * shard + 4 * bucket + 4 * bucket.div_ceil(2));
                 step.finish(&dev, &c).unwrap();
                 dev.params().to_vec()
             });

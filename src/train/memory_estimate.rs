@@ -9,15 +9,16 @@
 //!
 //! | term        | ZeRO-0 | ZeRO-1 | ZeRO-2 | ZeRO-3 |
 //! |-------------|--------|--------|--------|--------|
-//! | parameters  | n      | n + s  | n + s  | 2s + gathered |
+//! | parameters  | n      | n      | n      | s + gathered |
 //! | gradients   | n      | n + s  | live + s | live + s |
 //! | AdamW m, v  | 2n     | 2s     | 2s     | 2s     |
 //! | staging     | n or bucket | pool + bucket + block | pool + bucket + block | pool + 2 buckets + block |
 //!
 //! (`pool` depends on where the reduction runs, see below.)
 //!
-//! - the `+ s` of ZeRO >= 1 parameters: the step's master weights of the shard (ZeRO-3: the
-//!   model's parameter shards and the master weights);
+//! - parameters: the model's f32 tensors are the master weights (the step updates a block at a
+//!   time in its receive buffer, or at ZeRO-3 the model's parameter shards in place), so no
+//!   stage keeps a second copy;
 //! - *gathered* (ZeRO-3): the units one layer reads at once, all of them (the embedding `wte` +
 //!   `wpe`, one block, or the head `lnf` + `wte`), the largest of these;
 //! - *live* gradients (ZeRO-2/3 on a whole model, which frees each unit's gradients once they
@@ -106,9 +107,9 @@ impl MemoryEstimate {
         let gathered = (wte + wpe).max(largest_other).max(lnf + wte);
         let (params, grads, optimizer, staging) = match i.zero {
             0 => (n, n, 2 * n, if i.host_reduce || i.device_overlap { n } else { largest_bucket }),
-            1 => (n + s, n + s, 2 * s, pool + largest_bucket + block),
-            2 => (n + s, live + s, 2 * s, pool + largest_bucket + block),
-            _ => (2 * s + gathered, live + s, 2 * s, pool + 2 * largest_bucket + block),
+            1 => (n, n + s, 2 * s, pool + largest_bucket + block),
+            2 => (n, live + s, 2 * s, pool + largest_bucket + block),
+            _ => (s + gathered, live + s, 2 * s, pool + 2 * largest_bucket + block),
         };
         MemoryEstimate {
             params: params * F32,
@@ -157,9 +158,9 @@ mod tests {
         // ZeRO-0: host staging of every bucket, or one bucket on a device.
         assert_eq!(e(0, true), MemoryEstimate { params: 4000, grads: 4000, optimizer: 8000, staging: 4000, activations: 40 });
         assert_eq!(e(0, false).staging, 400);
-        // ZeRO-1: master shard 250, gradient shard 250; host: a pool of the 4 largest buckets
-        // (100 each); staging bucket 100 and block 25.
-        assert_eq!(e(1, true), MemoryEstimate { params: 5000, grads: 5000, optimizer: 2000, staging: 2100, activations: 40 });
+        // ZeRO-1: no second copy of the weights, gradient shard 250; host: a pool of the 4
+        // largest buckets (100 each); staging bucket 100 and block 25.
+        assert_eq!(e(1, true), MemoryEstimate { params: 4000, grads: 5000, optimizer: 2000, staging: 2100, activations: 40 });
         assert_eq!(e(1, false).grads, 5000);
         assert_eq!(e(1, false).staging, 500);
         // Device memory reduced on a communication thread: every bucket's staging at ZeRO-0; at
@@ -170,8 +171,8 @@ mod tests {
         assert_eq!((dev(1).grads, dev(1).staging), (5000, (4 * 125 + 125) * 4));
         // Live gradients: wte 400 + largest other unit 200.
         assert_eq!(e(2, false).grads, (600 + 250) * 4);
-        // Gathered: lnf + wte = wte + wpe = 500 > a block; parameters 2s + 500.
-        assert_eq!(e(3, false).params, (500 + 500) * 4);
+        // Gathered: lnf + wte = wte + wpe = 500 > a block; parameters s + 500.
+        assert_eq!(e(3, false).params, (250 + 500) * 4);
         assert_eq!(e(3, false).staging, (200 + 25) * 4);
         assert_eq!(e(3, true).total(), e(3, true).params + e(3, true).grads + 2000 + (400 + 225) * 4 + 40);
     }

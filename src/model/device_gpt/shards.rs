@@ -8,7 +8,7 @@
 //!
 //! Invariants: buckets lie inside units (the data-parallel reducer plans them over
 //! [`DeviceGpt::units`]); the shards are the device optimizer's master weights, copied in after
-//! each step or load ([`DeviceGpt::set_param_shard`]), which releases every gathered unit since
+//! each step or load ([`DeviceGpt::with_param_shard`]), which releases every gathered unit since
 //! those copies are stale; every member of the group acquires the same units in the same order
 //! (SPMD), so the all-gathers match.
 
@@ -18,7 +18,7 @@ use super::{DeviceGpt, GradSink};
 use crate::comm::device::{GpuCommConfig, GpuCommState};
 use crate::comm::{Communicator, DType};
 use crate::device::ipc::alloc_shareable;
-use crate::device::{ops, DeviceBuffer};
+use crate::device::{ops, Device, DeviceBuffer};
 use crate::error::{Error, Result};
 use crate::model::tp_layout::ShardLayout;
 
@@ -121,6 +121,19 @@ impl DeviceGpt {
         Ok(())
     }
 
+    /// Copies the device parameters of the flat range `r` into `dst` (`r.len()` elements from 0),
+    /// uploading the host mirror first if it is newer.
+    pub fn pack_params_range(&mut self, r: Range<usize>, dst: &mut DeviceBuffer) -> Result<()> {
+        if self.params_stale && self.shards.is_none() {
+            self.upload_params()?;
+        }
+        for (i, p) in entry_parts(&self.layout, r.clone()) {
+            let off = p.start - self.layout.entries()[i].offset;
+            ops::copy(&self.dev, dst, p.start - r.start, &self.params[i], off, p.len())?;
+        }
+        Ok(())
+    }
+
     /// Sets the device parameters of the flat range `r` from `src` (`r.len()` elements from 0);
     /// the bf16 copies follow in [`DeviceGpt::refresh_params16`] once every range is set.
     pub fn unpack_params_range(&mut self, r: Range<usize>, src: &DeviceBuffer) -> Result<()> {
@@ -176,7 +189,7 @@ impl DeviceGpt {
     /// ZeRO-3: from now on keeps only block `owned[k]` of each bucket `buckets[k]` of the flat
     /// parameters (the data-parallel reducer's shards over `comm`, the data-parallel group) and
     /// gathers units on use; frees every entry's parameters. The shards' values come with
-    /// [`DeviceGpt::set_param_shard`].
+    /// [`DeviceGpt::with_param_shard`].
     pub fn shard_params(&mut self, comm: Communicator, buckets: &[Range<usize>], owned: &[Range<usize>]) -> Result<()> {
         let units = self.units();
         let inside = |b: &Range<usize>| units.iter().any(|u| u.start <= b.start && b.end <= u.end);
@@ -203,17 +216,44 @@ impl DeviceGpt {
         self.release_units(&[])
     }
 
-    /// ZeRO-3: sets bucket `k`'s owned block from `src` (its length, on this device) and releases
-    /// every gathered unit.
-    pub fn set_param_shard(&mut self, k: usize, src: &DeviceBuffer) -> Result<()> {
+    /// ZeRO-3: runs `f` on the device and bucket `k`'s owned block (its `own.len()` f32, the
+    /// optimizer's master weights, updated in place), then releases every gathered unit, whose
+    /// copies are stale.
+    pub fn with_param_shard(&mut self, k: usize, f: &mut dyn FnMut(&Device, &mut DeviceBuffer) -> Result<()>) -> Result<()> {
         let Some(z) = &mut self.shards else {
-            return Err(Error::Check("set_param_shard without ZeRO-3 parameter shards".into()));
+            return Err(Error::Check("with_param_shard without ZeRO-3 parameter shards".into()));
         };
-        let b = &mut z.buckets[k];
-        if !b.own.is_empty() {
-            ops::copy(&self.dev, &mut b.shard, 0, src, 0, b.own.len())?;
-        }
+        f(&self.dev, &mut z.buckets[k].shard)?;
         self.release_units(&[])
+    }
+
+    /// ZeRO-3: sets every owned block from the host mirror (a load) and releases every
+    /// gathered unit.
+    pub fn param_shards_from_host(&mut self) -> Result<()> {
+        let Some(z) = &mut self.shards else {
+            return Err(Error::Check("param_shards_from_host without ZeRO-3 parameter shards".into()));
+        };
+        if self.host_params.len() != self.layout.total_len() {
+            return Err(Error::Check("the host copy of the parameters was given back: the device holds the training state".into()));
+        }
+        for b in z.buckets.iter_mut().filter(|b| !b.own.is_empty()) {
+            self.dev.copy_to_device(&mut b.shard, &self.host_params[b.own.clone()])?;
+        }
+        self.params_stale = false;
+        self.release_units(&[])
+    }
+
+    /// ZeRO-3: copies every owned block into the host mirror's ranges (checkpoints write each
+    /// rank's owned ranges only); the rest of the mirror is left as it is.
+    pub fn host_params_from_shards(&mut self) -> Result<()> {
+        let Some(z) = &self.shards else {
+            return Err(Error::Check("host_params_from_shards without ZeRO-3 parameter shards".into()));
+        };
+        self.host_params.resize(self.layout.total_len(), 0.0);
+        for b in z.buckets.iter().filter(|b| !b.own.is_empty()) {
+            self.dev.copy_to_host(&b.shard, &mut self.host_params[b.own.clone()])?;
+        }
+        Ok(())
     }
 
     /// Checks the gathers' last calls, then closes their peer mappings (collective over the
@@ -412,10 +452,8 @@ mod tests {
             assert!(buckets.len() > sharded.units().len(), "some tensor is cut across buckets");
             let comm = c.split(Some(0), c.rank() as i64).unwrap().unwrap();
             sharded.shard_params(comm, &buckets, &owned).unwrap();
-            for (k, own) in owned.iter().enumerate() {
-                let shard = Device::Cpu.upload(&init[own.clone()]).unwrap();
-                sharded.set_param_shard(k, &shard).unwrap();
-            }
+            // The owned blocks come from the host mirror (the initialisation).
+            sharded.param_shards_from_host().unwrap();
             let resident = |m: &DeviceGpt| m.params.iter().filter(|p| !p.is_empty()).count();
             assert_eq!(resident(&sharded), 0, "nothing is resident before a use");
             let tokens: Vec<u32> = (0..B * T).map(|i| (i * 7 % 64) as u32).collect();

@@ -38,6 +38,13 @@ pub(crate) mod overrides;
 
 pub use crate::device::{DeviceKind, Precision};
 
+/// Whether `var` is a job-configuration override (`MESHTRAIN_<SECTION>_<KEY>` or a top-level
+/// key), which the configuration loader checks: the runtime variables' misspelling check
+/// ([`crate::world::World::init`]) lets these pass.
+pub fn is_override_var(var: &str) -> bool {
+    overrides::env_key(var).is_some()
+}
+
 /// The complete, validated configuration of a training job.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct JobConfig {

@@ -1,18 +1,21 @@
 //! meshtrain: trains GPT models on supercomputers.
 //!
-//! Layers, bottom to top (each only uses the ones below it; where code does not yet, the arrow
-//! is listed under "Not yet" so that it is not copied):
+//! Layers, bottom to top; each only uses the ones below it (or beside it in the same line), and
+//! no import points up or round:
 //! - [`dtype`], [`error`], [`env`], [`memory`]: leaves. Element types and reduce operators with
 //!   their byte kernels; the one error type; every runtime `MESHTRAIN_*` variable and the one size
 //!   parser; releasing buffer pages (ZeRO-2/3 residency) and measuring resident memory.
-//! - [`bootstrap`]: MPI discovers ranks and broadcasts the unique id (root address + secret);
-//!   nothing else ever goes through MPI. The pre-MPI check of the environment lives here.
+//! - [`bootstrap`]: MPI discovers ranks and nodes and broadcasts the unique id (root address +
+//!   secret) under the start-up watchdog; nothing else ever goes through MPI.
 //! - [`transport`]: chunk FIFOs between two ranks over shared memory, TCP or libfabric.
 //! - [`device`]: `Device {Cpu, Cuda, Hip, Emu}`: buffers, streams, and ops with one arm per
 //!   device; `device::cpu` holds the CPU arm's kernels (one file per layer, the matrix product,
 //!   AdamW, threads), which are also the numerical reference of the GPU kernels.
 //! - [`comm`]: communicators, rings, and the collective algorithms written over transport
 //!   primitives; `comm::device` runs them on device buffers (paths behind one trait).
+//! - [`world`]: assembles the job on what `bootstrap` found: the pre-MPI check of the runtime
+//!   environment, meshtrain's own network (listeners, the control channel, the peer table) and
+//!   the communicator of all ranks.
 //! - [`model`], [`optim`], [`data`]: the GPT model (layout tables, init, sampling; one executor,
 //!   `model::DeviceGpt`, runs every layout on every device arm, the CPU's included, and
 //!   `model::Gpt` is the single-rank reference that tests compare it with), AdamW state over flat
@@ -25,9 +28,6 @@
 //! - [`bench`], [`sweep`], [`plan`]: `meshtrain bench` (collective and step benchmarks), scaling
 //!   sweeps, and `meshtrain plan`/`tune` (machine profiles, the cost model, the layout search).
 //!
-//! Not yet (arrows that still point up or round): `bootstrap` imports `transport` and `comm` (it
-//! builds the connector and the world communicator; only its MPI part belongs at the bottom) and
-//! `config` (the override names of the misspelling check).
 
 pub mod bench;
 pub mod bootstrap;
@@ -48,5 +48,6 @@ pub mod plan;
 pub mod sweep;
 pub mod train;
 pub mod transport;
+pub mod world;
 
 pub use error::{Error, Result};

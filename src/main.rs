@@ -18,7 +18,8 @@ use meshtrain::data::{tokenize_files, Gpt2Tokenizer, GPT2_VOCAB_SIZE};
 use meshtrain::model::sample::{self, SampleOptions};
 use meshtrain::model::{Gpt, GptConfig, ParamLayout};
 use meshtrain::train::{self, TrainOptions};
-use meshtrain::bootstrap::{rank_hint, World};
+use meshtrain::bootstrap::rank_hint;
+use meshtrain::world::World;
 use meshtrain::comm::{probe::Reads, selftest, Communicator, DType, ReduceOp};
 use meshtrain::config::{DeviceKind, Precision};
 use meshtrain::device::Device;
@@ -550,7 +551,7 @@ fn tokenize(args: &TokenizeArgs) -> Result<()> {
 /// `meshtrain train`: a layout that does not fit the ranks the job got is said once, by rank 0,
 /// before any rank exits (the world's shutdown barrier), with the `--set` that would fit.
 fn train_job(cfg: &JobConfig, args: &TrainArgs) -> Result<()> {
-    let mut world = World::init()?;
+    let mut world = World::init(meshtrain::config::is_override_var)?;
     if let Err(e) = cfg.validate_world(world.size) {
         if world.rank == 0 {
             let _ = std::io::stderr().write_all(format!("meshtrain: error: {e}\n").as_bytes());
@@ -568,7 +569,7 @@ fn train_job(cfg: &JobConfig, args: &TrainArgs) -> Result<()> {
 
 /// Runs `f` inside an initialized world; on failure raises the job-wide abort and exits at once.
 fn with_world(f: impl FnOnce(&World) -> Result<()>) -> Result<()> {
-    in_world(World::init()?, f)
+    in_world(World::init(meshtrain::config::is_override_var)?, f)
 }
 
 /// Runs `f` in `world`; on failure raises the job-wide abort and exits at once.

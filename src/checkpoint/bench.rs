@@ -12,10 +12,11 @@
 
 use std::fmt;
 use std::io::{Read, Write};
-use std::path::Path;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::checkpoint::boxes::{flat_range_slices, load_flat_range};
+use crate::checkpoint::boxes::{flat_range_slices, load_flat_range, ShardSlice};
 use crate::checkpoint::index::open;
 use crate::checkpoint::meta::{CkptMeta, OptimizerMeta};
 use crate::checkpoint::save::save;
@@ -186,7 +187,7 @@ fn min_over(comm: &Communicator, x: f64) -> Result<f64> {
 /// Runs the benchmark in `dir` (created, and emptied of its own files afterwards) on every rank of
 /// `comm`, for a model of `n_params` parameters.
 pub fn bench_checkpoint(comm: &Communicator, dir: &Path, n_params: usize) -> Result<CkptBenchReport> {
-    let (k, rank) = (comm.size(), comm.rank());
+    let k = comm.size();
     if n_params < WIDTH * k {
         return Err(Error::InvalidArgument(format!(
             "bench checkpoint: need at least {} parameters",
@@ -194,85 +195,117 @@ pub fn bench_checkpoint(comm: &Communicator, dir: &Path, n_params: usize) -> Res
         )));
     }
     std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
-    let entries = synthetic_entries(n_params);
-    let mine = block_range(n_params, k, rank);
-    let bufs: Vec<Vec<f32>> = (0..3)
-        .map(|b| {
-            mine.clone()
-                .map(|i| ((i * 7 + b * 13) % 1009) as f32 * 1e-3 - 0.5)
-                .collect()
-        })
-        .collect();
-    let mut slices = Vec::new();
-    for (prefix, buf) in ["model", "optim/m", "optim/v"].iter().zip(&bufs) {
-        slices.extend(flat_range_slices(
-            prefix,
-            &entries,
-            buf,
-            mine.start,
-            mine.clone(),
-        )?);
-    }
-    let bytes = 3 * 4 * mine.len();
+    let data = BenchData::new(comm.rank(), k, n_params);
+    let seq = dir.join(format!("seq_{}.bin", rank_file_name(comm.rank())));
+    let root = dir.join("ckpt");
+    let rates = save_and_load(comm, &data, &seq, &root)?;
+    let (needed, read) = reshard_read(comm, &data.entries, &rates.ckpt)?;
 
-    // Baseline: the same bytes, one plain file per rank.
-    let seq = dir.join(format!("seq_{}.bin", rank_file_name(rank)));
-    let raw: Vec<u8> = bufs
-        .iter()
-        .flat_map(|b| bytemuck::cast_slice::<f32, u8>(b).iter().copied())
-        .collect();
+    comm.barrier()?;
+    let _ = std::fs::remove_file(&seq);
+    if comm.rank() == 0 {
+        let _ = std::fs::remove_dir_all(&root);
+    }
+    Ok(CkptBenchReport {
+        ranks: k,
+        bytes_per_rank: data.bytes as u64,
+        seq_write_gbps: min_over(comm, rates.seq_write)? / 1e9,
+        save_gbps: min_over(comm, rates.save)? / 1e9,
+        seq_read_gbps: min_over(comm, rates.seq_read)? / 1e9,
+        load_gbps: min_over(comm, rates.load)? / 1e9,
+        reshard_needed_bytes: needed,
+        reshard_read_bytes: read,
+    })
+}
+
+/// One rank's share of the synthetic checkpoint: parameters and both AdamW moments.
+struct BenchData {
+    entries: Vec<ParamEntry>,
+    /// This rank's flat range.
+    mine: Range<usize>,
+    /// (mine.len) each: `model`, `optim/m`, `optim/v`.
+    bufs: Vec<Vec<f32>>,
+    /// Bytes of `bufs`.
+    bytes: usize,
+}
+
+/// The tensors' prefixes in the checkpoint, in `BenchData::bufs` order.
+const PREFIXES: [&str; 3] = ["model", "optim/m", "optim/v"];
+
+impl BenchData {
+    fn new(rank: usize, k: usize, n_params: usize) -> Self {
+        let entries = synthetic_entries(n_params);
+        let mine = block_range(n_params, k, rank);
+        let bufs: Vec<Vec<f32>> =
+            (0..3).map(|b| mine.clone().map(|i| ((i * 7 + b * 13) % 1009) as f32 * 1e-3 - 0.5).collect()).collect();
+        let bytes = 3 * 4 * mine.len();
+        BenchData { entries, mine, bufs, bytes }
+    }
+
+    /// The checkpoint slices of `bufs`.
+    fn slices(&self) -> Result<Vec<ShardSlice<'_>>> {
+        let mut slices = Vec::new();
+        for (prefix, buf) in PREFIXES.iter().zip(&self.bufs) {
+            slices.extend(flat_range_slices(prefix, &self.entries, buf, self.mine.start, self.mine.clone())?);
+        }
+        Ok(slices)
+    }
+}
+
+/// Bytes per second of the plain file and the checkpoint, each written and read back once.
+struct Rates {
+    seq_write: f64,
+    save: f64,
+    seq_read: f64,
+    load: f64,
+    /// The checkpoint written.
+    ckpt: PathBuf,
+}
+
+/// Writes the rank's bytes as one plain file `seq` (the baseline) and as a checkpoint under
+/// `root`, then reads both back from a cold cache, checking the checkpoint's values.
+fn save_and_load(comm: &Communicator, data: &BenchData, seq: &Path, root: &Path) -> Result<Rates> {
+    let (rank, bytes) = (comm.rank(), data.bytes as f64);
+    let raw: Vec<u8> = data.bufs.iter().flat_map(|b| bytemuck::cast_slice::<f32, u8>(b).iter().copied()).collect();
     comm.barrier()?;
     let t = Instant::now();
-    sequential_write(&seq, &raw)?;
-    let seq_write = bytes as f64 / t.elapsed().as_secs_f64();
+    sequential_write(seq, &raw)?;
+    let seq_write = bytes / t.elapsed().as_secs_f64();
     drop(raw);
 
-    let root = dir.join("ckpt");
     let _ = std::fs::remove_dir_all(root.join(step_dir_name(1)));
-    let config = GptConfig {
-        n_layer: 0,
-        n_head: 1,
-        n_embd: WIDTH,
-        vocab_size: 1,
-        max_seq_len: 1,
-    };
-    let meta = CkptMeta::new(
-        1,
-        0,
-        config,
-        OptimizerMeta {
-            adamw: AdamWConfig::default(),
-            steps_taken: 1,
-        },
-    );
+    let config = GptConfig { n_layer: 0, n_head: 1, n_embd: WIDTH, vocab_size: 1, max_seq_len: 1 };
+    let meta = CkptMeta::new(1, 0, config, OptimizerMeta { adamw: AdamWConfig::default(), steps_taken: 1 });
     comm.barrier()?;
     let t = Instant::now();
-    let ckpt = save(comm, &root, 1, &slices, &meta, 1)?;
-    let save_bw = bytes as f64 / t.elapsed().as_secs_f64();
+    let ckpt = save(comm, root, 1, &data.slices()?, &meta, 1)?;
+    let save = bytes / t.elapsed().as_secs_f64();
 
-    drop_cache(&seq)?;
+    drop_cache(seq)?;
     let t = Instant::now();
-    sequential_read(&seq, bytes)?;
-    let seq_read = bytes as f64 / t.elapsed().as_secs_f64();
+    sequential_read(seq, data.bytes)?;
+    let seq_read = bytes / t.elapsed().as_secs_f64();
 
     let index = open(&ckpt)?;
-    let own = ckpt.join(rank_file_name(rank));
-    drop_cache(&own)?;
+    drop_cache(&ckpt.join(rank_file_name(rank)))?;
     comm.barrier()?;
     let t = Instant::now();
-    let mut back = vec![0f32; mine.len()];
-    for (prefix, buf) in ["model", "optim/m", "optim/v"].iter().zip(&bufs) {
-        load_flat_range(&index, prefix, &entries, mine.clone(), &mut back)?;
+    let mut back = vec![0f32; data.mine.len()];
+    for (prefix, buf) in PREFIXES.iter().zip(&data.bufs) {
+        load_flat_range(&index, prefix, &data.entries, data.mine.clone(), &mut back)?;
         if &back != buf {
-            return Err(Error::Check(format!(
-                "bench checkpoint: rank {rank} read back different {prefix} values"
-            )));
+            return Err(Error::Check(format!("bench checkpoint: rank {rank} read back different {prefix} values")));
         }
     }
-    let load_bw = bytes as f64 / t.elapsed().as_secs_f64();
+    let load = bytes / t.elapsed().as_secs_f64();
+    Ok(Rates { seq_write, save, seq_read, load, ckpt })
+}
 
-    // Resharding: row block `next` of every 2-D model tensor, right column half.
-    let next = (rank + 1) % k;
+/// Resharding: reads row block `rank + 1` of every 2-D model tensor, right column half, from a
+/// cold cache; returns the bytes needed and the bytes the process read.
+fn reshard_read(comm: &Communicator, entries: &[ParamEntry], ckpt: &Path) -> Result<(u64, u64)> {
+    let (k, next) = (comm.size(), (comm.rank() + 1) % comm.size());
+    let index = open(ckpt)?;
     for r in 0..k {
         drop_cache(&ckpt.join(rank_file_name(r)))?;
     }
@@ -284,31 +317,9 @@ pub fn bench_checkpoint(comm: &Communicator, dir: &Path, n_params: usize) -> Res
         if rows.is_empty() {
             continue;
         }
-        let shape = [rows.len(), WIDTH / 2];
         let mut out = vec![0f32; rows.len() * WIDTH / 2];
-        index.load_slice(
-            &format!("model/{}", e.name),
-            &[rows.start, WIDTH / 2],
-            &shape,
-            &mut out,
-        )?;
+        index.load_slice(&format!("model/{}", e.name), &[rows.start, WIDTH / 2], &[rows.len(), WIDTH / 2], &mut out)?;
         needed += 4 * out.len() as u64;
     }
-    let read = rchar()? - before;
-
-    comm.barrier()?;
-    let _ = std::fs::remove_file(&seq);
-    if rank == 0 {
-        let _ = std::fs::remove_dir_all(&root);
-    }
-    Ok(CkptBenchReport {
-        ranks: k,
-        bytes_per_rank: bytes as u64,
-        seq_write_gbps: min_over(comm, seq_write)? / 1e9,
-        save_gbps: min_over(comm, save_bw)? / 1e9,
-        seq_read_gbps: min_over(comm, seq_read)? / 1e9,
-        load_gbps: min_over(comm, load_bw)? / 1e9,
-        reshard_needed_bytes: needed,
-        reshard_read_bytes: read,
-    })
+    Ok((needed, rchar()? - before))
 }

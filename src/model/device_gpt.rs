@@ -182,13 +182,7 @@ impl DeviceGpt {
         spec: StageSpec,
         slots: usize,
     ) -> Result<Self> {
-        config.validate()?;
-        if b == 0 || t == 0 || t > config.max_seq_len {
-            return Err(Error::config("train.seq_len", format!("B={b}, T={t} must be positive with T <= {}", config.max_seq_len)));
-        }
-        if slots == 0 || spec.chunks.is_empty() {
-            return Err(Error::InvalidArgument("a device stage needs at least one chunk and one slot".into()));
-        }
+        check_shape(&config, (b, t), &spec, slots)?;
         let (tp_rank, tp_size) = tp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
         let layout = ShardLayout::new(&config, tp_rank, tp_size, &spec)?;
         if params.len() != layout.total_len() {
@@ -209,19 +203,7 @@ impl DeviceGpt {
         let vl = config.padded_vocab_size() / tp_size;
         let vocab = VocabShard { start: tp_rank * vl, vl, real: real_columns(tp_rank * vl, vl, config.vocab_size) };
         let w = Widths { cl: c / tp_size, hl: 4 * c / tp_size, nhl: config.n_head / tp_size, vocab };
-        let index: HashMap<usize, usize> = layout.entries().iter().enumerate().map(|(i, e)| (e.offset, i)).collect();
-        let at = |name: &str| layout.get(name).map(|e| index[&e.offset]);
-        let ends = Ends {
-            wte: at("wte"),
-            wpe: at("wpe"),
-            lnf: at("lnf.weight").zip(at("lnf.bias")),
-        };
-        let consistent = ends.wte.is_some() == (spec.first || spec.last)
-            && ends.wpe.is_some() == spec.first
-            && ends.lnf.is_some() == spec.last;
-        if !consistent {
-            return Err(Error::Check(format!("the shard layout's end tensors do not match the stage {spec:?}")));
-        }
+        let (index, ends) = end_tensors(&layout, &spec)?;
         let mut p = Vec::new();
         let mut g = Vec::new();
         let mut p16 = Vec::new();
@@ -674,6 +656,35 @@ impl DeviceGpt {
         }
         Ok(false)
     }
+}
+
+/// Refuses a batch shape, slot count or stage the executor cannot run.
+fn check_shape(config: &GptConfig, (b, t): (usize, usize), spec: &StageSpec, slots: usize) -> Result<()> {
+    config.validate()?;
+    if b == 0 || t == 0 || t > config.max_seq_len {
+        return Err(Error::config("train.seq_len", format!("B={b}, T={t} must be positive with T <= {}", config.max_seq_len)));
+    }
+    if slots == 0 || spec.chunks.is_empty() {
+        return Err(Error::InvalidArgument("a device stage needs at least one chunk and one slot".into()));
+    }
+    Ok(())
+}
+
+/// The entry index of each layout offset, and the stage's end tensors (`wte`, `wpe`, `lnf`),
+/// which must be the ones its place in the pipeline reads.
+fn end_tensors(layout: &ShardLayout, spec: &StageSpec) -> Result<(HashMap<usize, usize>, Ends)> {
+    let index: HashMap<usize, usize> = layout.entries().iter().enumerate().map(|(i, e)| (e.offset, i)).collect();
+    let at = |name: &str| layout.get(name).map(|e| index[&e.offset]);
+    let ends = Ends {
+        wte: at("wte"),
+        wpe: at("wpe"),
+        lnf: at("lnf.weight").zip(at("lnf.bias")),
+    };
+    let consistent = ends.wte.is_some() == (spec.first || spec.last) && ends.wpe.is_some() == spec.first && ends.lnf.is_some() == spec.last;
+    if !consistent {
+        return Err(Error::Check(format!("the shard layout's end tensors do not match the stage {spec:?}")));
+    }
+    Ok((index, ends))
 }
 
 fn check_len(what: &str, got: usize, want: usize) -> Result<()> {

@@ -32,7 +32,7 @@ use super::profile::{
 };
 use super::{Job, Layout, Recompute, Stack};
 use crate::bench::collectives::{self, CollBench};
-use crate::bootstrap::World;
+use crate::world::World;
 use crate::comm::{Algo, CommConfig, Communicator, DType, ReduceOp};
 use crate::config::DeviceKind;
 use crate::device::gemm::{Gemm, GemmInput, Operand};

@@ -152,7 +152,7 @@ impl PlanArgs {
 }
 
 /// Runs `meshtrain plan calibrate` on `world`.
-pub fn calibrate(world: &crate::bootstrap::World, args: &PlanArgs) -> Result<()> {
+pub fn calibrate(world: &crate::world::World, args: &PlanArgs) -> Result<()> {
     let Some(PlanAction::Calibrate {
         out,
         name,

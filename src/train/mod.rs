@@ -30,7 +30,7 @@ mod stragglers;
 
 use std::path::PathBuf;
 
-use crate::bootstrap::World;
+use crate::world::World;
 use crate::config::JobConfig;
 use crate::error::Result;
 

@@ -23,7 +23,7 @@ use super::replica::{DeviceEvent, Replica, ReplicaLayout, TensorMap};
 use super::shutdown;
 use super::stragglers::Stragglers;
 use super::{TrainOptions, TrainReport};
-use crate::bootstrap::World;
+use crate::world::World;
 use crate::comm::stats::CommStats;
 use crate::comm::{Communicator, ReduceOp};
 use crate::config::JobConfig;

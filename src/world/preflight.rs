@@ -22,10 +22,11 @@ use crate::transport::net::NetConfig;
 
 use super::ifaddr;
 
-/// Validates every runtime variable; call before MPI is initialized.
-pub fn validate_runtime_env() -> Result<()> {
+/// Validates every runtime variable; call before MPI is initialized. `config_var` says whether a
+/// `MESHTRAIN_*` name is a job-configuration override.
+pub fn validate_runtime_env(config_var: fn(&str) -> bool) -> Result<()> {
     let names: Vec<String> = std::env::vars_os().filter_map(|(k, _)| k.into_string().ok()).collect();
-    check_names(names.iter().map(String::as_str))?;
+    check_names(names.iter().map(String::as_str), config_var)?;
     CommConfig::from_env()?;
     NetConfig::new(IpAddr::V4(Ipv4Addr::LOCALHOST), "").with_env()?;
     GpuCommConfig::from_env()?;
@@ -47,8 +48,8 @@ pub fn validate_runtime_env() -> Result<()> {
 /// A `MESHTRAIN_*` name that is neither a runtime variable, a job-config override
 /// (`MESHTRAIN_<SECTION>_<KEY>`, checked by the config loader) nor a tool variable is a typo
 /// that would otherwise be ignored silently: an error naming it and the nearest known name.
-fn check_names<'a>(names: impl Iterator<Item = &'a str>) -> Result<()> {
-    env::check_names(names, |name| crate::config::overrides::env_key(name).is_some())
+fn check_names<'a>(names: impl Iterator<Item = &'a str>, config_var: fn(&str) -> bool) -> Result<()> {
+    env::check_names(names, config_var)
 }
 
 /// The IPv4 address of interface `name` (`MESHTRAIN_SOCKET_IFNAME`).
@@ -62,17 +63,22 @@ pub fn interface_ip(name: &str) -> Result<IpAddr> {
 mod tests {
     use super::*;
 
+    /// The configuration's override names as the binary passes them.
+    fn config_var(name: &str) -> bool {
+        crate::config::is_override_var(name)
+    }
+
     #[test]
     fn misspelled_names_are_refused_with_the_nearest_known_name() {
-        let err = check_names(["PATH", "MESHTRAIN_TRANSPRT"].into_iter()).unwrap_err().to_string();
+        let err = check_names(["PATH", "MESHTRAIN_TRANSPRT"].into_iter(), config_var).unwrap_err().to_string();
         assert!(err.contains("MESHTRAIN_TRANSPRT") && err.contains("did you mean MESHTRAIN_TRANSPORT?"), "{err}");
-        let err = check_names(["MESHTRAIN_SHM_DEPHT"].into_iter()).unwrap_err().to_string();
+        let err = check_names(["MESHTRAIN_SHM_DEPHT"].into_iter(), config_var).unwrap_err().to_string();
         assert!(err.contains("did you mean MESHTRAIN_SHM_DEPTH?"), "{err}");
     }
 
     #[test]
     fn runtime_tool_and_config_names_pass() {
         let names = ["MESHTRAIN_TRANSPORT", "MESHTRAIN_EMU_CXX", "MESHTRAIN_TRAIN_STEPS", "MESHTRAIN_DEVICE", "OTHER"];
-        check_names(names.into_iter()).unwrap();
+        check_names(names.into_iter(), config_var).unwrap();
     }
 }

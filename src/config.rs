@@ -37,6 +37,7 @@ pub mod keys;
 pub(crate) mod overrides;
 
 pub use crate::device::{DeviceKind, Precision};
+pub use crate::model::Recompute;
 
 /// Whether `var` is a job-configuration override (`MESHTRAIN_<SECTION>_<KEY>` or a top-level
 /// key), which the configuration loader checks: the runtime variables' misspelling check
@@ -133,6 +134,9 @@ pub struct TrainConfig {
     /// CPU threads per rank for the GEMMs and the other layers; 0 = `OMP_NUM_THREADS`, else
     /// `OPENBLAS_NUM_THREADS`, else the node's cores / its ranks (default 0).
     pub threads: usize,
+    /// Activation recomputation: `none` (default), `selective` (the attention core) or `full`
+    /// (every block from its input).
+    pub recompute: Recompute,
     /// Testing knob `[step, rank]`: rank's loss is made NaN at that step (default: none).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub inject_nan_at: Option<[u64; 2]>,
@@ -163,6 +167,7 @@ struct TrainSection {
     log_every: u64,
     nonfinite: NonFinitePolicy,
     threads: usize,
+    recompute: Recompute,
     inject_nan_at: Option<[u64; 2]>,
 }
 
@@ -179,6 +184,7 @@ impl Default for TrainSection {
             log_every: 10,
             nonfinite: NonFinitePolicy::Stop,
             threads: 0,
+            recompute: Recompute::None,
             inject_nan_at: None,
         }
     }
@@ -620,6 +626,7 @@ impl FileConfig {
                 log_every: t.log_every,
                 nonfinite: t.nonfinite,
                 threads: t.threads,
+                recompute: t.recompute,
                 inject_nan_at: t.inject_nan_at,
             },
             optim: self.optim,

@@ -14,8 +14,11 @@
 //!   per layer forward, times 3 for training) over the full `T x T` score matrix, i.e. the causal mask
 //!   is not discounted, as in the PaLM paper's MFU definition.
 //!
-//! Recomputation is never counted (these are model FLOPs, not hardware FLOPs). MFU is achieved model
-//! FLOP/s divided by the peak of all devices of the job.
+//! Recomputation is never counted in model FLOPs, so MFU does not change with it. MFU is achieved
+//! model FLOP/s divided by the peak of all devices of the job. Hardware FLOPs add what
+//! `train.recompute` computes again per token: `selective` the attention core's forward
+//! (`4 L C T`), `full` every block's forward (`24 L C^2 + 4 L C T`); the JSONL reports them as
+//! `hardware_tflops`.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -27,7 +30,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::model::GptConfig;
+use crate::model::{GptConfig, Recompute};
 
 /// Matmul parameters `N = 12 L C^2 + V C` of the FLOP convention in the module doc.
 pub fn flop_params(model: &GptConfig) -> u64 {
@@ -45,10 +48,23 @@ pub fn train_flops_per_token(model: &GptConfig, seq_len: usize) -> f64 {
     6.0 * flop_params(model) as f64 + attention
 }
 
+/// FLOPs per token that `recompute` computes a second time (see the module doc).
+pub fn recompute_flops_per_token(model: &GptConfig, seq_len: usize, recompute: Recompute) -> f64 {
+    let (l, c, t) = (model.n_layer as f64, model.n_embd as f64, seq_len as f64);
+    let core = 4.0 * l * c * t;
+    match recompute {
+        Recompute::None => 0.0,
+        Recompute::Selective => core,
+        Recompute::Full => 24.0 * l * c * c + core,
+    }
+}
+
 /// Turns a token rate into model TFLOP/s and MFU for one job.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FlopCounter {
     flops_per_token: f64,
+    /// FLOPs per token recomputed in the backward (hardware, not model, FLOPs).
+    recompute_per_token: f64,
     /// Peak TFLOP/s of all devices together, when the per-device peak is known.
     peak_tflops_total: Option<f64>,
 }
@@ -63,8 +79,19 @@ impl FlopCounter {
     ) -> Self {
         FlopCounter {
             flops_per_token: train_flops_per_token(model, seq_len),
+            recompute_per_token: 0.0,
             peak_tflops_total: peak_tflops_per_device.map(|p| p * devices as f64),
         }
+    }
+
+    /// The same counter for a job that recomputes `recompute` in the backward.
+    pub fn with_recompute(self, model: &GptConfig, seq_len: usize, recompute: Recompute) -> Self {
+        FlopCounter { recompute_per_token: recompute_flops_per_token(model, seq_len, recompute), ..self }
+    }
+
+    /// Achieved hardware TFLOP/s: the model's plus the recomputed FLOPs.
+    pub fn hardware_tflops(&self, tokens_per_s: f64) -> f64 {
+        (self.flops_per_token + self.recompute_per_token) * tokens_per_s / 1e12
     }
 
     /// Model FLOPs per trained token.
@@ -282,6 +309,14 @@ mod tests {
         assert_eq!(c.model_tflops(1e5), tflops);
         assert_eq!(c.mfu(1e5), Some(tflops / 200.0));
         assert_eq!(FlopCounter::new(&d12, 1024, None, 2).mfu(1e5), None);
+        // Recomputation adds hardware FLOPs only: MFU stays.
+        let full = c.with_recompute(&d12, 1024, Recompute::Full);
+        let sel = c.with_recompute(&d12, 1024, Recompute::Selective);
+        assert_eq!((full.mfu(1e5), sel.model_tflops(1e5)), (c.mfu(1e5), c.model_tflops(1e5)));
+        let (l, ch, t) = (12.0, 768.0, 1024.0);
+        assert_eq!(sel.hardware_tflops(1e5), (c.flops_per_token() + 4.0 * l * ch * t) * 1e5 / 1e12);
+        assert_eq!(full.hardware_tflops(1e5), (c.flops_per_token() + 24.0 * l * ch * ch + 4.0 * l * ch * t) * 1e5 / 1e12);
+        assert_eq!(c.hardware_tflops(1e5), c.model_tflops(1e5));
     }
 
     fn record(step: u64) -> StepRecord {

@@ -403,3 +403,48 @@ fn device_jobs_without_the_device_are_clean_errors() {
         assert!(!err.contains("panicked"), "{sets:?}: {err}");
     }
 }
+
+/// `train.recompute`: the attention core (`selective`) or every block (`full`) recomputed in the
+/// backward gives the losses and final parameters of keeping every activation, bit for bit, here
+/// on a two-stage 1F1B pipeline with four micro-batches in flight and on TP 2 with sequence
+/// parallelism; hardware FLOPs grow by the recomputed work while model FLOPs stay; a bad mode is
+/// refused naming the key.
+#[test]
+fn recomputation_changes_no_bit_of_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = job(dir.path(), "recompute.toml", "");
+    let layouts: [(&str, &[&str]); 2] = [
+        ("pp2", &["parallel.pp=2", "parallel.schedule=\"1f1b\"", "parallel.microbatches=4"]),
+        ("tp2sp", &["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    ];
+    for (name, layout) in layouts {
+        let run = |mode: &str| {
+            let mut sets: Vec<String> = layout.iter().map(|s| s.to_string()).collect();
+            sets.push(format!("train.recompute=\"{mode}\""));
+            trajectory(dir.path(), &format!("{name}_{mode}"), 2, &path, &sets)
+        };
+        let keep = run("none");
+        for mode in ["selective", "full"] {
+            let got = run(mode);
+            let bits = |l: &[f64]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got.losses), bits(&keep.losses), "{name} {mode}: losses differ");
+            for (a, b) in got.params.iter().zip(&keep.params) {
+                assert!(a.0 == b.0 && a.2.iter().zip(&b.2).all(|(x, y)| x.to_bits() == y.to_bits()), "{name} {mode}: {} differs", a.0);
+            }
+        }
+    }
+    // Hardware FLOPs: full recomputation adds every block's forward, model FLOPs stay.
+    let line = |name: &str| -> serde_json::Value {
+        let text = std::fs::read_to_string(dir.path().join(format!("{name}.jsonl"))).unwrap();
+        serde_json::from_str(text.lines().last().unwrap()).unwrap()
+    };
+    let ratio = |name: &str| {
+        let v = line(name);
+        v["hardware_tflops"].as_f64().unwrap() / v["model_tflops"].as_f64().unwrap()
+    };
+    let (keep, selective, full) = (ratio("pp2_none"), ratio("pp2_selective"), ratio("pp2_full"));
+    assert!(keep == 1.0 && 1.0 < selective && selective < full && full < 4.0 / 3.0, "{keep} {selective} {full}");
+    let out = Command::new(common::meshtrain()).arg("train").arg(&path).args(["--set", "train.recompute=\"sometimes\""]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code() == Some(2) && err.contains("train.recompute"), "{err}");
+}

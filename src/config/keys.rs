@@ -65,6 +65,7 @@ pub const KEYS: &[Key] = &[
     key("train.log_every", "integer", Code, "print a progress line every N steps (when stderr is not a terminal)"),
     key("train.nonfinite", "string", Code, "a NaN/inf loss or gradient norm: `stop` the run or `skip` the step"),
     key("train.threads", "integer", Code, "CPU threads per rank (GEMMs and other layers); 0 = `OMP_NUM_THREADS`, else `OPENBLAS_NUM_THREADS`, else the node's cores / its ranks"),
+    key("train.recompute", "string", Code, "activation recomputation: `none`, `selective` (the attention core) or `full` (every block from its input)"),
     key("train.inject_nan_at", "[step, rank]", Text("none"), "testing knob: that rank's loss is NaN at that step"),
     key("optim.lr", "float", Code, "peak learning rate (AdamW)"),
     key("optim.min_lr", "float", Code, "final learning rate of the cosine decay"),

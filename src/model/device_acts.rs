@@ -6,6 +6,15 @@
 //! scratch is shared by every backward and fully rewritten before it is read. Shapes: B*T rows,
 //! R = rows of the residual stream held here (B*T/tp with sequence parallelism, else B*T),
 //! C = n_embd, Cl = C/tp (this rank's heads), H = 4C/tp, Vl = Vp/tp (this rank's vocabulary rows).
+//!
+//! Recomputation ([`Recompute`]) trades compute for activation memory: a slot then keeps only
+//! part of each block's activations, and the backward recomputes the rest, block by block, into
+//! one set of work buffers that the whole model shares (`selective`: the attention core's
+//! probabilities (B, NH/tp, T, T); `full`: everything but the block's output, from the block's
+//! input). The recomputation runs the same kernels on the same inputs as the forward, so the
+//! gradients are bit for bit those without it.
+
+use serde::{Deserialize, Serialize};
 
 use crate::device::ipc::alloc_shareable;
 use crate::device::{Device, DeviceBuffer};
@@ -36,6 +45,102 @@ pub struct ActDims {
     /// one node reduce them through IPC rather than staged through the host: CUDA pool memory
     /// cannot be exported).
     pub tp: bool,
+    /// What the backward recomputes instead of keeping it in the slots.
+    pub recompute: Recompute,
+}
+
+/// `train.recompute`: which block activations the backward recomputes instead of keeping them
+/// from the forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Keep every activation.
+    #[default]
+    None,
+    /// Recompute the attention core (scores and softmax) from the kept q, k, v: drops the
+    /// (B, NH/tp, T, T) probabilities, the one term that grows with T².
+    Selective,
+    /// Keep only each block's output (its successor's input) and recompute the whole block's
+    /// forward before its backward.
+    Full,
+}
+
+impl Recompute {
+    /// The name as written in a job file.
+    pub fn name(self) -> &'static str {
+        match self {
+            Recompute::None => "none",
+            Recompute::Selective => "selective",
+            Recompute::Full => "full",
+        }
+    }
+
+    /// Whether a slot keeps `f` from the forward.
+    fn keeps(self, f: Field) -> bool {
+        match self {
+            Recompute::None => true,
+            Recompute::Selective => f != Field::Att,
+            Recompute::Full => f == Field::Residual3,
+        }
+    }
+
+    /// Whether the backward recomputes `f` into the model's shared work buffers.
+    fn recomputes(self, f: Field) -> bool {
+        match self {
+            Recompute::None => false,
+            Recompute::Selective => matches!(f, Field::Att | Field::Atty),
+            Recompute::Full => true,
+        }
+    }
+}
+
+/// The buffers of [`BlockActs`], for the tables of what is kept and what is recomputed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Field {
+    Ln1,
+    Ln1Mean,
+    Ln1Rstd,
+    Qkv,
+    Atty,
+    Att,
+    Residual2,
+    Ln2,
+    Ln2Mean,
+    Ln2Rstd,
+    Fch,
+    FchGelu,
+    Residual3,
+}
+
+const FIELDS: [Field; 13] = [
+    Field::Ln1,
+    Field::Ln1Mean,
+    Field::Ln1Rstd,
+    Field::Qkv,
+    Field::Atty,
+    Field::Att,
+    Field::Residual2,
+    Field::Ln2,
+    Field::Ln2Mean,
+    Field::Ln2Rstd,
+    Field::Fch,
+    Field::FchGelu,
+    Field::Residual3,
+];
+
+impl Field {
+    /// f32 elements of the buffer.
+    fn len(self, d: &ActDims) -> usize {
+        match self {
+            Field::Ln1 | Field::Ln2 => d.bt * d.c,
+            Field::Ln1Mean | Field::Ln1Rstd | Field::Ln2Mean | Field::Ln2Rstd => d.rows,
+            Field::Qkv => d.bt * 3 * d.cl,
+            Field::Atty => d.bt * d.cl,
+            Field::Att => d.att,
+            Field::Residual2 | Field::Residual3 => d.rows * d.c,
+            Field::Fch | Field::FchGelu => d.bt * d.hl,
+        }
+    }
 }
 
 impl ActDims {
@@ -54,7 +159,13 @@ impl ActDims {
             vl: config.padded_vocab_size() / tp,
             att: b * (config.n_head / tp) * t * t,
             tp: tp > 1,
+            recompute: Recompute::None,
         }
+    }
+
+    /// f32 elements of the work buffers the backward recomputes into (one set per model).
+    pub fn recompute_elements(&self) -> usize {
+        BlockActs::elements(self, |f| self.recompute.recomputes(f))
     }
 
     /// f32 elements of one micro-batch's slot through a chunk of `blocks` blocks (with the
@@ -101,29 +212,42 @@ pub(super) struct BlockActs {
 }
 
 impl BlockActs {
+    /// What a slot keeps of one block (everything without recomputation).
     fn new(dev: &Device, d: &ActDims) -> Result<Self> {
-        let f = |n: usize| ActDims::f32(dev, n);
-        let (bt, r, c) = (d.bt, d.rows, d.c);
+        Self::alloc(dev, d, |f| d.recompute.keeps(f))
+    }
+
+    /// The model's work buffers that the backward recomputes into; `None` without recomputation.
+    pub(super) fn work(dev: &Device, d: &ActDims) -> Result<Option<Self>> {
+        match d.recompute {
+            Recompute::None => Ok(None),
+            r => Self::alloc(dev, d, |f| r.recomputes(f)).map(Some),
+        }
+    }
+
+    /// The buffers `keep` selects at full size, the others empty.
+    fn alloc(dev: &Device, d: &ActDims, keep: impl Fn(Field) -> bool) -> Result<Self> {
+        let f = |field: Field| ActDims::f32(dev, if keep(field) { field.len(d) } else { 0 });
         Ok(BlockActs {
-            ln1: f(bt * c)?,
-            ln1_mean: f(r)?,
-            ln1_rstd: f(r)?,
-            qkv: f(bt * 3 * d.cl)?,
-            atty: f(bt * d.cl)?,
-            att: f(d.att)?,
-            residual2: f(r * c)?,
-            ln2: f(bt * c)?,
-            ln2_mean: f(r)?,
-            ln2_rstd: f(r)?,
-            fch: f(bt * d.hl)?,
-            fch_gelu: f(bt * d.hl)?,
-            residual3: f(r * c)?,
+            ln1: f(Field::Ln1)?,
+            ln1_mean: f(Field::Ln1Mean)?,
+            ln1_rstd: f(Field::Ln1Rstd)?,
+            qkv: f(Field::Qkv)?,
+            atty: f(Field::Atty)?,
+            att: f(Field::Att)?,
+            residual2: f(Field::Residual2)?,
+            ln2: f(Field::Ln2)?,
+            ln2_mean: f(Field::Ln2Mean)?,
+            ln2_rstd: f(Field::Ln2Rstd)?,
+            fch: f(Field::Fch)?,
+            fch_gelu: f(Field::FchGelu)?,
+            residual3: f(Field::Residual3)?,
         })
     }
 
-    /// f32 elements of one block's activations.
-    fn elements(d: &ActDims) -> usize {
-        d.bt * (2 * d.c + 4 * d.cl + 2 * d.hl) + d.rows * (2 * d.c + 4) + d.att
+    /// f32 elements of the buffers `keep` selects.
+    fn elements(d: &ActDims, keep: impl Fn(Field) -> bool) -> usize {
+        FIELDS.iter().filter(|&&f| keep(f)).map(|f| f.len(d)).sum()
     }
 }
 
@@ -193,7 +317,7 @@ impl SlotActs {
     pub(super) fn elements(d: &ActDims, blocks: usize, embeds: bool, ends: bool) -> usize {
         let ids = if embeds { d.bt } else { 0 };
         let head = if ends { HeadActs::elements(d) } else { 0 };
-        ids + d.rows * d.c + blocks * BlockActs::elements(d) + head
+        ids + d.rows * d.c + blocks * BlockActs::elements(d, |f| d.recompute.keeps(f)) + head
     }
 
     /// The chunk's output (R, C): the last block's residual stream (the input without blocks).

@@ -35,7 +35,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use super::device_acts::{ActDims, Scratch, SlotActs};
+use super::device_acts::{ActDims, BlockActs, Recompute, Scratch, SlotActs};
 use super::device_linear::Linear;
 use super::device_tp::DeviceTp;
 use super::tp_layout::{ShardLayout, StageSpec};
@@ -126,6 +126,26 @@ pub struct DeviceGpt {
     release_grads: bool,
     /// The next loss backward starts from a NaN gradient (fault injection for tests).
     poison: bool,
+    /// What the backward recomputes (`device_acts`).
+    recompute: Recompute,
+    /// The buffers the backward recomputes one block into (None without recomputation).
+    work: Option<BlockActs>,
+}
+
+/// How a [`DeviceGpt`] computes: the matrix products' precision and what the backward
+/// recomputes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExecOptions {
+    /// Matrix-product inputs.
+    pub precision: Precision,
+    /// Activation recomputation.
+    pub recompute: Recompute,
+}
+
+impl From<Precision> for ExecOptions {
+    fn from(precision: Precision) -> Self {
+        ExecOptions { precision, recompute: Recompute::None }
+    }
 }
 
 /// What a stage's forward consumes.
@@ -170,18 +190,20 @@ impl DeviceGpt {
     }
 
     /// Pipeline stage `spec` of the TP shard (see [`DeviceGpt::with_tp`]), sequence parallel over
-    /// the group with `sp`, with `slots` activation slots per chunk (micro-batches in flight).
+    /// the group with `sp`, with `slots` activation slots per chunk (micro-batches in flight), in
+    /// `exec`'s precision and recomputation mode (a [`Precision`] alone: no recomputation).
     #[allow(clippy::too_many_arguments)]
     pub fn stage(
         dev: Device,
         config: GptConfig,
         (b, t): (usize, usize),
         params: Vec<f32>,
-        precision: Precision,
+        exec: impl Into<ExecOptions>,
         (tp, sp): (Option<DeviceTp>, bool),
         spec: StageSpec,
         slots: usize,
     ) -> Result<Self> {
+        let ExecOptions { precision, recompute } = exec.into();
         check_shape(&config, (b, t), &spec, slots)?;
         let (tp_rank, tp_size) = tp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
         let layout = ShardLayout::new(&config, tp_rank, tp_size, &spec)?;
@@ -212,7 +234,8 @@ impl DeviceGpt {
             g.push(dev.alloc(e.len * 4)?);
             p16.push(if bf16 && e.local_shape.len() == 2 { Some(dev.alloc(0)?) } else { None });
         }
-        let d = ActDims { tp: tp.is_some(), ..ActDims::of_rank(&config, b, t, tp_size, sp) };
+        let d = ActDims { tp: tp.is_some(), recompute, ..ActDims::of_rank(&config, b, t, tp_size, sp) };
+        let work = BlockActs::work(&dev, &d)?;
         let chunks = (0..spec.chunks.len())
             .map(|k| {
                 let (layers, embeds, ends) = (spec.chunks[k].clone(), spec.embeds(k), spec.ends(k));
@@ -251,6 +274,8 @@ impl DeviceGpt {
             shards: None,
             release_grads: false,
             poison: false,
+            recompute,
+            work,
         };
         model.zero_grad()?;
         Ok(model)
@@ -327,14 +352,15 @@ impl DeviceGpt {
             .iter()
             .map(|k| k.slots.len() * SlotActs::elements(&d, k.layers.len(), k.embeds, k.ends))
             .sum();
-        slots + Scratch::elements(&d, self.ends.lnf.is_some(), self.t)
+        slots + d.recompute_elements()
+            + Scratch::elements(&d, self.ends.lnf.is_some(), self.t)
             + self.linear.scratch_elements()
             + AttnWork::elements(&self.dev, self.attn_shape())
     }
 
     fn dims(&self) -> ActDims {
         let tp_size = self.tp.as_ref().map_or(1, |g| g.size());
-        ActDims { tp: self.tp.is_some(), ..ActDims::of_rank(&self.config, self.b, self.t, tp_size, self.rows.sp) }
+        ActDims { tp: self.tp.is_some(), recompute: self.recompute, ..ActDims::of_rank(&self.config, self.b, self.t, tp_size, self.rows.sp) }
     }
 
     /// Clears the gradients (device and host mirror).

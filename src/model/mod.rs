@@ -24,11 +24,13 @@ pub mod layout;
 pub mod sample;
 #[cfg(test)]
 mod shard_tests;
+#[cfg(test)]
+mod recompute_tests;
 pub mod tp_layout;
 
 pub use crate::device::cpu::Float;
-pub use device_acts::ActDims;
-pub use device_gpt::{DeviceGpt, Precision, StageInput, StageOutput};
+pub use device_acts::{ActDims, Recompute};
+pub use device_gpt::{DeviceGpt, ExecOptions, Precision, StageInput, StageOutput};
 pub use device_tp::DeviceTp;
 pub use gpt::Gpt;
 pub use layout::{ParamEntry, ParamLayout, TpSplit};

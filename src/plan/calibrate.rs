@@ -32,7 +32,6 @@ use super::profile::{
 };
 use super::{Job, Layout, Recompute, Stack};
 use crate::bench::collectives::{self, CollBench};
-use crate::world::World;
 use crate::comm::{Algo, CommConfig, Communicator, DType, ReduceOp};
 use crate::config::DeviceKind;
 use crate::device::gemm::{Gemm, GemmInput, Operand};
@@ -40,6 +39,7 @@ use crate::device::{bind_cpu_threads, Device, Precision};
 use crate::error::{Error, Result};
 use crate::model::GptConfig;
 use crate::train::StepHarness;
+use crate::world::World;
 
 /// What to measure and where to write it.
 #[derive(Debug, Clone)]

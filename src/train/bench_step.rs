@@ -101,7 +101,7 @@ impl StepHarness {
             schedule: Schedule::from_config(&parallel),
             microbatches: 1,
             stage_layers,
-            device,
+            device: (device.0, device.1.into()),
         };
         let mut model = Replica::new(config, b, t, layout)?;
         model.initialize(&config, seed)?;

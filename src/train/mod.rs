@@ -30,9 +30,9 @@ mod stragglers;
 
 use std::path::PathBuf;
 
-use crate::world::World;
 use crate::config::JobConfig;
 use crate::error::Result;
+use crate::world::World;
 
 pub use bench_step::{HeldBytes, StepHarness, StepResult};
 pub use grad_sync::DataParallel;

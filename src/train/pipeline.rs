@@ -23,9 +23,8 @@ use serde_json::{json, Value};
 use crate::comm::{Communicator, ReduceOp};
 use crate::data::Batch;
 use crate::error::{Error, Result};
-use crate::config::Precision;
 use crate::device::Device;
-use crate::model::{DeviceGpt, DeviceTp, GptConfig, ShardLayout, StageInput, StageOutput, StageSpec};
+use crate::model::{DeviceGpt, DeviceTp, ExecOptions, GptConfig, ShardLayout, StageInput, StageOutput, StageSpec};
 use crate::parallel::schedule::{actions, simulate_ranks, Action, Delivery, Schedule};
 
 /// One pipeline rank of one tensor-parallel rank, with its message buffers.
@@ -77,7 +76,7 @@ impl StepTiming {
 }
 
 impl Pipeline {
-    /// Pipeline rank `pp.rank()` of `pp.size()` for `cfg` on `dev` in `precision`, with zero
+    /// Pipeline rank `pp.rank()` of `pp.size()` for `cfg` on `dev` with `exec`'s options, with zero
     /// parameters; `stages` are the block ranges of all `pp.size() * schedule.chunks()` global
     /// stages.
     #[allow(clippy::too_many_arguments)]
@@ -91,7 +90,7 @@ impl Pipeline {
         schedule: Schedule,
         microbatches: usize,
         stages: &[Range<usize>],
-        (dev, precision): (Device, Precision),
+        (dev, exec): (Device, ExecOptions),
     ) -> Result<Self> {
         let (r, p, v) = (pp.rank(), pp.size(), schedule.chunks());
         if stages.len() != p * v {
@@ -111,7 +110,7 @@ impl Pipeline {
         let group = if tp.size() > 1 { Some(DeviceTp::new(tp)?) } else { None };
         let n = ShardLayout::new(&cfg, tp_rank, group.as_ref().map_or(1, DeviceTp::size), &spec)?.total_len();
         let exec =
-            Box::new(DeviceGpt::stage(dev, cfg, (b, t), vec![0f32; n], precision, (group, sequence_parallel), spec.clone(), slots)?);
+            Box::new(DeviceGpt::stage(dev, cfg, (b, t), vec![0f32; n], exec, (group, sequence_parallel), spec.clone(), slots)?);
         let ends = r == 0 || r + 1 == p;
         let tied = if p > 1 { pp.split(ends.then_some(0), r as i64)? } else { None };
         let rows = exec.hidden_len();

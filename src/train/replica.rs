@@ -11,12 +11,11 @@ use std::ops::Range;
 
 use super::pipeline::Pipeline;
 use crate::comm::Communicator;
-use crate::config::Precision;
 use crate::data::Batch;
 use crate::device::Device;
 use crate::error::Result;
 use crate::model::init::Initializer;
-use crate::model::{DeviceGpt, DeviceTp, GptConfig, ParamLayout, ShardLayout, StageSpec};
+use crate::model::{DeviceGpt, DeviceTp, ExecOptions, GptConfig, ParamLayout, ShardLayout, StageSpec};
 use crate::parallel::schedule::Schedule;
 
 /// A trainable model replica.
@@ -70,8 +69,8 @@ pub struct ReplicaLayout {
     pub microbatches: usize,
     /// Blocks of each global pipeline stage ([`crate::parallel::stage_split::stage_layers`]).
     pub stage_layers: Vec<Range<usize>>,
-    /// The device and the precision the model runs in.
-    pub device: (Device, Precision),
+    /// The device the model runs on, its precision and recomputation mode.
+    pub device: (Device, ExecOptions),
 }
 
 impl Replica {
@@ -95,12 +94,12 @@ impl Replica {
             )?;
             return Ok(Replica::Pipeline(Box::new(p)));
         }
-        let (dev, precision) = l.device;
+        let (dev, exec) = l.device;
         let tp = if l.tp.size() > 1 { Some(DeviceTp::new(l.tp)?) } else { None };
         let (rank, size) = tp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
         let spec = StageSpec::whole(&cfg);
         let params = vec![0f32; ShardLayout::new(&cfg, rank, size, &spec)?.total_len()];
-        let m = DeviceGpt::stage(dev, cfg, (b, t), params, precision, (tp, l.sequence_parallel), spec, 1)?;
+        let m = DeviceGpt::stage(dev, cfg, (b, t), params, exec, (tp, l.sequence_parallel), spec, 1)?;
         Ok(Replica::Whole(Box::new(m)))
     }
 

@@ -23,7 +23,6 @@ use super::replica::{DeviceEvent, Replica, ReplicaLayout, TensorMap};
 use super::shutdown;
 use super::stragglers::Stragglers;
 use super::{TrainOptions, TrainReport};
-use crate::world::World;
 use crate::comm::stats::CommStats;
 use crate::comm::{Communicator, ReduceOp};
 use crate::config::JobConfig;
@@ -32,10 +31,12 @@ use crate::device::{bind_cpu_threads, cpu_peak_tflops, Device};
 use crate::error::Result;
 use crate::memory::{peak_rss_bytes, reset_peak_rss, rss_bytes};
 use crate::metrics::{FlopCounter, MetricsWriter, Progress, StepRecord};
+use crate::model::ExecOptions;
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::parallel::grid::{Grid, GridShape};
 use crate::parallel::schedule::Schedule;
 use crate::parallel::stage_split;
+use crate::world::World;
 
 /// The training and validation data of this data-parallel rank.
 struct Data {
@@ -240,7 +241,7 @@ impl<'a> Session<'a> {
             maps,
             sched: LrSchedule::new(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.steps)?,
             memory: Memory { estimate, baseline, steps_only: false },
-            flops: FlopCounter::new(&cfg.model, cfg.train.seq_len, peak, world.size),
+            flops: FlopCounter::new(&cfg.model, cfg.train.seq_len, peak, world.size).with_recompute(&cfg.model, cfg.train.seq_len, cfg.train.recompute),
             writer: match (&opts.metrics, world.rank == 0) {
                 (Some(p), true) => Some(MetricsWriter::create(p)?),
                 _ => None,
@@ -452,6 +453,7 @@ impl<'a> Session<'a> {
             ("comm_exposed_s", json!(exposed)),
             ("param_gather_wait_s", json!(0.0)),
             ("step_s", json!(step_s)),
+            ("hardware_tflops", json!(self.flops.hardware_tflops(tokens_per_s))),
             ("compute_s", json!(compute_s)),
             ("peak_rss_mb", json!(peak_mb)),
             ("peak_rss_covers", json!(if m.steps_only { "steps" } else { "run" })),
@@ -541,6 +543,7 @@ fn build_replica(cfg: &JobConfig, (tp, pp): (Communicator, Communicator), device
         // Chunk c of pipeline rank r is global stage c * pp + r.
         log::debug!("pipeline stages (blocks of each global stage): {stage_layers:?}");
     }
+    let exec = ExecOptions { precision: device.1, recompute: cfg.train.recompute };
     let layout = ReplicaLayout {
         tp,
         pp,
@@ -548,7 +551,7 @@ fn build_replica(cfg: &JobConfig, (tp, pp): (Communicator, Communicator), device
         schedule,
         microbatches: cfg.parallel.microbatches,
         stage_layers,
-        device,
+        device: (device.0, exec),
     };
     Replica::new(cfg.model, cfg.train.micro_batch, t, layout)
 }

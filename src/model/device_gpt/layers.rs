@@ -16,7 +16,9 @@ use super::{pair, DeviceGpt, Widths};
 use crate::device::{ops_attention, ops_vocab};
 use crate::device::{ops, Device, DeviceBuffer};
 use crate::error::Result;
-use crate::model::device_acts::{Scratch, SlotActs};
+use crate::device::cpu::attention::AttnShape;
+use crate::device::ops_attention::AttnWork;
+use crate::model::device_acts::{BlockActs, Recompute, Scratch, SlotActs};
 use crate::model::device_linear::{Linear, Weight};
 use crate::model::device_tp::{self, tp_sum, DeviceTp, Embed, LossBufs};
 
@@ -135,33 +137,51 @@ impl DeviceGpt {
         }
     }
 
-    /// Block `li` of chunk `ci` on `slot`: column-parallel qkv and fc (this rank's heads and
-    /// hidden units), row-parallel projections summed over TP before the bias is added once.
+    /// Block `li` of chunk `ci` on `slot` (see [`block_compute`]). With recomputation the slot
+    /// keeps only part of the activations: `selective` writes the attention probabilities to the
+    /// work buffers, `full` computes the whole block there and keeps only its output.
     pub(super) fn block_forward(&mut self, ci: usize, si: usize, li: usize) -> Result<()> {
-        let c = self.config.n_embd;
-        let (rows, bt, r) = (self.rows, self.rows.bt, self.rows.rows);
-        let Widths { cl, hl, .. } = self.w;
-        let shape = self.attn_shape();
-        let l = self.chunks[ci].layers.start + li;
-        let [ln1_w, ln1_b, qkv_w, qkv_b, ap_w, ap_b, ln2_w, ln2_b, fc_w, fc_b, mp_w, mp_b] = self.block_entries(l);
-        let (p, p16, dev, tp, s) = (&self.params, &self.params16, &self.dev, &mut self.tp, &mut self.s);
-        let w = |i: usize| Weight { f32: &p[i], bf16: p16[i].as_ref() };
-        let slot = &mut self.chunks[ci].slots[si];
+        let mut work = self.work.take();
+        let done = self.block_forward_with(ci, si, li, work.as_mut());
+        self.work = work;
+        done
+    }
+
+    fn block_forward_with(&mut self, ci: usize, si: usize, li: usize, work: Option<&mut BlockActs>) -> Result<()> {
+        let recompute = self.recompute;
+        let (mut cx, slot) = self.block_parts(ci, si, li);
         let (done, rest) = slot.blocks.split_at_mut(li);
         let x = if li == 0 { &slot.input } else { &done[li - 1].residual3 }; // (R, C)
         let a = &mut rest[0];
-        let (linear, attn) = (&mut self.linear, &mut self.attn);
-        norm_gathered(dev, tp, rows, s, &mut a.ln1, (&mut a.ln1_mean, &mut a.ln1_rstd), x, (&p[ln1_w], &p[ln1_b]), c)?;
-        linear.forward(dev, &mut a.qkv, &a.ln1, w(qkv_w), Some(&p[qkv_b]), bt, c, 3 * cl)?;
-        ops_attention::attention_forward(dev, &mut a.atty, &mut a.att, &a.qkv, attn, shape)?;
-        row_parallel_forward(dev, tp, linear, rows, s, &a.atty, (w(ap_w), &p[ap_b]), (cl, c))?;
-        ops::residual_forward(dev, &mut a.residual2, x, &s.branch, r * c)?;
-        let stats = (&mut a.ln2_mean, &mut a.ln2_rstd);
-        norm_gathered(dev, tp, rows, s, &mut a.ln2, stats, &a.residual2, (&p[ln2_w], &p[ln2_b]), c)?;
-        linear.forward(dev, &mut a.fch, &a.ln2, w(fc_w), Some(&p[fc_b]), bt, c, hl)?;
-        ops::gelu_forward(dev, &mut a.fch_gelu, &a.fch, bt * hl)?;
-        row_parallel_forward(dev, tp, linear, rows, s, &a.fch_gelu, (w(mp_w), &p[mp_b]), (hl, c))?;
-        ops::residual_forward(dev, &mut a.residual3, &a.residual2, &s.branch, r * c)
+        match (recompute, work) {
+            (Recompute::Full, Some(wk)) => {
+                block_compute(&mut cx, x, wk, None)?;
+                ops::copy(cx.dev, &mut a.residual3, 0, &wk.residual3, 0, cx.rows.rows * cx.c)
+            }
+            (Recompute::Selective, Some(wk)) => block_compute(&mut cx, x, a, Some(&mut wk.att)),
+            _ => block_compute(&mut cx, x, a, None),
+        }
+    }
+
+    /// The block context and the slot of block `li` of chunk `ci`, borrowed apart.
+    fn block_parts(&mut self, ci: usize, si: usize, li: usize) -> (BlockCtx<'_>, &mut SlotActs) {
+        let e = self.block_entries(self.chunks[ci].layers.start + li);
+        let cx = BlockCtx {
+            dev: &self.dev,
+            tp: &mut self.tp,
+            s: &mut self.s,
+            linear: &mut self.linear,
+            attn: &mut self.attn,
+            p: &self.params,
+            p16: &self.params16,
+            g: &mut self.grads,
+            rows: self.rows,
+            w: self.w,
+            c: self.config.n_embd,
+            shape: AttnShape { b: self.b, t: self.t, nh: self.w.nhl, hs: self.config.head_dim() },
+            e,
+        };
+        (cx, &mut self.chunks[ci].slots[si])
     }
 
     /// Final LayerNorm, tied head and loss of `slot` on the model's last chunk `ci`.
@@ -231,67 +251,31 @@ impl DeviceGpt {
     }
 
     /// Backward of block `li` of chunk `ci` on `slot`: `s.dres` holds d(block output) (R, C) on
-    /// entry, d(block input) on exit. The column-parallel products' input gradients are partial
-    /// sums over this rank's heads and hidden units, summed over TP before the LayerNorm backward.
+    /// entry, d(block input) on exit (see [`block_backward`]). With recomputation the activations
+    /// the slot does not keep are computed again first, into the work buffers, from the kept ones.
     pub(super) fn block_backward(&mut self, ci: usize, si: usize, li: usize) -> Result<()> {
-        let c = self.config.n_embd;
-        let (rows, bt, r) = (self.rows, self.rows.bt, self.rows.rows);
-        let Widths { cl, hl, .. } = self.w;
-        let shape = self.attn_shape();
-        let l = self.chunks[ci].layers.start + li;
-        let [ln1_w, ln1_b, qkv_w, qkv_b, ap_w, ap_b, ln2_w, ln2_b, fc_w, fc_b, mp_w, mp_b] = self.block_entries(l);
-        let (p, p16, dev, g, s, tp) = (&self.params, &self.params16, &self.dev, &mut self.grads, &mut self.s, &mut self.tp);
-        let w = |i: usize| Weight { f32: &p[i], bf16: p16[i].as_ref() };
-        let slot = &self.chunks[ci].slots[si];
+        let mut work = self.work.take();
+        let done = self.block_backward_with(ci, si, li, work.as_mut());
+        self.work = work;
+        done
+    }
+
+    fn block_backward_with(&mut self, ci: usize, si: usize, li: usize, work: Option<&mut BlockActs>) -> Result<()> {
+        let recompute = self.recompute;
+        let (mut cx, slot) = self.block_parts(ci, si, li);
         let x = if li == 0 { &slot.input } else { &slot.blocks[li - 1].residual3 }; // (R, C)
-        let a = &slot.blocks[li];
-        let (linear, attn) = (&mut self.linear, &mut self.attn);
-        // Under SP the replicated gradients of this micro-batch go to the parts (ln1 w, b,
-        // attn.proj b, ln2 w, b, mlp.proj b) and d(residual) is gathered before each
-        // row-parallel backward; otherwise straight into the gradients and read in place.
-        if rows.sp {
-            for part in &mut s.parts {
-                ops::fill_zero(dev, part, c)?;
+        let kept = &slot.blocks[li];
+        match (recompute, work) {
+            (Recompute::Full, Some(wk)) => {
+                block_compute(&mut cx, x, wk, None)?;
+                block_backward(&mut cx, x, wk, &wk.att)
             }
+            (Recompute::Selective, Some(wk)) => {
+                ops_attention::attention_forward(cx.dev, &mut wk.atty, &mut wk.att, &kept.qkv, cx.attn, cx.shape)?;
+                block_backward(&mut cx, x, kept, &wk.att)
+            }
+            _ => block_backward(&mut cx, x, kept, &kept.att),
         }
-        // MLP: d(residual2) = dres + d through ln2 of the MLP branch.
-        if rows.sp {
-            ops::bias_backward(dev, &mut s.parts[5], &s.dres, r, c)?;
-            group(tp).gather_rows(dev, &s.dres, &mut s.full, bt * c)?;
-            linear.backward(dev, &mut s.dfch_gelu, &mut g[mp_w], None, &s.full, &a.fch_gelu, w(mp_w), (bt, hl, c))?;
-        } else {
-            let (gw, gb) = pair(g, mp_w, mp_b);
-            linear.backward(dev, &mut s.dfch_gelu, gw, Some(gb), &s.dres, &a.fch_gelu, w(mp_w), (bt, hl, c))?;
-        }
-        ops::fill_zero(dev, &mut s.dfch, bt * hl)?;
-        ops::gelu_backward(dev, &mut s.dfch, &a.fch, &s.dfch_gelu, bt * hl)?;
-        let (gw, gb) = pair(g, fc_w, fc_b);
-        let dinp = if rows.sp { &mut s.partial } else { &mut s.dln };
-        linear.backward(dev, dinp, gw, Some(gb), &s.dfch, &a.ln2, w(fc_w), (bt, c, hl))?;
-        sum_input_grad(dev, tp, rows, s, c)?;
-        let stats = (&a.ln2_mean, &a.ln2_rstd);
-        ln_backward(dev, rows, s, g, (ln2_w, ln2_b), (3, 4), &a.residual2, &p[ln2_w], stats, c)?;
-        // Attention: d(block input) = d(residual2) + d through ln1 of the attention branch.
-        if rows.sp {
-            ops::bias_backward(dev, &mut s.parts[2], &s.dres, r, c)?;
-            group(tp).gather_rows(dev, &s.dres, &mut s.full, bt * c)?;
-            linear.backward(dev, &mut s.datty, &mut g[ap_w], None, &s.full, &a.atty, w(ap_w), (bt, cl, c))?;
-        } else {
-            let (gw, gb) = pair(g, ap_w, ap_b);
-            linear.backward(dev, &mut s.datty, gw, Some(gb), &s.dres, &a.atty, w(ap_w), (bt, cl, c))?;
-        }
-        ops::fill_zero(dev, &mut s.dqkv, bt * 3 * cl)?;
-        ops_attention::attention_backward(dev, &mut s.dqkv, &mut s.dpre, &s.datty, &a.qkv, &a.att, attn, shape)?;
-        let (gw, gb) = pair(g, qkv_w, qkv_b);
-        let dinp = if rows.sp { &mut s.partial } else { &mut s.dln };
-        linear.backward(dev, dinp, gw, Some(gb), &s.dqkv, &a.ln1, w(qkv_w), (bt, c, 3 * cl))?;
-        sum_input_grad(dev, tp, rows, s, c)?;
-        let stats = (&a.ln1_mean, &a.ln1_rstd);
-        ln_backward(dev, rows, s, g, (ln1_w, ln1_b), (0, 1), x, &p[ln1_w], stats, c)?;
-        if rows.sp {
-            add_replicated(dev, tp, s, g, &[ln1_w, ln1_b, ap_b, ln2_w, ln2_b, mp_b], c)?;
-        }
-        Ok(())
     }
 
     /// Backward of the embedding from d(block 0 input) (R, C) in `s.dres`.
@@ -314,6 +298,113 @@ impl DeviceGpt {
             Some(_) => device_tp::embed_backward(dev, gte, gpe, &s.dres, &a.tokens, (b, t, c), self.w.vocab),
         }
     }
+}
+
+/// What one block reads and writes besides its activations: the device, the TP group, the
+/// scratch, the matrix-product and attention work, the parameters and gradients, the shapes and
+/// the block's entry indices (ln1 w, b; qkv w, b; attn.proj w, b; ln2 w, b; fc w, b; mlp.proj w, b).
+pub(super) struct BlockCtx<'a> {
+    dev: &'a Device,
+    tp: &'a mut Option<DeviceTp>,
+    s: &'a mut Scratch,
+    linear: &'a mut Linear,
+    attn: &'a mut AttnWork,
+    p: &'a [DeviceBuffer],
+    p16: &'a [Option<DeviceBuffer>],
+    g: &'a mut [DeviceBuffer],
+    rows: Rows,
+    w: Widths,
+    c: usize,
+    shape: AttnShape,
+    e: [usize; 12],
+}
+
+/// One block's forward from its input `x` (R, C) into `a`: column-parallel qkv and fc (this
+/// rank's heads and hidden units), row-parallel projections summed over TP before the bias is
+/// added once. The attention probabilities go to `att` if given (selective recomputation keeps
+/// them out of the slot), else to `a.att`.
+fn block_compute(cx: &mut BlockCtx<'_>, x: &DeviceBuffer, a: &mut BlockActs, att: Option<&mut DeviceBuffer>) -> Result<()> {
+    let (c, rows, bt, r) = (cx.c, cx.rows, cx.rows.bt, cx.rows.rows);
+    let Widths { cl, hl, .. } = cx.w;
+    let [ln1_w, ln1_b, qkv_w, qkv_b, ap_w, ap_b, ln2_w, ln2_b, fc_w, fc_b, mp_w, mp_b] = cx.e;
+    let (dev, p) = (cx.dev, cx.p);
+    let w = |i: usize| Weight { f32: &p[i], bf16: cx.p16[i].as_ref() };
+    let (tp, s, linear) = (&mut *cx.tp, &mut *cx.s, &mut *cx.linear);
+    norm_gathered(dev, tp, rows, s, &mut a.ln1, (&mut a.ln1_mean, &mut a.ln1_rstd), x, (&p[ln1_w], &p[ln1_b]), c)?;
+    linear.forward(dev, &mut a.qkv, &a.ln1, w(qkv_w), Some(&p[qkv_b]), bt, c, 3 * cl)?;
+    let att = match att {
+        Some(buf) => buf,
+        None => &mut a.att,
+    };
+    ops_attention::attention_forward(dev, &mut a.atty, att, &a.qkv, cx.attn, cx.shape)?;
+    row_parallel_forward(dev, tp, linear, rows, s, &a.atty, (w(ap_w), &p[ap_b]), (cl, c))?;
+    ops::residual_forward(dev, &mut a.residual2, x, &s.branch, r * c)?;
+    let stats = (&mut a.ln2_mean, &mut a.ln2_rstd);
+    norm_gathered(dev, tp, rows, s, &mut a.ln2, stats, &a.residual2, (&p[ln2_w], &p[ln2_b]), c)?;
+    linear.forward(dev, &mut a.fch, &a.ln2, w(fc_w), Some(&p[fc_b]), bt, c, hl)?;
+    ops::gelu_forward(dev, &mut a.fch_gelu, &a.fch, bt * hl)?;
+    row_parallel_forward(dev, tp, linear, rows, s, &a.fch_gelu, (w(mp_w), &p[mp_b]), (hl, c))?;
+    ops::residual_forward(dev, &mut a.residual3, &a.residual2, &s.branch, r * c)
+}
+
+/// One block's backward from its input `x` (R, C), its activations `a` and attention
+/// probabilities `att`: `s.dres` holds d(block output) (R, C) on entry, d(block input) on exit.
+/// The column-parallel products' input gradients are partial sums over this rank's heads and
+/// hidden units, summed over TP before the LayerNorm backward.
+fn block_backward(cx: &mut BlockCtx<'_>, x: &DeviceBuffer, a: &BlockActs, att: &DeviceBuffer) -> Result<()> {
+    let (c, rows, bt, r) = (cx.c, cx.rows, cx.rows.bt, cx.rows.rows);
+    let Widths { cl, hl, .. } = cx.w;
+    let shape = cx.shape;
+    let [ln1_w, ln1_b, qkv_w, qkv_b, ap_w, ap_b, ln2_w, ln2_b, fc_w, fc_b, mp_w, mp_b] = cx.e;
+    let (dev, p) = (cx.dev, cx.p);
+    let w = |i: usize| Weight { f32: &p[i], bf16: cx.p16[i].as_ref() };
+    let (tp, s, linear, attn, g) = (&mut *cx.tp, &mut *cx.s, &mut *cx.linear, &mut *cx.attn, &mut *cx.g);
+    // Under SP the replicated gradients of this micro-batch go to the parts (ln1 w, b,
+    // attn.proj b, ln2 w, b, mlp.proj b) and d(residual) is gathered before each
+    // row-parallel backward; otherwise straight into the gradients and read in place.
+    if rows.sp {
+        for part in &mut s.parts {
+            ops::fill_zero(dev, part, c)?;
+        }
+    }
+    // MLP: d(residual2) = dres + d through ln2 of the MLP branch.
+    if rows.sp {
+        ops::bias_backward(dev, &mut s.parts[5], &s.dres, r, c)?;
+        group(tp).gather_rows(dev, &s.dres, &mut s.full, bt * c)?;
+        linear.backward(dev, &mut s.dfch_gelu, &mut g[mp_w], None, &s.full, &a.fch_gelu, w(mp_w), (bt, hl, c))?;
+    } else {
+        let (gw, gb) = pair(g, mp_w, mp_b);
+        linear.backward(dev, &mut s.dfch_gelu, gw, Some(gb), &s.dres, &a.fch_gelu, w(mp_w), (bt, hl, c))?;
+    }
+    ops::fill_zero(dev, &mut s.dfch, bt * hl)?;
+    ops::gelu_backward(dev, &mut s.dfch, &a.fch, &s.dfch_gelu, bt * hl)?;
+    let (gw, gb) = pair(g, fc_w, fc_b);
+    let dinp = if rows.sp { &mut s.partial } else { &mut s.dln };
+    linear.backward(dev, dinp, gw, Some(gb), &s.dfch, &a.ln2, w(fc_w), (bt, c, hl))?;
+    sum_input_grad(dev, tp, rows, s, c)?;
+    let stats = (&a.ln2_mean, &a.ln2_rstd);
+    ln_backward(dev, rows, s, g, (ln2_w, ln2_b), (3, 4), &a.residual2, &p[ln2_w], stats, c)?;
+    // Attention: d(block input) = d(residual2) + d through ln1 of the attention branch.
+    if rows.sp {
+        ops::bias_backward(dev, &mut s.parts[2], &s.dres, r, c)?;
+        group(tp).gather_rows(dev, &s.dres, &mut s.full, bt * c)?;
+        linear.backward(dev, &mut s.datty, &mut g[ap_w], None, &s.full, &a.atty, w(ap_w), (bt, cl, c))?;
+    } else {
+        let (gw, gb) = pair(g, ap_w, ap_b);
+        linear.backward(dev, &mut s.datty, gw, Some(gb), &s.dres, &a.atty, w(ap_w), (bt, cl, c))?;
+    }
+    ops::fill_zero(dev, &mut s.dqkv, bt * 3 * cl)?;
+    ops_attention::attention_backward(dev, &mut s.dqkv, &mut s.dpre, &s.datty, &a.qkv, att, attn, shape)?;
+    let (gw, gb) = pair(g, qkv_w, qkv_b);
+    let dinp = if rows.sp { &mut s.partial } else { &mut s.dln };
+    linear.backward(dev, dinp, gw, Some(gb), &s.dqkv, &a.ln1, w(qkv_w), (bt, c, 3 * cl))?;
+    sum_input_grad(dev, tp, rows, s, c)?;
+    let stats = (&a.ln1_mean, &a.ln1_rstd);
+    ln_backward(dev, rows, s, g, (ln1_w, ln1_b), (0, 1), x, &p[ln1_w], stats, c)?;
+    if rows.sp {
+        add_replicated(dev, tp, s, g, &[ln1_w, ln1_b, ap_b, ln2_w, ln2_b, mp_b], c)?;
+    }
+    Ok(())
 }
 
 /// LayerNorm backward on the held rows: d(input) added into `s.dres`, the weight and bias

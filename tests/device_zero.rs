@@ -159,3 +159,39 @@ fn device_memory_overlap_gives_the_bits_of_the_reduction_after_the_backward() {
         }
     }
 }
+
+/// Activation recomputation on device memory (the emu arm, bf16, TP 2 with sequence parallelism
+/// and ZeRO-2 over two data-parallel ranks): `selective` and `full` give the losses and final
+/// parameters of keeping every activation, bit for bit (the emu kernels on one host thread, as
+/// above).
+#[test]
+fn device_recomputation_gives_the_bits_of_keeping_every_activation() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = common::tiny_job(dir.path(), "rc.toml", "[parallel]\ntp = 2\nsequence_parallel = true\ndp = 2\nzero = 2");
+    let mut runs = Vec::new();
+    for mode in ["none", "selective", "full"] {
+        let metrics = dir.path().join(format!("{mode}.jsonl"));
+        let ckpt = dir.path().join(format!("{mode}_ckpt"));
+        let sets = [
+            "device=emu".to_string(),
+            "precision=bf16".into(),
+            "model.n_layer=2".into(),
+            "train.steps=2".into(),
+            format!("train.recompute={mode:?}"),
+            "checkpoint.every=2".into(),
+            format!("checkpoint.dir={:?}", ckpt.display().to_string()),
+        ];
+        common::train_env(4, &job, &metrics, &sets, &[("MESHTRAIN_EMU_THREADS", "1")]);
+        let params = common::export(&ckpt.join("step_00000002"), &dir.path().join(format!("{mode}.h5")));
+        runs.push((mode, common::losses(&metrics), params));
+    }
+    let bits = |l: &[(u64, f64)]| l.iter().map(|(s, x)| (*s, x.to_bits())).collect::<Vec<_>>();
+    let keep = &runs[0];
+    for (mode, losses, params) in &runs[1..] {
+        assert_eq!(bits(losses), bits(&keep.1), "{mode}: losses differ");
+        for ((na, _, a), (nb, _, b)) in params.iter().zip(&keep.2) {
+            assert_eq!(na, nb);
+            assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "{mode}: `{na}` differs");
+        }
+    }
+}

@@ -20,11 +20,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use super::replica::ReplicaLayout;
 use crate::comm::{Communicator, ReduceOp};
 use crate::data::Batch;
 use crate::error::{Error, Result};
-use crate::device::Device;
-use crate::model::{DeviceGpt, DeviceTp, ExecOptions, GptConfig, ShardLayout, StageInput, StageOutput, StageSpec};
+use crate::model::{DeviceGpt, DeviceTp, GptConfig, ShardLayout, StageInput, StageOutput, StageSpec};
 use crate::parallel::schedule::{actions, simulate_ranks, Action, Delivery, Schedule};
 
 /// One pipeline rank of one tensor-parallel rank, with its message buffers.
@@ -76,22 +76,12 @@ impl StepTiming {
 }
 
 impl Pipeline {
-    /// Pipeline rank `pp.rank()` of `pp.size()` for `cfg` on `dev` with `exec`'s options, with zero
-    /// parameters; `stages` are the block ranges of all `pp.size() * schedule.chunks()` global
-    /// stages.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        cfg: GptConfig,
-        b: usize,
-        t: usize,
-        tp: Communicator,
-        pp: Communicator,
-        sequence_parallel: bool,
-        schedule: Schedule,
-        microbatches: usize,
-        stages: &[Range<usize>],
-        (dev, exec): (Device, ExecOptions),
-    ) -> Result<Self> {
+    /// Pipeline rank `l.pp.rank()` of `l.pp.size()` for `cfg` and (B, T) micro-batches in `l`'s
+    /// layout, with zero parameters; `l.stage_layers` are the block ranges of all
+    /// `pp.size() * schedule.chunks()` global stages.
+    pub fn new(cfg: GptConfig, (b, t): (usize, usize), l: ReplicaLayout) -> Result<Self> {
+        let ReplicaLayout { tp, pp, sequence_parallel, schedule, microbatches, stage_layers, device: (dev, exec) } = l;
+        let stages = &stage_layers[..];
         let (r, p, v) = (pp.rank(), pp.size(), schedule.chunks());
         if stages.len() != p * v {
             return Err(Error::config(

@@ -80,18 +80,7 @@ impl Replica {
     pub fn new(cfg: GptConfig, b: usize, t: usize, l: ReplicaLayout) -> Result<Self> {
         cfg.validate()?;
         if l.pp.size() > 1 {
-            let p = Pipeline::new(
-                cfg,
-                b,
-                t,
-                l.tp,
-                l.pp,
-                l.sequence_parallel,
-                l.schedule,
-                l.microbatches,
-                &l.stage_layers,
-                l.device,
-            )?;
+            let p = Pipeline::new(cfg, (b, t), l)?;
             return Ok(Replica::Pipeline(Box::new(p)));
         }
         let (dev, exec) = l.device;

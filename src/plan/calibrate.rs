@@ -184,46 +184,110 @@ fn bandwidth(comm: &Communicator, dev: &Device) -> Result<f64> {
     Ok(2.0 * bytes as f64 / s)
 }
 
-/// Seconds of `reps` (256, 256, 256) GEMMs on this rank.
-fn gemm_loop(dev: &Device, gemm: &Gemm, reps: usize) -> Result<f64> {
-    let n = 256;
-    let a = dev.alloc(n * n * 4)?;
-    let b = dev.alloc(n * n * 4)?;
-    let mut c = dev.alloc(n * n * 4)?;
-    let (x, y) = (Operand::plain(&a, GemmInput::F32), Operand::plain(&b, GemmInput::F32));
-    gemm.matmul(dev, &mut c, x, y, n, n, n, false)?;
-    dev.synchronize()?;
-    let t = Instant::now();
-    for _ in 0..reps {
-        gemm.matmul(dev, &mut c, x, y, n, n, n, false)?;
+/// Buffers of a (256, 256, 256) GEMM, run repeatedly to keep a rank busy.
+struct GemmWork<'a> {
+    dev: &'a Device,
+    gemm: Gemm,
+    bufs: [crate::device::DeviceBuffer; 3],
+}
+
+impl<'a> GemmWork<'a> {
+    const N: usize = 256;
+
+    fn new(dev: &'a Device) -> Result<GemmWork<'a>> {
+        let bytes = Self::N * Self::N * 4;
+        Ok(GemmWork {
+            dev,
+            gemm: Gemm::new(dev)?,
+            bufs: [dev.alloc(bytes)?, dev.alloc(bytes)?, dev.alloc(bytes)?],
+        })
     }
-    dev.synchronize()?;
-    Ok(t.elapsed().as_secs_f64())
+
+    /// Runs `reps` GEMMs and waits for them.
+    fn run(&mut self, reps: usize) -> Result<()> {
+        let [a, b, c] = &mut self.bufs;
+        let (x, y) = (Operand::plain(a, GemmInput::F32), Operand::plain(b, GemmInput::F32));
+        for _ in 0..reps {
+            self.gemm.matmul(self.dev, c, x, y, Self::N, Self::N, Self::N, false)?;
+        }
+        self.dev.synchronize()
+    }
+
+    /// Seconds of [`GemmWork::run`].
+    fn time(&mut self, reps: usize) -> Result<f64> {
+        let t = Instant::now();
+        self.run(reps)?;
+        Ok(t.elapsed().as_secs_f64())
+    }
+}
+
+/// Seconds of `reps` (256, 256, 256) GEMMs on this rank (after one untimed).
+fn gemm_loop(dev: &Device, reps: usize) -> Result<f64> {
+    let mut w = GemmWork::new(dev)?;
+    w.run(1)?;
+    w.time(reps)
 }
 
 /// GEMM work of this long (seconds, one rank alone) per sharing measurement.
 const SHARE_WORK_S: f64 = 0.15;
 
 /// How many ranks of the node compute at full speed at once: rank 0 times a GEMM loop of about
-/// [`SHARE_WORK_S`] alone, then every rank of the node (`home`) runs the same loop at once; with
-/// `slowdown` the slowest rank's time over the lone one (median of three rounds), the node computes
-/// like `ranks / slowdown` unshared ranks (at most `ranks`).
+/// [`SHARE_WORK_S`] alone, then every rank of the node (`home`) runs the same loop at once, three
+/// rounds alternating; with `slowdown` the median of the slowest rank's times over the median of
+/// the lone ones, the node computes like `ranks / slowdown` unshared ranks (at most `ranks`).
 fn node_cores(comm: &Communicator, dev: &Device, home: bool, ranks: usize) -> Result<f64> {
-    let gemm = Gemm::new(dev)?;
-    let one = timed(comm, comm.rank() == 0, || gemm_loop(dev, &gemm, 1))?;
+    let one = timed(comm, comm.rank() == 0, || gemm_loop(dev, 1))?;
     let reps = (SHARE_WORK_S / one).ceil().clamp(1.0, 1e6) as usize;
-    let alone = timed(comm, comm.rank() == 0, || gemm_loop(dev, &gemm, reps))?;
-    let mut rounds = Vec::new();
+    let (mut alone, mut together) = (Vec::new(), Vec::new());
     for _ in 0..3 {
-        comm.barrier()?;
-        rounds.push(timed(comm, home, || gemm_loop(dev, &gemm, reps))?);
+        alone.push(timed(comm, comm.rank() == 0, || gemm_loop(dev, reps))?);
+        together.push(timed(comm, home, || gemm_loop(dev, reps))?);
     }
-    let slowdown = (median(rounds) / alone).max(1.0);
+    let slowdown = (median(together) / median(alone)).max(1.0);
     Ok((ranks as f64 / slowdown).min(ranks as f64))
 }
 
 /// The collectives a calibration fits.
 const COLLS: [&str; 3] = ["all_reduce", "all_gather", "reduce_scatter"];
+
+/// Rounds of compute-then-collective per wait measurement.
+const SYNC_ROUNDS: usize = 24;
+
+/// The wait of a collective issued after compute (`overhead.sync_ms`, seconds): every rank of the
+/// node (`home`) in pairs (as the smallest tensor-parallel groups), all at once, runs
+/// [`SYNC_ROUNDS`] rounds of a GEMM loop of `work_s` (one rank alone) followed by an 8 KiB
+/// all-reduce in its pair, then the same rounds without the GEMMs and the same GEMMs without the
+/// all-reduces; the wait is what the rounds with both take beyond the two apart, per round
+/// (slowest rank, median of three, at least zero).
+fn sync_wait(world: &World, comm: &Communicator, dev: &Device, home: bool) -> Result<f64> {
+    let pair = comm.split(home.then_some((world.local_rank / 2) as u32), world.rank as i64)?;
+    let one = timed(comm, comm.rank() == 0, || gemm_loop(dev, 1))?;
+    let reps = ((SHARE_WORK_S / 100.0) / one).ceil().max(1.0) as usize;
+    let mut work = GemmWork::new(dev)?;
+    let mut buf = vec![1.0f32; 2048];
+    let mut round = |gemm: bool, reduce: bool| -> Result<f64> {
+        timed(comm, home, || {
+            let t = Instant::now();
+            for _ in 0..SYNC_ROUNDS {
+                if gemm {
+                    work.run(reps)?;
+                }
+                if let (true, Some(p)) = (reduce, &pair) {
+                    p.all_reduce(&mut buf, ReduceOp::Sum)?;
+                }
+            }
+            Ok(t.elapsed().as_secs_f64())
+        })
+    };
+    let mut waits = Vec::new();
+    for _ in 0..3 {
+        let both = round(true, true)?;
+        let compute = round(true, false)?;
+        let reduce = round(false, true)?;
+        waits.push((both - compute - reduce) / SYNC_ROUNDS as f64);
+    }
+    Ok(median(waits).max(0.0))
+}
 
 /// Measures every collective of [`COLLS`] under each schedule (a communicator with it forced) on
 /// the ranks of `world` that pass `member` (the others wait); the samples on those ranks, none
@@ -407,6 +471,7 @@ fn harness_overhead(own: &Communicator, o: &Options, profile: &Profile) -> Resul
     Ok(Overhead {
         block_ms: block * 1e3,
         step_ms: step * 1e3,
+        sync_ms: 0.0,
         source: format!(
             "train::StepHarness, width 64, seq {t}, micro-batch {b}, one rank alone: {d0} blocks measured {:.2} ms \
              (model without overhead {:.2} ms), {d1} blocks {:.2} ms ({:.2} ms)",
@@ -466,6 +531,7 @@ pub fn calibrate(world: &World, o: &Options) -> Result<Option<Profile>> {
     let gemms = gemm_points(&comm, &dev, gpu)?;
     let bw = bandwidth(&comm, &dev)?;
     let cores = node_cores(&comm, &dev, home, world.local_size)?;
+    let sync = sync_wait(world, &comm, &dev, home)?;
     let mut fits = intra_fits(world, &comm, o, home)?;
     fits.extend(inter_fits(world, &comm, o, nodes)?);
     let precision = if gpu { "bf16" } else { "fp32" };
@@ -473,7 +539,10 @@ pub fn calibrate(world: &World, o: &Options) -> Result<Option<Profile>> {
     let Some(overhead) = step_overhead(&comm, o, &profile)? else {
         return Ok(None);
     };
-    profile.overhead = overhead;
+    profile.overhead = Overhead {
+        sync_ms: sync * 1e3,
+        ..overhead
+    };
     write_profile(&profile, o, precision)?;
     Ok(Some(profile))
 }
@@ -552,8 +621,8 @@ fn write_profile(profile: &Profile, o: &Options, precision: &str) -> Result<()> 
         );
     }
     println!(
-        "#   overhead: {:.3} ms per block and micro-batch, {:.3} ms per step ({})",
-        profile.overhead.block_ms, profile.overhead.step_ms, profile.overhead.source
+        "#   overhead: {:.3} ms per block and micro-batch, {:.3} ms per step, {:.3} ms per collective after compute ({})",
+        profile.overhead.block_ms, profile.overhead.step_ms, profile.overhead.sync_ms, profile.overhead.source
     );
     Ok(())
 }

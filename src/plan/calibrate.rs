@@ -250,45 +250,6 @@ fn node_cores(comm: &Communicator, dev: &Device, home: bool, ranks: usize) -> Re
 /// The collectives a calibration fits.
 const COLLS: [&str; 3] = ["all_reduce", "all_gather", "reduce_scatter"];
 
-/// Rounds of compute-then-collective per wait measurement.
-const SYNC_ROUNDS: usize = 24;
-
-/// The wait of a collective issued after compute (`overhead.sync_ms`, seconds): every rank of the
-/// node (`home`) in pairs (as the smallest tensor-parallel groups), all at once, runs
-/// [`SYNC_ROUNDS`] rounds of a GEMM loop of `work_s` (one rank alone) followed by an 8 KiB
-/// all-reduce in its pair, then the same rounds without the GEMMs and the same GEMMs without the
-/// all-reduces; the wait is what the rounds with both take beyond the two apart, per round
-/// (slowest rank, median of three, at least zero).
-fn sync_wait(world: &World, comm: &Communicator, dev: &Device, home: bool) -> Result<f64> {
-    let pair = comm.split(home.then_some((world.local_rank / 2) as u32), world.rank as i64)?;
-    let one = timed(comm, comm.rank() == 0, || gemm_loop(dev, 1))?;
-    let reps = ((SHARE_WORK_S / 100.0) / one).ceil().max(1.0) as usize;
-    let mut work = GemmWork::new(dev)?;
-    let mut buf = vec![1.0f32; 2048];
-    let mut round = |gemm: bool, reduce: bool| -> Result<f64> {
-        timed(comm, home, || {
-            let t = Instant::now();
-            for _ in 0..SYNC_ROUNDS {
-                if gemm {
-                    work.run(reps)?;
-                }
-                if let (true, Some(p)) = (reduce, &pair) {
-                    p.all_reduce(&mut buf, ReduceOp::Sum)?;
-                }
-            }
-            Ok(t.elapsed().as_secs_f64())
-        })
-    };
-    let mut waits = Vec::new();
-    for _ in 0..3 {
-        let both = round(true, true)?;
-        let compute = round(true, false)?;
-        let reduce = round(false, true)?;
-        waits.push((both - compute - reduce) / SYNC_ROUNDS as f64);
-    }
-    Ok(median(waits).max(0.0))
-}
-
 /// Measures every collective of [`COLLS`] under each schedule (a communicator with it forced) on
 /// the ranks of `world` that pass `member` (the others wait); the samples on those ranks, none
 /// elsewhere.
@@ -471,7 +432,6 @@ fn harness_overhead(own: &Communicator, o: &Options, profile: &Profile) -> Resul
     Ok(Overhead {
         block_ms: block * 1e3,
         step_ms: step * 1e3,
-        sync_ms: 0.0,
         source: format!(
             "train::StepHarness, width 64, seq {t}, micro-batch {b}, one rank alone: {d0} blocks measured {:.2} ms \
              (model without overhead {:.2} ms), {d1} blocks {:.2} ms ({:.2} ms)",
@@ -531,7 +491,6 @@ pub fn calibrate(world: &World, o: &Options) -> Result<Option<Profile>> {
     let gemms = gemm_points(&comm, &dev, gpu)?;
     let bw = bandwidth(&comm, &dev)?;
     let cores = node_cores(&comm, &dev, home, world.local_size)?;
-    let sync = sync_wait(world, &comm, &dev, home)?;
     let mut fits = intra_fits(world, &comm, o, home)?;
     fits.extend(inter_fits(world, &comm, o, nodes)?);
     let precision = if gpu { "bf16" } else { "fp32" };
@@ -539,10 +498,7 @@ pub fn calibrate(world: &World, o: &Options) -> Result<Option<Profile>> {
     let Some(overhead) = step_overhead(&comm, o, &profile)? else {
         return Ok(None);
     };
-    profile.overhead = Overhead {
-        sync_ms: sync * 1e3,
-        ..overhead
-    };
+    profile.overhead = overhead;
     write_profile(&profile, o, precision)?;
     Ok(Some(profile))
 }
@@ -621,8 +577,8 @@ fn write_profile(profile: &Profile, o: &Options, precision: &str) -> Result<()> 
         );
     }
     println!(
-        "#   overhead: {:.3} ms per block and micro-batch, {:.3} ms per step, {:.3} ms per collective after compute ({})",
-        profile.overhead.block_ms, profile.overhead.step_ms, profile.overhead.sync_ms, profile.overhead.source
+        "#   overhead: {:.3} ms per block and micro-batch, {:.3} ms per step ({})",
+        profile.overhead.block_ms, profile.overhead.step_ms, profile.overhead.source
     );
     Ok(())
 }

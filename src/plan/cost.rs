@@ -124,22 +124,11 @@ impl<'a> Machine<'a> {
 
     /// Seconds of `coll` (`all_reduce`, `all_gather`, `reduce_scatter`) of a `bytes` buffer over a
     /// group of `size` ranks `stride` apart: the profile's measured fits of the group's tier where
-    /// it has them (`collfit::predict`), else the ring model on the tier's link; plus the measured
-    /// wait for peers of a collective issued after compute (`overhead.sync_ms`).
+    /// it has them (`collfit::predict`), else the ring model on the tier's link.
     fn coll(&self, coll: &str, size: usize, stride: usize, bytes: f64) -> f64 {
         if size < 2 {
             return 0.0;
         }
-        self.sync() + self.coll_alone(coll, size, stride, bytes)
-    }
-
-    /// The profile's measured wait of a collective or message issued after compute (`sync_ms`).
-    fn sync(&self) -> f64 {
-        self.profile.overhead.sync_ms * 1e-3
-    }
-
-    /// [`Machine::coll`] back to back (without the wait for peers coming from compute).
-    fn coll_alone(&self, coll: &str, size: usize, stride: usize, bytes: f64) -> f64 {
         let tier = if self.within_node(size, stride) {
             "intra"
         } else {
@@ -344,7 +333,7 @@ fn p2p(job: &Job, l: &Layout, mach: &Machine) -> f64 {
         _ => rows / l.tp as f64,
     };
     let link = mach.link(l.pp, l.tp);
-    mach.sync() + link.alpha + rows * job.model.n_embd as f64 * mach.act_bytes() / link.bandwidth
+    link.alpha + rows * job.model.n_embd as f64 * mach.act_bytes() / link.bandwidth
 }
 
 /// The estimate of `layout` with the closed-form pipeline time; `stage_blocks[s]` are the blocks
@@ -595,7 +584,6 @@ mod tests {
             overhead: Overhead {
                 block_ms: 0.5,
                 step_ms: 3.0,
-                sync_ms: 0.0,
                 source: String::new(),
             },
             ..p.clone()
@@ -613,30 +601,6 @@ mod tests {
             e.step_s,
             base.step_s
         );
-        // A measured wait per collective and pipeline message issued after compute: the last
-        // rank (12 blocks of 2 all-reduces per direction, the head's 3) pays 12 * 4 + 3 of them
-        // per micro-batch on TP and 2 on PP, over 64 micro-batches.
-        let waits = Profile {
-            overhead: Overhead {
-                sync_ms: 0.25,
-                ..Overhead::default()
-            },
-            ..p.clone()
-        };
-        let (mw, m0) = (
-            Machine::new(&waits, Stack::Megatron, "bf16").unwrap(),
-            Machine::new(&p, Stack::Megatron, "bf16").unwrap(),
-        );
-        let d = mw.coll("all_reduce", 8, 1, 1e6) - m0.coll("all_reduce", 8, 1, 1e6);
-        assert!((d - 0.25e-3).abs() < 1e-12 && mw.coll("all_reduce", 1, 1, 1e6) == 0.0);
-        let (ew, e0) = (
-            estimate(&job, &l, &mw, &[12; 8]),
-            estimate(&job, &l, &m0, &[12; 8]),
-        );
-        let tp = ew.tp_comm_s - e0.tp_comm_s;
-        let pp = ew.pp_comm_s - e0.pp_comm_s;
-        assert!((tp - 64.0 * 51.0 * 0.25e-3).abs() < 1e-9, "{tp}");
-        assert!((pp - 64.0 * 2.0 * 0.25e-3).abs() < 1e-9, "{pp}");
         // A (slow) measured all-reduce fit replaces the ring model of the TP group's tier.
         let fit = CollFit {
             coll: "all_reduce".into(),
@@ -676,7 +640,6 @@ mod tests {
             overhead: Overhead {
                 block_ms: 0.5,
                 step_ms: 3.0,
-                sync_ms: 0.0,
                 source: String::new(),
             },
             ..Profile::load("dgx-a100").unwrap()

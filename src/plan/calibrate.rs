@@ -465,10 +465,10 @@ fn node_count(world: &World) -> Result<usize> {
 /// Measures this node (rank 0's; with ranks on several nodes, also the links between nodes) on
 /// `world` and writes the profile; returns it on rank 0, `None` elsewhere.
 pub fn calibrate(world: &World, o: &Options) -> Result<Option<Profile>> {
+    let nodes = node_count(world)?;
     if world.local_size < 2 {
         return Err(Error::config("ranks", "calibrate measures the links between the ranks of a node: start it with at least 2 per node (mpirun -n 2 ...)"));
     }
-    let nodes = node_count(world)?;
     let gpu = o.device != DeviceKind::Cpu;
     let per_device_gb = match (gpu, o.memory_gb) {
         (_, Some(g)) => g,

@@ -206,9 +206,13 @@ impl<'a> GemmWork<'a> {
     /// Runs `reps` GEMMs and waits for them.
     fn run(&mut self, reps: usize) -> Result<()> {
         let [a, b, c] = &mut self.bufs;
-        let (x, y) = (Operand::plain(a, GemmInput::F32), Operand::plain(b, GemmInput::F32));
+        let (x, y) = (
+            Operand::plain(a, GemmInput::F32),
+            Operand::plain(b, GemmInput::F32),
+        );
         for _ in 0..reps {
-            self.gemm.matmul(self.dev, c, x, y, Self::N, Self::N, Self::N, false)?;
+            self.gemm
+                .matmul(self.dev, c, x, y, Self::N, Self::N, Self::N, false)?;
         }
         self.dev.synchronize()
     }
@@ -253,11 +257,7 @@ const COLLS: [&str; 3] = ["all_reduce", "all_gather", "reduce_scatter"];
 /// Measures every collective of [`COLLS`] under each schedule (a communicator with it forced) on
 /// the ranks of `world` that pass `member` (the others wait); the samples on those ranks, none
 /// elsewhere.
-fn measure_collectives(
-    world: &World,
-    max_bytes: usize,
-    member: bool,
-) -> Result<Vec<Sample>> {
+fn measure_collectives(world: &World, max_bytes: usize, member: bool) -> Result<Vec<Sample>> {
     let mut samples = Vec::new();
     for (name, algo) in [("ring", Algo::Ring), ("direct", Algo::Direct)] {
         let cfg = CommConfig {
@@ -321,7 +321,12 @@ fn intra_fits(world: &World, comm: &Communicator, o: &Options, home: bool) -> Re
 
 /// The inter-node fits: measured between the first ranks of every node (one rank per node, so
 /// a node's network as one rank sees it; the other ranks get none); none on one node.
-fn inter_fits(world: &World, comm: &Communicator, o: &Options, nodes: usize) -> Result<Vec<CollFit>> {
+fn inter_fits(
+    world: &World,
+    comm: &Communicator,
+    o: &Options,
+    nodes: usize,
+) -> Result<Vec<CollFit>> {
     if nodes < 2 {
         return Ok(Vec::new());
     }
@@ -536,7 +541,10 @@ fn assemble(
         cores_per_node: Some(cores),
         compute: Compute {
             peak_tflops: [(precision.to_string(), best)].into_iter().collect(),
-            gemm: GemmCurve { max_efficiency: 1.0, half_dim: 64.0 },
+            gemm: GemmCurve {
+                max_efficiency: 1.0,
+                half_dim: 64.0,
+            },
             measured: gemms,
         },
         memory: Memory {
@@ -544,8 +552,19 @@ fn assemble(
             bandwidth_gbs: bw / 1e9,
             reserved_gb: crate::memory::rss_bytes().unwrap_or(0) as f64 / 1e9,
         },
-        intra: Intra { topology: "measured".into(), bandwidth_gbs: link_gbs, pair_bandwidth_gbs: None, latency_us, achievable: 1.0 },
-        inter: Inter { nics_per_node: 1, nic_bandwidth_gbs: inter_gbs, latency_us: inter_us, achievable: 1.0 },
+        intra: Intra {
+            topology: "measured".into(),
+            bandwidth_gbs: link_gbs,
+            pair_bandwidth_gbs: None,
+            latency_us,
+            achievable: 1.0,
+        },
+        inter: Inter {
+            nics_per_node: 1,
+            nic_bandwidth_gbs: inter_gbs,
+            latency_us: inter_us,
+            achievable: 1.0,
+        },
         collectives: fits,
         overhead: Overhead::default(),
     }

@@ -36,8 +36,8 @@
 use serde::Serialize;
 
 use super::collfit;
-use super::rank_memory::{self as memory, RankMemory, RankShare};
 use super::profile::{Link, Profile};
+use super::rank_memory::{self as memory, RankMemory, RankShare};
 use super::{Job, Layout, Recompute, Stack};
 use crate::error::Result;
 use crate::parallel::schedule::{simulate_ranks, Delivery, Schedule};
@@ -431,8 +431,8 @@ fn data_parallel(
 ) -> (f64, f64) {
     let n = share.params(job, l.tp);
     let shard = n / l.dp as f64;
-    let optimizer = mach.sharing(job.gpus)
-        * (mach.stream(32.0 * shard) + mach.profile.overhead.step_ms * 1e-3);
+    let optimizer =
+        mach.sharing(job.gpus) * (mach.stream(32.0 * shard) + mach.profile.overhead.step_ms * 1e-3);
     if l.dp < 2 {
         return (0.0, optimizer);
     }
@@ -655,7 +655,12 @@ mod tests {
         // 8 ranks on a node of 8 devices and 2 cores: 4 ranks per core; 2 ranks: none shared; 16
         // ranks still put 8 on a node.
         assert_eq!(
-            (two.sharing(8), two.sharing(2), two.sharing(16), own.sharing(8)),
+            (
+                two.sharing(8),
+                two.sharing(2),
+                two.sharing(16),
+                own.sharing(8)
+            ),
             (4.0, 1.0, 4.0, 1.0)
         );
         let c = GptConfig::named("tiny").unwrap();
@@ -675,7 +680,12 @@ mod tests {
             // Compute (GEMMs, kernels, per-block overhead) and the optimizer (with its per-step
             // overhead) exactly 4x; every communication term as it was.
             let rel = |x: f64, y: f64| (x - y).abs() / y;
-            assert!(rel(b.compute_s, 4.0 * a.compute_s) < 1e-12, "{} {}", b.compute_s, a.compute_s);
+            assert!(
+                rel(b.compute_s, 4.0 * a.compute_s) < 1e-12,
+                "{} {}",
+                b.compute_s,
+                a.compute_s
+            );
             assert!(rel(b.optimizer_s, 4.0 * a.optimizer_s) < 1e-12);
             assert_eq!(
                 (b.tp_comm_s, b.pp_comm_s, b.bubble_s),

@@ -474,7 +474,10 @@ fn non_negative(key: &str, v: f64) -> Result<()> {
     if v.is_finite() && v >= 0.0 {
         Ok(())
     } else {
-        Err(Error::config(key, format!("{v} must be a finite number >= 0")))
+        Err(Error::config(
+            key,
+            format!("{v} must be a finite number >= 0"),
+        ))
     }
 }
 
@@ -559,10 +562,23 @@ mod tests {
         );
         let one = with_fit.replace("ranks = 4", "ranks = 1");
         assert!(err(&one).contains("collectives[0].ranks"), "{}", err(&one));
-        let cores = text.replace("devices_per_node = 8\n", "devices_per_node = 8\ncores_per_node = 0.0\n");
-        assert!(err(&cores).contains("m.toml: cores_per_node"), "{}", err(&cores));
-        let two = text.replace("devices_per_node = 8\n", "devices_per_node = 8\ncores_per_node = 2.0\n");
-        assert_eq!(Profile::parse(&two, "m.toml").unwrap().cores_per_node, Some(2.0));
+        let cores = text.replace(
+            "devices_per_node = 8\n",
+            "devices_per_node = 8\ncores_per_node = 0.0\n",
+        );
+        assert!(
+            err(&cores).contains("m.toml: cores_per_node"),
+            "{}",
+            err(&cores)
+        );
+        let two = text.replace(
+            "devices_per_node = 8\n",
+            "devices_per_node = 8\ncores_per_node = 2.0\n",
+        );
+        assert_eq!(
+            Profile::parse(&two, "m.toml").unwrap().cores_per_node,
+            Some(2.0)
+        );
         let neg = format!("{text}\n[overhead]\nblock_ms = -1.0\nstep_ms = 0.0\n");
         assert!(err(&neg).contains("overhead.block_ms"), "{}", err(&neg));
     }

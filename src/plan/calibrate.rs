@@ -15,11 +15,6 @@
 //! - sharing: a GEMM loop of ~0.15 s timed on rank 0 alone, then on every rank of the node at once;
 //!   `ranks / slowdown` (at most `ranks`) is the profile's `cores_per_node`, by which the planner
 //!   slows every rank's compute when more ranks than that share a node;
-//! - a device collective issued after compute: pairs of ranks (every rank of the node at once)
-//!   alternate a short GEMM loop and an 8 KiB sum through the trainer's tensor-parallel path
-//!   (`model::DeviceTp`), against the GEMM loop alone; the sum's cost beyond what the collective
-//!   fits give it (hand-offs, waits for a peer still computing or descheduled) is
-//!   `overhead.sync_ms`, which the planner adds to every TP collective and pipeline message;
 //! - collectives: `all_reduce`, `all_gather` and `reduce_scatter` from 8 KiB up, through the same
 //!   code as `meshtrain bench`, once per schedule (`ring`, `direct`: a communicator each with the
 //!   schedule forced), on the ranks of rank 0's node (tier `intra`), or read from `meshtrain bench
@@ -53,7 +48,7 @@ use crate::config::DeviceKind;
 use crate::device::gemm::{Gemm, GemmInput, Operand};
 use crate::device::{bind_cpu_threads, Device, Precision};
 use crate::error::{Error, Result};
-use crate::model::{DeviceTp, GptConfig};
+use crate::model::GptConfig;
 use crate::train::StepHarness;
 
 /// What to measure and where to write it.
@@ -259,51 +254,6 @@ fn node_cores(comm: &Communicator, dev: &Device, home: bool, ranks: usize) -> Re
 /// The collectives a calibration fits.
 const COLLS: [&str; 3] = ["all_reduce", "all_gather", "reduce_scatter"];
 
-/// Rounds of compute-then-collective per device-collective measurement.
-const SYNC_ROUNDS: usize = 24;
-/// f32 elements of the device all-reduce measured (8 KiB).
-const SYNC_ELEMS: usize = 2048;
-
-/// What a small device collective issued after compute costs in a step: every rank of the node
-/// (`home`) in pairs (the smallest tensor-parallel groups), all at once, runs [`SYNC_ROUNDS`]
-/// rounds of a GEMM loop (about 1.5 ms alone) followed by a sum of 8 KiB over its pair through the
-/// trainer's own tensor-parallel path (`model::DeviceTp`), then the same rounds without the sums;
-/// the difference per round (slowest rank, median of three, seconds) is the sum's whole cost,
-/// hand-offs and waits for a peer still computing included.
-fn device_sum_after_compute(
-    world: &World,
-    comm: &Communicator,
-    dev: &Device,
-    home: bool,
-) -> Result<f64> {
-    let pair = comm.split(home.then_some((world.local_rank / 2) as u32), world.rank as i64)?;
-    let mut tp = pair.map(DeviceTp::new).transpose()?;
-    let one = timed(comm, comm.rank() == 0, || gemm_loop(dev, 1))?;
-    let reps = ((SHARE_WORK_S / 100.0) / one).ceil().max(1.0) as usize;
-    let mut work = GemmWork::new(dev)?;
-    let mut buf = dev.alloc(SYNC_ELEMS * 4)?;
-    let mut round = |sum: bool| -> Result<f64> {
-        timed(comm, home, || {
-            let t = Instant::now();
-            for _ in 0..SYNC_ROUNDS {
-                work.run(reps)?;
-                if let (true, Some(tp)) = (sum, tp.as_mut()) {
-                    tp.sum(dev, &mut buf, SYNC_ELEMS)?;
-                    dev.synchronize()?;
-                }
-            }
-            Ok(t.elapsed().as_secs_f64())
-        })
-    };
-    let mut per_sum = Vec::new();
-    for _ in 0..3 {
-        let with = round(true)?;
-        let without = round(false)?;
-        per_sum.push((with - without) / SYNC_ROUNDS as f64);
-    }
-    Ok(median(per_sum).max(0.0))
-}
-
 /// Measures every collective of [`COLLS`] under each schedule (a communicator with it forced) on
 /// the ranks of `world` that pass `member` (the others wait); the samples on those ranks, none
 /// elsewhere.
@@ -487,7 +437,6 @@ fn harness_overhead(own: &Communicator, o: &Options, profile: &Profile) -> Resul
     Ok(Overhead {
         block_ms: block * 1e3,
         step_ms: step * 1e3,
-        sync_ms: 0.0,
         source: format!(
             "train::StepHarness, width 64, seq {t}, micro-batch {b}, one rank alone: {d0} blocks measured {:.2} ms \
              (model without overhead {:.2} ms), {d1} blocks {:.2} ms ({:.2} ms)",
@@ -547,7 +496,6 @@ pub fn calibrate(world: &World, o: &Options) -> Result<Option<Profile>> {
     let gemms = gemm_points(&comm, &dev, gpu)?;
     let bw = bandwidth(&comm, &dev)?;
     let cores = node_cores(&comm, &dev, home, world.local_size)?;
-    let device_sum = device_sum_after_compute(world, &comm, &dev, home)?;
     let mut fits = intra_fits(world, &comm, o, home)?;
     fits.extend(inter_fits(world, &comm, o, nodes)?);
     let precision = if gpu { "bf16" } else { "fp32" };
@@ -555,25 +503,7 @@ pub fn calibrate(world: &World, o: &Options) -> Result<Option<Profile>> {
     let Some(overhead) = step_overhead(&comm, o, &profile)? else {
         return Ok(None);
     };
-    // What the fits already cost of that sum is not counted twice.
-    let fitted = collfit::predict(
-        &profile.collectives,
-        "all_reduce",
-        "intra",
-        2,
-        (SYNC_ELEMS * 4) as f64,
-    )
-    .unwrap_or(0.0);
-    profile.overhead = Overhead {
-        sync_ms: (device_sum - fitted).max(0.0) * 1e3,
-        source: format!(
-            "{}; a device sum of 8 KiB over a pair after compute: {:.3} ms, the fits' all-reduce {:.3} ms",
-            overhead.source,
-            device_sum * 1e3,
-            fitted * 1e3
-        ),
-        ..overhead
-    };
+    profile.overhead = overhead;
     write_profile(&profile, o, precision)?;
     Ok(Some(profile))
 }
@@ -666,8 +596,8 @@ fn write_profile(profile: &Profile, o: &Options, precision: &str) -> Result<()> 
         );
     }
     println!(
-        "#   overhead: {:.3} ms per block and micro-batch, {:.3} ms per step, {:.3} ms per TP collective or pipeline message ({})",
-        profile.overhead.block_ms, profile.overhead.step_ms, profile.overhead.sync_ms, profile.overhead.source
+        "#   overhead: {:.3} ms per block and micro-batch, {:.3} ms per step ({})",
+        profile.overhead.block_ms, profile.overhead.step_ms, profile.overhead.source
     );
     Ok(())
 }

@@ -22,8 +22,7 @@
 //! overheads) takes `ranks on the node / cores_per_node` times as long; communication is costed
 //! as measured (a calibrated profile measured it with every rank of the node taking part).
 //! A calibrated profile adds its measured fixed costs (`overhead`: per block and micro-batch to
-//! each rank's forward and backward, per step to the optimizer, per TP collective and pipeline
-//! message the cost of issuing it after compute) and costs collectives by its
+//! each rank's forward and backward, per step to the optimizer) and costs collectives by its
 //! measured fits per algorithm (`collfit`) instead of the ring model.
 //! meshtrain reduces gradient buckets while the last micro-batch's backward runs and gathers the
 //! updated parameters after the step (ZeRO >= 1; ZeRO-3 also gathers each micro-batch's
@@ -103,15 +102,6 @@ impl<'a> Machine<'a> {
             Some(cores) => (on_node / cores).max(1.0),
             None => 1.0,
         }
-    }
-
-    /// A tensor-parallel collective of the step: [`Machine::coll`] plus the profile's measured
-    /// cost of issuing a device collective after compute (`overhead.sync_ms`).
-    fn tp_coll(&self, coll: &str, size: usize, bytes: f64) -> f64 {
-        if size < 2 {
-            return 0.0;
-        }
-        self.profile.overhead.sync_ms * 1e-3 + self.coll(coll, size, 1, bytes)
     }
 
     /// Whether a group of `size` ranks `stride` ranks apart stays inside one node (ranks fill
@@ -292,9 +282,10 @@ fn tp_block_comm(job: &Job, l: &Layout, mach: &Machine) -> f64 {
     }
     let bytes = (l.micro_batch * job.seq_len * job.model.n_embd) as f64 * mach.act_bytes();
     if l.sp {
-        2.0 * (mach.tp_coll("all_gather", l.tp, bytes) + mach.tp_coll("reduce_scatter", l.tp, bytes))
+        2.0 * (mach.coll("all_gather", l.tp, 1, bytes)
+            + mach.coll("reduce_scatter", l.tp, 1, bytes))
     } else {
-        2.0 * mach.tp_coll("all_reduce", l.tp, bytes)
+        2.0 * mach.coll("all_reduce", l.tp, 1, bytes)
     }
 }
 
@@ -305,7 +296,7 @@ fn head(job: &Job, l: &Layout, mach: &Machine) -> Part {
     let (f, b) = mach.gemm_fb(bt, vl, c, 1.0);
     // Logits written, read by the softmax, gradient written (fp32).
     let elem = mach.stream(3.0 * 4.0 * bt * vl);
-    let comm = 3.0 * mach.tp_coll("all_reduce", l.tp, bt * 4.0);
+    let comm = 3.0 * mach.coll("all_reduce", l.tp, 1, bt * 4.0);
     Part {
         fwd: f + elem,
         bwd: b + elem,
@@ -320,7 +311,7 @@ fn embed(job: &Job, l: &Layout, mach: &Machine) -> Part {
     let comm = if l.sp {
         0.0
     } else {
-        mach.tp_coll("all_reduce", l.tp, bytes)
+        mach.coll("all_reduce", l.tp, 1, bytes)
     };
     Part {
         fwd: mach.stream(3.0 * bytes),
@@ -342,7 +333,7 @@ fn p2p(job: &Job, l: &Layout, mach: &Machine) -> f64 {
         _ => rows / l.tp as f64,
     };
     let link = mach.link(l.pp, l.tp);
-    mach.profile.overhead.sync_ms * 1e-3 + link.alpha + rows * job.model.n_embd as f64 * mach.act_bytes() / link.bandwidth
+    link.alpha + rows * job.model.n_embd as f64 * mach.act_bytes() / link.bandwidth
 }
 
 /// The estimate of `layout` with the closed-form pipeline time; `stage_blocks[s]` are the blocks
@@ -593,7 +584,6 @@ mod tests {
             overhead: Overhead {
                 block_ms: 0.5,
                 step_ms: 3.0,
-                sync_ms: 0.0,
                 source: String::new(),
             },
             ..p.clone()
@@ -611,31 +601,6 @@ mod tests {
             e.step_s,
             base.step_s
         );
-        // A measured cost per TP collective and pipeline message: the last rank (12 blocks of 2
-        // all-reduces per direction, the head's 3) pays 12 * 4 + 3 of them per micro-batch on TP
-        // and 2 on PP, over 64 micro-batches; the DP collectives none.
-        let waits = Profile {
-            overhead: Overhead {
-                sync_ms: 0.25,
-                ..Overhead::default()
-            },
-            ..p.clone()
-        };
-        let (mw, m0) = (
-            Machine::new(&waits, Stack::Megatron, "bf16").unwrap(),
-            Machine::new(&p, Stack::Megatron, "bf16").unwrap(),
-        );
-        let d = mw.tp_coll("all_reduce", 8, 1e6) - m0.tp_coll("all_reduce", 8, 1e6);
-        assert!((d - 0.25e-3).abs() < 1e-12 && mw.tp_coll("all_reduce", 1, 1e6) == 0.0);
-        assert_eq!(mw.coll("all_reduce", 8, 8, 1e6), m0.coll("all_reduce", 8, 8, 1e6));
-        let (ew, e0) = (
-            estimate(&job, &l, &mw, &[12; 8]),
-            estimate(&job, &l, &m0, &[12; 8]),
-        );
-        let tp = ew.tp_comm_s - e0.tp_comm_s;
-        let pp = ew.pp_comm_s - e0.pp_comm_s;
-        assert!((tp - 64.0 * 51.0 * 0.25e-3).abs() < 1e-9, "{tp}");
-        assert!((pp - 64.0 * 2.0 * 0.25e-3).abs() < 1e-9, "{pp}");
         // A (slow) measured all-reduce fit replaces the ring model of the TP group's tier.
         let fit = CollFit {
             coll: "all_reduce".into(),
@@ -675,7 +640,6 @@ mod tests {
             overhead: Overhead {
                 block_ms: 0.5,
                 step_ms: 3.0,
-                sync_ms: 0.0,
                 source: String::new(),
             },
             ..Profile::load("dgx-a100").unwrap()

@@ -98,11 +98,6 @@ pub struct Overhead {
     pub block_ms: f64,
     /// Per optimizer step and rank (head, embedding, optimizer, bookkeeping), ms.
     pub step_ms: f64,
-    /// Per tensor-parallel collective or pipeline message of the step (device collectives issued
-    /// after compute), beyond the collective fits' time: hand-offs and waits for peers still
-    /// computing or descheduled (large where ranks share cores), ms.
-    #[serde(default)]
-    pub sync_ms: f64,
     /// How it was obtained.
     #[serde(default)]
     pub source: String,
@@ -373,8 +368,7 @@ impl Profile {
     /// The measured fixed costs.
     fn validate_overhead(&self) -> Result<()> {
         non_negative("overhead.block_ms", self.overhead.block_ms)?;
-        non_negative("overhead.step_ms", self.overhead.step_ms)?;
-        non_negative("overhead.sync_ms", self.overhead.sync_ms)
+        non_negative("overhead.step_ms", self.overhead.step_ms)
     }
 
     /// Dense peak FLOP/s of one device at `precision`; an error names the missing key.

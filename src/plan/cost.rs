@@ -17,6 +17,10 @@
 //! max_r t_r` for 1F1B, `(m + (p-1)/v) max_r t_r` interleaved; [`refine`] replaces it by the
 //! schedule simulator's makespan for the same per-rank times), plus the data-parallel reduction
 //! that the last backward does not hide, plus the optimizer (memory-bound, its shard's state).
+//! Where more ranks share a node than its profile's `cores_per_node` (CPU ranks time-slicing a
+//! node's cores), every compute term (GEMMs, memory-bound kernels, the optimizer, the measured
+//! overheads) takes `ranks on the node / cores_per_node` times as long; communication is costed
+//! as measured (a calibrated profile measured it with every rank of the node taking part).
 //! A calibrated profile adds its measured fixed costs (`overhead`: per block and micro-batch to
 //! each rank's forward and backward, per step to the optimizer) and costs collectives by its
 //! measured fits per algorithm (`collfit`) instead of the ring model.
@@ -32,8 +36,8 @@
 use serde::Serialize;
 
 use super::collfit;
-use super::rank_memory::{self as memory, RankMemory, RankShare};
 use super::profile::{Link, Profile};
+use super::rank_memory::{self as memory, RankMemory, RankShare};
 use super::{Job, Layout, Recompute, Stack};
 use crate::error::Result;
 use crate::parallel::schedule::{simulate_ranks, Delivery, Schedule};
@@ -87,6 +91,17 @@ impl<'a> Machine<'a> {
 
     fn stream(&self, bytes: f64) -> f64 {
         bytes / (self.profile.memory.bandwidth_gbs * 1e9)
+    }
+
+    /// How many times longer a rank computes when `ranks` ranks of a job share the profile's
+    /// nodes: `r / cores_per_node` with `r` the ranks on one node, where that exceeds 1 (ranks
+    /// time-slice the node's cores), else 1.
+    pub fn sharing(&self, ranks: usize) -> f64 {
+        let on_node = ranks.min(self.profile.devices_per_node).max(1) as f64;
+        match self.profile.cores_per_node {
+            Some(cores) => (on_node / cores).max(1.0),
+            None => 1.0,
+        }
     }
 
     /// Whether a group of `size` ranks `stride` ranks apart stays inside one node (ranks fill
@@ -193,6 +208,14 @@ struct Part {
 }
 
 impl Part {
+    /// The compute times `k` times longer, the communication as it is.
+    fn slowed(self, k: f64) -> Part {
+        Part {
+            fwd: self.fwd * k,
+            bwd: self.bwd * k,
+            ..self
+        }
+    }
     fn scaled(self, k: f64) -> Part {
         Part {
             fwd: self.fwd * k,
@@ -316,11 +339,17 @@ fn p2p(job: &Job, l: &Layout, mach: &Machine) -> f64 {
 /// The estimate of `layout` with the closed-form pipeline time; `stage_blocks[s]` are the blocks
 /// of global stage `s` (see `parallel::stage_split`).
 pub fn estimate(job: &Job, l: &Layout, mach: &Machine, stage_blocks: &[usize]) -> Estimate {
-    let (blk, hd, emb) = (block(job, l, mach), head(job, l, mach), embed(job, l, mach));
+    // Ranks sharing a node's cores compute that many times slower (1 with a device per rank).
+    let share = mach.sharing(job.gpus);
+    let (blk, hd, emb) = (
+        block(job, l, mach).slowed(share),
+        head(job, l, mach).slowed(share),
+        embed(job, l, mach).slowed(share),
+    );
     let msg = p2p(job, l, mach);
     let v = l.virtual_stages as f64;
     // Measured per-block costs the terms below do not describe (zero for datasheets).
-    let block_overhead = mach.profile.overhead.block_ms * 1e-3;
+    let block_overhead = share * mach.profile.overhead.block_ms * 1e-3;
     let ranks: Vec<(RankShare, Part)> = (0..l.pp)
         .map(|r| {
             let share = RankShare::of(l, stage_blocks, r);
@@ -402,7 +431,8 @@ fn data_parallel(
 ) -> (f64, f64) {
     let n = share.params(job, l.tp);
     let shard = n / l.dp as f64;
-    let optimizer = mach.stream(32.0 * shard) + mach.profile.overhead.step_ms * 1e-3;
+    let optimizer =
+        mach.sharing(job.gpus) * (mach.stream(32.0 * shard) + mach.profile.overhead.step_ms * 1e-3);
     if l.dp < 2 {
         return (0.0, optimizer);
     }
@@ -601,6 +631,76 @@ mod tests {
             ring.coll("all_gather", 8, 1, bytes)
         );
         assert!(estimate(&job, &l, &mach, &[12; 8]).tp_comm_s > base.tp_comm_s);
+    }
+
+    #[test]
+    fn ranks_sharing_a_nodes_cores_compute_that_much_slower() {
+        use crate::plan::profile::Overhead;
+        let base = Profile {
+            overhead: Overhead {
+                block_ms: 0.5,
+                step_ms: 3.0,
+                source: String::new(),
+            },
+            ..Profile::load("dgx-a100").unwrap()
+        };
+        let shared = Profile {
+            cores_per_node: Some(2.0),
+            ..base.clone()
+        };
+        let (own, two) = (
+            Machine::new(&base, Stack::Meshtrain, "bf16").unwrap(),
+            Machine::new(&shared, Stack::Meshtrain, "bf16").unwrap(),
+        );
+        // 8 ranks on a node of 8 devices and 2 cores: 4 ranks per core; 2 ranks: none shared; 16
+        // ranks still put 8 on a node.
+        assert_eq!(
+            (
+                two.sharing(8),
+                two.sharing(2),
+                two.sharing(16),
+                own.sharing(8)
+            ),
+            (4.0, 1.0, 4.0, 1.0)
+        );
+        let c = GptConfig::named("tiny").unwrap();
+        let job = Job::new("tiny", &c, 8, 16, 64).unwrap();
+        for l in [
+            Layout {
+                zero: 0,
+                ..layout(1, 1, 1, 8, 1)
+            },
+            layout(2, 1, 1, 4, 2),
+        ] {
+            let stages = vec![c.n_layer / l.pp; l.pp];
+            let (a, b) = (
+                estimate(&job, &l, &own, &stages),
+                estimate(&job, &l, &two, &stages),
+            );
+            // Compute (GEMMs, kernels, per-block overhead) and the optimizer (with its per-step
+            // overhead) exactly 4x; every communication term as it was.
+            let rel = |x: f64, y: f64| (x - y).abs() / y;
+            assert!(
+                rel(b.compute_s, 4.0 * a.compute_s) < 1e-12,
+                "{} {}",
+                b.compute_s,
+                a.compute_s
+            );
+            assert!(rel(b.optimizer_s, 4.0 * a.optimizer_s) < 1e-12);
+            assert_eq!(
+                (b.tp_comm_s, b.pp_comm_s, b.bubble_s),
+                (a.tp_comm_s, a.pp_comm_s, a.bubble_s)
+            );
+            assert!(rel(b.pipeline_s - a.pipeline_s, 3.0 * a.compute_s) < 1e-12);
+        }
+        // A job of 2 ranks on the same profile is not slowed.
+        let job2 = Job::new("tiny", &c, 2, 16, 64).unwrap();
+        let l = layout(1, 1, 1, 2, 8);
+        let n = c.n_layer;
+        assert_eq!(
+            estimate(&job2, &l, &own, &[n]).step_s,
+            estimate(&job2, &l, &two, &[n]).step_s
+        );
     }
 
     #[test]

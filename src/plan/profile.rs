@@ -43,6 +43,13 @@ pub struct Profile {
     pub device: String,
     /// Devices (ranks) per node.
     pub devices_per_node: usize,
+    /// Ranks of one node that can compute at full speed at once, where fewer than
+    /// `devices_per_node` (CPU ranks sharing a node's cores; measured by `plan calibrate`). With
+    /// `r` ranks on a node and `r > cores_per_node`, every rank's compute (GEMMs, memory-bound
+    /// kernels, measured overheads) takes `r / cores_per_node` times its unshared time. Absent: a
+    /// device per rank, nothing shared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cores_per_node: Option<f64>,
     /// One device's arithmetic.
     pub compute: Compute,
     /// One device's memory.
@@ -253,31 +260,18 @@ impl Profile {
     }
 
     fn validate(&self) -> Result<()> {
-        let positive = |key: &str, v: f64| {
-            if v.is_finite() && v > 0.0 {
-                Ok(())
-            } else {
-                Err(Error::config(
-                    key,
-                    format!("{v} must be a finite positive number"),
-                ))
-            }
-        };
-        let fraction = |key: &str, v: f64| {
-            if v.is_finite() && v > 0.0 && v <= 1.0 {
-                Ok(())
-            } else {
-                Err(Error::config(
-                    key,
-                    format!("{v} must be a fraction in (0, 1]"),
-                ))
-            }
-        };
+        self.validate_node()?;
+        self.validate_compute()?;
+        self.validate_memory()?;
+        self.validate_links()?;
+        self.validate_collectives()?;
+        self.validate_overhead()
+    }
+
+    /// The node: device arm, devices and cores per node.
+    fn validate_node(&self) -> Result<()> {
         if self.devices_per_node == 0 {
             return Err(Error::config("devices_per_node", "must be at least 1"));
-        }
-        if self.inter.nics_per_node == 0 {
-            return Err(Error::config("inter.nics_per_node", "must be at least 1"));
         }
         if !["cpu", "cuda", "hip", "emu"].contains(&self.device.as_str()) {
             return Err(Error::config(
@@ -285,6 +279,14 @@ impl Profile {
                 format!("`{}` is not cpu, cuda, hip or emu", self.device),
             ));
         }
+        if let Some(c) = self.cores_per_node {
+            positive("cores_per_node", c)?;
+        }
+        Ok(())
+    }
+
+    /// Peaks and the GEMM efficiency model.
+    fn validate_compute(&self) -> Result<()> {
         if self.compute.peak_tflops.is_empty() {
             return Err(Error::config(
                 "compute.peak_tflops",
@@ -308,23 +310,34 @@ impl Profile {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// Capacity, bandwidth and the reserved share of one device's memory.
+    fn validate_memory(&self) -> Result<()> {
         positive("memory.per_device_gb", self.memory.per_device_gb)?;
         positive("memory.bandwidth_gbs", self.memory.bandwidth_gbs)?;
-        if !(self.memory.reserved_gb.is_finite() && self.memory.reserved_gb >= 0.0) {
-            return Err(Error::config(
-                "memory.reserved_gb",
-                format!("{} must be a finite number >= 0", self.memory.reserved_gb),
-            ));
-        }
+        non_negative("memory.reserved_gb", self.memory.reserved_gb)
+    }
+
+    /// The intra- and inter-node links.
+    fn validate_links(&self) -> Result<()> {
         positive("intra.bandwidth_gbs", self.intra.bandwidth_gbs)?;
         if let Some(p) = self.intra.pair_bandwidth_gbs {
             positive("intra.pair_bandwidth_gbs", p)?;
         }
         positive("intra.latency_us", self.intra.latency_us)?;
         fraction("intra.achievable", self.intra.achievable)?;
+        if self.inter.nics_per_node == 0 {
+            return Err(Error::config("inter.nics_per_node", "must be at least 1"));
+        }
         positive("inter.nic_bandwidth_gbs", self.inter.nic_bandwidth_gbs)?;
         positive("inter.latency_us", self.inter.latency_us)?;
-        fraction("inter.achievable", self.inter.achievable)?;
+        fraction("inter.achievable", self.inter.achievable)
+    }
+
+    /// The measured collective fits.
+    fn validate_collectives(&self) -> Result<()> {
         for (i, f) in self.collectives.iter().enumerate() {
             let key = |k: &str| format!("collectives[{i}].{k}");
             if !super::collfit::COLLECTIVES.contains(&f.coll.as_str()) {
@@ -349,18 +362,13 @@ impl Profile {
             positive(&key("latency_us"), f.latency_us)?;
             positive(&key("busbw_gbs"), f.busbw_gbs)?;
         }
-        for (key, v) in [
-            ("overhead.block_ms", self.overhead.block_ms),
-            ("overhead.step_ms", self.overhead.step_ms),
-        ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(Error::config(
-                    key,
-                    format!("{v} must be a finite number >= 0"),
-                ));
-            }
-        }
         Ok(())
+    }
+
+    /// The measured fixed costs.
+    fn validate_overhead(&self) -> Result<()> {
+        non_negative("overhead.block_ms", self.overhead.block_ms)?;
+        non_negative("overhead.step_ms", self.overhead.step_ms)
     }
 
     /// Dense peak FLOP/s of one device at `precision`; an error names the missing key.
@@ -434,6 +442,42 @@ impl Profile {
     /// Memory a job may use on one device, bytes.
     pub fn usable_bytes(&self) -> f64 {
         (self.memory.per_device_gb - self.memory.reserved_gb).max(0.0) * 1e9
+    }
+}
+
+/// `v` must be finite and positive; the error names `key`.
+fn positive(key: &str, v: f64) -> Result<()> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(Error::config(
+            key,
+            format!("{v} must be a finite positive number"),
+        ))
+    }
+}
+
+/// `v` must be a fraction in (0, 1]; the error names `key`.
+fn fraction(key: &str, v: f64) -> Result<()> {
+    if v.is_finite() && v > 0.0 && v <= 1.0 {
+        Ok(())
+    } else {
+        Err(Error::config(
+            key,
+            format!("{v} must be a fraction in (0, 1]"),
+        ))
+    }
+}
+
+/// `v` must be finite and not negative; the error names `key`.
+fn non_negative(key: &str, v: f64) -> Result<()> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(())
+    } else {
+        Err(Error::config(
+            key,
+            format!("{v} must be a finite number >= 0"),
+        ))
     }
 }
 
@@ -518,6 +562,23 @@ mod tests {
         );
         let one = with_fit.replace("ranks = 4", "ranks = 1");
         assert!(err(&one).contains("collectives[0].ranks"), "{}", err(&one));
+        let cores = text.replace(
+            "devices_per_node = 8\n",
+            "devices_per_node = 8\ncores_per_node = 0.0\n",
+        );
+        assert!(
+            err(&cores).contains("m.toml: cores_per_node"),
+            "{}",
+            err(&cores)
+        );
+        let two = text.replace(
+            "devices_per_node = 8\n",
+            "devices_per_node = 8\ncores_per_node = 2.0\n",
+        );
+        assert_eq!(
+            Profile::parse(&two, "m.toml").unwrap().cores_per_node,
+            Some(2.0)
+        );
         let neg = format!("{text}\n[overhead]\nblock_ms = -1.0\nstep_ms = 0.0\n");
         assert!(err(&neg).contains("overhead.block_ms"), "{}", err(&neg));
     }

@@ -10,8 +10,9 @@
 //! summarized by the sweep's own `summarize` (median step time after the warm-up steps). A trial
 //! that fails is reported with its command and left out of the ranking; with `--repeat N` each
 //! layout runs N times (interleaved) and counts its median. The comparison is printed in measured
-//! order with each layout's predicted rank; `OUT/tune.json` holds every prediction, measurement,
-//! error and both ranks, and the mean absolute error.
+//! order with each layout's predicted rank; `OUT/tune.json` holds every prediction (with its
+//! parts: compute, TP/PP communication, bubble, exposed data-parallel time, optimizer),
+//! measurement, error and both ranks, and the mean absolute error.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -265,7 +266,7 @@ fn finish(a: &TuneArgs, job: &Job, mach: &Machine, rows: &[(&Ranked, Option<f64>
         errors.extend(err.map(f64::abs));
         records.push(json!({
             "layout": r.layout, "predicted_rank": i + 1, "measured_rank": m.map(|_| rank + 1),
-            "predicted_s": p, "measured_s": m, "error_pct": err,
+            "predicted_s": p, "measured_s": m, "error_pct": err, "predicted": r.estimate,
         }));
     }
     let best = rows

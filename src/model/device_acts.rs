@@ -51,7 +51,7 @@ pub struct ActDims {
 
 /// `train.recompute`: which block activations the backward recomputes instead of keeping them
 /// from the forward.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Recompute {
     /// Keep every activation.

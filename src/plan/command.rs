@@ -15,7 +15,7 @@ use clap::{Args, Subcommand};
 
 use super::cost::Machine;
 use super::search::{search, Options};
-use super::{published, report, Job, Profile, Recompute, Stack};
+use super::{published, report, Job, Profile, Stack};
 use crate::error::{Error, Result};
 
 /// `meshtrain plan`.
@@ -236,7 +236,7 @@ fn plan(q: &Query) -> Result<()> {
         }
     });
     let mach = Machine::new(&profile, q.stack, &precision)?;
-    let mut opts = Options::for_stack(q.stack);
+    let mut opts = Options::default();
     opts.max_micro_batch = q.max_micro_batch.max(1);
     opts.refine = opts.refine.max(q.top);
     if let Some(mode) = q.scaling {
@@ -277,7 +277,7 @@ fn plan(q: &Query) -> Result<()> {
         let best = plan
             .ranked
             .iter()
-            .find(|r| q.stack == Stack::Meshtrain && r.layout.recompute == Recompute::None)
+            .find(|_| q.stack == Stack::Meshtrain)
             .ok_or_else(|| {
                 Error::config(
                     "--write",

@@ -123,8 +123,8 @@ impl Job {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Stack {
-    /// meshtrain: fp32 parameters, gradients, AdamW state and activations, no recomputation,
-    /// gradient buckets reduced during the last backward.
+    /// meshtrain: fp32 parameters, gradients, AdamW state and activations, the executor's
+    /// recomputation modes, gradient buckets reduced during the last backward.
     Meshtrain,
     /// Megatron-LM as in the published runs: bf16 weights and activations, fp32 main gradients and
     /// optimizer state, recomputation modes, data-parallel all-reduce after the backward.
@@ -142,28 +142,8 @@ impl std::str::FromStr for Stack {
     }
 }
 
-/// Activation recomputation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Recompute {
-    /// Every activation kept (meshtrain's only mode).
-    None,
-    /// The attention core (scores, softmax, dropout) recomputed in the backward.
-    Selective,
-    /// Only each block's input kept; the block's forward runs again in the backward.
-    Full,
-}
-
-impl Recompute {
-    /// `none`, `selective`, `full`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Recompute::None => "none",
-            Recompute::Selective => "selective",
-            Recompute::Full => "full",
-        }
-    }
-}
+/// Activation recomputation: the executor's own modes (`train.recompute`).
+pub use crate::model::Recompute;
 
 /// One way to run a job: the 3D grid and how each axis works.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

@@ -148,7 +148,7 @@ fn meshtrain(
     stage_blocks: &[usize],
 ) -> RankMemory {
     let n = share.params(job, l.tp);
-    let d = ActDims::of_rank(&job.model, l.micro_batch, job.seq_len, l.tp, l.sp);
+    let d = ActDims { recompute: l.recompute, ..ActDims::of_rank(&job.model, l.micro_batch, job.seq_len, l.tp, l.sp) };
     let slots = in_flight(l, share.rank) as f64;
     // Chunks of this rank: the embedding's is chunk 0, the head's the last one.
     let p = l.pp;
@@ -162,7 +162,7 @@ fn meshtrain(
         acts += slots * d.slot_elements(blocks, embeds, ends) as f64;
     }
     let heads = d.bt * d.cl;
-    acts += d.scratch_elements(share.ends, job.seq_len) as f64
+    acts += (d.recompute_elements() + d.scratch_elements(share.ends, job.seq_len)) as f64
         + if bf16 {
             gemm_staging(&d, share.ends, heads)
         } else {
@@ -340,6 +340,19 @@ mod tests {
             &[12],
         );
         assert!(t2.activations < 0.7 * m.activations && sp.activations < t2.activations + 1e9);
+    }
+
+    /// The executor's own activation bytes for d12 on one rank at B=4, T=256 in each
+    /// recomputation mode, as `meshtrain train benches/recompute_memory.toml` prints them in its
+    /// memory estimate (1233.3, 1098.1 and 578.9 MB).
+    #[test]
+    fn meshtrain_recomputation_matches_the_executor() {
+        let job = Job::new("d12", &GptConfig::named("d12").unwrap(), 1, 4, 256).unwrap();
+        for (recompute, mb) in [(Recompute::None, 1233.3), (Recompute::Selective, 1098.1), (Recompute::Full, 578.9)] {
+            let l = Layout { micro_batch: 4, recompute, ..layout(1, 1, 1, 1) };
+            let m = peak(&job, &l, Stack::Meshtrain, false, false, &[12]);
+            assert!((m.activations / 1e6 - mb).abs() < 0.1, "{recompute:?}: {} MB, the executor {mb} MB", m.activations / 1e6);
+        }
     }
 
     #[test]

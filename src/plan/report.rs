@@ -12,7 +12,7 @@ use serde_json::json;
 
 use super::cost::Machine;
 use super::search::{Plan, Ranked};
-use super::{Job, Layout, Recompute, Stack};
+use super::{Job, Layout, Stack};
 use crate::config::JobConfig;
 use crate::error::{Error, Result};
 
@@ -140,13 +140,13 @@ pub fn json(job: &Job, mach: &Machine, plan: &Plan) -> serde_json::Value {
 }
 
 /// A meshtrain job file for `l` (synthetic data; point `data.source` at real shards), checked by
-/// loading it back. Errors for layouts meshtrain cannot run (recomputation, the Megatron stack).
+/// loading it back. Errors for layouts of the Megatron stack.
 pub fn job_toml(job: &Job, mach: &Machine, l: &Layout, step_s: f64) -> Result<String> {
-    if mach.stack != Stack::Meshtrain || l.recompute != Recompute::None {
+    if mach.stack != Stack::Meshtrain {
         return Err(Error::config(
             "--write",
             format!(
-                "layout {} is a {:?}-stack prediction; meshtrain runs without recomputation only",
+                "layout {} is a {:?}-stack prediction; only meshtrain-stack layouts can be written as jobs",
                 l.describe(),
                 mach.stack
             ),
@@ -163,7 +163,7 @@ pub fn job_toml(job: &Job, mach: &Machine, l: &Layout, step_s: f64) -> Result<St
          # Point data.source at token shards (`meshtrain tokenize`) for real training.\n\
          device = \"{device}\"\nprecision = \"{precision}\"\n\n[model]\nn_layer = {nl}\nn_head = {nh}\nn_embd = {ne}\n\
          vocab_size = {vs}\nmax_seq_len = {ms}\n\n[data]\nsource = \"synthetic\"\n\n[train]\nsteps = 100\n\
-         micro_batch = {mb}\nseq_len = {seq}\ngrad_accum = {accum}\nlog_every = 1\n\n[parallel]\ntp = {tp}\npp = {pp}\n\
+         micro_batch = {mb}\nseq_len = {seq}\ngrad_accum = {accum}\nrecompute = \"{recompute}\"\nlog_every = 1\n\n[parallel]\ntp = {tp}\npp = {pp}\n\
          dp = {dp}\nzero = {zero}\nsequence_parallel = {sp}\nschedule = \"{sched}\"\nmicrobatches = {microbatches}\n\
          virtual_stages = {v}\n",
         name = job.name,
@@ -179,6 +179,7 @@ pub fn job_toml(job: &Job, mach: &Machine, l: &Layout, step_s: f64) -> Result<St
         ms = c.max_seq_len,
         mb = l.micro_batch,
         seq = job.seq_len,
+        recompute = l.recompute.name(),
         tp = l.tp,
         pp = l.pp,
         dp = l.dp,
@@ -224,7 +225,7 @@ mod tests {
         let p = Profile::load("frontier").unwrap();
         let mach = Machine::new(&p, Stack::Meshtrain, "bf16").unwrap();
         let job = Job::named("d24", 16, 32, 1024).unwrap();
-        let plan = search(&job, &mach, &Options::for_stack(Stack::Meshtrain)).unwrap();
+        let plan = search(&job, &mach, &Options::default()).unwrap();
         let best = &plan.ranked[0];
         let text = job_toml(&job, &mach, &best.layout, best.estimate.step_s).unwrap();
         let cfg = JobConfig::from_str(&text, &[]).unwrap();

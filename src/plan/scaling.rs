@@ -236,7 +236,7 @@ mod tests {
             (&[8, 16, 32, 64], &Grids::new()),
             Mode::Strong,
             &mach,
-            &Options::for_stack(Stack::Meshtrain),
+            &Options::default(),
             Some(dir.path()),
         )
         .unwrap();
@@ -251,7 +251,7 @@ mod tests {
             (&[8, 16], &Grids::new()),
             Mode::Weak,
             &mach,
-            &Options::for_stack(Stack::Meshtrain),
+            &Options::default(),
             None,
         )
         .unwrap();

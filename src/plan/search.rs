@@ -26,7 +26,7 @@ use crate::parallel::stage_split;
 /// What to search over.
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// Recomputation modes (meshtrain implements `none` only).
+    /// Recomputation modes (both stacks implement all three).
     pub recompute: Vec<Recompute>,
     /// Largest micro-batch tried.
     pub max_micro_batch: usize,
@@ -36,15 +36,12 @@ pub struct Options {
     pub refine: usize,
 }
 
-impl Options {
-    /// The defaults for `stack`.
-    pub fn for_stack(stack: Stack) -> Options {
-        let recompute = match stack {
-            Stack::Meshtrain => vec![Recompute::None],
-            Stack::Megatron => vec![Recompute::None, Recompute::Selective, Recompute::Full],
-        };
+impl Default for Options {
+    /// Every recomputation mode, micro-batches up to 16, up to 8 virtual stages, 16 layouts
+    /// re-costed.
+    fn default() -> Options {
         Options {
-            recompute,
+            recompute: vec![Recompute::None, Recompute::Selective, Recompute::Full],
             max_micro_batch: 16,
             max_virtual_stages: 8,
             refine: 16,
@@ -315,7 +312,7 @@ mod tests {
         let p = Profile::load("dgx-a100").unwrap();
         let mach = Machine::new(&p, Stack::Meshtrain, "bf16").unwrap();
         let job = Job::new("d24", &GptConfig::named("d24").unwrap(), 24, 48, 1024).unwrap();
-        let plan = search(&job, &mach, &Options::for_stack(Stack::Meshtrain)).unwrap();
+        let plan = search(&job, &mach, &Options::default()).unwrap();
         // 16 heads: tp 3, 6, 12, 24 do not divide them.
         for tp in [3, 6, 12, 24] {
             assert!(
@@ -343,7 +340,7 @@ mod tests {
         let p = Profile::load("frontier").unwrap();
         let mach = Machine::new(&p, Stack::Meshtrain, "bf16").unwrap();
         let job = Job::named("1t", 8, 8, 2048).unwrap();
-        let err = search(&job, &mach, &Options::for_stack(Stack::Meshtrain))
+        let err = search(&job, &mach, &Options::default())
             .unwrap_err()
             .to_string();
         assert!(

@@ -200,7 +200,7 @@ pub fn main(a: &TuneArgs) -> Result<()> {
         } else {
             a.top.max(16)
         },
-        ..Options::for_stack(Stack::Meshtrain)
+        ..Options::default()
     };
     let plan = search(&job, &mach, &opts)?;
     let launch = match &a.launch {

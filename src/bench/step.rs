@@ -13,6 +13,10 @@
 //!   timed here): each distinct (M, N, K, transposition) linear-layer GEMM the step performs is
 //!   timed on its own, then weighted by how often the step calls it; the ratio step GFLOP/s ÷
 //!   GEMM GFLOP/s says how much time goes to everything else (target ≥ 0.5);
+//! - what the optimizer's memory-bound passes over all N parameters cost on their own (CPU arm:
+//!   the global norm's sum of squares of the gradients, and the AdamW update that zeroes each
+//!   gradient as it reads it), timed like the GEMMs on scratch buffers of the model's size, so
+//!   the time left besides the GEMMs splits into the optimizer and the other layers;
 //! - peak resident memory (VmHWM) of the timed steps against what the step's objects hold
 //!   ([`HeldBytes`]: the model's per-tensor parameters and gradients, the device step's AdamW
 //!   moments, the step's bucket staging, activations and scratch, the CPU arm's bf16
@@ -29,10 +33,13 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::comm::Communicator;
 use crate::config::{DeviceKind, Precision};
+use crate::device::cpu::adamw::AdamWStep;
 use crate::device::cpu::matmul::{matmul, Mat};
+use crate::device::ops::{self, AdamWClearing};
 use crate::device::{bind_cpu_threads, Device};
 use crate::error::{Error, Result};
 use crate::model::{GptConfig, ParamLayout};
+use crate::optim::AdamWConfig;
 use crate::train::{HeldBytes, StepHarness};
 
 /// What to benchmark.
@@ -143,6 +150,18 @@ pub struct StepBenchReport {
     pub losses: Vec<f64>,
     /// The step's distinct GEMMs.
     pub gemms: Vec<GemmTiming>,
+    /// Seconds of the optimizer's passes over all parameters, timed alone (CPU arm; None
+    /// elsewhere).
+    pub optimizer: Option<OptimizerTiming>,
+}
+
+/// The optimizer's memory-bound passes over the N parameters, each timed on its own.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct OptimizerTiming {
+    /// The global norm's sum of squares of the gradients (reads N f32).
+    pub norm_seconds: f64,
+    /// AdamW zeroing the gradients it reads (reads 4N f32, writes 4N).
+    pub adamw_seconds: f64,
 }
 
 /// Builds the one-rank training step on `comm` (a communicator of one rank), trains
@@ -197,6 +216,10 @@ pub fn run_step_bench(comm: &Communicator, args: &StepBenchArgs) -> Result<StepB
     let gemm_flops: f64 = gemms.iter().map(|g| (2 * g.m * g.n * g.k * g.calls_per_step) as f64).sum();
     let gemm_secs: f64 = gemms.iter().map(|g| g.seconds_per_call * g.calls_per_step as f64).sum();
     let gemm_gflops = if gemms.is_empty() { 0.0 } else { gemm_flops / gemm_secs / 1e9 };
+    let optimizer = match args.device {
+        DeviceKind::Cpu => Some(time_optimizer(params)?),
+        _ => None,
+    };
     Ok(StepBenchReport {
         size: args.size.clone(),
         executor,
@@ -220,6 +243,7 @@ pub fn run_step_bench(comm: &Communicator, args: &StepBenchArgs) -> Result<StepB
         memory_ratio: peak_rss_bytes as f64 / accounted_bytes as f64,
         losses,
         gemms,
+        optimizer,
     })
 }
 
@@ -302,6 +326,31 @@ fn time_step_gemms(config: &GptConfig, rows: usize) -> Vec<GemmTiming> {
     out
 }
 
+/// The optimizer's passes over `n` parameters on the CPU arm, on scratch buffers written once
+/// first (so every page is resident): fastest of [`GEMM_ROUNDS`] rounds after a warm-up.
+fn time_optimizer(n: usize) -> Result<OptimizerTiming> {
+    let dev = Device::open(DeviceKind::Cpu, 0)?;
+    let filled = |x: f32| dev.upload(&vec![x; n]);
+    let (mut p, mut g, mut m, mut v) = (filled(0.01)?, filled(1e-3)?, filled(0.0)?, filled(0.0)?);
+    let mut partials = dev.alloc(4 * ops::SUM_BLOCKS)?;
+    let config = AdamWConfig::default();
+    let (mut norm_seconds, mut adamw_seconds) = (f64::INFINITY, f64::INFINITY);
+    for round in 0..=GEMM_ROUNDS as u64 {
+        let start = Instant::now();
+        let sq = ops::sum_squares(&dev, &mut partials, &g, 0, n)?;
+        let norm = start.elapsed().as_secs_f64();
+        let s = AdamWStep { config: &config, step: round + 1, lr: 1e-4, grad_scale: 1.0 / sq.sqrt().max(1.0) };
+        let start = Instant::now();
+        let bufs = AdamWClearing { params: &mut p, grads: &mut g, m: &mut m, v: &mut v };
+        ops::adamw_update_clearing(&dev, bufs, 0..n, &s, true)?;
+        if round > 0 {
+            norm_seconds = norm_seconds.min(norm);
+            adamw_seconds = adamw_seconds.min(start.elapsed().as_secs_f64());
+        }
+    }
+    Ok(OptimizerTiming { norm_seconds, adamw_seconds })
+}
+
 /// Rounds of GEMM timing; the fastest counts (see `StepBenchReport::step_seconds`).
 const GEMM_ROUNDS: usize = 3;
 
@@ -337,6 +386,23 @@ impl fmt::Display for StepBenchReport {
         match self.gemms.is_empty() {
             true => writeln!(f, "  GEMM mix not timed (the CPU gemm is not this arm's)")?,
             false => writeln!(f, "  GEMM mix {:.1} GFLOP/s -> step/GEMM = {:.2} (target >= 0.50)", self.gemm_gflops, self.step_vs_gemm)?,
+        }
+        if let (Some(o), true) = (self.optimizer, self.step_vs_gemm > 0.0) {
+            let gemm = self.step_seconds * self.step_vs_gemm;
+            let opt = o.norm_seconds + o.adamw_seconds;
+            writeln!(
+                f,
+                "  step {:.3} s = GEMMs {:.3} + optimizer {:.3} (norm {:.3}, AdamW zeroing the gradients {:.3}; timed alone) + other layers {:.3}",
+                self.step_seconds,
+                gemm,
+                opt,
+                o.norm_seconds,
+                o.adamw_seconds,
+                self.step_seconds - gemm - opt
+            )?;
+            if self.step_seconds < gemm + opt {
+                writeln!(f, "    (negative: the steps and the timings alone ran under different loads; measure on a quiet machine)")?;
+            }
         }
         let h = &self.held;
         writeln!(
@@ -409,5 +475,8 @@ mod tests {
         assert_eq!(bf16.executor, "cpu bf16");
         assert!(!r.threads.is_empty() && !r.threads.starts_with('0'), "threads {}", r.threads);
         assert!(bf16.held.model_tensors > 8 * p && bf16.losses.iter().all(|l| l.is_finite()));
+        let o = r.optimizer.expect("the CPU arm times the optimizer passes");
+        assert!(o.norm_seconds > 0.0 && o.adamw_seconds > 0.0 && o.norm_seconds.is_finite() && o.adamw_seconds.is_finite());
+        assert!(r.to_string().contains("+ optimizer "), "{r}");
     }
 }

@@ -436,6 +436,49 @@ pub fn adamw_update(
     dev.launch(k, stride_grid(n), &args)
 }
 
+/// The buffers of [`adamw_update_clearing`]: [`AdamWBuffers`] with the gradients writable.
+pub struct AdamWClearing<'a> {
+    /// Parameters, updated in place.
+    pub params: &'a mut DeviceBuffer,
+    /// Gradients, read and (CPU arm) set to zero.
+    pub grads: &'a mut DeviceBuffer,
+    /// First moments, updated in place.
+    pub m: &'a mut DeviceBuffer,
+    /// Second moments, updated in place.
+    pub v: &'a mut DeviceBuffer,
+}
+
+/// [`adamw_update`] that also leaves the gradients of `span` at zero where that costs no pass of
+/// its own: the CPU arm zeroes each gradient in the update's loop, right after reading it
+/// (`cpu::adamw::update_elements_clearing`, the same bits as the plain update), and returns
+/// true; the GPU arms run the plain update, leave the gradients as they are and return false.
+pub fn adamw_update_clearing(dev: &Device, bufs: AdamWClearing, span: Range<usize>, s: &AdamWStep, decay: bool) -> Result<bool> {
+    let AdamWClearing { params, grads, m, v } = bufs;
+    if !matches!(dev, Device::Cpu) {
+        adamw_update(dev, AdamWBuffers { params, grads, m, v }, span, s, decay)?;
+        return Ok(false);
+    }
+    let k = "adamw_f32";
+    if s.step == 0 {
+        return Err(Error::InvalidArgument(format!("{k}: steps count from 1")));
+    }
+    let end = f32s(span.end);
+    for (name, b) in [("params", &*params), ("grads", &*grads), ("m", &*m), ("v", &*v)] {
+        need(k, name, b, end)?;
+    }
+    let wd = if decay { s.config.weight_decay as f32 } else { 0.0 };
+    let coef = adamw::Coefficients::new(s);
+    let g = &mut host_mut(k, grads)?.view_mut::<f32>(span.end)[span.clone()];
+    let p = &mut host_mut(k, params)?.view_mut::<f32>(span.end)[span.clone()];
+    let m = &mut host_mut(k, m)?.view_mut::<f32>(span.end)[span.clone()];
+    let v = &mut host_mut(k, v)?.view_mut::<f32>(span.end)[span.clone()];
+    let per = chunk_items(span.len(), 1);
+    let parts = p.chunks_mut(per).zip(g.chunks_mut(per));
+    let moments = m.chunks_mut(per).zip(v.chunks_mut(per));
+    run_parts(parts.zip(moments), |((p, g), (m, v))| adamw::update_elements_clearing(&coef, wd, p, g, m, v));
+    Ok(true)
+}
+
 /// out (N) bf16 = inp (N) f32, rounding to nearest even.
 pub fn cast_f32_to_bf16(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer, n: usize) -> Result<()> {
     let k = "cast_f32_to_bf16";

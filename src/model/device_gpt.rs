@@ -130,6 +130,9 @@ pub struct DeviceGpt {
     recompute: Recompute,
     /// The buffers the backward recomputes one block into (None without recomputation).
     work: Option<BlockActs>,
+    /// Every device gradient is zero (the optimizer zeroed them as it read them): the next
+    /// [`DeviceGpt::zero_grad`] has nothing to clear. Anything that writes gradients clears it.
+    grads_zero: bool,
 }
 
 /// How a [`DeviceGpt`] computes: the matrix products' precision and what the backward
@@ -276,6 +279,7 @@ impl DeviceGpt {
             poison: false,
             recompute,
             work,
+            grads_zero: false,
         };
         model.zero_grad()?;
         Ok(model)
@@ -341,6 +345,7 @@ impl DeviceGpt {
     /// [`DeviceGpt::param_shards_from_host`]).
     pub fn params_and_grads(&mut self) -> (&mut [f32], &mut [f32]) {
         self.params_stale = true;
+        self.grads_zero = false;
         (&mut self.host_params, &mut self.host_grads)
     }
 
@@ -365,6 +370,10 @@ impl DeviceGpt {
 
     /// Clears the gradients (device and host mirror).
     pub fn zero_grad(&mut self) -> Result<()> {
+        if std::mem::take(&mut self.grads_zero) {
+            self.host_grads.fill(0.0);
+            return Ok(());
+        }
         for (g, e) in self.grads.iter_mut().zip(self.layout.entries()) {
             if !g.is_empty() {
                 ops::fill_zero(&self.dev, g, e.len)?;
@@ -416,10 +425,17 @@ impl DeviceGpt {
     /// optimizer that updates them in place (the parameters uploaded first if the host copy is
     /// newer; the bf16 copies follow in [`DeviceGpt::refresh_params16`]).
     pub fn tensors_mut(&mut self) -> Result<(&Device, &ShardLayout, &mut [DeviceBuffer], &mut [DeviceBuffer])> {
+        self.grads_zero = false;
         if self.params_stale && self.shards.is_none() {
             self.upload_params()?;
         }
         Ok((&self.dev, &self.layout, &mut self.params, &mut self.grads))
+    }
+
+    /// Records that an optimizer left every device gradient at zero (after
+    /// [`DeviceGpt::tensors_mut`]), so the next [`DeviceGpt::zero_grad`] skips its pass over them.
+    pub fn note_grads_zeroed(&mut self) {
+        self.grads_zero = true;
     }
 
     /// Gives the host copy of the parameters back once the device holds the training state
@@ -461,6 +477,7 @@ impl DeviceGpt {
     /// stage), staged through host memory; no-op on a stage without `wte`.
     pub fn sum_tied_grads(&mut self, tied: &Communicator) -> Result<()> {
         let Some(wte) = self.ends.wte else { return Ok(()) };
+        self.grads_zero = false;
         let mut g = vec![0f32; self.layout.entries()[wte].len];
         self.dev.copy_to_host(&self.grads[wte], &mut g)?;
         tied.all_reduce(&mut g, ReduceOp::Sum)?;
@@ -641,6 +658,7 @@ impl DeviceGpt {
     /// when `given`, handing each unit's final gradients to `sink` if given; returns whether
     /// d(chunk input) is left in `s.dres`.
     fn backward_chunk(&mut self, ci: usize, si: usize, given: bool, mut sink: Option<&mut GradSink>) -> Result<bool> {
+        self.grads_zero = false;
         self.check_slot("backward", ci, si)?;
         let (embeds, ends) = (self.chunks[ci].embeds, self.chunks[ci].ends);
         if ends == given {

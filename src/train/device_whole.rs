@@ -30,7 +30,7 @@ use crate::comm::device::GpuCommState;
 use crate::comm::{Communicator, DType, ReduceOp};
 use crate::device::cpu::adamw::AdamWStep;
 use crate::device::ipc::alloc_shareable;
-use crate::device::ops::{self, AdamWBuffers};
+use crate::device::ops::{self, AdamWClearing};
 use crate::device::DeviceBuffer;
 use crate::error::{Error, Result};
 use crate::model::DeviceGpt;
@@ -209,17 +209,24 @@ impl WholeState {
     }
 
     /// Applies the AdamW update `s` (clipping scale included) to every tensor of the model in
-    /// place; the bf16 copies follow.
+    /// place; the bf16 copies follow. On the CPU arm the update zeroes each gradient as it reads
+    /// it (nothing reads the gradients after the update: the norm and the non-finite check came
+    /// before, checkpoints hold parameters and moments), so the next step's
+    /// [`DeviceGpt::zero_grad`] has no pass over them to make.
     pub fn update(&mut self, model: &mut DeviceGpt, s: &AdamWStep) -> Result<()> {
         let (dev, layout, params, grads) = model.tensors_mut()?;
+        let mut zeroed = true;
         for (i, e) in layout.entries().iter().enumerate() {
-            let bufs = AdamWBuffers {
+            let bufs = AdamWClearing {
                 params: &mut params[i],
-                grads: &grads[i],
+                grads: &mut grads[i],
                 m: &mut self.m[i],
                 v: &mut self.v[i],
             };
-            ops::adamw_update(dev, bufs, 0..e.len, s, self.decay[i])?;
+            zeroed &= ops::adamw_update_clearing(dev, bufs, 0..e.len, s, self.decay[i])?;
+        }
+        if zeroed {
+            model.note_grads_zeroed();
         }
         model.refresh_params16()
     }
@@ -255,4 +262,152 @@ fn gather_moments(sync: &DataParallel, n: usize) -> Result<(Vec<f32>, Vec<f32>, 
         return Err(Error::Check(format!("AdamW states cover {covered} of {n} parameters: the whole-state step needs ZeRO 0")));
     }
     Ok((m, v, step.unwrap_or(0)))
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::device::ops::AdamWBuffers;
+    use crate::device::Device;
+    use crate::model::{Gpt, GptConfig, Precision};
+    use crate::optim::AdamWConfig;
+
+    fn rand_vec(r: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| r.gen::<f32>() - 0.5).collect()
+    }
+
+    fn down(dev: &Device, b: &DeviceBuffer, n: usize) -> Vec<u32> {
+        let mut out = vec![0f32; n];
+        dev.copy_to_host(b, &mut out).unwrap();
+        out.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// The zeroing update gives the plain update's bits (several threads' worth of elements,
+    /// a clipping scale, decay on and off), zeroes exactly the gradients of its span, and names
+    /// a buffer too short for the span.
+    #[test]
+    fn clearing_update_has_the_plain_update_bits_and_zeroes_its_span() {
+        let dev = Device::Cpu;
+        let mut r = ChaCha8Rng::seed_from_u64(3);
+        let n = 300_001;
+        let (p, g, m, v) = (
+            rand_vec(&mut r, n),
+            rand_vec(&mut r, n),
+            rand_vec(&mut r, n),
+            rand_vec(&mut r, n),
+        );
+        let v: Vec<f32> = v.iter().map(|x| x.abs()).collect();
+        let config = AdamWConfig::default();
+        for (decay, step, grad_scale) in [(true, 1, 1.0), (false, 7, 0.37)] {
+            let s = AdamWStep {
+                config: &config,
+                step,
+                lr: 3e-3,
+                grad_scale,
+            };
+            let span = 5..n - 3;
+            let up = |x: &[f32]| dev.upload(x).unwrap();
+            let (mut p1, g1, mut m1, mut v1) = (up(&p), up(&g), up(&m), up(&v));
+            let bufs = AdamWBuffers {
+                params: &mut p1,
+                grads: &g1,
+                m: &mut m1,
+                v: &mut v1,
+            };
+            ops::adamw_update(&dev, bufs, span.clone(), &s, decay).unwrap();
+            let (mut p2, mut g2, mut m2, mut v2) = (up(&p), up(&g), up(&m), up(&v));
+            let bufs = AdamWClearing {
+                params: &mut p2,
+                grads: &mut g2,
+                m: &mut m2,
+                v: &mut v2,
+            };
+            assert!(ops::adamw_update_clearing(&dev, bufs, span.clone(), &s, decay).unwrap());
+            for (a, b) in [(&p1, &p2), (&m1, &m2), (&v1, &v2)] {
+                assert!(
+                    down(&dev, a, n) == down(&dev, b, n),
+                    "decay {decay}, step {step}"
+                );
+            }
+            let cleared = down(&dev, &g2, n);
+            let expected: Vec<u32> = g
+                .iter()
+                .enumerate()
+                .map(|(i, x)| if span.contains(&i) { 0 } else { x.to_bits() })
+                .collect();
+            assert!(
+                cleared == expected,
+                "exactly the span's gradients are zeroed"
+            );
+        }
+        let s = AdamWStep {
+            config: &config,
+            step: 1,
+            lr: 1e-3,
+            grad_scale: 1.0,
+        };
+        let (mut p, mut g, mut m, mut v) = (
+            dev.upload(&p).unwrap(),
+            dev.upload(&g[..10]).unwrap(),
+            dev.alloc(4 * n).unwrap(),
+            dev.alloc(4 * n).unwrap(),
+        );
+        let bufs = AdamWClearing {
+            params: &mut p,
+            grads: &mut g,
+            m: &mut m,
+            v: &mut v,
+        };
+        let err = ops::adamw_update_clearing(&dev, bufs, 0..n, &s, true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("adamw_f32") && err.contains("`grads`"),
+            "{err}"
+        );
+    }
+
+    /// `zero_grad` skips its pass only while the gradients are still the ones the optimizer
+    /// zeroed: a backward in between makes it clear them again.
+    #[test]
+    fn zero_grad_after_a_backward_clears_even_once_the_optimizer_zeroed() {
+        let cfg = GptConfig {
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 16,
+            vocab_size: 50,
+            max_seq_len: 8,
+        };
+        let params = Gpt::<f32>::new(cfg, 2, 8, 1).unwrap().params().to_vec();
+        let mut m = DeviceGpt::new(Device::Cpu, cfg, 2, 8, params, Precision::Fp32).unwrap();
+        let (x, y): (Vec<u32>, Vec<u32>) = (
+            (0..16).map(|i| i % 50).collect(),
+            (0..16).map(|i| (i * 7) % 50).collect(),
+        );
+        let nonzero = |m: &DeviceGpt| {
+            let n = m.layout().total_len();
+            let parts = m.grad_parts(0..n);
+            parts.iter().any(|(b, r)| {
+                let mut h = vec![0f32; r.end];
+                m.device().copy_to_host(b, &mut h).unwrap();
+                h[r.clone()].iter().any(|&g| g != 0.0)
+            })
+        };
+        m.zero_grad().unwrap();
+        m.forward(&x, &y).unwrap();
+        m.backward(false, &mut |_, _| {}).unwrap();
+        assert!(nonzero(&m));
+        // As after a zeroing update; then another backward writes gradients again.
+        m.note_grads_zeroed();
+        m.forward(&x, &y).unwrap();
+        m.backward(false, &mut |_, _| {}).unwrap();
+        m.zero_grad().unwrap();
+        assert!(
+            !nonzero(&m),
+            "zero_grad skipped gradients a backward had written"
+        );
+    }
 }

@@ -57,13 +57,37 @@ pub fn update_elements<F: Float>(
     v: &mut [F],
 ) {
     for (((pi, &gi), mi), vi) in p.iter_mut().zip(g).zip(m).zip(v) {
-        let gi = gi * k.grad_scale;
-        *mi = k.b1 * *mi + k.one_b1 * gi;
-        *vi = k.b2 * *vi + k.one_b2 * gi * gi;
-        let m_hat = *mi * k.inv_bc1;
-        let v_hat = *vi * k.inv_bc2;
-        *pi -= k.lr * (m_hat / (v_hat.sqrt() + k.eps) + wd * *pi);
+        update_one(k, wd, pi, gi, mi, vi);
     }
+}
+
+/// [`update_elements`], bit for bit, that also sets each gradient to zero once it is read: the
+/// next backward accumulates into zeroed gradients without a pass of its own over them (the
+/// update reads every gradient anyway, so the zero costs a store into a cache line already
+/// loaded instead of a second sweep over the whole buffer).
+pub fn update_elements_clearing<F: Float>(
+    k: &Coefficients<F>,
+    wd: F,
+    p: &mut [F],
+    g: &mut [F],
+    m: &mut [F],
+    v: &mut [F],
+) {
+    for (((pi, gi), mi), vi) in p.iter_mut().zip(g).zip(m).zip(v) {
+        update_one(k, wd, pi, *gi, mi, vi);
+        *gi = F::zero();
+    }
+}
+
+/// One element of the update: the expression both loops above (and `adamw_f32`) compute.
+#[inline(always)]
+fn update_one<F: Float>(k: &Coefficients<F>, wd: F, pi: &mut F, gi: F, mi: &mut F, vi: &mut F) {
+    let gi = gi * k.grad_scale;
+    *mi = k.b1 * *mi + k.one_b1 * gi;
+    *vi = k.b2 * *vi + k.one_b2 * gi * gi;
+    let m_hat = *mi * k.inv_bc1;
+    let v_hat = *vi * k.inv_bc2;
+    *pi -= k.lr * (m_hat / (v_hat.sqrt() + k.eps) + wd * *pi);
 }
 
 /// Per-step constants of the update, in the working precision.

@@ -72,6 +72,7 @@ impl DeviceGpt {
     /// Sets the gradients of the flat range `r` from the host values `src` (`r.len()`), on arms
     /// whose buffers are host memory (the CPU, emu); other arms are an error naming the arm.
     pub fn set_grads_range(&mut self, r: Range<usize>, src: &[f32]) -> Result<()> {
+        self.grads_zero = false;
         let parts: Vec<_> = entry_parts(&self.layout, r.clone()).collect();
         for (i, p) in parts {
             let off = p.start - self.layout.entries()[i].offset;
@@ -85,6 +86,7 @@ impl DeviceGpt {
     /// Sets the device gradients of the flat range `r` from `src` (`r.len()` elements from 0 on
     /// this device).
     pub fn unpack_grads_range(&mut self, r: Range<usize>, src: &DeviceBuffer) -> Result<()> {
+        self.grads_zero = false;
         let parts: Vec<_> = entry_parts(&self.layout, r.clone()).collect();
         for (i, p) in parts {
             let off = p.start - self.layout.entries()[i].offset;

@@ -142,6 +142,7 @@ pub mod communicator;
 pub mod device;
 pub mod fingerprint;
 pub mod flight;
+pub mod nodes;
 pub mod primitives;
 pub mod probe;
 pub mod selftest;
@@ -150,6 +151,8 @@ pub mod tuner;
 pub mod tuning;
 #[cfg(test)]
 mod collective_tests;
+#[cfg(test)]
+mod hier_tests;
 #[cfg(test)]
 pub(crate) mod testing;
 

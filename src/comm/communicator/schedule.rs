@@ -31,6 +31,12 @@ impl Communicator {
         (sched, c.chunk_bytes)
     }
 
+    /// Whether this communicator can run the hierarchical schedules (members on several nodes,
+    /// the same number >= 2 on each, `MESHTRAIN_HIER` not off).
+    pub fn hierarchical(&self) -> bool {
+        self.span().hier
+    }
+
     /// What the tuner knows of this communicator.
     pub(super) fn span(&self) -> Span {
         Span {
@@ -145,7 +151,12 @@ impl Communicator {
                      (all-reduce, reduce-scatter, all-gather, broadcast: within each node, then one ring per \
                      place between nodes)"
                 ),
-                (false, _) => log::info!("comm {id:#x} ({k} ranks): flat host collectives across nodes (MESHTRAIN_HIER=off)"),
+                (false, _) => log::debug!("comm {id:#x} ({k} ranks): flat host collectives across nodes (MESHTRAIN_HIER=off)"),
+                // One member per node (as the stage communicators between nodes have): nothing to
+                // stage, nothing worth a line.
+                (true, Err(why)) if self.nodes.members.iter().all(|m| m.len() == 1) => {
+                    log::debug!("comm {id:#x} ({k} ranks): flat host collectives across nodes: {why}")
+                }
                 (true, Err(why)) => log::info!("comm {id:#x} ({k} ranks): flat host collectives across nodes: {why}"),
             }
         }

@@ -17,6 +17,10 @@
 //!   ([`flight`]);
 //! - every call arms its fingerprint ([`fingerprint`]) on each link; a call numbered differently,
 //!   or another operation, count, element type, operator or root on a peer fails on both sides;
+//! - across nodes (the same number >= 2 of members on each), all-reduce, reduce-scatter,
+//!   all-gather and broadcast may run in stages over two stage communicators made from the node
+//!   map ([`hier`]); their calls are numbered, fingerprinted and recorded on those, under this
+//!   communicator's lock;
 //! - single-copy (read) schedules run only after a probe, made once per communicator by the
 //!   first call that wants them, showed on every member that every peer's memory can be read;
 //!   the probe's answer is agreed, so every member falls back to the FIFO schedules together.

@@ -12,13 +12,7 @@ use crate::comm::{Algo, CommConfig, ReduceOp};
 fn cfg(algo: Algo) -> CommConfig {
     // 128-byte pieces: every stage runs many pieces; `small_bytes` makes stages pick direct for
     // small calls, so both stage schedules run.
-    CommConfig {
-        algo,
-        small_bytes: 512,
-        chunk_bytes: 128,
-        tuning: None,
-        ..CommConfig::default()
-    }
+    CommConfig { algo, small_bytes: 512, chunk_bytes: 128, tuning: None, ..CommConfig::default() }
 }
 
 /// Every collective exact on the layout `nodes` (node of each rank); returns the family the tuner
@@ -43,37 +37,20 @@ fn every_collective_exact_in_stages_on_even_layouts() {
     ];
     for nodes in layouts {
         let picked = exact_on(nodes.clone(), cfg(Algo::Auto));
-        assert!(
-            picked.iter().all(|&f| f == Family::Hier),
-            "{nodes:?}: {picked:?}"
-        );
+        assert!(picked.iter().all(|&f| f == Family::Hier), "{nodes:?}: {picked:?}");
     }
 }
 
 #[test]
 fn uneven_or_single_rank_nodes_and_hier_off_run_flat_and_exact() {
-    for nodes in [
-        vec![0, 0, 1, 2, 2],
-        vec![0, 1, 2],
-        vec![0, 1, 1, 1, 0, 0, 1],
-    ] {
+    for nodes in [vec![0, 0, 1, 2, 2], vec![0, 1, 2], vec![0, 1, 1, 1, 0, 0, 1]] {
         let picked = exact_on(nodes.clone(), cfg(Algo::Auto));
-        assert!(
-            picked.iter().all(|&f| f != Family::Hier),
-            "{nodes:?}: {picked:?}"
-        );
+        assert!(picked.iter().all(|&f| f != Family::Hier), "{nodes:?}: {picked:?}");
     }
-    let off = CommConfig {
-        hier: false,
-        ..cfg(Algo::Auto)
-    };
-    assert!(exact_on(vec![0, 1, 0, 1], off)
-        .iter()
-        .all(|&f| f != Family::Hier));
+    let off = CommConfig { hier: false, ..cfg(Algo::Auto) };
+    assert!(exact_on(vec![0, 1, 0, 1], off).iter().all(|&f| f != Family::Hier));
     // A forced flat schedule wins; every world size 1..8 on two nodes stays exact.
-    assert!(exact_on(vec![0, 1, 0, 1], cfg(Algo::Ring))
-        .iter()
-        .all(|&f| f == Family::Ring));
+    assert!(exact_on(vec![0, 1, 0, 1], cfg(Algo::Ring)).iter().all(|&f| f == Family::Ring));
     for k in 1..=8 {
         exact_on((0..k).map(|r| r % 2).collect(), cfg(Algo::Auto));
     }
@@ -81,22 +58,8 @@ fn uneven_or_single_rank_nodes_and_hier_off_run_flat_and_exact() {
 
 /// Bytes each rank sent between nodes for one in-place call of `coll` on `n` f32 on `nodes`.
 fn net_bytes(nodes: Vec<usize>, hier: bool, coll: &'static str, n: usize) -> Vec<u64> {
-    let cfg = CommConfig {
-        hier,
-        algo: Algo::Ring,
-        chunk_bytes: 1 << 16,
-        ..CommConfig::default()
-    };
-    let cfg = if hier {
-        CommConfig {
-            algo: Algo::Auto,
-            tuning: None,
-            small_bytes: 0,
-            ..cfg
-        }
-    } else {
-        cfg
-    };
+    let cfg = CommConfig { hier, algo: Algo::Ring, chunk_bytes: 1 << 16, ..CommConfig::default() };
+    let cfg = if hier { CommConfig { algo: Algo::Auto, tuning: None, small_bytes: 0, ..cfg } } else { cfg };
     run_ranks_placed(nodes, cfg, move |c| {
         let mut buf = vec![1.0f32; n];
         let mut call = || match coll {
@@ -129,31 +92,16 @@ fn bytes_between_nodes_meet_the_minimum_in_stages() {
         ];
         for (coll, want) in expect {
             let got = net_bytes(nodes.clone(), true, coll, 24_000);
-            assert!(
-                got.iter().all(|&b| b == want),
-                "{coll} {n}x{l}: {got:?}, want {want} each"
-            );
+            assert!(got.iter().all(|&b| b == want), "{coll} {n}x{l}: {got:?}, want {want} each");
         }
         // Broadcast: a chain from the root's node; every rank but the chain's last forwards 1/L.
         let got = net_bytes(nodes.clone(), true, "broadcast", 24_000);
         let total: u64 = got.iter().sum();
-        assert_eq!(
-            total,
-            (n as u64 - 1) * l as u64 * (size as u64 / l as u64 + print),
-            "broadcast {n}x{l}: {got:?}"
-        );
+        assert_eq!(total, (n as u64 - 1) * l as u64 * (size as u64 / l as u64 + print), "broadcast {n}x{l}: {got:?}");
         // Flat ring (ordered by node): n ranks send 2(k-1)/k of the buffer each, the others nothing.
         let flat = net_bytes(nodes, false, "all_reduce", 24_000);
         let per = (2.0 * (k - 1.0) / k * size as f64) as u64 + print;
-        assert_eq!(
-            flat.iter().filter(|&&b| b == per).count(),
-            n,
-            "flat {n}x{l}: {flat:?}"
-        );
-        assert_eq!(
-            flat.iter().filter(|&&b| b == 0).count(),
-            n * (l - 1),
-            "flat {n}x{l}: {flat:?}"
-        );
+        assert_eq!(flat.iter().filter(|&&b| b == per).count(), n, "flat {n}x{l}: {flat:?}");
+        assert_eq!(flat.iter().filter(|&&b| b == 0).count(), n * (l - 1), "flat {n}x{l}: {flat:?}");
     }
 }

@@ -47,10 +47,7 @@ impl NodeMap {
 
     /// Member `m`'s place among the members of its node.
     pub fn place(&self, m: usize) -> usize {
-        self.members[self.node[m]]
-            .iter()
-            .position(|&x| x == m)
-            .expect("a member is on its own node")
+        self.members[self.node[m]].iter().position(|&x| x == m).expect("a member is on its own node")
     }
 
     /// The member at place `p` of node `a`.
@@ -77,9 +74,7 @@ impl NodeMap {
             ));
         }
         if per < 2 {
-            return Err(
-                "one member per node (the flat ring already crosses each link once)".into(),
-            );
+            return Err("one member per node (the flat ring already crosses each link once)".into());
         }
         Ok((n, per))
     }
@@ -104,14 +99,8 @@ mod tests {
 
     #[test]
     fn layouts_without_a_hierarchy_say_why() {
-        assert!(NodeMap::new(&[5, 5, 5])
-            .uniform()
-            .unwrap_err()
-            .contains("one node"));
-        assert!(NodeMap::new(&[1, 2, 3])
-            .uniform()
-            .unwrap_err()
-            .contains("one member per node"));
+        assert!(NodeMap::new(&[5, 5, 5]).uniform().unwrap_err().contains("one node"));
+        assert!(NodeMap::new(&[1, 2, 3]).uniform().unwrap_err().contains("one member per node"));
         let e = NodeMap::new(&[1, 1, 2, 2, 2, 3]).uniform().unwrap_err();
         assert!(e.contains("per node: 2 3 1"), "{e}");
     }

@@ -56,10 +56,7 @@ impl Stages {
     /// The stage communicators of `comm` (links to their ring neighbours opened here, so every
     /// member must get here at the same call).
     fn new(comm: &Communicator) -> Result<Stages> {
-        let (nodes, per) = comm
-            .nodes
-            .uniform()
-            .map_err(crate::error::Error::InvalidArgument)?;
+        let (nodes, per) = comm.nodes.uniform().map_err(crate::error::Error::InvalidArgument)?;
         let (me, map) = (comm.rank, &comm.nodes);
         let (node, place) = (map.node[me], map.place(me));
         let world = |ms: Vec<usize>| ms.iter().map(|&m| comm.members[m]).collect::<Vec<_>>();
@@ -67,29 +64,12 @@ impl Stages {
         let cross = world((0..nodes).map(|a| map.member(a, place)).collect());
         let make = |id, members, rank| {
             let parts = (id, members, rank);
-            Communicator::with_counter(
-                comm.connector.clone(),
-                parts,
-                comm.cfg.clone(),
-                comm.net_sent.clone(),
-            )
+            Communicator::with_counter(comm.connector.clone(), parts, comm.cfg.clone(), comm.net_sent.clone())
         };
         let local = make(child_id(comm.id, u64::MAX, node as u64), local, place)?;
         let cross = make(child_id(comm.id, u64::MAX - 1, place as u64), cross, node)?;
-        let coords = (0..comm.size())
-            .map(|m| (map.node[m], map.place(m)))
-            .collect();
-        Ok(Stages {
-            local,
-            cross,
-            nodes,
-            per,
-            me,
-            node,
-            place,
-            coords,
-            slots: Mutex::default(),
-        })
+        let coords = (0..comm.size()).map(|m| (map.node[m], map.place(m))).collect();
+        Ok(Stages { local, cross, nodes, per, me, node, place, coords, slots: Mutex::default() })
     }
 
     /// The slot index of the member at (`node`, `place`): ordered by place, then node.
@@ -97,39 +77,17 @@ impl Stages {
         place * self.nodes + node
     }
 
-    fn all_reduce(
-        &self,
-        dtype: DType,
-        input: Option<&[u8]>,
-        out: &mut [u8],
-        red: &Reducer,
-    ) -> Result<()> {
+    fn all_reduce(&self, dtype: DType, input: Option<&[u8]>, out: &mut [u8], red: &Reducer) -> Result<()> {
         let (n, es, sum) = (out.len() / dtype.size(), dtype.size(), stage_reducer(red));
         if let Some(i) = input {
             out.copy_from_slice(i);
         }
-        self.local.collective(
-            dtype,
-            Call::ReduceScatter {
-                input: None,
-                out: &mut *out,
-                n,
-                red: sum,
-            },
-        )?;
+        self.local.collective(dtype, Call::ReduceScatter { input: None, out: &mut *out, n, red: sum })?;
         let mine = block_range(n, self.per, self.place);
         let block = &mut out[mine.start * es..mine.end * es];
-        self.cross.collective(
-            dtype,
-            Call::AllReduce {
-                input: None,
-                out: &mut *block,
-                red: sum,
-            },
-        )?;
+        self.cross.collective(dtype, Call::AllReduce { input: None, out: &mut *block, red: sum })?;
         red.finalize(block, self.nodes * self.per);
-        self.local
-            .collective(dtype, Call::AllGather { input: None, out })
+        self.local.collective(dtype, Call::AllGather { input: None, out })
     }
 
     /// `out` is the whole buffer in place (`input: None`), this member's block otherwise.
@@ -141,11 +99,7 @@ impl Stages {
         n: usize,
         red: &Reducer,
     ) -> Result<()> {
-        let (k, es, b) = (
-            self.nodes * self.per,
-            dtype.size(),
-            block_range(n, self.nodes * self.per, 0).len(),
-        );
+        let (k, es, b) = (self.nodes * self.per, dtype.size(), block_range(n, self.nodes * self.per, 0).len());
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         let slots = sized(&mut slots, k * b * es);
         let src = input.unwrap_or(out);
@@ -156,34 +110,14 @@ impl Stages {
             slots[(s + r.len()) * es..(s + b) * es].fill(0);
         }
         let sum = stage_reducer(red);
-        self.local.collective(
-            dtype,
-            Call::ReduceScatter {
-                input: None,
-                out: &mut *slots,
-                n: k * b,
-                red: sum,
-            },
-        )?;
-        let region =
-            &mut slots[self.place * self.nodes * b * es..(self.place + 1) * self.nodes * b * es];
-        self.cross.collective(
-            dtype,
-            Call::ReduceScatter {
-                input: None,
-                out: &mut *region,
-                n: self.nodes * b,
-                red: sum,
-            },
-        )?;
+        self.local.collective(dtype, Call::ReduceScatter { input: None, out: &mut *slots, n: k * b, red: sum })?;
+        let region = &mut slots[self.place * self.nodes * b * es..(self.place + 1) * self.nodes * b * es];
+        self.cross
+            .collective(dtype, Call::ReduceScatter { input: None, out: &mut *region, n: self.nodes * b, red: sum })?;
         let r = block_range(n, k, self.me);
         let mine = &mut region[self.node * b * es..(self.node * b + r.len()) * es];
         red.finalize(mine, k);
-        let dst = if input.is_none() {
-            &mut out[r.start * es..r.end * es]
-        } else {
-            out
-        };
+        let dst = if input.is_none() { &mut out[r.start * es..r.end * es] } else { out };
         dst.copy_from_slice(mine);
         Ok(())
     }
@@ -201,20 +135,8 @@ impl Stages {
         slots[s * es..(s + r.len()) * es].copy_from_slice(mine);
         slots[(s + r.len()) * es..(s + b) * es].fill(0);
         let region = self.place * self.nodes * b * es..(self.place + 1) * self.nodes * b * es;
-        self.cross.collective(
-            dtype,
-            Call::AllGather {
-                input: None,
-                out: &mut slots[region],
-            },
-        )?;
-        self.local.collective(
-            dtype,
-            Call::AllGather {
-                input: None,
-                out: &mut *slots,
-            },
-        )?;
+        self.cross.collective(dtype, Call::AllGather { input: None, out: &mut slots[region] })?;
+        self.local.collective(dtype, Call::AllGather { input: None, out: &mut *slots })?;
         for m in 0..k {
             let ((a, p), r) = (self.coords[m], block_range(n, k, m));
             let s = self.slot(a, p) * b;
@@ -226,31 +148,13 @@ impl Stages {
     fn broadcast(&self, dtype: DType, root: (usize, usize), buf: &mut [u8]) -> Result<()> {
         let (es, n) = (dtype.size(), buf.len() / dtype.size());
         if self.node == root.0 {
-            self.local.collective(
-                dtype,
-                Call::Broadcast {
-                    root: root.1,
-                    buf: &mut *buf,
-                },
-            )?;
+            self.local.collective(dtype, Call::Broadcast { root: root.1, buf: &mut *buf })?;
         }
         let part = block_range(n, self.per, self.place);
         let mine = &mut buf[part.start * es..part.end * es];
-        self.cross.collective(
-            dtype,
-            Call::Broadcast {
-                root: root.0,
-                buf: mine,
-            },
-        )?;
+        self.cross.collective(dtype, Call::Broadcast { root: root.0, buf: mine })?;
         if self.node != root.0 {
-            self.local.collective(
-                dtype,
-                Call::AllGather {
-                    input: None,
-                    out: buf,
-                },
-            )?;
+            self.local.collective(dtype, Call::AllGather { input: None, out: buf })?;
         }
         Ok(())
     }
@@ -281,13 +185,9 @@ impl Communicator {
         let (start, name) = (std::time::Instant::now(), call.name());
         let result = self.stages().and_then(|s| match call {
             Call::AllReduce { input, out, red } => s.all_reduce(dtype, input, out, &red),
-            Call::ReduceScatter { input, out, n, red } => {
-                s.reduce_scatter(dtype, input, out, n, &red)
-            }
+            Call::ReduceScatter { input, out, n, red } => s.reduce_scatter(dtype, input, out, n, &red),
             Call::AllGather { input, out } => s.all_gather(dtype, input, out),
-            Call::Broadcast { root, buf } => {
-                s.broadcast(dtype, (self.nodes.node[root], self.nodes.place(root)), buf)
-            }
+            Call::Broadcast { root, buf } => s.broadcast(dtype, (self.nodes.node[root], self.nodes.place(root)), buf),
             Call::Reduce { .. } => unreachable!("the tuner never picks hier for reduce"),
         });
         self.stats.record(name, bytes, start.elapsed());
@@ -298,8 +198,7 @@ impl Communicator {
         if let Some(s) = self.hier.get() {
             return Ok(s);
         }
-        let made =
-            Stages::new(self).inspect_err(|e| self.connector.abort().raise(&e.to_string()))?;
+        let made = Stages::new(self).inspect_err(|e| self.connector.abort().raise(&e.to_string()))?;
         Ok(self.hier.get_or_init(|| Box::new(made)))
     }
 }

@@ -39,11 +39,7 @@ impl Communicator {
 
     /// What the tuner knows of this communicator.
     pub(super) fn span(&self) -> Span {
-        Span {
-            ranks: self.size(),
-            link: self.link_kind,
-            hier: self.cfg.hier && self.nodes.uniform().is_ok(),
-        }
+        Span { ranks: self.size(), link: self.link_kind, hier: self.cfg.hier && self.nodes.uniform().is_ok() }
     }
 
     /// Replaces the schedule table (`None`: the fixed rule). Every member must make the same
@@ -54,22 +50,13 @@ impl Communicator {
 
     /// The schedule table in use (`None`: the fixed rule).
     pub fn tuning(&self) -> Option<Arc<Tuning>> {
-        self.tuning
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.tuning.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The schedule family (`ring`, `direct`, `read`, `hier`) and chunk bytes the table or configuration
     /// picks for `coll` with `bytes` bytes on this communicator (before the read probe).
     pub fn planned_schedule(&self, coll: &str, bytes: usize) -> tuner::Choice {
-        tuner::choose(
-            &self.cfg,
-            self.tuning().as_deref(),
-            coll,
-            self.span(),
-            bytes,
-        )
+        tuner::choose(&self.cfg, self.tuning().as_deref(), coll, self.span(), bytes)
     }
 
     /// Whether this call reads peers' buffers, probing on first use. Every member gets here on
@@ -81,21 +68,15 @@ impl Communicator {
                 // Peers' reads of this rank may fail now; the probe finds out and says so.
                 log::debug!("rank {}: {why}", self.rank);
             }
-            let found = probe::probe(
-                &mut LinkTable(&mut st.links),
-                &self.direct_shape(DType::U8, self.cfg.chunk_bytes),
-                w,
-            )?;
+            let found =
+                probe::probe(&mut LinkTable(&mut st.links), &self.direct_shape(DType::U8, self.cfg.chunk_bytes), w)?;
             self.log_probe(&found);
             st.reads = Some(found);
         }
         match (st.reads.as_ref().expect("probed above"), self.cfg.cma) {
             (Reads::Fail(why), Cma::On) => Err(Error::config(
                 "MESHTRAIN_CMA",
-                format!(
-                    "single-copy reads forced on, but they do not work on comm {:#x}: {why}",
-                    self.id
-                ),
+                format!("single-copy reads forced on, but they do not work on comm {:#x}: {why}", self.id),
             )),
             (Reads::Fail(_), _) => Ok(false),
             (Reads::Pay, _) | (Reads::Slow(_), Cma::On) => Ok(true),
@@ -151,7 +132,9 @@ impl Communicator {
                      (all-reduce, reduce-scatter, all-gather, broadcast: within each node, then one ring per \
                      place between nodes)"
                 ),
-                (false, _) => log::debug!("comm {id:#x} ({k} ranks): flat host collectives across nodes (MESHTRAIN_HIER=off)"),
+                (false, _) => {
+                    log::debug!("comm {id:#x} ({k} ranks): flat host collectives across nodes (MESHTRAIN_HIER=off)")
+                }
                 // One member per node (as the stage communicators between nodes have): nothing to
                 // stage, nothing worth a line.
                 (true, Err(why)) if self.nodes.members.iter().all(|m| m.len() == 1) => {

@@ -44,6 +44,7 @@ pub const RUNTIME_VARS: &[(&str, &str)] = &[
     ("MESHTRAIN_BOOTSTRAP_TIMEOUT", "seconds > 0, at most 1e9"),
     ("MESHTRAIN_ALGO", "auto, ring or direct"),
     ("MESHTRAIN_CMA", "auto, on (1) or off (0)"),
+    ("MESHTRAIN_HIER", "auto or off"),
     ("MESHTRAIN_SMALL_BYTES", "bytes > 0"),
     ("MESHTRAIN_CHUNK_BYTES", "a multiple of 64 bytes"),
     ("MESHTRAIN_TUNING", "the path of a tuning table (meshtrain bench --tune), or off"),
@@ -261,6 +262,14 @@ pub fn cma() -> Result<Option<Cma>> {
     parsed("MESHTRAIN_CMA", |v| {
         choice(v, &[("auto", Cma::Auto), ("on", Cma::On), ("1", Cma::On), ("off", Cma::Off), ("0", Cma::Off)])
             .ok_or_else(|| format!("`{v}` is not one of auto, on (1), off (0)"))
+    })
+}
+
+/// `MESHTRAIN_HIER`: whether host collectives of communicators spanning nodes may run in stages
+/// (within the nodes, between them, within again): `auto` (true) or `off` (false, flat schedules).
+pub fn hier() -> Result<Option<bool>> {
+    parsed("MESHTRAIN_HIER", |v| {
+        choice(v, &[("auto", true), ("off", false)]).ok_or_else(|| format!("`{v}` is not one of auto, off"))
     })
 }
 

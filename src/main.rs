@@ -358,7 +358,7 @@ fn bench(world: &World, args: &BenchArgs) -> Result<()> {
                 if b.inplace { "in place" } else { "out of place" }
             );
         }
-        println!("{}", collectives::header(b.csv, b.vs_mpi));
+        println!("{}", collectives::header(b.csv, b.vs_mpi, comm.link_kind() == meshtrain::comm::tuner::LinkKind::Net));
     }
     let rows = collectives::run(&comm, mpi, &b, |row| {
         if leader {

@@ -10,6 +10,13 @@
 //! benches/mpi_coll.c, the baseline the ratios are quoted against. Bus bandwidth uses the
 //! usual factors: all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n; broadcast
 //! and reduce 1.
+//!
+//! Across nodes (a communicator whose members span several), each row also says how many bytes a
+//! rank sent to other nodes per call (the mean over ranks and the busiest rank, counted on the
+//! links: [`crate::comm::stats`]) next to the theoretical minimum of the mean: with `n` nodes of
+//! `L` ranks and a buffer of `S` bytes, a node must send `2(n-1)/n·S` for all-reduce and
+//! `(n-1)/n·S` for reduce-scatter, all-gather, broadcast and reduce, shared by its `L` ranks; an
+//! all-to-all rank sends the blocks of the `k-L` ranks on other nodes.
 
 use std::fmt::Write as _;
 use std::time::Instant;
@@ -72,6 +79,30 @@ pub struct Row {
     pub mpi_time_us: Option<f64>,
     /// World size.
     pub ranks: usize,
+    /// Bytes per call sent to other nodes, when the members span nodes.
+    pub net: Option<NetBytes>,
+}
+
+/// Bytes per call that ranks sent to other nodes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NetBytes {
+    /// Mean over ranks.
+    pub mean: f64,
+    /// The busiest rank.
+    pub max: f64,
+    /// Theoretical minimum of the mean (`None` where nodes hold different numbers of ranks).
+    pub min: Option<f64>,
+}
+
+/// The theoretical minimum of the bytes per rank sent between nodes for one call of `coll` on a
+/// buffer of `bytes` bytes, `nodes` nodes of `per` ranks each (see the module header).
+pub fn net_minimum(coll: &str, bytes: usize, nodes: usize, per: usize) -> f64 {
+    let (s, n, l) = (bytes as f64, nodes as f64, per as f64);
+    match coll {
+        "all_reduce" => 2.0 * (n - 1.0) / n * s / l,
+        "all_to_all" => s * (n * l - l) / (n * l),
+        _ => (n - 1.0) / n * s / l,
+    }
 }
 
 impl Row {
@@ -96,12 +127,17 @@ impl Row {
 
 const HEADER: [&str; 8] = ["coll", "bytes", "count", "dtype", "time_us", "algbw_gbs", "busbw_gbs", "wrong"];
 const MPI_HEADER: [&str; 3] = ["mpi_time_us", "mpi_busbw_gbs", "speedup"];
+const NET_HEADER: [&str; 3] = ["net_B_rank", "net_B_max", "net_B_min"];
 
-/// The header line (CSV or table).
-pub fn header(csv: bool, vs_mpi: bool) -> String {
+/// The header line (CSV or table); `net`: with the inter-node byte columns (members on several
+/// nodes).
+pub fn header(csv: bool, vs_mpi: bool, net: bool) -> String {
     let mut cols: Vec<&str> = HEADER.to_vec();
     if vs_mpi {
         cols.extend(MPI_HEADER);
+    }
+    if net {
+        cols.extend(NET_HEADER);
     }
     if csv {
         cols.join(",")
@@ -130,6 +166,10 @@ pub fn format_row(r: &Row, csv: bool, vs_mpi: bool) -> String {
             }
             None => cells.extend(["".to_string(), "".to_string(), "".to_string()]),
         }
+    }
+    if let Some(net) = r.net {
+        let min = net.min.map_or(String::new(), |m| format!("{m:.0}"));
+        cells.extend([format!("{:.0}", net.mean), format!("{:.0}", net.max), min]);
     }
     if csv {
         cells.join(",")
@@ -313,18 +353,36 @@ fn count_wrong<T: Element>(c: &Communicator, coll: &str, op: ReduceOp, n: usize,
 /// Microseconds per call of `coll` on `n` elements under the benchmark's rule (warm-up, barrier,
 /// timed calls, the slowest rank's average); the same on every rank.
 pub fn time_calls<T: Element>(c: &Communicator, b: &CollBench, coll: &str, n: usize) -> Result<f64> {
+    time_and_count::<T>(c, b, coll, n).map(|(us, _)| us)
+}
+
+/// [`time_calls`] and the bytes per timed call this rank sent to other nodes.
+fn time_and_count<T: Element>(c: &Communicator, b: &CollBench, coll: &str, n: usize) -> Result<(f64, f64)> {
     let mut case = build::<T>(c, coll, b.op, n, b.inplace);
     for _ in 0..b.warmup {
         run_once(c, coll, b.op, b.inplace, &mut case)?;
     }
     c.barrier()?;
-    let t0 = Instant::now();
+    let (t0, sent) = (Instant::now(), c.net_bytes_sent());
     for _ in 0..b.iters {
         run_once(c, coll, b.op, b.inplace, &mut case)?;
     }
+    let per_call = (c.net_bytes_sent() - sent) as f64 / b.iters.max(1) as f64;
     let mut time = [t0.elapsed().as_secs_f64() * 1e6 / b.iters.max(1) as f64];
     c.all_reduce(&mut time, ReduceOp::Max)?;
-    Ok(time[0])
+    Ok((time[0], per_call))
+}
+
+/// Mean and largest bytes per call sent between nodes, over ranks, and the minimum.
+fn net_bytes(c: &Communicator, coll: &str, bytes: usize, mine: f64) -> Result<Option<NetBytes>> {
+    if c.link_kind() != crate::comm::tuner::LinkKind::Net {
+        return Ok(None);
+    }
+    let (mut sum, mut max) = ([mine], [mine]);
+    c.all_reduce(&mut sum, ReduceOp::Sum)?;
+    c.all_reduce(&mut max, ReduceOp::Max)?;
+    let min = c.node_map().uniform().ok().map(|(n, l)| net_minimum(coll, bytes, n, l));
+    Ok(Some(NetBytes { mean: sum[0] / c.size() as f64, max: max[0], min }))
 }
 
 /// Runs one size of one collective; every rank returns the same row.
@@ -335,7 +393,8 @@ fn bench_size<T: BenchElement>(
     coll: &str,
     n: usize,
 ) -> Result<Row> {
-    let time = [time_calls::<T>(c, b, coll, n)?];
+    let (us, sent) = time_and_count::<T>(c, b, coll, n)?;
+    let (time, net) = ([us], net_bytes(c, coll, n * T::DTYPE.size(), sent)?);
 
     let mut check = build::<T>(c, coll, b.op, n, b.inplace);
     run_once(c, coll, b.op, b.inplace, &mut check)?;
@@ -351,7 +410,7 @@ fn bench_size<T: BenchElement>(
         }
         None => None,
     };
-    Ok(Row { coll: coll.to_string(), bytes: n * T::DTYPE.size(), count: n, dtype: T::DTYPE, time_us: time[0], wrong: wrong[0] as u64, mpi_time_us, ranks: c.size() })
+    Ok(Row { coll: coll.to_string(), bytes: n * T::DTYPE.size(), count: n, dtype: T::DTYPE, time_us: time[0], wrong: wrong[0] as u64, mpi_time_us, ranks: c.size(), net })
 }
 
 /// Element counts of the size sweep: each size rounded down to whole elements and to a multiple
@@ -430,6 +489,48 @@ mod tests {
             run(&c, None, &b, |_| {}).unwrap()
         });
         assert_eq!(rows[0].len(), 6 * 4);
-        assert!(rows.iter().flatten().all(|r| r.wrong == 0 && r.count % 3 == 0));
+        assert!(rows.iter().flatten().all(|r| r.wrong == 0 && r.count % 3 == 0 && r.net.is_none()));
+    }
+
+    #[test]
+    fn rows_across_nodes_report_the_bytes_between_nodes_against_the_minimum() {
+        use crate::comm::fingerprint::PRINT_LEN;
+        use crate::comm::testing::run_ranks_placed;
+        use crate::comm::CommConfig;
+        assert_eq!(net_minimum("all_reduce", 1200, 3, 2), 800.0);
+        assert_eq!(net_minimum("broadcast", 1200, 2, 4), 150.0);
+        assert_eq!(net_minimum("all_to_all", 1200, 2, 2), 600.0);
+        for hier in [true, false] {
+            let cfg = CommConfig { hier, tuning: None, small_bytes: 0, ..CommConfig::default() };
+            let rows = run_ranks_placed(vec![0, 1, 0, 1], cfg, |c| {
+                let b = CollBench {
+                    colls: vec!["all_reduce".into()],
+                    min_bytes: 1 << 16,
+                    max_bytes: 1 << 16,
+                    factor: 4,
+                    dtype: DType::F32,
+                    op: ReduceOp::Sum,
+                    warmup: 1,
+                    iters: 3,
+                    inplace: true,
+                    vs_mpi: false,
+                    csv: true,
+                };
+                run(&c, None, &b, |_| {}).unwrap()
+            });
+            let net = rows[0][0].net.expect("the members span two nodes");
+            // 2 nodes x 2 ranks, 64 KiB: the minimum is 32 KiB per rank; in stages every rank sends
+            // exactly that (and one fingerprint per call); the flat ring sends 2(k-1)/k = 96 KiB
+            // from each of the two ranks at the ends of the nodes, nothing from the others.
+            assert_eq!(net.min, Some(32768.0));
+            let print = PRINT_LEN as f64;
+            if hier {
+                assert_eq!((net.mean, net.max), (32768.0 + print, 32768.0 + print));
+            } else {
+                assert_eq!((net.mean, net.max), ((98304.0 + print) / 2.0, 98304.0 + print));
+            }
+            let line = format_row(&rows[0][0], true, false);
+            assert!(line.ends_with(&format!(",{:.0},{:.0},32768", net.mean, net.max)), "{line}");
+        }
     }
 }

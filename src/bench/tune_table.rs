@@ -50,8 +50,9 @@ pub struct SizeResult {
     pub best: usize,
 }
 
-/// The candidates for `coll` on a communicator whose chunk is `chunk` bytes.
-fn candidates(coll: &str, chunk: usize, reads: bool) -> Vec<(Family, usize)> {
+/// The candidates for `coll` on a communicator whose chunk is `chunk` bytes (`hier`: it can run the
+/// hierarchical schedules).
+fn candidates(coll: &str, chunk: usize, reads: bool, hier: bool) -> Vec<(Family, usize)> {
     let mut out: Vec<(Family, usize)> =
         RING_CHUNKS.iter().filter(|&&c| c <= chunk).map(|&c| (Family::Ring, c)).collect();
     if !RING_CHUNKS.contains(&chunk) {
@@ -60,6 +61,9 @@ fn candidates(coll: &str, chunk: usize, reads: bool) -> Vec<(Family, usize)> {
     out.push((Family::Direct, chunk));
     if reads && Family::Read.serves(coll) {
         out.push((Family::Read, chunk));
+    }
+    if hier && Family::Hier.serves(coll) {
+        out.push((Family::Hier, chunk));
     }
     out
 }
@@ -102,7 +106,7 @@ pub fn measure(
     for coll in TUNED {
         let mut prev: Option<(Family, usize)> = None;
         for n in collectives::counts(b, c.size()) {
-            let cands = candidates(coll, chunk, reads);
+            let cands = candidates(coll, chunk, reads, c.hierarchical());
             let mut best_times = vec![f64::INFINITY; cands.len()];
             for _ in 0..rounds.max(1) {
                 for (i, &(family, chunk_bytes)) in cands.iter().enumerate() {

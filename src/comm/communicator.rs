@@ -17,30 +17,38 @@
 //!   ([`flight`]);
 //! - every call arms its fingerprint ([`fingerprint`]) on each link; a call numbered differently,
 //!   or another operation, count, element type, operator or root on a peer fails on both sides;
+//! - across nodes (the same number >= 2 of members on each), all-reduce, reduce-scatter,
+//!   all-gather and broadcast may run in stages over two stage communicators made from the node
+//!   map ([`hier`]); their calls are numbered, fingerprinted and recorded on those, under this
+//!   communicator's lock;
 //! - single-copy (read) schedules run only after a probe, made once per communicator by the
 //!   first call that wants them, showed on every member that every peer's memory can be read;
 //!   the probe's answer is agreed, so every member falls back to the FIFO schedules together.
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::comm::algo::direct::{self, DirectShape, Peers};
 use crate::comm::algo::read;
 use crate::comm::algo::ring::{self, RingShape};
 use crate::comm::block_range;
-use crate::comm::tuner::{self, Family, LinkKind, Tuning};
-use crate::comm::tuning::{Cma, CommConfig};
+use crate::comm::nodes::NodeMap;
+use crate::comm::tuner::{LinkKind, Tuning};
+use crate::comm::tuning::CommConfig;
 use crate::dtype::{DType, Element, ReduceOp, Reducer};
 use crate::comm::fingerprint::{self, LinkPrints, OpKind, OpPrint};
 use crate::comm::flight;
 use crate::comm::primitives::{Pipe, Rx, Tx};
-use crate::comm::probe::{self, Reads};
-use crate::comm::stats::CommStats;
+use crate::comm::probe::Reads;
+use crate::comm::stats::{CommStats, CountedSend};
 use crate::error::{Error, Result};
-use crate::transport::{cma, Connector, Link, Waiter};
+use crate::transport::{Connector, Link, Waiter};
 
 #[cfg(feature = "ofi")]
 mod device_direct;
+mod hier;
+mod schedule;
 
 /// A group of ranks that run collectives together.
 pub struct Communicator {
@@ -57,8 +65,14 @@ pub struct Communicator {
     link_kind: LinkKind,
     /// The schedule table in use (`cfg.tuning` unless [`Communicator::set_tuning`] replaced it).
     tuning: std::sync::RwLock<Option<Arc<Tuning>>>,
+    /// Which members share a node.
+    nodes: NodeMap,
+    /// The stage communicators of the hierarchical schedules, made by the first call that runs one.
+    hier: OnceLock<Box<hier::Stages>>,
     state: Mutex<State>,
     stats: Arc<CommStats>,
+    /// Bytes this rank posted to members on other nodes, this communicator's stages included.
+    net_sent: Arc<AtomicU64>,
 }
 
 struct State {
@@ -90,6 +104,8 @@ enum Sched {
     Read,
     /// Point to point: only the link the call opens itself.
     Pair,
+    /// In stages over the node and cross-node communicators ([`hier`]).
+    Hier,
 }
 
 /// One collective call and its byte buffers, as the dispatcher sees it. `input: None` is in place.
@@ -260,12 +276,16 @@ impl Communicator {
         Self::new(connector, 0, members, rank, cfg)
     }
 
-    fn new(
+    fn new(connector: Arc<dyn Connector>, id: u64, members: Vec<usize>, rank: usize, cfg: CommConfig) -> Result<Self> {
+        Self::with_counter(connector, (id, members, rank), cfg, Arc::default())
+    }
+
+    /// A communicator whose inter-node bytes add to `net_sent`.
+    fn with_counter(
         connector: Arc<dyn Connector>,
-        id: u64,
-        members: Vec<usize>,
-        rank: usize,
+        (id, members, rank): (u64, Vec<usize>, usize),
         cfg: CommConfig,
+        net_sent: Arc<AtomicU64>,
     ) -> Result<Self> {
         let k = members.len();
         let mut ring: Vec<usize> = (0..k).collect();
@@ -281,11 +301,8 @@ impl Communicator {
         }
         let links = (0..k).map(|_| None).collect();
         let scratch = vec![0u8; cfg.chunk_bytes];
-        let one_node = members.iter().all(|&m| connector.node_of(m) == connector.node_of(members[0]));
-        let link_kind = if one_node { LinkKind::Shm } else { LinkKind::Net };
-        if let (0, true, Some(t)) = (rank, k > 1, &cfg.tuning) {
-            log::debug!("comm {id:#x} ({k} ranks, {}): schedules from {}: {}", link_kind.name(), t.source, t.describe(k, link_kind).join("; "));
-        }
+        let nodes = NodeMap::new(&members.iter().map(|&m| connector.node_of(m)).collect::<Vec<_>>());
+        let link_kind = if nodes.nodes() == 1 { LinkKind::Shm } else { LinkKind::Net };
         let comm = Communicator {
             connector,
             id,
@@ -296,6 +313,8 @@ impl Communicator {
             tuning: std::sync::RwLock::new(cfg.tuning.clone()),
             cfg,
             link_kind,
+            nodes,
+            hier: OnceLock::new(),
             state: Mutex::new(State {
                 links,
                 seq: 0,
@@ -308,7 +327,9 @@ impl Communicator {
                 reads: None,
             }),
             stats: CommStats::new(k),
+            net_sent,
         };
+        comm.log_schedules();
         if k > 1 {
             let (prev, next) = comm.ring_neighbours();
             let mut st = comm.lock();
@@ -346,6 +367,17 @@ impl Communicator {
     /// How long a blocking operation of this communicator waits for a peer (`MESHTRAIN_TIMEOUT`).
     pub fn timeout(&self) -> std::time::Duration {
         self.cfg.timeout
+    }
+
+    /// Bytes this rank has posted to members on other nodes for this communicator's calls (its
+    /// hierarchical stages included; see [`crate::comm::stats`]).
+    pub fn net_bytes_sent(&self) -> u64 {
+        self.net_sent.load(Ordering::Relaxed)
+    }
+
+    /// Which members share a node.
+    pub fn node_map(&self) -> &NodeMap {
+        &self.nodes
     }
 
     /// Traffic counters of this communicator (shared: readable after the communicator moved to
@@ -394,7 +426,12 @@ impl Communicator {
         });
         todo.dedup();
         for p in todo {
-            let link = self.connector.connect(self.id, self.members[p], w)?;
+            let mut link = self.connector.connect(self.id, self.members[p], w)?;
+            if self.nodes.node[p] != self.nodes.node[self.rank] {
+                let Link { peer, kind, send, recv, memory } = link;
+                let send = Box::new(CountedSend { inner: send, sent: self.net_sent.clone() });
+                link = Link { peer, kind, send, recv, memory };
+            }
             if link.send.max_chunk() < self.cfg.chunk_bytes + fingerprint::PRINT_LEN || link.send.depth() < 2 {
                 return Err(w.fail(
                     link.peer,
@@ -404,84 +441,6 @@ impl Communicator {
             st.links[p] = Some(MemberLink { link, prints: LinkPrints::armed(st.print) });
         }
         Ok(())
-    }
-
-    /// The schedule family and chunk a call wants, from (call, bytes, size, link kind, table,
-    /// configuration) only ([`tuner::choose`]); `run` may still fall back from `Read` to `Ring`
-    /// when the probe fails.
-    fn schedule(&self, call: &Call, bytes: usize) -> (Sched, usize) {
-        let c = tuner::choose(&self.cfg, self.tuning().as_deref(), call.name(), self.size(), self.link_kind, bytes);
-        let sched = match c.family {
-            Family::Ring => Sched::Ring,
-            Family::Direct => Sched::Direct,
-            Family::Read => Sched::Read,
-        };
-        (sched, c.chunk_bytes)
-    }
-
-    /// Replaces the schedule table (`None`: the fixed rule). Every member must make the same
-    /// call between the same collectives (`bench --tune` forces one candidate at a time).
-    pub fn set_tuning(&self, table: Option<Arc<Tuning>>) {
-        *self.tuning.write().unwrap_or_else(|e| e.into_inner()) = table;
-    }
-
-    /// The schedule table in use (`None`: the fixed rule).
-    pub fn tuning(&self) -> Option<Arc<Tuning>> {
-        self.tuning.read().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    /// The schedule family (`ring`, `direct`, `read`) and chunk bytes the table or configuration
-    /// picks for `coll` with `bytes` bytes on this communicator (before the read probe).
-    pub fn planned_schedule(&self, coll: &str, bytes: usize) -> tuner::Choice {
-        tuner::choose(&self.cfg, self.tuning().as_deref(), coll, self.size(), self.link_kind, bytes)
-    }
-
-    /// Whether this call reads peers' buffers, probing on first use. Every member gets here on
-    /// the same call (the schedule choice is the same everywhere), so they probe together and
-    /// agree on the answer.
-    fn reads_work(&self, st: &mut State, w: &Waiter) -> Result<bool> {
-        if st.reads.is_none() {
-            if let Err(why) = cma::allow_peer_reads() {
-                // Peers' reads of this rank may fail now; the probe finds out and says so.
-                log::debug!("rank {}: {why}", self.rank);
-            }
-            let found = probe::probe(&mut LinkTable(&mut st.links), &self.direct_shape(DType::U8, self.cfg.chunk_bytes), w)?;
-            self.log_probe(&found);
-            st.reads = Some(found);
-        }
-        match (st.reads.as_ref().expect("probed above"), self.cfg.cma) {
-            (Reads::Fail(why), Cma::On) => Err(Error::config(
-                "MESHTRAIN_CMA",
-                format!("single-copy reads forced on, but they do not work on comm {:#x}: {why}", self.id),
-            )),
-            (Reads::Fail(_), _) => Ok(false),
-            (Reads::Pay, _) | (Reads::Slow(_), Cma::On) => Ok(true),
-            // A measured table chose reads for this size: the copy-rate probe does not overrule it.
-            (Reads::Slow(_), _) => Ok(self.tuning().is_some()),
-        }
-    }
-
-    /// Logs the probe's outcome once per process (on member 0 of the first communicator that probed).
-    fn log_probe(&self, found: &Reads) {
-        static LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-        if self.rank != 0 || LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
-            return;
-        }
-        let id = self.id;
-        match found {
-            Reads::Pay => log::debug!("comm {id:#x}: single-copy reads (CMA) work and pay; large collectives use them"),
-            Reads::Slow(why) if self.cfg.cma == Cma::On => log::info!(
-                "comm {id:#x}: single-copy reads (CMA) work but measured slower than copies; MESHTRAIN_CMA=on: \
-                 collectives use them anyway: {why}"
-            ),
-            Reads::Slow(why) => log::debug!(
-                "comm {id:#x}: single-copy reads (CMA) work but do not pay, collectives copy through shared \
-                 memory (MESHTRAIN_CMA=on forces reads): {why}"
-            ),
-            Reads::Fail(why) => log::debug!(
-                "comm {id:#x}: single-copy reads (CMA) unavailable, collectives copy through shared memory: {why}"
-            ),
-        }
     }
 
     /// Runs one operation: sequence number, waiter, the links and probe its schedule needs, and
@@ -564,6 +523,9 @@ impl Communicator {
     fn collective(&self, dtype: DType, call: Call) -> Result<()> {
         let bytes = call.bytes(dtype.size());
         let (want, chunk) = self.schedule(&call, bytes);
+        if want == Sched::Hier {
+            return self.hier_call(dtype, call, bytes);
+        }
         let print = Print::Collective(call.print(dtype));
         self.run(call.name(), bytes, want, print, |st, sched, w| {
             if self.size() == 1 {
@@ -574,7 +536,7 @@ impl Communicator {
                 Sched::Ring => self.ring_call(st, (dtype, chunk), call, w),
                 Sched::Direct => self.direct_call(st, (dtype, chunk), call, w),
                 Sched::Read => self.read_call(st, (dtype, chunk), call, w),
-                Sched::Pair => unreachable!("schedule() never picks Pair for a collective"),
+                Sched::Pair | Sched::Hier => unreachable!("schedule() never picks Pair; Hier runs above"),
             }
         })
     }

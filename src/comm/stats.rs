@@ -5,10 +5,20 @@
 //! data-parallel reduction thread) can still be read by the training loop. Bus bandwidth uses the
 //! nccl-tests factors: all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n;
 //! broadcast, reduce, point-to-point 1.
+//!
+//! Inter-node bytes: every link to a member on another node sends through [`CountedSend`], which
+//! adds the bytes it posts (payload and the calls' fingerprints, not the transport's own headers)
+//! to a counter the communicator shares with the stage communicators of its hierarchical
+//! schedules, so `Communicator::net_bytes_sent` is what this rank put on the network on its
+//! behalf. Device-direct (FI_HMEM) sends bypass the host links and are not counted.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use crate::error::Result;
+use crate::transport::{SendLink, Waiter};
 
 /// Bus-bandwidth factor of collective `op` on `n` ranks.
 pub fn bus_factor(op: &str, n: usize) -> f64 {
@@ -67,6 +77,35 @@ impl CommStats {
             })
             .collect();
         serde_json::Value::Object(map)
+    }
+}
+
+/// A send link to a member on another node that counts the bytes it posts.
+pub struct CountedSend {
+    /// The link itself.
+    pub inner: Box<dyn SendLink>,
+    /// Bytes posted so far, shared with the communicator.
+    pub sent: Arc<AtomicU64>,
+}
+
+impl SendLink for CountedSend {
+    fn reserve(&mut self, len: usize, w: &Waiter) -> Result<&mut [u8]> {
+        self.inner.reserve(len, w)
+    }
+    fn post(&mut self, len: usize, w: &Waiter) -> Result<()> {
+        self.inner.post(len, w)?;
+        self.sent.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(())
+    }
+    fn max_chunk(&self) -> usize {
+        self.inner.max_chunk()
+    }
+    fn depth(&self) -> usize {
+        self.inner.depth()
+    }
+    #[cfg(feature = "ofi")]
+    fn direct(&self) -> Option<Arc<crate::transport::DirectPeer>> {
+        self.inner.direct()
     }
 }
 

@@ -100,8 +100,8 @@ pub struct MemConnector {
     hub: Arc<Hub>,
     abort: Arc<AbortState>,
     peer_memory: bool,
-    /// Rank `r` runs on node `r % nodes`.
-    nodes: usize,
+    /// Node of each rank.
+    nodes: Arc<Vec<usize>>,
 }
 
 impl Hub {
@@ -118,13 +118,15 @@ impl Connector for MemConnector {
         self.size
     }
     fn node_of(&self, rank: usize) -> usize {
-        rank % self.nodes
+        self.nodes[rank]
     }
     fn connect(&self, comm_id: u64, peer: usize, _w: &Waiter) -> Result<Link> {
         let send = MemSend { fifo: self.hub.fifo(comm_id, self.rank, peer), slot: Vec::new(), peer };
         let recv = MemRecv { fifo: self.hub.fifo(comm_id, peer, self.rank), msg: Vec::new(), peer };
         // Every in-process rank is this process, so single-copy reads of a peer read our own memory.
-        let memory = if self.peer_memory { PeerMemory::new(std::process::id()) } else { None };
+        // Links between emulated nodes offer no reads, as network links do not.
+        let same_node = self.nodes[peer] == self.nodes[self.rank];
+        let memory = if self.peer_memory && same_node { PeerMemory::new(std::process::id()) } else { None };
         Ok(Link { peer, kind: LinkKind::Shm, send: Box::new(send), recv: Box::new(recv), memory })
     }
     fn abort(&self) -> &Arc<AbortState> {
@@ -139,7 +141,16 @@ pub fn run_ranks<R: Send + 'static>(
     cfg: CommConfig,
     f: impl Fn(Communicator) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
-    spawn_ranks(k, 1, cfg, true, f)
+    spawn_ranks(vec![0; k], cfg, true, f)
+}
+
+/// As [`run_ranks`], rank `r` counting as running on node `node_of[r]` (`node_of.len()` ranks).
+pub fn run_ranks_placed<R: Send + 'static>(
+    node_of: Vec<usize>,
+    cfg: CommConfig,
+    f: impl Fn(Communicator) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    spawn_ranks(node_of, cfg, true, f)
 }
 
 /// As [`run_ranks`], rank `r` counting as running on node `r % nodes`.
@@ -149,7 +160,7 @@ pub fn run_ranks_on_nodes<R: Send + 'static>(
     cfg: CommConfig,
     f: impl Fn(Communicator) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
-    spawn_ranks(k, nodes, cfg, true, f)
+    spawn_ranks((0..k).map(|r| r % nodes).collect(), cfg, true, f)
 }
 
 /// As [`run_ranks`], over links that cannot read the peer's memory (like TCP links).
@@ -158,21 +169,21 @@ pub fn run_ranks_without_peer_memory<R: Send + 'static>(
     cfg: CommConfig,
     f: impl Fn(Communicator) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
-    spawn_ranks(k, 1, cfg, false, f)
+    spawn_ranks(vec![0; k], cfg, false, f)
 }
 
 fn spawn_ranks<R: Send + 'static>(
-    k: usize,
-    nodes: usize,
+    nodes: Vec<usize>,
     cfg: CommConfig,
     peer_memory: bool,
     f: impl Fn(Communicator) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
+    let (k, nodes) = (nodes.len(), Arc::new(nodes));
     let hub = Arc::new(Hub::default());
     let f = Arc::new(f);
     let handles: Vec<_> = (0..k)
         .map(|rank| {
-            let (hub, f, cfg) = (hub.clone(), f.clone(), cfg.clone());
+            let (hub, f, cfg, nodes) = (hub.clone(), f.clone(), cfg.clone(), nodes.clone());
             std::thread::spawn(move || {
                 let abort = Arc::new(AbortState::default());
                 let conn = MemConnector { rank, size: k, hub, abort, peer_memory, nodes };

@@ -43,6 +43,10 @@ pub enum Family {
     Direct,
     /// Single copy: peers read each other's buffers (all-reduce, all-gather, broadcast).
     Read,
+    /// Hierarchical (communicators spanning nodes, all-reduce, reduce-scatter, all-gather,
+    /// broadcast): a stage within each node, one between nodes per place, a stage within each node
+    /// again; each stage picks its own schedule from this table. The chunk is unused.
+    Hier,
 }
 
 impl Family {
@@ -52,12 +56,17 @@ impl Family {
             Family::Ring => "ring",
             Family::Direct => "direct",
             Family::Read => "read",
+            Family::Hier => "hier",
         }
     }
 
     /// Whether `coll` has a schedule of this family.
     pub fn serves(self, coll: &str) -> bool {
-        self != Family::Read || matches!(coll, "all_reduce" | "all_gather" | "broadcast")
+        match self {
+            Family::Ring | Family::Direct => true,
+            Family::Read => matches!(coll, "all_reduce" | "all_gather" | "broadcast"),
+            Family::Hier => matches!(coll, "all_reduce" | "reduce_scatter" | "all_gather" | "broadcast"),
+        }
     }
 }
 
@@ -220,20 +229,16 @@ impl Tuning {
     }
 }
 
-/// The schedule for one call of `coll` with `bytes` bytes on `ranks` members over `link`: a forced
-/// setting first (`MESHTRAIN_CMA=on` for the collectives with a read schedule, then
-/// `MESHTRAIN_ALGO=ring|direct`), then the table, then the fixed rule (direct up to
-/// `small_bytes`, reads above it for all-reduce and all-gather, the ring otherwise).
-/// `MESHTRAIN_CMA=off` turns a read the table chose into the ring. The chunk never exceeds the
-/// communicator's, for which its links were sized.
-pub fn choose(
-    cfg: &CommConfig,
-    table: Option<&Tuning>,
-    coll: &str,
-    ranks: usize,
-    link: LinkKind,
-    bytes: usize,
-) -> Choice {
+/// The schedule for one call of `coll` with `bytes` bytes on `span.ranks` members over
+/// `span.link`: a forced setting first (`MESHTRAIN_CMA=on` for the collectives with a read
+/// schedule, then `MESHTRAIN_ALGO=ring|direct`; both flat), then the table, then the fixed rule
+/// (hierarchical where `span.hier` says the communicator can run it, else direct up to
+/// `small_bytes`, reads above it for all-reduce and all-gather within a node, the ring otherwise).
+/// `span.hier`: the members span several nodes with the same number (>= 2) on each and
+/// `MESHTRAIN_HIER` is not off; a table's `hier` without it is the ring. `MESHTRAIN_CMA=off` turns
+/// a read the table chose into the ring. The chunk never exceeds the communicator's, for which its
+/// links were sized.
+pub fn choose(cfg: &CommConfig, table: Option<&Tuning>, coll: &str, span: Span, bytes: usize) -> Choice {
     let full = |family| Choice { family, chunk_bytes: cfg.chunk_bytes };
     match (cfg.cma, cfg.algo) {
         (Cma::On, _) if Family::Read.serves(coll) => return full(Family::Read),
@@ -241,15 +246,33 @@ pub fn choose(
         (_, Algo::Direct) => return full(Family::Direct),
         _ => {}
     }
-    if let Some(c) = table.and_then(|t| t.select(coll, ranks, link, bytes)) {
-        let family = if c.family == Family::Read && cfg.cma == Cma::Off { Family::Ring } else { c.family };
+    if let Some(c) = table.and_then(|t| t.select(coll, span.ranks, span.link, bytes)) {
+        let family = match c.family {
+            Family::Read if cfg.cma == Cma::Off => Family::Ring,
+            Family::Hier if !span.hier => Family::Ring,
+            f => f,
+        };
         return Choice { family, chunk_bytes: c.chunk_bytes.min(cfg.chunk_bytes) };
     }
     match cfg.cma {
+        _ if span.hier && Family::Hier.serves(coll) => full(Family::Hier),
         _ if bytes <= cfg.small_bytes => full(Family::Direct),
-        Cma::Auto if matches!(coll, "all_reduce" | "all_gather") => full(Family::Read),
+        // Reads need the peer's memory on this node.
+        Cma::Auto if span.link == LinkKind::Shm && matches!(coll, "all_reduce" | "all_gather") => full(Family::Read),
         _ => full(Family::Ring),
     }
+}
+
+/// What the tuner knows of a communicator: its size, its link kind and whether it can run the
+/// hierarchical schedules (see [`choose`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    /// Members.
+    pub ranks: usize,
+    /// Link kind.
+    pub link: LinkKind,
+    /// Whether the hierarchical schedules may be used.
+    pub hier: bool,
 }
 
 fn bad(source: &str, field: &str, msg: impl fmt::Display) -> Error {
@@ -269,6 +292,9 @@ fn validate(r: &Rule) -> std::result::Result<(), (&'static str, String)> {
     }
     if !r.algo.serves(&r.coll) {
         return Err(("algo", format!("`{}` has no {} schedule (ring or direct)", r.coll, r.algo.name())));
+    }
+    if r.algo == Family::Hier && r.link != LinkKind::Net {
+        return Err(("algo", "`hier` needs link = \"net\" (members on several nodes)".to_string()));
     }
     if r.chunk_bytes < 64 || r.chunk_bytes % 64 != 0 {
         return Err(("chunk_bytes", format!("{} is not a positive multiple of 64", r.chunk_bytes)));

@@ -111,17 +111,53 @@ fn bad_tables_name_the_file_the_rule_and_the_field() {
 fn forced_settings_win_over_the_table_and_off_turns_reads_into_the_ring() {
     let t = Tuning::parse(TABLE, "t.toml").unwrap();
     let base = CommConfig { chunk_bytes: 1 << 20, ..CommConfig::default() };
-    let pick = |cfg: &CommConfig, bytes| choose(cfg, Some(&t), "all_reduce", 2, LinkKind::Shm, bytes).family;
+    let pick = |cfg: &CommConfig, bytes| choose(cfg, Some(&t), "all_reduce", shm(2), bytes).family;
     assert_eq!(pick(&base, 1 << 20), Family::Read);
     assert_eq!(pick(&CommConfig { cma: Cma::Off, ..base.clone() }, 1 << 20), Family::Ring);
     assert_eq!(pick(&CommConfig { algo: Algo::Direct, ..base.clone() }, 1 << 20), Family::Direct);
     assert_eq!(pick(&CommConfig { cma: Cma::On, ..base.clone() }, 16), Family::Read);
     // The chunk is capped by the communicator's (its links were sized for it).
     let small = CommConfig { chunk_bytes: 4096, ..base.clone() };
-    assert_eq!(choose(&small, Some(&t), "all_reduce", 2, LinkKind::Shm, 1 << 20).chunk_bytes, 4096);
+    assert_eq!(choose(&small, Some(&t), "all_reduce", shm(2), 1 << 20).chunk_bytes, 4096);
     // No table: the fixed rule.
-    assert_eq!(choose(&base, None, "all_reduce", 2, LinkKind::Shm, 16).family, Family::Direct);
-    assert_eq!(choose(&base, None, "reduce", 2, LinkKind::Shm, 1 << 20).family, Family::Ring);
+    assert_eq!(choose(&base, None, "all_reduce", shm(2), 16).family, Family::Direct);
+    assert_eq!(choose(&base, None, "reduce", shm(2), 1 << 20).family, Family::Ring);
+}
+
+fn shm(ranks: usize) -> Span {
+    Span { ranks, link: LinkKind::Shm, hier: false }
+}
+
+#[test]
+fn hierarchical_where_the_members_span_nodes_evenly_unless_forced_flat_or_measured_slower() {
+    let base = CommConfig::default();
+    let net = |hier| Span { ranks: 4, link: LinkKind::Net, hier };
+    for coll in ["all_reduce", "reduce_scatter", "all_gather", "broadcast"] {
+        assert_eq!(choose(&base, None, coll, net(true), 16).family, Family::Hier, "{coll}");
+        assert_ne!(choose(&base, None, coll, net(false), 16).family, Family::Hier, "{coll}");
+        let ring = CommConfig { algo: Algo::Ring, ..base.clone() };
+        assert_eq!(choose(&ring, None, coll, net(true), 1 << 20).family, Family::Ring, "{coll}");
+    }
+    // Reduce has no hierarchical schedule; reads never cross nodes.
+    assert_eq!(choose(&base, None, "reduce", net(true), 1 << 20).family, Family::Ring);
+    assert_eq!(choose(&base, None, "all_reduce", net(false), 1 << 20).family, Family::Ring);
+    // A measured table decides per size; its `hier` is the ring where the layout does not allow it.
+    let t = Tuning::parse(
+        "[[rule]]\ncoll = \"all_reduce\"\nranks = 4\nlink = \"net\"\nmax_bytes = 4096\nalgo = \"direct\"\nchunk_bytes = 4096\n\n\
+         [[rule]]\ncoll = \"all_reduce\"\nranks = 4\nlink = \"net\"\nalgo = \"hier\"\nchunk_bytes = 4096\n",
+        "net.toml",
+    )
+    .unwrap();
+    assert_eq!(choose(&base, Some(&t), "all_reduce", net(true), 64).family, Family::Direct);
+    assert_eq!(choose(&base, Some(&t), "all_reduce", net(true), 1 << 20).family, Family::Hier);
+    assert_eq!(choose(&base, Some(&t), "all_reduce", net(false), 1 << 20).family, Family::Ring);
+    // `hier` is for network links and the four collectives that have it.
+    let bad = |coll: &str, link: &str| {
+        let text = format!("[[rule]]\ncoll = \"{coll}\"\nranks = 4\nlink = \"{link}\"\nalgo = \"hier\"\nchunk_bytes = 64\n");
+        Tuning::parse(&text, "h.toml").unwrap_err().to_string()
+    };
+    assert!(bad("all_reduce", "shm").contains("rule[0].algo"), "{}", bad("all_reduce", "shm"));
+    assert!(bad("reduce", "net").contains("no hier schedule"), "{}", bad("reduce", "net"));
 }
 
 /// A one-rule-per-collective table forcing `family` with `chunk` bytes on every world size.

@@ -26,6 +26,8 @@ pub struct CommConfig {
     pub chunk_bytes: usize,
     /// Single-copy reads of peers' buffers (`MESHTRAIN_CMA=auto|on|off`).
     pub cma: Cma,
+    /// Hierarchical schedules for communicators spanning nodes (`MESHTRAIN_HIER=auto|off`).
+    pub hier: bool,
     /// The measured schedule table ([`crate::comm::tuner`]); `None`: the fixed `small_bytes`
     /// threshold. A forced `algo` or `cma` wins over it.
     pub tuning: Option<Arc<Tuning>>,
@@ -39,6 +41,7 @@ impl Default for CommConfig {
             small_bytes: 64 << 10,
             chunk_bytes: 1 << 20,
             cma: Cma::Auto,
+            hier: true,
             tuning: None,
         }
     }
@@ -46,7 +49,7 @@ impl Default for CommConfig {
 
 impl CommConfig {
     /// Defaults overridden by `MESHTRAIN_TIMEOUT` (seconds), `MESHTRAIN_ALGO`, `MESHTRAIN_CMA`,
-    /// `MESHTRAIN_SMALL_BYTES` and `MESHTRAIN_CHUNK_BYTES`; the tuning table is the built-in one
+    /// `MESHTRAIN_SMALL_BYTES`, `MESHTRAIN_CHUNK_BYTES` and `MESHTRAIN_HIER`; the tuning table is the built-in one
     /// unless `MESHTRAIN_TUNING` names a file (or `off`).
     pub fn from_env() -> Result<Self> {
         let d = CommConfig::default();
@@ -57,6 +60,7 @@ impl CommConfig {
             cma: env::cma()?.unwrap_or(d.cma),
             small_bytes: env::small_bytes()?.unwrap_or(d.small_bytes),
             chunk_bytes: env::chunk_bytes()?.unwrap_or(d.chunk_bytes),
+            hier: env::hier()?.unwrap_or(d.hier),
             tuning: match env::tuning() {
                 None => Some(Arc::new(Tuning::builtin()?)),
                 Some(v) if v.eq_ignore_ascii_case("off") => None,

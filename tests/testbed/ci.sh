@@ -4,7 +4,11 @@
 #   bash tests/testbed/ci.sh [target/release/meshtrain]
 # Checks, each a real mpirun job across the two nodes:
 #   selftest-NP   `meshtrain selftest` (every collective, dtype and op, bit-exact) on NP ranks,
-#                 ranks alternating between the nodes;
+#                 ranks alternating between the nodes (with an even NP, all-reduce, reduce-scatter,
+#                 all-gather and broadcast run in stages: within each node, then between nodes);
+#   hierarchical  a 1 MiB all-reduce on 2 nodes x 2 ranks: the staged schedule is selected, the
+#                 result is right, and every rank sends exactly the minimum between nodes (half the
+#                 buffer: 2(n-1)/n of it over 2 ranks per node) plus one 32-byte call fingerprint;
 #   partition     node 2's data cable goes down mid all-reduce: every rank exits with an error that
 #                 names a peer rank, within the deadline (MESHTRAIN_TIMEOUT) plus a margin;
 #   sigkill       a rank on node 2 is SIGKILLed mid all-reduce: every survivor exits with an error
@@ -159,6 +163,21 @@ strangers() {
   fi
 }
 
+# hierarchical: a host all-reduce in stages across the 2 nodes, checked for its result, its selection
+# and the bytes every rank put on the network (bench's CSV columns wrong and net_B_*).
+hierarchical() {
+  local name="hierarchical-$TRANSPORT" row
+  DEADLINE_OF_JOB=60 job "$name" 4 -x RUST_LOG=info "$BIN" bench all_reduce --min 1M --max 1M --warmup 1 --iters 2 --csv
+  row=$(sed -n 's/^\[1,0\]<stdout>:\(all_reduce,.*\)/\1/p' "$LOG/$name")
+  # coll,bytes,count,dtype,time_us,algbw_gbs,busbw_gbs,wrong,net_B_rank,net_B_max,net_B_min
+  if grep -q "hierarchical host collectives over 2 nodes x 2 ranks" "$LOG/$name" &&
+    awk -F, '$2 == 1048576 && $8 == 0 && $11 == 524288 && $9 == $11 + 32 && $10 == $9 {ok = 1} END {exit !ok}' <<<"$row"; then
+    ok "$name ($(cut -d, -f5 <<<"$row") us, $(cut -d, -f9 <<<"$row") B/rank between nodes)"
+  else
+    bad "$name" "no staged all-reduce at the minimum inter-node bytes (row: $row)" "$LOG/$name"
+  fi
+}
+
 # device_hierarchical: the emu device selftest on 4 ranks (2 per node) over shm within a node and
 # libfabric's shm provider (FI_HMEM) between them: every non-empty all-reduce must run in three
 # stages (reduce-scatter over IPC within the node, all-reduce of each rank's half as an FI_HMEM
@@ -190,6 +209,7 @@ for TRANSPORT in ${MT_TESTBED_TRANSPORTS:-tcp ofi}; do
   # inter-node path at one size. libfabric gets every size here.
   [ "$TRANSPORT" = ofi ] && sizes="2 3 5 8" || sizes=4
   for np in ${MT_TESTBED_NP-$sizes}; do selftest "$np"; done
+  hierarchical
   partition
   sigkill
   strangers

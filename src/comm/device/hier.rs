@@ -18,6 +18,7 @@
 
 use super::path::{DeviceCall, DevicePath, PathCtx};
 use super::{Bufs, GpuCommConfig, GpuCommState, GpuIpc, Op};
+use crate::comm::nodes::NodeMap;
 use crate::comm::{block_range, Communicator, DType, ReduceOp};
 use crate::device::ipc::alloc_shareable;
 use crate::device::{ops, Device, DeviceBuffer};
@@ -95,28 +96,16 @@ fn plan(cfg: &GpuCommConfig, comm: &Communicator, dev: &Device) -> Result<Option
     if k < 4 || matches!(dev, Device::Cpu) || cfg.ipc == GpuIpc::Off {
         return Ok(None);
     }
-    // Nodes numbered in the order of their first member.
-    let mut ids = Vec::new();
-    let node: Vec<usize> = (0..k)
-        .map(|m| {
-            let id = comm.node_of(m);
-            ids.iter().position(|&x| x == id).unwrap_or_else(|| {
-                ids.push(id);
-                ids.len() - 1
-            })
-        })
-        .collect();
-    let (nodes, per) = (ids.len(), k / ids.len());
-    if nodes < 2 || per < 2 || (0..nodes).any(|x| node.iter().filter(|&&y| y == x).count() != per) {
-        return Ok(None);
-    }
+    let keys: Vec<usize> = (0..k).map(|m| comm.node_of(m)).collect();
+    let map = NodeMap::new(&keys);
+    let Ok((nodes, per)) = map.uniform() else { return Ok(None) };
     let me = comm.rank();
-    let place = (0..me).filter(|&m| node[m] == node[me]).count();
+    let place = map.place(me);
     let part = |color: usize, what: &str| -> Result<Communicator> {
         comm.split(Some(color as u32), me as i64)?
             .ok_or_else(|| Error::InvalidArgument(format!("hierarchical all-reduce: no {what} communicator")))
     };
-    let (local, cross) = (part(node[me], "node")?, part(place, "cross-node")?);
+    let (local, cross) = (part(map.node[me], "node")?, part(place, "cross-node")?);
     if me == 0 {
         log::info!(
             "device all-reduce: hierarchical over {nodes} nodes x {per} ranks (reduce-scatter and all-gather within a node, \

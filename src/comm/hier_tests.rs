@@ -1,0 +1,107 @@
+//! The hierarchical host schedules on in-process ranks placed on emulated nodes: every collective,
+//! element type, operator and count bit for bit (through [`super::selftest`]) on even layouts of
+//! 2..4 nodes (round robin, blocked and shuffled member orders), the flat fallback on uneven
+//! layouts, and the bytes each rank sends between nodes against the theoretical minimum.
+
+use crate::comm::fingerprint::PRINT_LEN;
+use crate::comm::selftest::check_all;
+use crate::comm::testing::run_ranks_placed;
+use crate::comm::tuner::Family;
+use crate::comm::{Algo, CommConfig, ReduceOp};
+
+fn cfg(algo: Algo) -> CommConfig {
+    // 128-byte pieces: every stage runs many pieces; `small_bytes` makes stages pick direct for
+    // small calls, so both stage schedules run.
+    CommConfig { algo, small_bytes: 512, chunk_bytes: 128, tuning: None, ..CommConfig::default() }
+}
+
+/// Every collective exact on the layout `nodes` (node of each rank); returns the family the tuner
+/// picked for a 4 KiB all-reduce on every rank.
+fn exact_on(nodes: Vec<usize>, cfg: CommConfig) -> Vec<Family> {
+    run_ranks_placed(nodes.clone(), cfg, move |c| {
+        let fails = check_all(&c, &[0, 1, 2, 13, 97, 1000], &ReduceOp::ALL).unwrap();
+        assert_eq!(fails, Vec::<String>::new(), "layout {nodes:?}");
+        c.planned_schedule("all_reduce", 4096).family
+    })
+}
+
+#[test]
+fn every_collective_exact_in_stages_on_even_layouts() {
+    let layouts: Vec<Vec<usize>> = vec![
+        vec![0, 1, 0, 1],             // 2 nodes x 2, round robin
+        vec![0, 0, 1, 1],             // 2 x 2, blocked
+        vec![0, 1, 2, 0, 1, 2],       // 3 x 2
+        vec![1, 0, 0, 1, 1, 0],       // 2 x 3, shuffled
+        vec![0, 0, 1, 1, 2, 2, 3, 3], // 4 x 2
+        vec![0, 1, 0, 1, 0, 1, 0, 1], // 2 x 4
+    ];
+    for nodes in layouts {
+        let picked = exact_on(nodes.clone(), cfg(Algo::Auto));
+        assert!(picked.iter().all(|&f| f == Family::Hier), "{nodes:?}: {picked:?}");
+    }
+}
+
+#[test]
+fn uneven_or_single_rank_nodes_and_hier_off_run_flat_and_exact() {
+    for nodes in [vec![0, 0, 1, 2, 2], vec![0, 1, 2], vec![0, 1, 1, 1, 0, 0, 1]] {
+        let picked = exact_on(nodes.clone(), cfg(Algo::Auto));
+        assert!(picked.iter().all(|&f| f != Family::Hier), "{nodes:?}: {picked:?}");
+    }
+    let off = CommConfig { hier: false, ..cfg(Algo::Auto) };
+    assert!(exact_on(vec![0, 1, 0, 1], off).iter().all(|&f| f != Family::Hier));
+    // A forced flat schedule wins; every world size 1..8 on two nodes stays exact.
+    assert!(exact_on(vec![0, 1, 0, 1], cfg(Algo::Ring)).iter().all(|&f| f == Family::Ring));
+    for k in 1..=8 {
+        exact_on((0..k).map(|r| r % 2).collect(), cfg(Algo::Auto));
+    }
+}
+
+/// Bytes each rank sent between nodes for one in-place call of `coll` on `n` f32 on `nodes`.
+fn net_bytes(nodes: Vec<usize>, hier: bool, coll: &'static str, n: usize) -> Vec<u64> {
+    let cfg = CommConfig { hier, algo: Algo::Ring, chunk_bytes: 1 << 16, ..CommConfig::default() };
+    let cfg = if hier { CommConfig { algo: Algo::Auto, tuning: None, small_bytes: 0, ..cfg } } else { cfg };
+    run_ranks_placed(nodes, cfg, move |c| {
+        let mut buf = vec![1.0f32; n];
+        let mut call = || match coll {
+            "all_reduce" => c.all_reduce(&mut buf, ReduceOp::Sum).unwrap(),
+            "reduce_scatter" => c.reduce_scatter(&mut buf, ReduceOp::Sum).unwrap(),
+            "all_gather" => c.all_gather(&mut buf).unwrap(),
+            _ => c.broadcast(&mut buf, 0).unwrap(),
+        };
+        // The second call: the first also makes the stage communicators.
+        call();
+        let before = c.net_bytes_sent();
+        call();
+        c.net_bytes_sent() - before
+    })
+}
+
+#[test]
+fn bytes_between_nodes_meet_the_minimum_in_stages() {
+    // n nodes x L ranks, N = 4 * 3 * 2 * 1000 f32 (every block even): in stages every rank sends
+    // exactly the minimum share of its node, plus one fingerprint per call on its one network link.
+    for (n, l) in [(2usize, 2usize), (2, 4), (3, 2)] {
+        let nodes: Vec<usize> = (0..n * l).map(|r| r % n).collect();
+        let (size, k, print) = (24_000usize * 4, (n * l) as f64, PRINT_LEN as u64);
+        let min = |factor: f64| (factor * size as f64 / l as f64) as u64 + print;
+        let nn = n as f64;
+        let expect = [
+            ("all_reduce", min(2.0 * (nn - 1.0) / nn)),
+            ("reduce_scatter", min((nn - 1.0) / nn)),
+            ("all_gather", min((nn - 1.0) / nn)),
+        ];
+        for (coll, want) in expect {
+            let got = net_bytes(nodes.clone(), true, coll, 24_000);
+            assert!(got.iter().all(|&b| b == want), "{coll} {n}x{l}: {got:?}, want {want} each");
+        }
+        // Broadcast: a chain from the root's node; every rank but the chain's last forwards 1/L.
+        let got = net_bytes(nodes.clone(), true, "broadcast", 24_000);
+        let total: u64 = got.iter().sum();
+        assert_eq!(total, (n as u64 - 1) * l as u64 * (size as u64 / l as u64 + print), "broadcast {n}x{l}: {got:?}");
+        // Flat ring (ordered by node): n ranks send 2(k-1)/k of the buffer each, the others nothing.
+        let flat = net_bytes(nodes, false, "all_reduce", 24_000);
+        let per = (2.0 * (k - 1.0) / k * size as f64) as u64 + print;
+        assert_eq!(flat.iter().filter(|&&b| b == per).count(), n, "flat {n}x{l}: {flat:?}");
+        assert_eq!(flat.iter().filter(|&&b| b == 0).count(), n * (l - 1), "flat {n}x{l}: {flat:?}");
+    }
+}

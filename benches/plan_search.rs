@@ -34,7 +34,7 @@ fn main() {
         let profile = Profile::load(machine).expect("a shipped profile");
         for stack in [Stack::Meshtrain, Stack::Megatron] {
             let mach = Machine::new(&profile, stack, "bf16").expect("bf16 peak");
-            let opts = Options::for_stack(stack);
+            let opts = Options::default();
             let (mut best, mut best_cpu) = (f64::MAX, f64::MAX);
             let mut outcome = String::new();
             for _ in 0..3 {

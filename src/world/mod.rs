@@ -264,7 +264,7 @@ impl World {
     /// freed). Call on the way out of a failed job; a live peer's regions are never touched.
     pub fn remove_dead_peer_regions(&self) {
         for &pid in &self.node_peer_pids {
-            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            if process_gone(pid) {
                 crate::transport::ofi::remove_shm_regions_of(pid);
             }
         }
@@ -281,6 +281,16 @@ impl Drop for World {
         if let Some(c) = &self.control {
             c.finish(self.comm_cfg.timeout);
         }
+    }
+}
+
+/// Whether process `pid` has ended: no `/proc` entry, or a zombie its launcher has not reaped
+/// yet (a peer killed a moment ago usually is one when the survivors notice).
+fn process_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which is in parentheses and may hold spaces.
+        Ok(stat) => stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|state| state == "Z" || state == "X"),
+        Err(_) => true,
     }
 }
 
@@ -308,6 +318,21 @@ fn peer_table(mut hellos: Vec<Hello>) -> Vec<PeerInfo> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_zombie_counts_as_gone_and_a_live_process_does_not() {
+        assert!(!process_gone(std::process::id()));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        // Not reaped yet: a zombie once it has exited.
+        let pid = child.id();
+        let start = std::time::Instant::now();
+        while !process_gone(pid) {
+            assert!(start.elapsed() < std::time::Duration::from_secs(10), "`true` never ended");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        child.wait().unwrap();
+        assert!(process_gone(pid));
+    }
 
     #[test]
     fn nodes_are_numbered_by_first_rank() {

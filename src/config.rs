@@ -34,6 +34,8 @@ use crate::model::GptConfig;
 use crate::parallel::stage_split;
 
 pub mod keys;
+mod ps;
+pub use ps::{PsConfig, PsMode};
 pub(crate) mod overrides;
 
 pub use crate::device::{DeviceKind, Precision};
@@ -70,6 +72,8 @@ pub struct JobConfig {
     pub checkpoint: CheckpointConfig,
     /// `[metrics]`.
     pub metrics: MetricsConfig,
+    /// `[ps]` (parameter servers; used with `parallel.dp_sync = "ps"`).
+    pub ps: PsConfig,
 }
 
 /// `[model]` as written: a named size and/or explicit shape keys.
@@ -228,6 +232,7 @@ impl Default for OptimConfig {
 }
 
 pub use crate::parallel::options::{Axis, AxisOrder, ParallelConfig, ScheduleName};
+pub use crate::parallel::options::DpSync;
 
 /// `[checkpoint]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -281,6 +286,7 @@ struct FileConfig {
     parallel: ParallelConfig,
     checkpoint: CheckpointConfig,
     metrics: MetricsConfig,
+    ps: PsConfig,
 }
 
 impl JobConfig {
@@ -411,6 +417,7 @@ impl JobConfig {
         }
 
         self.validate_parallel()?;
+        self.validate_ps()?;
 
         if self.checkpoint.dir.as_ref().is_some_and(|d| d.as_os_str().is_empty()) {
             return Err(Error::config("checkpoint.dir", "must not be empty"));
@@ -527,7 +534,16 @@ impl JobConfig {
     /// which `--set` overrides would fit the ranks the job got.
     pub fn validate_world(&self, world_size: usize) -> Result<()> {
         let p = &self.parallel;
-        if p.tp * p.pp * p.dp != world_size {
+        if self.uses_ps() && self.ranks_needed() != world_size {
+            return Err(Error::config(
+                "ps.servers",
+                format!(
+                    "tp {} x pp {} x dp {} workers + {} server(s) = {} ranks, but the job has {world_size}",
+                    p.tp, p.pp, p.dp, self.ps.servers, self.ranks_needed()
+                ),
+            ));
+        }
+        if !self.uses_ps() && p.tp * p.pp * p.dp != world_size {
             let fits = self.layouts_for(world_size);
             let hint = match fits.first() {
                 None => format!("; no layout of this model fits {world_size} ranks"),
@@ -633,6 +649,7 @@ impl FileConfig {
             parallel: self.parallel,
             checkpoint: self.checkpoint,
             metrics: self.metrics,
+            ps: self.ps,
         })
     }
 }

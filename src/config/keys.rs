@@ -86,11 +86,16 @@ pub const KEYS: &[Key] = &[
     key("parallel.stage_layers", "[integer]", Code, "blocks per pipeline stage; empty = balanced by estimated compute"),
     key("parallel.bucket_mb", "float", Code, "gradient bucket size in MiB"),
     key("parallel.order", "string", Code, "grid axis order, innermost first"),
+    key("parallel.dp_sync", "string", Code, "data-parallel gradients: `allreduce` (collectives, ZeRO 0-3) or `ps` (parameter servers, `[ps]`)"),
     key("checkpoint.dir", "path", Text("none (no checkpoints)"), "checkpoint directory"),
     key("checkpoint.every", "integer", Code, "save every N steps and at the end; 0 = only at the end"),
     key("checkpoint.keep", "integer", Code, "checkpoints kept, oldest deleted first; 0 = all"),
     key("checkpoint.resume", "string", Text("none"), "`latest` (newest in `dir`) or a checkpoint path"),
     key("metrics.peak_tflops", "float", Text("none (CPU: measured sgemm rate)"), "peak TFLOP/s of one device, for MFU"),
+    key("ps.servers", "integer", Code, "parameter-server ranks after the tp x pp x dp workers (`dp_sync = \"ps\"`)"),
+    key("ps.mode", "string", Code, "`sync` (one update per step from every worker) or `async` (stale synchronous parallel)"),
+    key("ps.staleness", "integer", Code, "async: versions a worker's parameters may lag its step count; 0 = sync"),
+    key("ps.colocate", "bool", Code, "servers inside the worker processes instead of extra ranks (not implemented yet)"),
 ];
 
 /// The built-in defaults as dotted key -> TOML text (a tiny model stands in for the required one).

@@ -99,6 +99,20 @@ pub struct ParallelConfig {
     pub bucket_mb: f64,
     /// Grid axis order, innermost first (default `tp-pp-dp`).
     pub order: AxisOrder,
+    /// How the data-parallel ranks combine gradients: `allreduce` (default) or `ps` (parameter
+    /// servers, configured in `[ps]`).
+    pub dp_sync: DpSync,
+}
+
+/// How data-parallel gradients are combined (`parallel.dp_sync`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DpSync {
+    /// Collectives among the data-parallel ranks (ZeRO 0-3).
+    #[serde(rename = "allreduce")]
+    AllReduce,
+    /// Workers push gradients to parameter servers and pull the updated parameters.
+    #[serde(rename = "ps")]
+    Ps,
 }
 
 impl Default for ParallelConfig {
@@ -115,6 +129,7 @@ impl Default for ParallelConfig {
             stage_layers: Vec::new(),
             bucket_mb: 25.0,
             order: AxisOrder([Axis::Tp, Axis::Pp, Axis::Dp]),
+            dp_sync: DpSync::AllReduce,
         }
     }
 }

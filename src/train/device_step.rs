@@ -41,6 +41,7 @@ use super::device_overlap::DeviceReducer;
 use super::device_whole::WholeState;
 use super::device_zero::DeviceShards;
 use super::grad_sync::{DataParallel, Spans, StepOutcome};
+use super::ps::PsClient;
 use crate::comm::device::{GpuCommConfig, GpuCommState};
 use crate::comm::stats::CommStats;
 use crate::comm::{Communicator, ReduceOp};
@@ -59,10 +60,12 @@ enum State {
     Sharded(DeviceShards),
 }
 
-/// The reduction overlapping the backward: on host memory or on device memory.
+/// The reduction overlapping the backward: on host memory or on device memory, or the pushes
+/// to parameter servers (`parallel.dp_sync = "ps"`).
 enum Overlap {
     Host(OverlapReducer),
     Device(DeviceReducer),
+    Ps(Box<PsClient>),
 }
 
 /// The optimizer step of the device model on its device.
@@ -129,7 +132,7 @@ impl DeviceStep {
     /// (host reducer, device reducer): what the memory formula counts as staging.
     pub fn reduces_during_backward(&self) -> (bool, bool) {
         match &self.overlap {
-            Some((Overlap::Host(_), _)) => (true, false),
+            Some((Overlap::Host(_) | Overlap::Ps(_), _)) => (true, false),
             Some((Overlap::Device(_), _)) => (false, true),
             None => (false, false),
         }
@@ -151,7 +154,31 @@ impl DeviceStep {
         match &mut self.overlap {
             Some((Overlap::Host(r), _)) => r.begin(micro_batches),
             Some((Overlap::Device(r), _)) => r.begin(micro_batches),
+            Some((Overlap::Ps(c), _)) => c.begin(micro_batches),
             None => {}
+        }
+    }
+
+    /// This step pushes to parameter servers through `client` instead of reducing among the
+    /// data-parallel ranks (the servers update; the step installs their parameters).
+    pub fn with_ps(mut self, client: PsClient) -> Self {
+        let stats = client.stats();
+        self.overlap = Some((Overlap::Ps(Box::new(client)), stats));
+        self
+    }
+
+    /// Parameter servers: this worker's loss of the step (see [`PsClient::note_loss`]).
+    pub fn note_loss(&mut self, loss: f64) {
+        if let Some((Overlap::Ps(c), _)) = &mut self.overlap {
+            c.note_loss(loss);
+        }
+    }
+
+    /// Parameter servers: the staleness histogram and version, for the metrics (none otherwise).
+    pub fn ps_metrics(&self) -> Vec<(String, serde_json::Value)> {
+        match &self.overlap {
+            Some((Overlap::Ps(c), _)) => c.metrics(),
+            _ => Vec::new(),
         }
     }
 
@@ -174,6 +201,9 @@ impl DeviceStep {
     /// gives the host copies' memory back: from here on the device holds the training state.
     pub fn load(&mut self, model: &mut DeviceGpt, sync: &mut DataParallel) -> Result<()> {
         model.set_host_reports(false);
+        if let Some((Overlap::Ps(c), _)) = &mut self.overlap {
+            c.load(model, sync)?;
+        }
         self.step = match &mut self.state {
             State::Sharded(s) => s.load(model, sync)?,
             State::Whole(w) => w.load(model, sync)?,
@@ -186,8 +216,11 @@ impl DeviceStep {
     /// Brings the training state into the model's host copy of the parameters and `sync`'s
     /// AdamW states, so a checkpoint sees it (give it back with [`DataParallel::release_states`]
     /// once written).
-    pub fn store(&self, model: &mut DeviceGpt, sync: &mut DataParallel) -> Result<()> {
+    pub fn store(&mut self, model: &mut DeviceGpt, sync: &mut DataParallel) -> Result<()> {
         sync.ensure_states();
+        if let Some((Overlap::Ps(c), _)) = &mut self.overlap {
+            return c.fetch(model, sync);
+        }
         match &self.state {
             State::Sharded(s) => s.store(model, sync, self.step),
             State::Whole(w) => w.store(model, sync, self.step),
@@ -198,6 +231,9 @@ impl DeviceStep {
     pub fn finish(&mut self, model: &DeviceGpt, dp: &Communicator) -> Result<()> {
         if let Some((Overlap::Device(r), _)) = &mut self.overlap {
             r.release(model.device())?;
+        }
+        if let Some((Overlap::Ps(c), _)) = &mut self.overlap {
+            c.finish()?;
         }
         self.coll.release_mappings(dp, model.device())
     }
@@ -247,6 +283,15 @@ impl DeviceStep {
                 model.host_grads_in(range, &mut |range, g| r.on_final(range, g, &mut host_sink(dev, state)))
             }
             (Some((Overlap::Device(r), _)), state) => r.on_final(model, range, &mut shard_sink(model.device(), state)),
+            (Some((Overlap::Ps(c), _)), _) => {
+                let mut failed = Ok(());
+                model.host_grads_in(range, &mut |range, g| {
+                    if failed.is_ok() {
+                        failed = c.on_final(range, g);
+                    }
+                })?;
+                failed
+            }
             (None, _) => Err(Error::Check("gradients handed to a step that reduces after the backward".into())),
         }
     }
@@ -256,6 +301,7 @@ impl DeviceStep {
     /// rank's own gradients held a NaN or an infinity before the reduction.
     fn reduce(&mut self, model: &mut DeviceGpt, dp: &Communicator, micro_batches: usize) -> Result<(f64, ReduceTiming, bool)> {
         Ok(match (&mut self.overlap, &mut self.state) {
+            (Some((Overlap::Ps(c), _)), _) => c.finish_step(model)?,
             (Some((Overlap::Host(r), _)), State::Whole(w)) => {
                 let timing = w.take_reduced(model, r)?;
                 (w.square(), timing, r.local_nonfinite())
@@ -328,6 +374,10 @@ impl DeviceStep {
             return Ok(StepOutcome { grad_norm, timing });
         }
         self.step += 1;
+        if let Some((Overlap::Ps(_), _)) = &self.overlap {
+            // The servers updated; their parameters are in the model already.
+            return Ok(StepOutcome { grad_norm, timing });
+        }
         let update = AdamWStep {
             config: &self.config,
             step: self.step,

@@ -23,6 +23,7 @@ mod memory_estimate;
 mod memory_fit;
 mod nonfinite;
 mod pipeline;
+mod ps;
 mod replica;
 mod session;
 mod shutdown;
@@ -65,7 +66,16 @@ pub struct TrainReport {
 pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<TrainReport> {
     // From here on SIGTERM/SIGUSR1 stop the run after a step, with a checkpoint (`shutdown.rs`).
     shutdown::install()?;
-    let mut session = Session::setup(world, cfg, opts)?;
+    let mut session = match cfg.uses_ps() {
+        false => Session::setup(world, cfg, opts)?,
+        true => match ps::start(world, cfg)? {
+            ps::Role::Worker(workers, links) => Session::setup_on(world, workers, Some(links), cfg, opts)?,
+            ps::Role::Server(servers, links) => {
+                ps::serve(servers, links, cfg)?;
+                return Ok(TrainReport { losses: Vec::new(), val_losses: Vec::new(), tokens_per_s: 0.0 });
+            }
+        },
+    };
     let mut last = session.steps().start() - 1;
     for step in session.steps() {
         last = step;

@@ -19,6 +19,7 @@ use super::grad_sync::{DataParallel, StepOutcome};
 use super::memory_estimate::{MemoryEstimate, MemoryInputs};
 use super::memory_fit;
 use super::nonfinite::{NonFiniteGuard, Verdict};
+use super::ps::{PsClient, PsLinks};
 use super::replica::{DeviceEvent, Replica, ReplicaLayout, TensorMap};
 use super::shutdown;
 use super::stragglers::Stragglers;
@@ -55,6 +56,8 @@ struct Groups {
     dp: Communicator,
     norm_groups: Vec<Communicator>,
     traffic: Vec<(&'static str, Arc<CommStats>)>,
+    /// Parameter servers (`parallel.dp_sync = "ps"`): the links to them.
+    ps: Option<PsLinks>,
 }
 
 /// What the set-up measured and printed about memory.
@@ -118,8 +121,13 @@ impl<'a> Session<'a> {
     /// Everything before step 1: the job agreed on, the grid, the model on its device and
     /// initialised (or restored), the data and the device step holding the state.
     pub fn setup(world: &'a World, cfg: &'a JobConfig, opts: &TrainOptions) -> Result<Self> {
+        Self::setup_on(world, world.communicator()?, None, cfg, opts)
+    }
+
+    /// [`Session::setup`] on `world_comm` (all ranks, or the workers of a parameter-server job,
+    /// whose links to the servers `ps` holds).
+    pub fn setup_on(world: &'a World, world_comm: Communicator, ps: Option<PsLinks>, cfg: &'a JobConfig, opts: &TrainOptions) -> Result<Self> {
         // Every rank must train the same job: refuse differing configs before anything else.
-        let world_comm = world.communicator()?;
         config_agree::check(&world_comm, cfg)?;
         memory_fit::check(&world_comm, cfg, world.local_size)?;
         cfg.validate_world(world.size)?;
@@ -159,7 +167,7 @@ impl<'a> Session<'a> {
             }
         }
         let model = build_replica(cfg, (tp, pp), device, leader)?;
-        let mut s = Session::assemble(world, cfg, opts, Groups { world_comm, dp, norm_groups, traffic }, model, baseline)?;
+        let mut s = Session::assemble(world, cfg, opts, Groups { world_comm, dp, norm_groups, traffic, ps }, model, baseline)?;
         s.dir_lock = dir_lock;
         s.resume()?;
         s.start_step()?;
@@ -172,7 +180,7 @@ impl<'a> Session<'a> {
         world: &'a World,
         cfg: &'a JobConfig,
         opts: &TrainOptions,
-        Groups { world_comm, dp, norm_groups, traffic }: Groups,
+        Groups { world_comm, dp, norm_groups, traffic, ps }: Groups,
         mut model: Replica,
         baseline: u64,
     ) -> Result<Self> {
@@ -190,6 +198,10 @@ impl<'a> Session<'a> {
         }
         let adamw = AdamWConfig { beta1: cfg.optim.beta1, beta2: cfg.optim.beta2, eps: cfg.optim.eps, weight_decay: cfg.optim.weight_decay };
         let step = DeviceStep::new(model.model(), &sync, &dp, (&model.decay_spans(), &model.norm_spans()), adamw)?;
+        let step = match ps {
+            Some(links) => step.with_ps(PsClient::new(links, cfg, model.params().len(), (model.decay_spans(), model.norm_spans()))?),
+            None => step,
+        };
         let (host_reduce, device_overlap) = step.reduces_during_backward();
         let estimate = MemoryEstimate::new(&MemoryInputs {
             zero,
@@ -338,6 +350,7 @@ impl<'a> Session<'a> {
         };
         let loss_mean = model.run(&data.batches, (every_backward, units), &mut events)?;
         let loss_mean = self.guard.local_loss(step, self.world.rank, loss_mean);
+        self.step.note_loss(loss_mean);
         let lr = self.sched.lr(step - 1);
         // Every rank applies or skips the update alike (`nonfinite.rs`), before anything changes.
         let mut verdict = Verdict::Apply;
@@ -471,7 +484,7 @@ impl<'a> Session<'a> {
             mfu: self.flops.mfu(tokens_per_s),
             elapsed_s: self.start.elapsed().as_secs_f64(),
             val_loss,
-            extra: extra.into_iter().map(|(k, v)| (k.to_string(), v)).chain(self.model.pipeline_metrics()?).collect(),
+            extra: extra.into_iter().map(|(k, v)| (k.to_string(), v)).chain(self.model.pipeline_metrics()?).chain(self.step.ps_metrics()).collect(),
         })
     }
 

@@ -1,0 +1,218 @@
+//! Parameter-server data parallelism (`parallel.dp_sync = "ps"`): the tp x pp x dp workers run
+//! the model; `ps.servers` extra ranks (the last ones) hold the parameters and the AdamW state.
+//! Each step a worker pushes its gradients, piece by piece as the backward finishes them (the
+//! readiness order of the all-reduce buckets), to the servers that own the pieces; the servers
+//! sum the workers' pieces, clip by the global norm (reduced among the servers), run AdamW on
+//! their pieces and send every worker the new parameters ([`server`], [`client`]).
+//!
+//! Pieces: the flat parameter buffer cut as the ZeRO-0 buckets are ([`super::buckets::plan_buckets`]),
+//! with buckets of `min(parallel.bucket_mb, 4 MiB)`, each owned by one server: in readiness
+//! order, a piece goes to the server with the fewest elements so far (the lowest index on a
+//! tie), so the servers' shares differ by at most one piece.
+//!
+//! What is fixed-order, so that runs repeat bit for bit and match the all-reduce:
+//! - a server sums a piece over the workers in worker order (0, 1, ..., dp - 1), then divides by
+//!   dp once, as the all-reduce's average does; each worker first scales its gradients by
+//!   1 / micro-batches in f32, as the bucket staging does;
+//! - the squares of the norm are taken per (piece, counted span) with the optimizer's
+//!   `sum_of_squares`, exchanged among the servers (each slot is one server's number, the others
+//!   add zeros, which is exact) and added in piece order: the all-reduce step's order when the
+//!   pieces are its buckets (`bucket_mb <= 4`);
+//! - AdamW is the CPU arm's element expression, so where an element is updated does not matter.
+//!
+//! So with two workers a PS run gives the all-reduce run's bits (a sum of two terms does not
+//! depend on the order); with more, the all-reduce's ring adds the workers in an order that
+//! rotates with the chunk, and the two differ by float rounding (tests: within 1e-6 over 20 steps).
+//!
+//! Versions and staleness (`ps.mode`): version v is the parameters after the servers' v-th
+//! update. A worker pushes the gradient of its step c tagged with the version it trained on and,
+//! before its step c + 1, waits until it holds a version >= c - `staleness` (the newest the
+//! servers have sent it, received by a thread of its own). The servers apply step c's update
+//! once every worker's step-c gradient is in. `sync` is `staleness = 0`: every step trains on the
+//! previous step's update, exactly the all-reduce's schedule. With staleness s the push, the
+//! update and the pull of step c overlap the compute of up to s later steps; each step's
+//! staleness (c - 1 - the version it trained on, at most s) is counted in a histogram
+//! (`ps_staleness` in the metrics, and the `# done` line). The workers still agree on the loss
+//! and a stop signal every step (the metrics), so a worker that is persistently slower holds the
+//! others back; what staleness hides is the servers' round trip.
+//!
+//! Invariants: every message has a length both sides know in advance (headers of fixed size);
+//! every worker sends every server the same sequence of message kinds, which the server checks;
+//! each link communicator is used by one thread on each side (the worker's push thread, its pull
+//! thread, its main thread for checkpoints). A server or worker that dies is named by the
+//! survivors through the communicators' own deadline and peer checks.
+
+mod client;
+mod server;
+
+use std::ops::Range;
+
+use super::buckets::plan_buckets;
+use crate::comm::Communicator;
+use crate::config::JobConfig;
+use crate::error::{Error, Result};
+use crate::world::World;
+
+pub(super) use client::PsClient;
+pub(super) use server::serve;
+
+/// Largest piece: 4 MiB of f32.
+pub const MAX_PIECE_ELEMS: usize = 1 << 20;
+
+/// Worker -> server message kinds (the first word of a header).
+const KIND_LOAD: i64 = 1;
+const KIND_GRADS: i64 = 2;
+const KIND_FETCH: i64 = 3;
+const KIND_FINISH: i64 = 4;
+
+/// Words of a worker's header: kind, step (clock), version trained on, flags.
+const HEADER: usize = 4;
+/// Words of a server's version header: kind (0 version, 1 finish), version, sum of squares,
+/// applied (1) or skipped (0).
+const VERSION_HEADER: usize = 4;
+
+/// The pieces of a flat buffer and their servers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PiecePlan {
+    /// Pieces, in readiness order (last elements first).
+    pub pieces: Vec<Range<usize>>,
+    /// Server (index among the servers) of each piece.
+    pub owner: Vec<usize>,
+}
+
+impl PiecePlan {
+    /// Pieces of `n` elements at most `piece_elems` (capped at [`MAX_PIECE_ELEMS`]) over `servers`.
+    pub fn new(n: usize, piece_elems: usize, servers: usize) -> Self {
+        let pieces = plan_buckets(&[0..n], piece_elems.clamp(1, MAX_PIECE_ELEMS));
+        let mut load = vec![0usize; servers.max(1)];
+        let owner = pieces
+            .iter()
+            .map(|p| {
+                let s = (0..load.len()).min_by_key(|&s| (load[s], s)).expect("at least one server");
+                load[s] += p.len();
+                s
+            })
+            .collect();
+        PiecePlan { pieces, owner }
+    }
+
+    /// The plan of `cfg` for a buffer of `n` elements.
+    pub fn of_job(cfg: &JobConfig, n: usize) -> Self {
+        let bucket = ((cfg.parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1);
+        PiecePlan::new(n, bucket, cfg.ps.servers)
+    }
+
+    /// Indices of the pieces server `s` owns, in piece order.
+    pub fn owned(&self, s: usize) -> Vec<usize> {
+        (0..self.pieces.len()).filter(|&p| self.owner[p] == s).collect()
+    }
+}
+
+/// The communicators between workers and servers: splits of the world communicator, so a link
+/// rank is the world rank (workers first, then the servers).
+pub struct PsLinks {
+    /// Worker push thread -> server: headers and gradient pieces.
+    pub push: Communicator,
+    /// Server -> worker pull thread: versions of the parameters.
+    pub pull: Communicator,
+    /// Server -> worker main thread: checkpoint state.
+    pub reply: Communicator,
+    /// Number of workers (the first link ranks).
+    pub workers: usize,
+    /// Number of servers (the last link ranks).
+    pub servers: usize,
+}
+
+/// This rank's part in a parameter-server job.
+pub enum Role {
+    /// A worker: its communicator among the workers (the session's world) and the links.
+    Worker(Communicator, PsLinks),
+    /// A server: the communicator among the servers and the links.
+    Server(Communicator, PsLinks),
+}
+
+/// Splits the world into workers and servers (collective over the world).
+pub fn start(world: &World, cfg: &JobConfig) -> Result<Role> {
+    let world_comm = world.communicator()?;
+    super::config_agree::check(&world_comm, cfg)?;
+    cfg.validate_world(world.size)?;
+    let workers = world.size - cfg.ps.servers;
+    let is_server = world.rank >= workers;
+    let rank = world.rank as i64;
+    let group = world_comm.split(Some(u32::from(is_server)), rank)?.expect("every rank joins");
+    let link = || -> Result<Communicator> {
+        Ok(world_comm.split(Some(0), rank)?.expect("every rank joins"))
+    };
+    let links = PsLinks { push: link()?, pull: link()?, reply: link()?, workers, servers: cfg.ps.servers };
+    if world.rank == 0 {
+        println!(
+            "# parameter servers: {} server rank(s) ({}..{}) for {workers} worker(s), mode {}{}",
+            cfg.ps.servers,
+            workers,
+            world.size - 1,
+            match cfg.ps.mode {
+                crate::config::PsMode::Sync => "sync",
+                crate::config::PsMode::Async => "async",
+            },
+            match cfg.ps.mode {
+                crate::config::PsMode::Async => format!(", staleness {}", cfg.ps.staleness),
+                crate::config::PsMode::Sync => String::new(),
+            }
+        );
+    }
+    Ok(if is_server { Role::Server(group, links) } else { Role::Worker(group, links) })
+}
+
+/// Spans as words: (start, end, flag) triples.
+fn spans_to_words(spans: &[(Range<usize>, bool)]) -> Vec<i64> {
+    spans.iter().flat_map(|(r, f)| [r.start as i64, r.end as i64, i64::from(*f)]).collect()
+}
+
+/// [`spans_to_words`] back, checked against a buffer of `n` elements.
+fn spans_from_words(words: &[i64], n: usize, what: &str) -> Result<Vec<(Range<usize>, bool)>> {
+    words
+        .chunks_exact(3)
+        .map(|w| {
+            let (a, b) = (w[0] as usize, w[1] as usize);
+            if a > b || b > n {
+                return Err(Error::Check(format!("parameter server: {what} span {a}..{b} outside the {n} parameters")));
+            }
+            Ok((a..b, w[2] != 0))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pieces cover the buffer in readiness order, are at most 4 MiB, and the servers' shares
+    /// differ by at most one piece.
+    #[test]
+    fn pieces_cover_the_buffer_and_are_balanced() {
+        let n = 10_000_123;
+        let plan = PiecePlan::new(n, usize::MAX, 3);
+        assert!(plan.pieces.iter().all(|p| p.len() <= MAX_PIECE_ELEMS && !p.is_empty()));
+        assert_eq!(plan.pieces[0].end, n);
+        let mut covered: Vec<_> = plan.pieces.clone();
+        covered.sort_by_key(|p| p.start);
+        assert_eq!(covered[0].start, 0);
+        assert!(covered.windows(2).all(|w| w[0].end == w[1].start));
+        let share: Vec<usize> = (0..3).map(|s| plan.owned(s).iter().map(|&p| plan.pieces[p].len()).sum()).collect();
+        let (lo, hi) = (*share.iter().min().unwrap(), *share.iter().max().unwrap());
+        assert!(hi - lo <= MAX_PIECE_ELEMS, "{share:?}");
+        assert_eq!(share.iter().sum::<usize>(), n);
+        // More servers than pieces: some own none, every piece has one.
+        let small = PiecePlan::new(10, 4, 5);
+        assert_eq!(small.pieces.len(), 3);
+        assert_eq!(small.owner, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn spans_round_trip_and_bad_ones_are_named() {
+        let spans = vec![(0..5, true), (5..9, false)];
+        assert_eq!(spans_from_words(&spans_to_words(&spans), 9, "decay").unwrap(), spans);
+        let err = spans_from_words(&[3, 20, 1], 9, "decay").unwrap_err().to_string();
+        assert!(err.contains("decay span 3..20"), "{err}");
+    }
+}

@@ -1,0 +1,272 @@
+//! A parameter server's loop: it holds the parameters and AdamW moments of the pieces it owns
+//! ([`super::PiecePlan`]) and answers the workers' messages in the order every worker sends them
+//! (load, then a gradient round per step, a state fetch per checkpoint, and finish).
+//!
+//! Invariants: a round's pieces are summed over the workers in worker order and divided by the
+//! worker count once; the norm's squares are added in piece order on every server alike
+//! (module `ps`); the update is applied or skipped on every server alike (non-finite norm or a
+//! worker's non-finite loss: skipped, as `train.nonfinite` decides on the workers); the version
+//! advances by one per round, applied or not.
+
+use std::ops::Range;
+
+use super::{spans_from_words, PiecePlan, PsLinks, HEADER, KIND_FETCH, KIND_FINISH, KIND_GRADS, KIND_LOAD, VERSION_HEADER};
+use crate::comm::{Communicator, ReduceOp};
+use crate::config::JobConfig;
+use crate::device::cpu::adamw::{update_elements, AdamWStep, Coefficients};
+use crate::error::{Error, Result};
+use crate::optim::{clip_scale, sum_of_squares, AdamWConfig, LrSchedule};
+
+/// One owned piece: its range, parameters, moments and this round's summed gradient.
+struct Piece {
+    range: Range<usize>,
+    params: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    grad: Vec<f32>,
+    /// (start, end, weight decay) sub-ranges, relative to the piece.
+    decay: Vec<(Range<usize>, bool)>,
+    /// Counted (norm) sub-ranges, relative to the piece, and the slots of their squares.
+    counted: Vec<Range<usize>>,
+    first_slot: usize,
+}
+
+/// A server's state once loaded.
+struct Server<'a> {
+    cfg: &'a JobConfig,
+    group: Communicator,
+    links: PsLinks,
+    plan: PiecePlan,
+    pieces: Vec<Piece>,
+    /// Squares slots over all pieces (the exchange among servers).
+    slots: usize,
+    /// Index of each piece among this server's (None: another server's).
+    slot_of: Vec<Option<usize>>,
+    steps_taken: u64,
+    version: u64,
+    adamw: AdamWConfig,
+    sched: LrSchedule,
+    scratch: Vec<f32>,
+}
+
+/// Runs server `group.rank()` until the workers finish (collective with the workers and servers).
+pub fn serve(group: Communicator, links: PsLinks, cfg: &JobConfig) -> Result<()> {
+    let heads = receive_headers(&links)?;
+    if heads[0][0] != KIND_LOAD {
+        return Err(Error::Check(format!("parameter server {}: the first message of worker 0 is kind {}, not the load", group.rank(), heads[0][0])));
+    }
+    let mut server = Server::load(cfg, group, links, heads[0][1] as u64)?;
+    loop {
+        let heads = receive_headers(&server.links)?;
+        match heads[0][0] {
+            KIND_GRADS => server.round(&heads)?,
+            KIND_FETCH => server.fetch()?,
+            KIND_FINISH => return server.finish(),
+            k => return Err(Error::Check(format!("parameter server {}: unknown message kind {k} from worker 0", server.group.rank()))),
+        }
+    }
+}
+
+/// The next header of every worker, which must all be of one kind.
+fn receive_headers(links: &PsLinks) -> Result<Vec<[i64; HEADER]>> {
+    let mut heads = Vec::with_capacity(links.workers);
+    for w in 0..links.workers {
+        let mut h = [0i64; HEADER];
+        links.push.recv_into(&mut h, w)?;
+        heads.push(h);
+    }
+    if let Some(w) = (0..heads.len()).find(|&w| heads[w][0] != heads[0][0]) {
+        return Err(Error::Check(format!(
+            "parameter server: worker {w} sent message kind {} while worker 0 sent {} (the workers disagree on the step sequence)",
+            heads[w][0], heads[0][0]
+        )));
+    }
+    Ok(heads)
+}
+
+impl<'a> Server<'a> {
+    /// Receives the layout and this server's pieces' state from worker 0 (`steps_taken`: the
+    /// optimizer steps the state has seen).
+    fn load(cfg: &'a JobConfig, group: Communicator, links: PsLinks, steps_taken: u64) -> Result<Self> {
+        let mut sizes = [0i64; 3];
+        links.push.recv_into(&mut sizes, 0)?;
+        let (n, nd, nn) = (sizes[0] as usize, sizes[1] as usize, sizes[2] as usize);
+        let mut words = vec![0i64; 3 * (nd + nn)];
+        links.push.recv_into(&mut words, 0)?;
+        let decay = spans_from_words(&words[..3 * nd], n, "decay")?;
+        let norm = spans_from_words(&words[3 * nd..], n, "norm")?;
+        let plan = PiecePlan::of_job(cfg, n);
+        let me = group.rank();
+        let mut slot_of = vec![None; plan.pieces.len()];
+        let (mut pieces, mut slots) = (Vec::new(), 0);
+        for (p, range) in plan.pieces.iter().enumerate() {
+            let counted = relative(range, &norm).into_iter().filter(|(_, c)| *c).map(|(r, _)| r).collect::<Vec<_>>();
+            if plan.owner[p] == me {
+                let len = range.len();
+                slot_of[p] = Some(pieces.len());
+                let decay = relative(range, &decay);
+                if decay.iter().map(|(r, _)| r.len()).sum::<usize>() != len {
+                    return Err(Error::Check(format!("parameter server {me}: the weight-decay spans do not cover piece {p} ({range:?})")));
+                }
+                let mut piece = Piece { range: range.clone(), params: vec![0.0; len], m: vec![0.0; len], v: vec![0.0; len], grad: vec![0.0; len], decay, counted, first_slot: slots };
+                for buf in [&mut piece.params, &mut piece.m, &mut piece.v] {
+                    links.push.recv_into(buf, 0)?;
+                }
+                slots += piece.counted.len();
+                pieces.push(piece);
+            } else {
+                slots += counted.len();
+            }
+        }
+        let largest = pieces.iter().map(|p| p.range.len()).max().unwrap_or(0);
+        let o = &cfg.optim;
+        Ok(Server {
+            cfg,
+            group,
+            links,
+            plan,
+            pieces,
+            slots,
+            slot_of,
+            steps_taken,
+            version: 0,
+            adamw: AdamWConfig { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weight_decay: o.weight_decay },
+            sched: LrSchedule::new(o.lr, o.min_lr, o.warmup_steps, cfg.train.steps)?,
+            scratch: vec![0.0; largest],
+        })
+    }
+
+    /// One step's round: the workers' gradients summed, the norm, the update, the new version
+    /// sent to every worker.
+    fn round(&mut self, heads: &[[i64; HEADER]]) -> Result<()> {
+        let step = heads[0][1];
+        let me = self.group.rank();
+        for (w, h) in heads.iter().enumerate() {
+            let lag = step - 1 - h[2];
+            if h[1] != step || lag < 0 || lag as u64 > self.cfg.ps.staleness {
+                return Err(Error::Check(format!(
+                    "parameter server {me}: worker {w} pushed step {} trained on version {} (step {step}, staleness at most {})",
+                    h[1], h[2], self.cfg.ps.staleness
+                )));
+            }
+        }
+        if step as u64 != self.version + 1 {
+            return Err(Error::Check(format!("parameter server {me}: gradients of step {step} after version {}", self.version)));
+        }
+        self.receive_gradients()?;
+        let mut loss_bad = false;
+        for w in 0..self.links.workers {
+            let mut flags = [0i64; 1];
+            self.links.push.recv_into(&mut flags, w)?;
+            loss_bad |= flags[0] & 1 != 0;
+        }
+        let sq = self.sum_of_squares()?;
+        let applied = sq.is_finite() && !loss_bad;
+        if applied {
+            self.steps_taken += 1;
+            let update = AdamWStep { config: &self.adamw, step: self.steps_taken, lr: self.sched.lr(step as u64 - 1), grad_scale: clip_scale(sq.sqrt(), self.cfg.optim.grad_clip) };
+            let coef = Coefficients::<f32>::new(&update);
+            let wd = self.adamw.weight_decay as f32;
+            for p in &mut self.pieces {
+                for (r, decay) in &p.decay {
+                    let r = r.clone();
+                    update_elements(&coef, if *decay { wd } else { 0.0 }, &mut p.params[r.clone()], &p.grad[r.clone()], &mut p.m[r.clone()], &mut p.v[r]);
+                }
+            }
+        }
+        self.version += 1;
+        let head = [0.0, self.version as f64, sq, f64::from(u8::from(applied))];
+        for w in 0..self.links.workers {
+            self.links.pull.send(&head, w)?;
+            for p in &self.pieces {
+                self.links.pull.send(&p.params, w)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Receives this server's pieces from every worker, in the order the workers pushed them
+    /// (the backward's, the same on every worker), and sums each in worker order, then divides
+    /// by the worker count.
+    fn receive_gradients(&mut self) -> Result<()> {
+        let (me, workers) = (self.group.rank(), self.links.workers);
+        for _ in 0..self.pieces.len() {
+            let mut first = None;
+            for w in 0..workers {
+                let mut idx = [0i64; 1];
+                self.links.push.recv_into(&mut idx, w)?;
+                let p = idx[0] as usize;
+                let slot = self.slot_of.get(p).copied().flatten().ok_or_else(|| Error::Check(format!("parameter server {me}: worker {w} pushed piece {} it does not own", idx[0])))?;
+                if *first.get_or_insert(p) != p {
+                    return Err(Error::Check(format!("parameter server {me}: worker {w} pushed piece {p} where worker 0 pushed piece {}", first.unwrap_or(p))));
+                }
+                let piece = &mut self.pieces[slot];
+                let len = piece.range.len();
+                if w == 0 {
+                    self.links.push.recv_into(&mut piece.grad, w)?;
+                } else {
+                    self.links.push.recv_into(&mut self.scratch[..len], w)?;
+                    piece.grad.iter_mut().zip(&self.scratch[..len]).for_each(|(a, b)| *a += b);
+                }
+            }
+            if workers > 1 {
+                let piece = &mut self.pieces[self.slot_of[first.expect("at least one worker")].expect("owned")];
+                let n = workers as f32;
+                piece.grad.iter_mut().for_each(|g| *g /= n);
+            }
+        }
+        Ok(())
+    }
+
+    /// The global sum of squares of the averaged gradients: per (piece, counted span), exchanged
+    /// among the servers, added in piece order.
+    fn sum_of_squares(&self) -> Result<f64> {
+        let mut squares = vec![0f64; self.slots];
+        for p in &self.pieces {
+            for (k, c) in p.counted.iter().enumerate() {
+                squares[p.first_slot + k] = sum_of_squares(&p.grad[c.clone()]);
+            }
+        }
+        if self.group.size() > 1 {
+            self.group.all_reduce(&mut squares, ReduceOp::Sum)?;
+        }
+        Ok(squares.iter().fold(0.0, |acc, s| acc + s))
+    }
+
+    /// A checkpoint: every worker gets the optimizer steps, the version and this server's pieces'
+    /// parameters and moments.
+    fn fetch(&mut self) -> Result<()> {
+        let head = [self.steps_taken as i64, self.version as i64];
+        for w in 0..self.links.workers {
+            self.links.reply.send(&head, w)?;
+            for p in &self.pieces {
+                for buf in [&p.params, &p.m, &p.v] {
+                    self.links.reply.send(buf, w)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The workers are done: their pull threads get the finish header.
+    fn finish(self) -> Result<()> {
+        let head = [1.0, self.version as f64, 0.0, 0.0];
+        debug_assert_eq!(head.len(), VERSION_HEADER);
+        for w in 0..self.links.workers {
+            self.links.pull.send(&head, w)?;
+        }
+        log::debug!("parameter server {}: {} pieces of {}, {} versions", self.group.rank(), self.pieces.len(), self.plan.pieces.len(), self.version);
+        Ok(())
+    }
+}
+
+/// The parts of `spans` inside `piece`, relative to its start, in span order.
+fn relative(piece: &Range<usize>, spans: &[(Range<usize>, bool)]) -> Vec<(Range<usize>, bool)> {
+    spans
+        .iter()
+        .filter_map(|(r, f)| {
+            let (lo, hi) = (piece.start.max(r.start), piece.end.min(r.end));
+            (lo < hi).then(|| (lo - piece.start..hi - piece.start, *f))
+        })
+        .collect()
+}

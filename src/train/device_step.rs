@@ -301,7 +301,7 @@ impl DeviceStep {
     /// rank's own gradients held a NaN or an infinity before the reduction.
     fn reduce(&mut self, model: &mut DeviceGpt, dp: &Communicator, micro_batches: usize) -> Result<(f64, ReduceTiming, bool)> {
         Ok(match (&mut self.overlap, &mut self.state) {
-            (Some((Overlap::Ps(c), _)), _) => c.finish_step(model)?,
+            (Some((Overlap::Ps(_), _)), _) => return Err(Error::Check("parameter-server steps end in PsClient::finish_step".into())),
             (Some((Overlap::Host(r), _)), State::Whole(w)) => {
                 let timing = w.take_reduced(model, r)?;
                 (w.square(), timing, r.local_nonfinite())
@@ -356,7 +356,10 @@ impl DeviceStep {
     ) -> Result<StepOutcome> {
         // The step's stream-ordered TP calls are only checked here: before anything is applied.
         model.check_collectives()?;
-        let (mut sq, timing, own_bad) = self.reduce(model, dp, micro_batches)?;
+        let (mut sq, timing, own_bad) = match &mut self.overlap {
+            Some((Overlap::Ps(c), _)) => c.finish_step(model, lr)?,
+            _ => self.reduce(model, dp, micro_batches)?,
+        };
         // A device reducer's thread says which path its buckets took.
         if self.step == 0 && dp.size() > 1 && self.overlap.is_none() {
             let (ipc, calls) = self.coll.path_counts();

@@ -255,16 +255,18 @@ impl PsClient {
         self.send(Outgoing::Floats(to, buf))
     }
 
-    /// Ends the step's push, then waits for a version at most `staleness` behind this step and
+    /// Ends the step's push (with the learning rate `lr` of the step), then waits for a version at most `staleness` behind this step and
     /// puts the newest received into the model: returns its sum of squares (the global norm's
     /// square), the timing (all of it exposed: the wait) and whether this worker's own gradients
     /// were non-finite.
-    pub fn finish_step(&mut self, model: &mut DeviceGpt) -> Result<(f64, ReduceTiming, bool)> {
+    pub fn finish_step(&mut self, model: &mut DeviceGpt, lr: f64) -> Result<(f64, ReduceTiming, bool)> {
         let t0 = Instant::now();
         if let Some(p) = (0..self.ready.len()).find(|&p| self.ready[p] != self.plan.pieces[p].len()) {
             return Err(Error::Check(format!("parameter-server piece {p}: {} of {} gradients reported this step", self.ready[p], self.plan.pieces[p].len())));
         }
-        let flags = vec![i64::from(self.loss_bad)];
+        // The trailer: the loss flag and the step's learning rate (the servers follow the
+        // workers' schedule, resumed or not).
+        let flags = vec![i64::from(self.loss_bad), lr.to_bits() as i64];
         for s in 0..self.servers {
             self.send(Outgoing::Words(self.first_server + s, flags.clone()))?;
         }
@@ -324,7 +326,8 @@ impl PsClient {
                 }
             }
         }
-        let [steps, _version] = seen.unwrap_or([0, 0]);
+        let [steps, version] = seen.unwrap_or([0, 0]);
+        self.version = version as u64;
         sync.ensure_states();
         for s in sync.states_mut() {
             let r = s.range();

@@ -15,7 +15,7 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::config::JobConfig;
 use crate::device::cpu::adamw::{update_elements, AdamWStep, Coefficients};
 use crate::error::{Error, Result};
-use crate::optim::{clip_scale, sum_of_squares, AdamWConfig, LrSchedule};
+use crate::optim::{clip_scale, sum_of_squares, AdamWConfig};
 
 /// One owned piece: its range, parameters, moments and this round's summed gradient.
 struct Piece {
@@ -45,7 +45,6 @@ struct Server<'a> {
     steps_taken: u64,
     version: u64,
     adamw: AdamWConfig,
-    sched: LrSchedule,
     scratch: Vec<f32>,
 }
 
@@ -131,7 +130,6 @@ impl<'a> Server<'a> {
             steps_taken,
             version: 0,
             adamw: AdamWConfig { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weight_decay: o.weight_decay },
-            sched: LrSchedule::new(o.lr, o.min_lr, o.warmup_steps, cfg.train.steps)?,
             scratch: vec![0.0; largest],
         })
     }
@@ -154,17 +152,21 @@ impl<'a> Server<'a> {
             return Err(Error::Check(format!("parameter server {me}: gradients of step {step} after version {}", self.version)));
         }
         self.receive_gradients()?;
-        let mut loss_bad = false;
+        let (mut loss_bad, mut lr) = (false, None);
         for w in 0..self.links.workers {
-            let mut flags = [0i64; 1];
-            self.links.push.recv_into(&mut flags, w)?;
-            loss_bad |= flags[0] & 1 != 0;
+            let mut trailer = [0i64; 2];
+            self.links.push.recv_into(&mut trailer, w)?;
+            loss_bad |= trailer[0] & 1 != 0;
+            if *lr.get_or_insert(trailer[1]) != trailer[1] {
+                return Err(Error::Check(format!("parameter server {me}: worker {w} sent another learning rate for step {step} than worker 0")));
+            }
         }
+        let lr = f64::from_bits(lr.unwrap_or(0) as u64);
         let sq = self.sum_of_squares()?;
         let applied = sq.is_finite() && !loss_bad;
         if applied {
             self.steps_taken += 1;
-            let update = AdamWStep { config: &self.adamw, step: self.steps_taken, lr: self.sched.lr(step as u64 - 1), grad_scale: clip_scale(sq.sqrt(), self.cfg.optim.grad_clip) };
+            let update = AdamWStep { config: &self.adamw, step: self.steps_taken, lr, grad_scale: clip_scale(sq.sqrt(), self.cfg.optim.grad_clip) };
             let coef = Coefficients::<f32>::new(&update);
             let wd = self.adamw.weight_decay as f32;
             for p in &mut self.pieces {

@@ -18,25 +18,48 @@ fn sets(list: &[&str]) -> Vec<String> {
 }
 
 fn losses(metrics: &Path) -> Vec<f64> {
-    common::losses(metrics).into_iter().map(|(_, l)| l).collect()
+    common::losses(metrics)
+        .into_iter()
+        .map(|(_, l)| l)
+        .collect()
 }
 
 /// The last metrics line's staleness histogram.
 fn staleness(metrics: &Path) -> Vec<u64> {
     let text = std::fs::read_to_string(metrics).unwrap();
     let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
-    last["ps_staleness"].as_array().expect("ps_staleness in the metrics").iter().map(|v| v.as_u64().unwrap()).collect()
+    last["ps_staleness"]
+        .as_array()
+        .expect("ps_staleness in the metrics")
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect()
 }
 
 /// Runs `job` on `np` ranks with a checkpoint at step 20, returns the losses and the exported
 /// parameters and moments.
-fn run(dir: &Path, name: &str, np: usize, job: &Path, extra: &[&str]) -> (Vec<f64>, Vec<meshtrain::checkpoint::ExportedTensor>) {
+fn run(
+    dir: &Path,
+    name: &str,
+    np: usize,
+    job: &Path,
+    extra: &[&str],
+) -> (Vec<f64>, Vec<meshtrain::checkpoint::ExportedTensor>) {
     let metrics = dir.join(format!("{name}.jsonl"));
     let ckpt = dir.join(format!("{name}_ckpt"));
     let mut all = sets(&["checkpoint.every=10"]);
     all.push(format!("checkpoint.dir={:?}", ckpt.display().to_string()));
     all.extend(sets(extra));
-    common::train(np, job, &metrics, &all);
+    let out = common::train(np, job, &metrics, &all);
+    let last = ckpt.join("step_00000020");
+    assert!(
+        last.join("checkpoint.h5").exists(),
+        "{name}: {} is incomplete: {:?}\n{}\n{}",
+        last.display(),
+        std::fs::read_dir(&last).map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>()),
+        out.stdout,
+        out.stderr
+    );
     let params = common::export(&ckpt.join("step_00000020"), &dir.join(format!("{name}.h5")));
     (losses(&metrics), params)
 }
@@ -45,12 +68,23 @@ fn bits(l: &[f64]) -> Vec<u64> {
     l.iter().map(|x| x.to_bits()).collect()
 }
 
-fn tensors_identical(a: &[meshtrain::checkpoint::ExportedTensor], b: &[meshtrain::checkpoint::ExportedTensor], what: &str) {
+fn tensors_identical(
+    a: &[meshtrain::checkpoint::ExportedTensor],
+    b: &[meshtrain::checkpoint::ExportedTensor],
+    what: &str,
+) {
     assert_eq!(a.len(), b.len(), "{what}: tensor counts");
     for (x, y) in a.iter().zip(b) {
         assert_eq!((&x.0, &x.1), (&y.0, &y.1), "{what}");
-        let same = x.2.iter().zip(&y.2).all(|(p, q)| p.to_bits() == q.to_bits());
-        assert!(same && x.2.len() == y.2.len(), "{what}: tensor {} differs", x.0);
+        let same =
+            x.2.iter()
+                .zip(&y.2)
+                .all(|(p, q)| p.to_bits() == q.to_bits());
+        assert!(
+            same && x.2.len() == y.2.len(),
+            "{what}: tensor {} differs",
+            x.0
+        );
     }
 }
 
@@ -62,13 +96,25 @@ fn sync_servers_give_the_allreduce_run() {
     let job = tiny_job(d, "job.toml", "[parallel]\ndp = 2\nbucket_mb = 0.05");
     let (ar, ar_params) = run(d, "ar2", 2, &job, &[]);
     let (ps, ps_params) = run(d, "ps2", 4, &job, &["parallel.dp_sync=ps", "ps.servers=2"]);
-    assert_eq!(bits(&ps), bits(&ar), "two workers: the losses are the all-reduce run's bits\n{ps:?}\n{ar:?}");
-    tensors_identical(&ps_params, &ar_params, "two workers: parameters and moments at step 20");
+    assert_eq!(
+        bits(&ps),
+        bits(&ar),
+        "two workers: the losses are the all-reduce run's bits\n{ps:?}\n{ar:?}"
+    );
+    tensors_identical(
+        &ps_params,
+        &ar_params,
+        "two workers: parameters and moments at step 20",
+    );
     // Four workers: the ring adds in another order; within 1e-6 relative at every step.
     let (ar4, ar4_params) = run(d, "ar4", 4, &job, &["parallel.dp=4"]);
     let (ps4, ps4_params) = run(d, "ps4", 5, &job, &["parallel.dp=4", "parallel.dp_sync=ps"]);
     for (i, (x, y)) in ps4.iter().zip(&ar4).enumerate() {
-        assert!((x - y).abs() <= 1e-6 * y.abs(), "four workers, step {}: {x} vs {y}", i + 1);
+        assert!(
+            (x - y).abs() <= 1e-6 * y.abs(),
+            "four workers, step {}: {x} vs {y}",
+            i + 1
+        );
     }
     common::assert_params_close(&ps4_params, &ar4_params, 1e-5, "four workers");
 }
@@ -77,22 +123,43 @@ fn sync_servers_give_the_allreduce_run() {
 fn async_staleness_zero_is_sync_and_larger_staleness_trains_within_its_bound() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let job = tiny_job(d, "job.toml", "[parallel]\ndp = 2\ndp_sync = \"ps\"\nbucket_mb = 0.05\n[ps]\nservers = 1");
+    let job = tiny_job(
+        d,
+        "job.toml",
+        "[parallel]\ndp = 2\ndp_sync = \"ps\"\nbucket_mb = 0.05\n[ps]\nservers = 1",
+    );
     let sync = d.join("sync.jsonl");
     common::train(3, &job, &sync, &[]);
     let s0 = d.join("s0.jsonl");
     common::train(3, &job, &s0, &sets(&["ps.mode=async", "ps.staleness=0"]));
-    assert_eq!(bits(&losses(&s0)), bits(&losses(&sync)), "staleness 0 is sync");
+    assert_eq!(
+        bits(&losses(&s0)),
+        bits(&losses(&sync)),
+        "staleness 0 is sync"
+    );
     assert_eq!(staleness(&s0), vec![20]);
     for s in [1u64, 4] {
         let m = d.join(format!("s{s}.jsonl"));
-        let out = common::train(3, &job, &m, &sets(&["ps.mode=async", &format!("ps.staleness={s}")]));
+        let out = common::train(
+            3,
+            &job,
+            &m,
+            &sets(&["ps.mode=async", &format!("ps.staleness={s}")]),
+        );
         let l = losses(&m);
         assert!(l.iter().all(|x| x.is_finite()), "staleness {s}: {l:?}");
         assert!(l[19] < l[0] - 0.4, "staleness {s} does not train: {l:?}");
         let h = staleness(&m);
-        assert_eq!(h.len(), s as usize + 1, "staleness {s}: one bin per lag 0..=s: {h:?}");
-        assert_eq!(h.iter().sum::<u64>(), 20, "staleness {s}: every step counted: {h:?}");
+        assert_eq!(
+            h.len(),
+            s as usize + 1,
+            "staleness {s}: one bin per lag 0..=s: {h:?}"
+        );
+        assert_eq!(
+            h.iter().sum::<u64>(),
+            20,
+            "staleness {s}: every step counted: {h:?}"
+        );
         assert!(out.stdout.contains("steps per staleness"), "{}", out.stdout);
     }
 }
@@ -109,15 +176,26 @@ fn checkpoints_move_between_servers_and_allreduce_both_ways() {
     let resume = |name: &str, np: usize, from: &str, extra: &[&str]| {
         let metrics = d.join(format!("{name}.jsonl"));
         let mut all = sets(extra);
-        all.push(format!("checkpoint.resume={:?}", d.join(from).join("step_00000010").display().to_string()));
+        all.push(format!(
+            "checkpoint.resume={:?}",
+            d.join(from).join("step_00000010").display().to_string()
+        ));
         common::train(np, &job, &metrics, &all);
         common::losses(&metrics)
     };
     let ar_from_ps = resume("ar_from_ps", 2, "ps_ckpt", &[]);
     assert_eq!(ar_from_ps.first().map(|s| s.0), Some(11));
-    assert_eq!(bits(&ar_from_ps.iter().map(|s| s.1).collect::<Vec<_>>()), bits(&ps[10..]), "all-reduce resumed from a PS checkpoint");
+    assert_eq!(
+        bits(&ar_from_ps.iter().map(|s| s.1).collect::<Vec<_>>()),
+        bits(&ps[10..]),
+        "all-reduce resumed from a PS checkpoint"
+    );
     let ps_from_ar = resume("ps_from_ar", 4, "ar_ckpt", &ps_args);
-    assert_eq!(bits(&ps_from_ar.iter().map(|s| s.1).collect::<Vec<_>>()), bits(&ar[10..]), "PS resumed from an all-reduce checkpoint");
+    assert_eq!(
+        bits(&ps_from_ar.iter().map(|s| s.1).collect::<Vec<_>>()),
+        bits(&ar[10..]),
+        "PS resumed from an all-reduce checkpoint"
+    );
 }
 
 #[test]
@@ -126,13 +204,25 @@ fn bad_server_configurations_name_the_key() {
     let job = tiny_job(dir.path(), "job.toml", "[parallel]\ndp_sync = \"ps\"");
     let cases: &[(&[&str], &str, &str)] = &[
         (&["ps.servers=0"], "ps.servers", "at least 1"),
-        (&["parallel.zero=1"], "parallel.zero", "servers hold the optimizer state"),
+        (
+            &["parallel.zero=1"],
+            "parallel.zero",
+            "servers hold the optimizer state",
+        ),
         (&["ps.staleness=2"], "ps.staleness", "async"),
         (&["ps.colocate=true"], "ps.colocate", "not implemented"),
         (&["ps.mode=later"], "ps.mode", "unknown variant"),
-        (&["parallel.dp_sync=gossip"], "parallel.dp_sync", "unknown variant"),
+        (
+            &["parallel.dp_sync=gossip"],
+            "parallel.dp_sync",
+            "unknown variant",
+        ),
         // One process: 1 worker + 1 server needs 2 ranks.
-        (&[], "ps.servers", "1 server(s) = 2 ranks, but the job has 1"),
+        (
+            &[],
+            "ps.servers",
+            "1 server(s) = 2 ranks, but the job has 1",
+        ),
     ];
     for (set, key, says) in cases {
         let mut cmd = Command::new(common::meshtrain());
@@ -150,8 +240,14 @@ fn bad_server_configurations_name_the_key() {
 #[test]
 fn a_killed_server_is_named_by_every_worker_and_nothing_hangs() {
     let dir = tempfile::tempdir().unwrap();
-    let job = tiny_job(dir.path(), "job.toml", "[parallel]\ndp = 2\ndp_sync = \"ps\"");
-    let text = std::fs::read_to_string(&job).unwrap().replace("\nsteps = 20", "\nsteps = 100000");
+    let job = tiny_job(
+        dir.path(),
+        "job.toml",
+        "[parallel]\ndp = 2\ndp_sync = \"ps\"",
+    );
+    let text = std::fs::read_to_string(&job)
+        .unwrap()
+        .replace("\nsteps = 20", "\nsteps = 100000");
     std::fs::write(&job, text).unwrap();
     let metrics = dir.path().join("m.jsonl");
     let mut cmd = common::mpirun(3);
@@ -160,22 +256,36 @@ fn a_killed_server_is_named_by_every_worker_and_nothing_hangs() {
     let launcher = child.id();
     let limit = Duration::from_secs(60);
     let start = Instant::now();
-    while std::fs::read_to_string(&metrics).unwrap_or_default().lines().count() < 3 {
+    while std::fs::read_to_string(&metrics)
+        .unwrap_or_default()
+        .lines()
+        .count()
+        < 3
+    {
         assert!(start.elapsed() < limit, "the job never trained");
         std::thread::sleep(Duration::from_millis(50));
     }
     let ranks = common::rank_pids(launcher);
     let server = ranks.iter().find(|(r, _)| *r == 2).expect("rank 2 runs").1;
-    Command::new("kill").args(["-KILL", &server.to_string()]).status().unwrap();
+    Command::new("kill")
+        .args(["-KILL", &server.to_string()])
+        .status()
+        .unwrap();
     let killed = Instant::now();
     while !common::rank_pids(launcher).is_empty() {
-        assert!(killed.elapsed() < limit, "the workers did not end after the server died");
+        assert!(
+            killed.elapsed() < limit,
+            "the workers did not end after the server died"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     // mpirun, told not to abort, may linger after its processes are gone: the test ends it.
     let out = common::wait(child, Duration::from_secs(5));
     for w in 0..2 {
         let said = out.rank_stderr(w).join("\n");
-        assert!(said.contains("error") && said.contains("rank 2"), "worker {w} does not name the server:\n{said}");
+        assert!(
+            said.contains("error") && said.contains("rank 2"),
+            "worker {w} does not name the server:\n{said}"
+        );
     }
 }

@@ -37,7 +37,12 @@ pub struct PsConfig {
 
 impl Default for PsConfig {
     fn default() -> Self {
-        PsConfig { servers: 1, mode: PsMode::Sync, staleness: 0, colocate: false }
+        PsConfig {
+            servers: 1,
+            mode: PsMode::Sync,
+            staleness: 0,
+            colocate: false,
+        }
     }
 }
 
@@ -63,10 +68,19 @@ impl JobConfig {
             return Err(Error::config("ps.colocate", "servers inside the worker processes are not implemented yet; use colocate = false (servers are extra ranks)"));
         }
         if ps.servers == 0 {
-            return Err(Error::config("ps.servers", "must be at least 1 with parallel.dp_sync = \"ps\""));
+            return Err(Error::config(
+                "ps.servers",
+                "must be at least 1 with parallel.dp_sync = \"ps\"",
+            ));
         }
         if ps.mode == PsMode::Sync && ps.staleness > 0 {
-            return Err(Error::config("ps.staleness", format!("{} applies to ps.mode = \"async\" only (sync has no staleness)", ps.staleness)));
+            return Err(Error::config(
+                "ps.staleness",
+                format!(
+                    "{} applies to ps.mode = \"async\" only (sync has no staleness)",
+                    ps.staleness
+                ),
+            ));
         }
         if p.zero != 0 {
             return Err(Error::config(
@@ -75,10 +89,16 @@ impl JobConfig {
             ));
         }
         if p.tp > 1 || p.pp > 1 {
-            return Err(Error::config("parallel.dp_sync", "\"ps\" runs data parallelism only for now (tp = 1, pp = 1)"));
+            return Err(Error::config(
+                "parallel.dp_sync",
+                "\"ps\" runs data parallelism only for now (tp = 1, pp = 1)",
+            ));
         }
         if self.device != DeviceKind::Cpu {
-            return Err(Error::config("parallel.dp_sync", "\"ps\" runs on device = \"cpu\" only for now"));
+            return Err(Error::config(
+                "parallel.dp_sync",
+                "\"ps\" runs on device = \"cpu\" only for now",
+            ));
         }
         Ok(())
     }

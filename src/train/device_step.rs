@@ -96,10 +96,38 @@ impl DeviceStep {
         (decay, norm): (&Spans, &Spans),
         config: AdamWConfig,
     ) -> Result<Self> {
+        Self::build(model, sync, dp, (decay, norm), config, None)
+    }
+
+    /// [`DeviceStep::new`] whose gradients go to parameter servers through `client` instead of
+    /// being reduced among the data-parallel ranks (the servers update; the step installs their
+    /// parameters). No reducer or communicator of its own is made.
+    pub fn with_ps(
+        model: &DeviceGpt,
+        sync: &DataParallel,
+        dp: &Communicator,
+        spans: (&Spans, &Spans),
+        config: AdamWConfig,
+        client: PsClient,
+    ) -> Result<Self> {
+        Self::build(model, sync, dp, spans, config, Some(client))
+    }
+
+    fn build(
+        model: &DeviceGpt,
+        sync: &DataParallel,
+        dp: &Communicator,
+        (decay, norm): (&Spans, &Spans),
+        config: AdamWConfig,
+        ps: Option<PsClient>,
+    ) -> Result<Self> {
         let dev = model.device();
         let cfg = GpuCommConfig::from_env()?;
         // One data-parallel rank has nothing to reduce: no thread, no staging of every bucket.
-        let overlap = if dp.size() > 1 && (cfg.overlap || matches!(dev, Device::Cpu)) {
+        let overlap = if let Some(client) = ps {
+            let stats = client.stats();
+            Some((Overlap::Ps(Box::new(client)), stats))
+        } else if dp.size() > 1 && (cfg.overlap || matches!(dev, Device::Cpu)) {
             let comm = dp.split(Some(0), dp.rank() as i64)?.expect("every rank joins color 0");
             let stats = comm.stats();
             let reduction = if sync.zero == 0 { Reduction::AllReduce } else { Reduction::ReduceScatter };
@@ -157,14 +185,6 @@ impl DeviceStep {
             Some((Overlap::Ps(c), _)) => c.begin(micro_batches),
             None => {}
         }
-    }
-
-    /// This step pushes to parameter servers through `client` instead of reducing among the
-    /// data-parallel ranks (the servers update; the step installs their parameters).
-    pub fn with_ps(mut self, client: PsClient) -> Self {
-        let stats = client.stats();
-        self.overlap = Some((Overlap::Ps(Box::new(client)), stats));
-        self
     }
 
     /// Parameter servers: this worker's loss of the step (see [`PsClient::note_loss`]).

@@ -197,10 +197,13 @@ impl<'a> Session<'a> {
             model.model_mut().shard_params(gathers, sync.bucket_ranges(), &sync.owned())?;
         }
         let adamw = AdamWConfig { beta1: cfg.optim.beta1, beta2: cfg.optim.beta2, eps: cfg.optim.eps, weight_decay: cfg.optim.weight_decay };
-        let step = DeviceStep::new(model.model(), &sync, &dp, (&model.decay_spans(), &model.norm_spans()), adamw)?;
+        let (decay, norm) = (model.decay_spans(), model.norm_spans());
         let step = match ps {
-            Some(links) => step.with_ps(PsClient::new(links, cfg, model.params().len(), (model.decay_spans(), model.norm_spans()))?),
-            None => step,
+            None => DeviceStep::new(model.model(), &sync, &dp, (&decay, &norm), adamw)?,
+            Some(links) => {
+                let client = PsClient::new(links, cfg, model.params().len(), (decay.clone(), norm.clone()))?;
+                DeviceStep::with_ps(model.model(), &sync, &dp, (&decay, &norm), adamw, client)?
+            }
         };
         let (host_reduce, device_overlap) = step.reduces_during_backward();
         let estimate = MemoryEstimate::new(&MemoryInputs {

@@ -18,7 +18,10 @@ use serde_json::json;
 use super::super::buckets::ReduceTiming;
 use super::super::comm_worker::CommWorker;
 use super::super::grad_sync::DataParallel;
-use super::{spans_to_words, PiecePlan, PsLinks, KIND_FETCH, KIND_FINISH, KIND_GRADS, KIND_LOAD, VERSION_HEADER};
+use super::{
+    spans_to_words, PiecePlan, PsLinks, KIND_FETCH, KIND_FINISH, KIND_GRADS, KIND_LOAD,
+    VERSION_HEADER,
+};
 use crate::comm::stats::CommStats;
 use crate::comm::Communicator;
 use crate::config::JobConfig;
@@ -43,6 +46,9 @@ struct PullState {
 }
 
 type Shared = Arc<(Mutex<PullState>, Condvar)>;
+
+/// `(range, flag)` spans of the flat buffer.
+type SpanList = Vec<(Range<usize>, bool)>;
 
 /// The worker's client of the parameter servers.
 pub struct PsClient {
@@ -73,23 +79,48 @@ pub struct PsClient {
     histogram: Vec<u64>,
     /// The parameters taken from the pull thread (swapped with its buffer).
     taken: Vec<f32>,
-    spans: (Vec<(Range<usize>, bool)>, Vec<(Range<usize>, bool)>),
+    spans: (SpanList, SpanList),
 }
 
 impl PsClient {
     /// The client of a model of `n` parameters with weight decay on the `decay` spans and the
     /// `norm` spans counted in the norm; starts the push and pull threads on `links`.
-    pub fn new(links: PsLinks, cfg: &JobConfig, n: usize, (decay, norm): (Vec<(Range<usize>, bool)>, Vec<(Range<usize>, bool)>)) -> Result<Self> {
+    pub fn new(
+        links: PsLinks,
+        cfg: &JobConfig,
+        n: usize,
+        (decay, norm): (SpanList, SpanList),
+    ) -> Result<Self> {
         let plan = PiecePlan::of_job(cfg, n);
-        let PsLinks { push, pull, reply, workers, servers } = links;
+        let PsLinks {
+            push,
+            pull,
+            reply,
+            workers,
+            servers,
+        } = links;
         let rank = push.rank();
         let stats = push.stats();
-        let pusher = CommWorker::spawn("meshtrain-ps-push", "parameter-server push", push, move |c: &mut Communicator, out: &mut Outgoing| match out {
-            Outgoing::Words(s, w) => c.send(w, *s),
-            Outgoing::Floats(s, f) => c.send(f, *s),
-            Outgoing::All(w) => (workers..workers + servers).try_for_each(|s| c.send(w, s)),
-        });
-        let shared: Shared = Arc::new((Mutex::new(PullState { version: 0, squares: 0.0, params: Vec::new(), failed: None, finished: false }), Condvar::new()));
+        let pusher = CommWorker::spawn(
+            "meshtrain-ps-push",
+            "parameter-server push",
+            push,
+            move |c: &mut Communicator, out: &mut Outgoing| match out {
+                Outgoing::Words(s, w) => c.send(w, *s),
+                Outgoing::Floats(s, f) => c.send(f, *s),
+                Outgoing::All(w) => (workers..workers + servers).try_for_each(|s| c.send(w, s)),
+            },
+        );
+        let shared: Shared = Arc::new((
+            Mutex::new(PullState {
+                version: 0,
+                squares: 0.0,
+                params: Vec::new(),
+                failed: None,
+                finished: false,
+            }),
+            Condvar::new(),
+        ));
         let puller = {
             let (shared, plan) = (shared.clone(), plan.clone());
             std::thread::Builder::new()
@@ -101,7 +132,9 @@ impl PsClient {
                         cv.notify_all();
                     }
                 })
-                .map_err(|e| Error::Check(format!("spawning the parameter-server pull thread: {e}")))?
+                .map_err(|e| {
+                    Error::Check(format!("spawning the parameter-server pull thread: {e}"))
+                })?
         };
         let k = plan.pieces.len();
         Ok(PsClient {
@@ -163,7 +196,11 @@ impl PsClient {
         if self.rank == 0 {
             let params = model.params();
             if params.len() != self.n {
-                return Err(Error::Check(format!("parameter server load: the model's host copy has {} of {} parameters", params.len(), self.n)));
+                return Err(Error::Check(format!(
+                    "parameter server load: the model's host copy has {} of {} parameters",
+                    params.len(),
+                    self.n
+                )));
             }
             let (mut m, mut v) = (vec![0f32; self.n], vec![0f32; self.n]);
             for s in sync.states() {
@@ -228,14 +265,19 @@ impl PsClient {
             }
             let stage = self.staging[p].as_mut().expect("staged above");
             let mut bad = 0u32;
-            for (d, s) in stage[lo - r.start..hi - r.start].iter_mut().zip(&data[lo - range.start..hi - range.start]) {
+            for (d, s) in stage[lo - r.start..hi - r.start]
+                .iter_mut()
+                .zip(&data[lo - range.start..hi - range.start])
+            {
                 *d = s * self.scale;
                 bad |= u32::from(s.to_bits() & 0x7f80_0000 == 0x7f80_0000);
             }
             self.nonfinite |= bad != 0;
             self.ready[p] += hi - lo;
             if self.ready[p] > r.len() {
-                return Err(Error::Check(format!("parameter-server piece {p} ({r:?}) reported twice in one step")));
+                return Err(Error::Check(format!(
+                    "parameter-server piece {p} ({r:?}) reported twice in one step"
+                )));
             }
             if self.ready[p] == r.len() {
                 self.push_piece(p)?;
@@ -247,7 +289,12 @@ impl PsClient {
     fn push_piece(&mut self, p: usize) -> Result<()> {
         if !self.header_sent {
             self.header_sent = true;
-            self.send(Outgoing::All(vec![KIND_GRADS, self.clock as i64, self.version as i64, 0]))?;
+            self.send(Outgoing::All(vec![
+                KIND_GRADS,
+                self.clock as i64,
+                self.version as i64,
+                0,
+            ]))?;
         }
         let to = self.first_server + self.plan.owner[p];
         let buf = self.staging[p].take().expect("a complete piece is staged");
@@ -259,10 +306,19 @@ impl PsClient {
     /// puts the newest received into the model: returns its sum of squares (the global norm's
     /// square), the timing (all of it exposed: the wait) and whether this worker's own gradients
     /// were non-finite.
-    pub fn finish_step(&mut self, model: &mut DeviceGpt, lr: f64) -> Result<(f64, ReduceTiming, bool)> {
+    pub fn finish_step(
+        &mut self,
+        model: &mut DeviceGpt,
+        lr: f64,
+    ) -> Result<(f64, ReduceTiming, bool)> {
         let t0 = Instant::now();
-        if let Some(p) = (0..self.ready.len()).find(|&p| self.ready[p] != self.plan.pieces[p].len()) {
-            return Err(Error::Check(format!("parameter-server piece {p}: {} of {} gradients reported this step", self.ready[p], self.plan.pieces[p].len())));
+        if let Some(p) = (0..self.ready.len()).find(|&p| self.ready[p] != self.plan.pieces[p].len())
+        {
+            return Err(Error::Check(format!(
+                "parameter-server piece {p}: {} of {} gradients reported this step",
+                self.ready[p],
+                self.plan.pieces[p].len()
+            )));
         }
         // The trailer: the loss flag and the step's learning rate (the servers follow the
         // workers' schedule, resumed or not).
@@ -274,7 +330,14 @@ impl PsClient {
         let need = self.clock.saturating_sub(self.staleness);
         let squares = self.install_newest(model, need)?;
         let waited = t0.elapsed();
-        Ok((squares, ReduceTiming { comm: waited, exposed: waited }, self.nonfinite))
+        Ok((
+            squares,
+            ReduceTiming {
+                comm: waited,
+                exposed: waited,
+            },
+            self.nonfinite,
+        ))
     }
 
     /// Waits for a version >= `need` and puts the newest received into the model; returns its
@@ -284,12 +347,21 @@ impl PsClient {
         let mut st = lock.lock().unwrap_or_else(|p| p.into_inner());
         while st.version < need {
             if let Some(e) = &st.failed {
-                return Err(Error::Check(format!("worker {}: receiving parameters from the servers: {e}", self.rank)));
+                return Err(Error::Check(format!(
+                    "worker {}: receiving parameters from the servers: {e}",
+                    self.rank
+                )));
             }
             if st.finished {
-                return Err(Error::Check(format!("worker {}: the servers finished before version {need}", self.rank)));
+                return Err(Error::Check(format!(
+                    "worker {}: the servers finished before version {need}",
+                    self.rank
+                )));
             }
-            st = cv.wait_timeout(st, Duration::from_millis(200)).unwrap_or_else(|p| p.into_inner()).0;
+            st = cv
+                .wait_timeout(st, Duration::from_millis(200))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
         let squares = st.squares;
         if st.version > self.version {
@@ -308,7 +380,12 @@ impl PsClient {
     /// A checkpoint: the servers' parameters into the model (host copy and device) and their
     /// moments and step count into `sync`'s states (ZeRO 0: they cover every element).
     pub fn fetch(&mut self, model: &mut DeviceGpt, sync: &mut DataParallel) -> Result<()> {
-        self.send(Outgoing::All(vec![KIND_FETCH, self.clock as i64, self.version as i64, 0]))?;
+        self.send(Outgoing::All(vec![
+            KIND_FETCH,
+            self.clock as i64,
+            self.version as i64,
+            0,
+        ]))?;
         self.drain()?;
         let n = self.n;
         let (mut p, mut m, mut v) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
@@ -322,7 +399,8 @@ impl PsClient {
             for k in self.plan.owned(s) {
                 let r = self.plan.pieces[k].clone();
                 for dst in [&mut p, &mut m, &mut v] {
-                    self.reply.recv_into(&mut dst[r.clone()], self.first_server + s)?;
+                    self.reply
+                        .recv_into(&mut dst[r.clone()], self.first_server + s)?;
                 }
             }
         }
@@ -342,23 +420,43 @@ impl PsClient {
 
     /// The metrics of the run so far: the staleness histogram (steps per lag 0..=s) and the version.
     pub fn metrics(&self) -> Vec<(String, serde_json::Value)> {
-        vec![("ps_staleness".into(), json!(self.histogram)), ("ps_version".into(), json!(self.version))]
+        vec![
+            ("ps_staleness".into(), json!(self.histogram)),
+            ("ps_version".into(), json!(self.version)),
+        ]
     }
 
     /// Tells the servers this worker is done and waits for the pull thread to end.
     pub fn finish(&mut self) -> Result<()> {
-        self.send(Outgoing::All(vec![KIND_FINISH, self.clock as i64, self.version as i64, 0]))?;
+        self.send(Outgoing::All(vec![
+            KIND_FINISH,
+            self.clock as i64,
+            self.version as i64,
+            0,
+        ]))?;
         self.drain()?;
         if let Some(t) = self.puller.take() {
             let _ = t.join();
         }
         let (lock, _) = &*self.shared;
         if let Some(e) = &lock.lock().unwrap_or_else(|p| p.into_inner()).failed {
-            return Err(Error::Check(format!("worker {}: receiving parameters from the servers: {e}", self.rank)));
+            return Err(Error::Check(format!(
+                "worker {}: receiving parameters from the servers: {e}",
+                self.rank
+            )));
         }
         if self.rank == 0 {
-            let h: Vec<String> = self.histogram.iter().enumerate().map(|(lag, n)| format!("{lag}: {n}")).collect();
-            println!("# parameter servers: {} versions; steps per staleness {{{}}}", self.version, h.join(", "));
+            let h: Vec<String> = self
+                .histogram
+                .iter()
+                .enumerate()
+                .map(|(lag, n)| format!("{lag}: {n}"))
+                .collect();
+            println!(
+                "# parameter servers: {} versions; steps per staleness {{{}}}",
+                self.version,
+                h.join(", ")
+            );
         }
         Ok(())
     }
@@ -366,7 +464,13 @@ impl PsClient {
 
 /// The pull thread: every version of every server into a buffer, then swapped into `shared`;
 /// ends at the servers' finish.
-fn pull_versions(pull: &Communicator, plan: &PiecePlan, (workers, servers): (usize, usize), n: usize, shared: &Shared) -> Result<()> {
+fn pull_versions(
+    pull: &Communicator,
+    plan: &PiecePlan,
+    (workers, servers): (usize, usize),
+    n: usize,
+    shared: &Shared,
+) -> Result<()> {
     let mut buf = vec![0f32; n];
     let owned: Vec<Vec<usize>> = (0..servers).map(|s| plan.owned(s)).collect();
     loop {
@@ -376,7 +480,9 @@ fn pull_versions(pull: &Communicator, plan: &PiecePlan, (workers, servers): (usi
             pull.recv_into(&mut head, workers + s)?;
             let f = *first.get_or_insert(head);
             if f[0] != head[0] || f[1] != head[1] {
-                return Err(Error::Check(format!("parameter server {s} sent {head:?} where server 0 sent {f:?}")));
+                return Err(Error::Check(format!(
+                    "parameter server {s} sent {head:?} where server 0 sent {f:?}"
+                )));
             }
             if head[0] != 0.0 {
                 continue;

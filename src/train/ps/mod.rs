@@ -83,12 +83,18 @@ pub struct PiecePlan {
 impl PiecePlan {
     /// Pieces of `n` elements at most `piece_elems` (capped at [`MAX_PIECE_ELEMS`]) over `servers`.
     pub fn new(n: usize, piece_elems: usize, servers: usize) -> Self {
-        let pieces = plan_buckets(&[0..n], piece_elems.clamp(1, MAX_PIECE_ELEMS));
+        let whole = 0..n;
+        let pieces = plan_buckets(
+            std::slice::from_ref(&whole),
+            piece_elems.clamp(1, MAX_PIECE_ELEMS),
+        );
         let mut load = vec![0usize; servers.max(1)];
         let owner = pieces
             .iter()
             .map(|p| {
-                let s = (0..load.len()).min_by_key(|&s| (load[s], s)).expect("at least one server");
+                let s = (0..load.len())
+                    .min_by_key(|&s| (load[s], s))
+                    .expect("at least one server");
                 load[s] += p.len();
                 s
             })
@@ -104,7 +110,9 @@ impl PiecePlan {
 
     /// Indices of the pieces server `s` owns, in piece order.
     pub fn owned(&self, s: usize) -> Vec<usize> {
-        (0..self.pieces.len()).filter(|&p| self.owner[p] == s).collect()
+        (0..self.pieces.len())
+            .filter(|&p| self.owner[p] == s)
+            .collect()
     }
 }
 
@@ -139,11 +147,19 @@ pub fn start(world: &World, cfg: &JobConfig) -> Result<Role> {
     let workers = world.size - cfg.ps.servers;
     let is_server = world.rank >= workers;
     let rank = world.rank as i64;
-    let group = world_comm.split(Some(u32::from(is_server)), rank)?.expect("every rank joins");
+    let group = world_comm
+        .split(Some(u32::from(is_server)), rank)?
+        .expect("every rank joins");
     let link = || -> Result<Communicator> {
         Ok(world_comm.split(Some(0), rank)?.expect("every rank joins"))
     };
-    let links = PsLinks { push: link()?, pull: link()?, reply: link()?, workers, servers: cfg.ps.servers };
+    let links = PsLinks {
+        push: link()?,
+        pull: link()?,
+        reply: link()?,
+        workers,
+        servers: cfg.ps.servers,
+    };
     if world.rank == 0 {
         println!(
             "# parameter servers: {} server rank(s) ({}..{}) for {workers} worker(s), mode {}{}",
@@ -160,12 +176,19 @@ pub fn start(world: &World, cfg: &JobConfig) -> Result<Role> {
             }
         );
     }
-    Ok(if is_server { Role::Server(group, links) } else { Role::Worker(group, links) })
+    Ok(if is_server {
+        Role::Server(group, links)
+    } else {
+        Role::Worker(group, links)
+    })
 }
 
 /// Spans as words: (start, end, flag) triples.
 fn spans_to_words(spans: &[(Range<usize>, bool)]) -> Vec<i64> {
-    spans.iter().flat_map(|(r, f)| [r.start as i64, r.end as i64, i64::from(*f)]).collect()
+    spans
+        .iter()
+        .flat_map(|(r, f)| [r.start as i64, r.end as i64, i64::from(*f)])
+        .collect()
 }
 
 /// [`spans_to_words`] back, checked against a buffer of `n` elements.
@@ -175,7 +198,9 @@ fn spans_from_words(words: &[i64], n: usize, what: &str) -> Result<Vec<(Range<us
         .map(|w| {
             let (a, b) = (w[0] as usize, w[1] as usize);
             if a > b || b > n {
-                return Err(Error::Check(format!("parameter server: {what} span {a}..{b} outside the {n} parameters")));
+                return Err(Error::Check(format!(
+                    "parameter server: {what} span {a}..{b} outside the {n} parameters"
+                )));
             }
             Ok((a..b, w[2] != 0))
         })
@@ -192,13 +217,18 @@ mod tests {
     fn pieces_cover_the_buffer_and_are_balanced() {
         let n = 10_000_123;
         let plan = PiecePlan::new(n, usize::MAX, 3);
-        assert!(plan.pieces.iter().all(|p| p.len() <= MAX_PIECE_ELEMS && !p.is_empty()));
+        assert!(plan
+            .pieces
+            .iter()
+            .all(|p| p.len() <= MAX_PIECE_ELEMS && !p.is_empty()));
         assert_eq!(plan.pieces[0].end, n);
         let mut covered: Vec<_> = plan.pieces.clone();
         covered.sort_by_key(|p| p.start);
         assert_eq!(covered[0].start, 0);
         assert!(covered.windows(2).all(|w| w[0].end == w[1].start));
-        let share: Vec<usize> = (0..3).map(|s| plan.owned(s).iter().map(|&p| plan.pieces[p].len()).sum()).collect();
+        let share: Vec<usize> = (0..3)
+            .map(|s| plan.owned(s).iter().map(|&p| plan.pieces[p].len()).sum())
+            .collect();
         let (lo, hi) = (*share.iter().min().unwrap(), *share.iter().max().unwrap());
         assert!(hi - lo <= MAX_PIECE_ELEMS, "{share:?}");
         assert_eq!(share.iter().sum::<usize>(), n);
@@ -211,8 +241,13 @@ mod tests {
     #[test]
     fn spans_round_trip_and_bad_ones_are_named() {
         let spans = vec![(0..5, true), (5..9, false)];
-        assert_eq!(spans_from_words(&spans_to_words(&spans), 9, "decay").unwrap(), spans);
-        let err = spans_from_words(&[3, 20, 1], 9, "decay").unwrap_err().to_string();
+        assert_eq!(
+            spans_from_words(&spans_to_words(&spans), 9, "decay").unwrap(),
+            spans
+        );
+        let err = spans_from_words(&[3, 20, 1], 9, "decay")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("decay span 3..20"), "{err}");
     }
 }

@@ -10,7 +10,10 @@
 
 use std::ops::Range;
 
-use super::{spans_from_words, PiecePlan, PsLinks, HEADER, KIND_FETCH, KIND_FINISH, KIND_GRADS, KIND_LOAD, VERSION_HEADER};
+use super::{
+    spans_from_words, PiecePlan, PsLinks, HEADER, KIND_FETCH, KIND_FINISH, KIND_GRADS, KIND_LOAD,
+    VERSION_HEADER,
+};
 use crate::comm::{Communicator, ReduceOp};
 use crate::config::JobConfig;
 use crate::device::cpu::adamw::{update_elements, AdamWStep, Coefficients};
@@ -52,7 +55,11 @@ struct Server<'a> {
 pub fn serve(group: Communicator, links: PsLinks, cfg: &JobConfig) -> Result<()> {
     let heads = receive_headers(&links)?;
     if heads[0][0] != KIND_LOAD {
-        return Err(Error::Check(format!("parameter server {}: the first message of worker 0 is kind {}, not the load", group.rank(), heads[0][0])));
+        return Err(Error::Check(format!(
+            "parameter server {}: the first message of worker 0 is kind {}, not the load",
+            group.rank(),
+            heads[0][0]
+        )));
     }
     let mut server = Server::load(cfg, group, links, heads[0][1] as u64)?;
     loop {
@@ -61,7 +68,12 @@ pub fn serve(group: Communicator, links: PsLinks, cfg: &JobConfig) -> Result<()>
             KIND_GRADS => server.round(&heads)?,
             KIND_FETCH => server.fetch()?,
             KIND_FINISH => return server.finish(),
-            k => return Err(Error::Check(format!("parameter server {}: unknown message kind {k} from worker 0", server.group.rank()))),
+            k => {
+                return Err(Error::Check(format!(
+                    "parameter server {}: unknown message kind {k} from worker 0",
+                    server.group.rank()
+                )))
+            }
         }
     }
 }
@@ -86,7 +98,12 @@ fn receive_headers(links: &PsLinks) -> Result<Vec<[i64; HEADER]>> {
 impl<'a> Server<'a> {
     /// Receives the layout and this server's pieces' state from worker 0 (`steps_taken`: the
     /// optimizer steps the state has seen).
-    fn load(cfg: &'a JobConfig, group: Communicator, links: PsLinks, steps_taken: u64) -> Result<Self> {
+    fn load(
+        cfg: &'a JobConfig,
+        group: Communicator,
+        links: PsLinks,
+        steps_taken: u64,
+    ) -> Result<Self> {
         let mut sizes = [0i64; 3];
         links.push.recv_into(&mut sizes, 0)?;
         let (n, nd, nn) = (sizes[0] as usize, sizes[1] as usize, sizes[2] as usize);
@@ -99,7 +116,11 @@ impl<'a> Server<'a> {
         let mut slot_of = vec![None; plan.pieces.len()];
         let (mut pieces, mut slots) = (Vec::new(), 0);
         for (p, range) in plan.pieces.iter().enumerate() {
-            let counted = relative(range, &norm).into_iter().filter(|(_, c)| *c).map(|(r, _)| r).collect::<Vec<_>>();
+            let counted = relative(range, &norm)
+                .into_iter()
+                .filter(|(_, c)| *c)
+                .map(|(r, _)| r)
+                .collect::<Vec<_>>();
             if plan.owner[p] == me {
                 let len = range.len();
                 slot_of[p] = Some(pieces.len());
@@ -107,7 +128,16 @@ impl<'a> Server<'a> {
                 if decay.iter().map(|(r, _)| r.len()).sum::<usize>() != len {
                     return Err(Error::Check(format!("parameter server {me}: the weight-decay spans do not cover piece {p} ({range:?})")));
                 }
-                let mut piece = Piece { range: range.clone(), params: vec![0.0; len], m: vec![0.0; len], v: vec![0.0; len], grad: vec![0.0; len], decay, counted, first_slot: slots };
+                let mut piece = Piece {
+                    range: range.clone(),
+                    params: vec![0.0; len],
+                    m: vec![0.0; len],
+                    v: vec![0.0; len],
+                    grad: vec![0.0; len],
+                    decay,
+                    counted,
+                    first_slot: slots,
+                };
                 for buf in [&mut piece.params, &mut piece.m, &mut piece.v] {
                     links.push.recv_into(buf, 0)?;
                 }
@@ -129,7 +159,12 @@ impl<'a> Server<'a> {
             slot_of,
             steps_taken,
             version: 0,
-            adamw: AdamWConfig { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weight_decay: o.weight_decay },
+            adamw: AdamWConfig {
+                beta1: o.beta1,
+                beta2: o.beta2,
+                eps: o.eps,
+                weight_decay: o.weight_decay,
+            },
             scratch: vec![0.0; largest],
         })
     }
@@ -149,7 +184,10 @@ impl<'a> Server<'a> {
             }
         }
         if step as u64 != self.version + 1 {
-            return Err(Error::Check(format!("parameter server {me}: gradients of step {step} after version {}", self.version)));
+            return Err(Error::Check(format!(
+                "parameter server {me}: gradients of step {step} after version {}",
+                self.version
+            )));
         }
         self.receive_gradients()?;
         let (mut loss_bad, mut lr) = (false, None);
@@ -166,13 +204,25 @@ impl<'a> Server<'a> {
         let applied = sq.is_finite() && !loss_bad;
         if applied {
             self.steps_taken += 1;
-            let update = AdamWStep { config: &self.adamw, step: self.steps_taken, lr, grad_scale: clip_scale(sq.sqrt(), self.cfg.optim.grad_clip) };
+            let update = AdamWStep {
+                config: &self.adamw,
+                step: self.steps_taken,
+                lr,
+                grad_scale: clip_scale(sq.sqrt(), self.cfg.optim.grad_clip),
+            };
             let coef = Coefficients::<f32>::new(&update);
             let wd = self.adamw.weight_decay as f32;
             for p in &mut self.pieces {
                 for (r, decay) in &p.decay {
                     let r = r.clone();
-                    update_elements(&coef, if *decay { wd } else { 0.0 }, &mut p.params[r.clone()], &p.grad[r.clone()], &mut p.m[r.clone()], &mut p.v[r]);
+                    update_elements(
+                        &coef,
+                        if *decay { wd } else { 0.0 },
+                        &mut p.params[r.clone()],
+                        &p.grad[r.clone()],
+                        &mut p.m[r.clone()],
+                        &mut p.v[r],
+                    );
                 }
             }
         }
@@ -198,7 +248,12 @@ impl<'a> Server<'a> {
                 let mut idx = [0i64; 1];
                 self.links.push.recv_into(&mut idx, w)?;
                 let p = idx[0] as usize;
-                let slot = self.slot_of.get(p).copied().flatten().ok_or_else(|| Error::Check(format!("parameter server {me}: worker {w} pushed piece {} it does not own", idx[0])))?;
+                let slot = self.slot_of.get(p).copied().flatten().ok_or_else(|| {
+                    Error::Check(format!(
+                        "parameter server {me}: worker {w} pushed piece {} it does not own",
+                        idx[0]
+                    ))
+                })?;
                 if *first.get_or_insert(p) != p {
                     return Err(Error::Check(format!("parameter server {me}: worker {w} pushed piece {p} where worker 0 pushed piece {}", first.unwrap_or(p))));
                 }
@@ -208,11 +263,16 @@ impl<'a> Server<'a> {
                     self.links.push.recv_into(&mut piece.grad, w)?;
                 } else {
                     self.links.push.recv_into(&mut self.scratch[..len], w)?;
-                    piece.grad.iter_mut().zip(&self.scratch[..len]).for_each(|(a, b)| *a += b);
+                    piece
+                        .grad
+                        .iter_mut()
+                        .zip(&self.scratch[..len])
+                        .for_each(|(a, b)| *a += b);
                 }
             }
             if workers > 1 {
-                let piece = &mut self.pieces[self.slot_of[first.expect("at least one worker")].expect("owned")];
+                let piece = &mut self.pieces
+                    [self.slot_of[first.expect("at least one worker")].expect("owned")];
                 let n = workers as f32;
                 piece.grad.iter_mut().for_each(|g| *g /= n);
             }
@@ -257,7 +317,13 @@ impl<'a> Server<'a> {
         for w in 0..self.links.workers {
             self.links.pull.send(&head, w)?;
         }
-        log::debug!("parameter server {}: {} pieces of {}, {} versions", self.group.rank(), self.pieces.len(), self.plan.pieces.len(), self.version);
+        log::debug!(
+            "parameter server {}: {} pieces of {}, {} versions",
+            self.group.rank(),
+            self.pieces.len(),
+            self.plan.pieces.len(),
+            self.version
+        );
         Ok(())
     }
 }

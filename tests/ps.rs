@@ -289,3 +289,57 @@ fn a_killed_server_is_named_by_every_worker_and_nothing_hangs() {
         );
     }
 }
+
+#[test]
+fn sigusr1_checkpoints_through_the_servers_and_the_job_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ckpt = d.join("ckpt");
+    let extra = format!(
+        "[parallel]\ndp = 2\ndp_sync = \"ps\"\n[checkpoint]\ndir = {:?}",
+        ckpt.display().to_string()
+    );
+    let job = tiny_job(d, "job.toml", &extra);
+    let text = std::fs::read_to_string(&job)
+        .unwrap()
+        .replace("\nsteps = 20", "\nsteps = 100000");
+    std::fs::write(&job, text).unwrap();
+    let metrics = d.join("m.jsonl");
+    let mut cmd = common::mpirun(3);
+    cmd.arg("train").arg(&job).arg("--metrics").arg(&metrics);
+    let child = common::spawn(cmd);
+    let limit = Duration::from_secs(60);
+    let start = Instant::now();
+    while std::fs::read_to_string(&metrics)
+        .unwrap_or_default()
+        .lines()
+        .count()
+        < 3
+    {
+        assert!(start.elapsed() < limit, "the job never trained");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Command::new("kill")
+        .args(["-USR1", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let out = common::wait(child, limit);
+    assert!(out.success(), "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("stopped by SIGUSR1"), "{}", out.stdout);
+    let last = common::losses(&metrics).last().unwrap().0;
+    let saved = ckpt.join(format!("step_{last:08}"));
+    assert!(
+        saved.join("checkpoint.h5").exists(),
+        "no complete checkpoint at step {last}: {}",
+        out.stdout
+    );
+    // The job resumes from it, through the servers again.
+    let resumed = d.join("r.jsonl");
+    let sets = vec![
+        format!("train.steps={}", last + 3),
+        "checkpoint.resume=latest".to_string(),
+    ];
+    common::train(3, &job, &resumed, &sets);
+    let steps: Vec<u64> = common::losses(&resumed).iter().map(|s| s.0).collect();
+    assert_eq!(steps, vec![last + 1, last + 2, last + 3]);
+}

@@ -106,6 +106,19 @@ fn sync_servers_give_the_allreduce_run() {
         &ar_params,
         "two workers: parameters and moments at step 20",
     );
+    // Two micro-batches per step: each worker scales by 1/2 before the push, as the buckets do.
+    let accum = |name: &str, np: usize, extra: &[&str]| {
+        let m = d.join(format!("{name}.jsonl"));
+        let mut all = sets(&["train.grad_accum=2", "train.steps=6"]);
+        all.extend(sets(extra));
+        common::train(np, &job, &m, &all);
+        bits(&losses(&m))
+    };
+    assert_eq!(
+        accum("ar_accum", 2, &[]),
+        accum("ps_accum", 3, &["parallel.dp_sync=ps"]),
+        "grad_accum = 2"
+    );
     // Four workers: the ring adds in another order; within 1e-6 relative at every step.
     let (ar4, ar4_params) = run(d, "ar4", 4, &job, &["parallel.dp=4"]);
     let (ps4, ps4_params) = run(d, "ps4", 5, &job, &["parallel.dp=4", "parallel.dp_sync=ps"]);

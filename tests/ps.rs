@@ -250,8 +250,9 @@ fn bad_server_configurations_name_the_key() {
     }
 }
 
-#[test]
-fn a_killed_server_is_named_by_every_worker_and_nothing_hangs() {
+/// SIGKILLs rank `victim` of a running 2-worker + 1-server job; every survivor must exit naming
+/// it, within a minute.
+fn kill_and_check_survivors(victim: usize) {
     let dir = tempfile::tempdir().unwrap();
     let job = tiny_job(
         dir.path(),
@@ -279,28 +280,42 @@ fn a_killed_server_is_named_by_every_worker_and_nothing_hangs() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let ranks = common::rank_pids(launcher);
-    let server = ranks.iter().find(|(r, _)| *r == 2).expect("rank 2 runs").1;
+    let pid = ranks
+        .iter()
+        .find(|(r, _)| *r == victim)
+        .expect("the victim runs")
+        .1;
     Command::new("kill")
-        .args(["-KILL", &server.to_string()])
+        .args(["-KILL", &pid.to_string()])
         .status()
         .unwrap();
     let killed = Instant::now();
     while !common::rank_pids(launcher).is_empty() {
         assert!(
             killed.elapsed() < limit,
-            "the workers did not end after the server died"
+            "the survivors did not end after rank {victim} died"
         );
         std::thread::sleep(Duration::from_millis(100));
     }
     // mpirun, told not to abort, may linger after its processes are gone: the test ends it.
     let out = common::wait(child, Duration::from_secs(5));
-    for w in 0..2 {
-        let said = out.rank_stderr(w).join("\n");
+    for r in (0..3).filter(|&r| r != victim) {
+        let said = out.rank_stderr(r).join("\n");
         assert!(
-            said.contains("error") && said.contains("rank 2"),
-            "worker {w} does not name the server:\n{said}"
+            said.contains("error") && said.contains(&format!("rank {victim}")),
+            "rank {r} does not name rank {victim}:\n{said}"
         );
     }
+}
+
+#[test]
+fn a_killed_server_is_named_by_every_worker_and_nothing_hangs() {
+    kill_and_check_survivors(2);
+}
+
+#[test]
+fn a_killed_worker_is_named_by_the_other_worker_and_the_server() {
+    kill_and_check_survivors(0);
 }
 
 #[test]

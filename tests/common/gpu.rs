@@ -12,9 +12,7 @@ use rand_chacha::ChaCha8Rng;
 /// the forward order hides races where thread 0 writes what the others read without a barrier
 /// (tests/device_emu.rs shows one), the reverse order exposes them.
 pub fn open(kind: DeviceKind) -> Device {
-    let dev = Device::open(kind, 0).unwrap_or_else(|e| {
-        panic!("device {kind:?} (a CUDA GPU needs driver, NVRTC, cuBLAS; emu needs g++): {e}")
-    });
+    let dev = Device::open(kind, 0).unwrap_or_else(|e| panic!("device {kind:?} (a CUDA GPU needs driver, NVRTC, cuBLAS; emu needs g++): {e}"));
     if let Device::Emu(e) = &dev {
         e.set_reverse_order(true);
     }

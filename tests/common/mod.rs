@@ -21,20 +21,13 @@ pub fn meshtrain() -> PathBuf {
 /// with `[job,rank]<stream>:`.
 pub fn mpirun(np: usize) -> Command {
     let mut c = Command::new("mpirun");
-    c.args([
-        "--oversubscribe",
-        "--bind-to",
-        "none",
-        "--tag-output",
-        "-np",
-        &np.to_string(),
-    ])
-    .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
-    // Let every rank report its own error instead of mpirun killing the rest at the first exit.
-    .env("OMPI_MCA_orte_abort_on_non_zero_status", "0")
-    .env("RUST_BACKTRACE", "1");
+    c.args(["--oversubscribe", "--bind-to", "none", "--tag-output", "-np", &np.to_string()])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+        // Let every rank report its own error instead of mpirun killing the rest at the first exit.
+        .env("OMPI_MCA_orte_abort_on_non_zero_status", "0")
+        .env("RUST_BACKTRACE", "1");
     c.arg(meshtrain());
     c
 }
@@ -51,11 +44,7 @@ impl Finished {
     /// Lines that rank `r` printed on stderr (tagged output).
     pub fn rank_stderr(&self, r: usize) -> Vec<&str> {
         let tag = format!(",{r}]<stderr>:");
-        self.stderr
-            .lines()
-            .chain(self.stdout.lines())
-            .filter(|l| l.contains(&tag))
-            .collect()
+        self.stderr.lines().chain(self.stdout.lines()).filter(|l| l.contains(&tag)).collect()
     }
 
     pub fn success(&self) -> bool {
@@ -73,9 +62,7 @@ fn drain(mut r: impl Read + Send + 'static) -> std::thread::JoinHandle<String> {
 
 /// Starts `cmd` with piped output.
 pub fn spawn(mut cmd: Command) -> Child {
-    cmd.stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .stdin(Stdio::null());
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
     cmd.spawn().expect("mpirun starts (is OpenMPI installed?)")
 }
 
@@ -96,15 +83,8 @@ pub fn wait(mut child: Child, limit: Duration) -> Finished {
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    let text = |h: Option<std::thread::JoinHandle<String>>| {
-        h.map(|h| h.join().unwrap()).unwrap_or_default()
-    };
-    Finished {
-        status,
-        stdout: text(out),
-        stderr: text(err),
-        elapsed: start.elapsed(),
-    }
+    let text = |h: Option<std::thread::JoinHandle<String>>| h.map(|h| h.join().unwrap()).unwrap_or_default();
+    Finished { status, stdout: text(out), stderr: text(err), elapsed: start.elapsed() }
 }
 
 /// Runs `cmd` to completion within `limit`.
@@ -116,16 +96,9 @@ pub fn run(cmd: Command, limit: Duration) -> Finished {
 pub fn rank_pids(mpirun_pid: u32) -> Vec<(usize, u32)> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let ppid: u32 = stat
-            .rsplit(')')
-            .next()
-            .and_then(|s| s.split_whitespace().nth(1))
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(0);
+        let ppid: u32 = stat.rsplit(')').next().and_then(|s| s.split_whitespace().nth(1)).and_then(|p| p.parse().ok()).unwrap_or(0);
         if ppid != mpirun_pid {
             continue;
         }
@@ -145,12 +118,7 @@ pub fn rank_pids(mpirun_pid: u32) -> Vec<(usize, u32)> {
 /// Files in /dev/shm whose names start with `prefix`.
 pub fn shm_files(prefix: &str) -> Vec<String> {
     std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with(prefix))
-                .collect()
-        })
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(prefix)).collect())
         .unwrap_or_default()
 }
 
@@ -185,23 +153,12 @@ grad_clip = 1.0
 }
 
 /// Runs `meshtrain train JOB --metrics METRICS [--set ...]` on `np` ranks and asserts success.
-pub fn train(
-    np: usize,
-    job: &std::path::Path,
-    metrics: &std::path::Path,
-    sets: &[String],
-) -> Finished {
+pub fn train(np: usize, job: &std::path::Path, metrics: &std::path::Path, sets: &[String]) -> Finished {
     train_env(np, job, metrics, sets, &[])
 }
 
 /// [`train`] with the environment variables `env` set for every rank.
-pub fn train_env(
-    np: usize,
-    job: &std::path::Path,
-    metrics: &std::path::Path,
-    sets: &[String],
-    env: &[(&str, &str)],
-) -> Finished {
+pub fn train_env(np: usize, job: &std::path::Path, metrics: &std::path::Path, sets: &[String], env: &[(&str, &str)]) -> Finished {
     let mut cmd = mpirun(np);
     cmd.envs(env.iter().copied());
     cmd.arg("train").arg(job).arg("--metrics").arg(metrics);
@@ -215,11 +172,7 @@ pub fn train_env(
         out.success() && metrics.exists(),
         "train on {np} ranks failed: {:?}, metrics file {}\n{}\n{}",
         out.status,
-        if metrics.exists() {
-            "written"
-        } else {
-            "missing"
-        },
+        if metrics.exists() { "written" } else { "missing" },
         out.stdout,
         out.stderr
     );
@@ -240,21 +193,9 @@ pub fn losses(metrics: &std::path::Path) -> Vec<(u64, f64)> {
 
 /// Exports the checkpoint `ckpt` to the file `out` and reads every tensor back (name, global
 /// shape, values), sorted by name.
-pub fn export(
-    ckpt: &std::path::Path,
-    out: &std::path::Path,
-) -> Vec<meshtrain::checkpoint::ExportedTensor> {
-    let st = Command::new(meshtrain())
-        .args(["export", "--optimizer"])
-        .arg(ckpt)
-        .arg(out)
-        .output()
-        .unwrap();
-    assert!(
-        st.status.success(),
-        "export failed: {}",
-        String::from_utf8_lossy(&st.stderr)
-    );
+pub fn export(ckpt: &std::path::Path, out: &std::path::Path) -> Vec<meshtrain::checkpoint::ExportedTensor> {
+    let st = Command::new(meshtrain()).args(["export", "--optimizer"]).arg(ckpt).arg(out).output().unwrap();
+    assert!(st.status.success(), "export failed: {}", String::from_utf8_lossy(&st.stderr));
     meshtrain::checkpoint::read_exported(out).unwrap().1
 }
 
@@ -289,25 +230,14 @@ pub fn assert_params_close(
             continue;
         }
         let n = a.2.len();
-        let parts: Vec<std::ops::Range<usize>> = if a.0.ends_with("attn.qkv.bias") {
-            vec![0..n / 3, 2 * n / 3..n]
-        } else {
-            std::iter::once(0..n).collect()
-        };
+        let parts: Vec<std::ops::Range<usize>> =
+            if a.0.ends_with("attn.qkv.bias") { vec![0..n / 3, 2 * n / 3..n] } else { std::iter::once(0..n).collect() };
         for r in parts {
-            let diff: f64 = a.2[r.clone()]
-                .iter()
-                .zip(&b.2[r.clone()])
-                .map(|(x, y)| f64::from(x - y).powi(2))
-                .sum();
+            let diff: f64 = a.2[r.clone()].iter().zip(&b.2[r.clone()]).map(|(x, y)| f64::from(x - y).powi(2)).sum();
             let norm: f64 = b.2[r.clone()].iter().map(|y| f64::from(*y).powi(2)).sum();
             let e = (diff / norm.max(1e-30)).sqrt();
             let bound = PER_TENSOR_SLACK * rel;
-            assert!(
-                e <= bound,
-                "{what}: {}[{r:?}] relative L2 difference {e:.3e} > {bound:e}",
-                a.0
-            );
+            assert!(e <= bound, "{what}: {}[{r:?}] relative L2 difference {e:.3e} > {bound:e}", a.0);
             if e > worst.0 {
                 worst = (e, a.0.clone());
             }
@@ -318,39 +248,22 @@ pub fn assert_params_close(
     }
     assert!(compared > 0, "{what}: no model tensors to compare");
     let e = (diff_all / norm_all.max(1e-30)).sqrt();
-    assert!(
-        e <= rel,
-        "{what}: whole-model relative L2 difference {e:.3e} > {rel:e}"
-    );
+    assert!(e <= rel, "{what}: whole-model relative L2 difference {e:.3e} > {rel:e}");
     // What was measured, for the notes (shown with --nocapture).
-    eprintln!(
-        "{what}: parameters within {e:.2e} over the model, worst tensor {} {:.2e}",
-        worst.1, worst.0
-    );
+    eprintln!("{what}: parameters within {e:.2e} over the model, worst tensor {} {:.2e}", worst.1, worst.0);
 }
 
 /// Whether this machine lets one process read another's memory (`process_vm_readv`; seccomp
 /// profiles of some containers forbid it), checked by reading a child process. Single-copy reads
 /// between ranks need it; where it is missing they must fall back, not fail.
 pub fn cross_process_reads_allowed() -> bool {
-    let Ok(mut child) = Command::new("sleep").arg("10").spawn() else {
-        return false;
-    };
+    let Ok(mut child) = Command::new("sleep").arg("10").spawn() else { return false };
     let maps = std::fs::read_to_string(format!("/proc/{}/maps", child.id())).unwrap_or_default();
-    let start = maps
-        .split('-')
-        .next()
-        .and_then(|a| u64::from_str_radix(a, 16).ok());
+    let start = maps.split('-').next().and_then(|a| u64::from_str_radix(a, 16).ok());
     let ok = start.is_some_and(|addr| {
         let mut byte = [0u8; 1];
-        let local = libc::iovec {
-            iov_base: byte.as_mut_ptr().cast(),
-            iov_len: 1,
-        };
-        let remote = libc::iovec {
-            iov_base: addr as *mut libc::c_void,
-            iov_len: 1,
-        };
+        let local = libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: 1 };
+        let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: 1 };
         // SAFETY: `local` points at one writable byte we own; the kernel checks `remote`.
         unsafe { libc::process_vm_readv(child.id() as libc::pid_t, &local, 1, &remote, 1, 0) == 1 }
     });

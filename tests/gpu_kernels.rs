@@ -250,7 +250,7 @@ fn gelu_and_residual_match_cpu(kind: DeviceKind) {
 fn attention_matches_cpu(kind: DeviceKind) {
     let dev = open(kind);
     let mut r = rng("gpu_attention_matches_cpu");
-    let s = AttnShape { b: 2, t: 67, nh: 3, hs: 37 }; // odd T and head size
+    let s = AttnShape::mha(2, 67, 3, 37); // odd T and head size
     let (c, tt) = (s.nh * s.hs, s.b * s.nh * s.t * s.t);
     let qkv = rand_f32(&mut r, s.b * s.t * 3 * c, 1.0); // (B, T, 3C)
     let dout = rand_f32(&mut r, s.b * s.t * c, 1.0); // (B, T, C)
@@ -475,7 +475,7 @@ fn gpu_reduce_bandwidth_report() {
 fn attention_kernels_match_cpu_arm(kind: DeviceKind) {
     let (dev, cpu) = (open(kind), Device::Cpu);
     let mut r = rng("gpu_attention_kernels_match_cpu_arm");
-    let s = AttnShape { b: 3, t: 45, nh: 5, hs: 19 };
+    let s = AttnShape::mha(3, 45, 5, 19);
     let (rows, t, n) = (s.b * s.nh * s.t, s.t, s.b * s.t * s.nh * s.hs);
     let both = |f: &dyn Fn(&Device, &mut DeviceBuffer), start: &[f32], len: usize| -> (Vec<f32>, Vec<f32>) {
         let mut out = Vec::new();

@@ -7,13 +7,13 @@
 //! reference function (`cpu::rmsnorm`, `cpu::swiglu`, `cpu::rope`) on the host buffers, so the
 //! CPU arm is the reference the emu and GPU arms are tested against. All f32.
 
-use super::cpu::rope::{self as cpu_rope, RopeShape};
+use super::cpu::rope as cpu_rope;
 use super::cpu::{rmsnorm, swiglu};
 use super::ops::{as_i32, as_u32, f32s, host, host_mut, need, stride_grid, THREADS};
 use super::{Device, DeviceBuffer, KernelArg as A, LaunchDims};
 use crate::error::{Error, Result};
 
-pub use super::cpu::rope::{rope_table, Llama3Scaling};
+pub use super::cpu::rope::{rope_table, Llama3Scaling, RopeShape};
 
 /// Columns per block and row lanes of the weight-gradient kernel (`MT_COL_TILE`,
 /// `MT_ROW_LANES` in kernels/compat.h).

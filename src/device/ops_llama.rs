@@ -54,7 +54,14 @@ pub fn rmsnorm_forward(
         return Ok(());
     }
     let dims = LaunchDims::linear(as_u32(k, "rows", n)?, THREADS);
-    let args = [A::Buf(out), A::Buf(rstd), A::Buf(inp), A::Buf(weight), A::I32(as_i32(k, "c", c)?), A::F32(eps)];
+    let args = [
+        A::Buf(out),
+        A::Buf(rstd),
+        A::Buf(inp),
+        A::Buf(weight),
+        A::I32(as_i32(k, "c", c)?),
+        A::F32(eps),
+    ];
     dev.launch(k, dims, &args)
 }
 
@@ -97,12 +104,30 @@ pub fn rmsnorm_backward(
     }
     let ci = as_i32(k, "c", c)?;
     let rows = LaunchDims::linear(as_u32(k, "rows", n)?, THREADS);
-    let args = [A::Buf(dinp), A::Buf(dout), A::Buf(inp), A::Buf(weight), A::Buf(rstd), A::I32(ci)];
+    let args = [
+        A::Buf(dinp),
+        A::Buf(dout),
+        A::Buf(inp),
+        A::Buf(weight),
+        A::Buf(rstd),
+        A::I32(ci),
+    ];
     dev.launch(k, rows, &args)?;
     let k = "rmsnorm_backward_dweight_f32";
     let blocks = as_u32(k, "columns", c.div_ceil(COL_TILE as usize))?;
-    let cols = LaunchDims { grid: (blocks, 1, 1), block: (COL_TILE, ROW_LANES, 1), shared_bytes: 0 };
-    let args = [A::Buf(dweight), A::Buf(dout), A::Buf(inp), A::Buf(rstd), A::I32(as_i32(k, "n", n)?), A::I32(ci)];
+    let cols = LaunchDims {
+        grid: (blocks, 1, 1),
+        block: (COL_TILE, ROW_LANES, 1),
+        shared_bytes: 0,
+    };
+    let args = [
+        A::Buf(dweight),
+        A::Buf(dout),
+        A::Buf(inp),
+        A::Buf(rstd),
+        A::I32(as_i32(k, "n", n)?),
+        A::I32(ci),
+    ];
     dev.launch(k, cols, &args)
 }
 
@@ -116,7 +141,13 @@ fn check_rows(k: &str, n: usize, c: usize) -> Result<()> {
 
 /// out (N, F) = silu(gate) * up for inp (N, 2F) rows `[gate | up]`. Reference:
 /// `cpu::swiglu::swiglu_forward`.
-pub fn swiglu_forward(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer, n: usize, f: usize) -> Result<()> {
+pub fn swiglu_forward(
+    dev: &Device,
+    out: &mut DeviceBuffer,
+    inp: &DeviceBuffer,
+    n: usize,
+    f: usize,
+) -> Result<()> {
     let k = "swiglu_forward_f32";
     need(k, "out", out, f32s(n * f))?;
     need(k, "inp", inp, f32s(2 * n * f))?;
@@ -125,7 +156,12 @@ pub fn swiglu_forward(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer, 
         swiglu::swiglu_forward(host_mut(k, out)?.view_mut::<f32>(n * f), x, f);
         return Ok(());
     }
-    let args = [A::Buf(out), A::Buf(inp), A::U64(f as u64), A::U64((n * f) as u64)];
+    let args = [
+        A::Buf(out),
+        A::Buf(inp),
+        A::U64(f as u64),
+        A::U64((n * f) as u64),
+    ];
     dev.launch(k, stride_grid(n * f), &args)
 }
 
@@ -144,39 +180,77 @@ pub fn swiglu_backward(
     need(k, "dout", dout, f32s(n * f))?;
     need(k, "inp", inp, f32s(2 * n * f))?;
     if let Device::Cpu = dev {
-        let (dy, x) = (host(k, dout)?.view::<f32>(n * f), host(k, inp)?.view::<f32>(2 * n * f));
+        let (dy, x) = (
+            host(k, dout)?.view::<f32>(n * f),
+            host(k, inp)?.view::<f32>(2 * n * f),
+        );
         swiglu::swiglu_backward(host_mut(k, dinp)?.view_mut::<f32>(2 * n * f), dy, x, f);
         return Ok(());
     }
-    let args = [A::Buf(dinp), A::Buf(dout), A::Buf(inp), A::U64(f as u64), A::U64((n * f) as u64)];
+    let args = [
+        A::Buf(dinp),
+        A::Buf(dout),
+        A::Buf(inp),
+        A::U64(f as u64),
+        A::U64((n * f) as u64),
+    ];
     dev.launch(k, stride_grid(n * f), &args)
 }
 
 /// Rotates the q and k heads of qkv (B, T, (NH + 2*NKV)*hd) in place by the tables cos, sin
 /// (T, hd/2) of [`rope_table`] (uploaded); v is untouched. Reference: `cpu::rope::rope_forward`.
-pub fn rope_forward(dev: &Device, qkv: &mut DeviceBuffer, cos: &DeviceBuffer, sin: &DeviceBuffer, s: RopeShape) -> Result<()> {
+pub fn rope_forward(
+    dev: &Device,
+    qkv: &mut DeviceBuffer,
+    cos: &DeviceBuffer,
+    sin: &DeviceBuffer,
+    s: RopeShape,
+) -> Result<()> {
     rope(dev, qkv, cos, sin, s, false)
 }
 
 /// The transposed rotation of the dq and dk heads of dqkv, in place (the gradient of
 /// [`rope_forward`]); dv is untouched. Reference: `cpu::rope::rope_backward`.
-pub fn rope_backward(dev: &Device, dqkv: &mut DeviceBuffer, cos: &DeviceBuffer, sin: &DeviceBuffer, s: RopeShape) -> Result<()> {
+pub fn rope_backward(
+    dev: &Device,
+    dqkv: &mut DeviceBuffer,
+    cos: &DeviceBuffer,
+    sin: &DeviceBuffer,
+    s: RopeShape,
+) -> Result<()> {
     rope(dev, dqkv, cos, sin, s, true)
 }
 
-fn rope(dev: &Device, x: &mut DeviceBuffer, cos: &DeviceBuffer, sin: &DeviceBuffer, s: RopeShape, inverse: bool) -> Result<()> {
+fn rope(
+    dev: &Device,
+    x: &mut DeviceBuffer,
+    cos: &DeviceBuffer,
+    sin: &DeviceBuffer,
+    s: RopeShape,
+    inverse: bool,
+) -> Result<()> {
     let k = "rope_f32";
     if s.hd % 2 != 0 {
-        return Err(Error::InvalidArgument(format!("{k}: head width {} is odd (RoPE rotates pairs)", s.hd)));
+        return Err(Error::InvalidArgument(format!(
+            "{k}: head width {} is odd (RoPE rotates pairs)",
+            s.hd
+        )));
     }
     let (n, half) = (s.b * s.t * s.row(), s.t * s.hd / 2);
     need(k, "qkv", x, f32s(n))?;
     need(k, "cos", cos, f32s(half))?;
     need(k, "sin", sin, f32s(half))?;
     if let Device::Cpu = dev {
-        let (c, sn) = (host(k, cos)?.view::<f32>(half), host(k, sin)?.view::<f32>(half));
+        let (c, sn) = (
+            host(k, cos)?.view::<f32>(half),
+            host(k, sin)?.view::<f32>(half),
+        );
         let x = host_mut(k, x)?.view_mut::<f32>(n);
-        if inverse { cpu_rope::rope_backward(x, c, sn, s) } else { cpu_rope::rope_forward(x, c, sn, s) }
+        if inverse {
+            cpu_rope::rope_backward(x, c, sn, s)
+        } else {
+            cpu_rope::rope_forward(x, c, sn, s)
+        }
         return Ok(());
     }
     let pairs = s.b * s.t * (s.nh + s.nkv) * (s.hd / 2);

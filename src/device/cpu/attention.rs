@@ -365,6 +365,33 @@ mod tests {
         assert!(AttnShape::gqa(1, 1, 4, 0, 2).is_err());
     }
 
+    /// The GQA backward (NKV = 1 and NKV = NH/2) against central differences of the forward in
+    /// f64, L = Σ out * g.
+    #[test]
+    fn gqa_backward_matches_finite_differences() {
+        for nkv in [1, 2] {
+            let s = AttnShape::gqa(2, 4, 4, nkv, 3).unwrap();
+            let qkv: Vec<f64> = (0..2 * 4 * s.row()).map(|i| ((i * 37) % 29) as f64 * 0.1 - 1.4).collect();
+            let g: Vec<f64> = (0..2 * 4 * s.c()).map(|i| ((i * 53) % 17) as f64 * 0.1 - 0.8).collect();
+            let loss = |x: &[f64]| {
+                let (mut out, mut att) = (vec![0.0; g.len()], vec![0.0; 2 * 4 * 16]);
+                attention_forward(&mut out, &mut att, x, s);
+                out.iter().zip(&g).map(|(o, g)| o * g).sum::<f64>()
+            };
+            let (mut out, mut att) = (vec![0.0; g.len()], vec![0.0; 2 * 4 * 16]);
+            attention_forward(&mut out, &mut att, &qkv, s);
+            let mut d = vec![0.0; qkv.len()];
+            attention_backward(&mut d, &mut vec![0.0; attention_scratch_len(4)], &g, &qkv, &att, s);
+            let h = 1e-6;
+            for i in 0..qkv.len() {
+                let (mut p, mut m) = (qkv.clone(), qkv.clone());
+                (p[i], m[i]) = (p[i] + h, m[i] - h);
+                let fd = (loss(&p) - loss(&m)) / (2.0 * h);
+                assert!((d[i] - fd).abs() < 1e-8, "nkv {nkv} element {i}: {} vs {fd}", d[i]);
+            }
+        }
+    }
+
     /// Splitting the batch across threads computes every element exactly as one thread does.
     #[test]
     fn threaded_equals_serial_bitwise() {

@@ -60,7 +60,14 @@ pub fn rmsnorm_backward<F: Float>(
     let rows = dinp.chunks_mut(per * c.max(1)).enumerate();
     run_parts(rows, |(i, di)| {
         let r = i * per..i * per + di.len() / c.max(1);
-        dinp_rows(di, weight, &dout[r.start * c..r.end * c], &inp[r.start * c..r.end * c], &rstd[r], c)
+        dinp_rows(
+            di,
+            weight,
+            &dout[r.start * c..r.end * c],
+            &inp[r.start * c..r.end * c],
+            &rstd[r],
+            c,
+        )
     });
     let per_col = chunk_items(c, n).max(1);
     run_parts(dweight.chunks_mut(per_col).enumerate(), |(i, dw)| {
@@ -72,7 +79,10 @@ pub fn rmsnorm_backward<F: Float>(
 /// the rows `dinp` holds (`dout`, `inp`, `rstd` the same rows).
 fn dinp_rows<F: Float>(dinp: &mut [F], weight: &[F], dout: &[F], inp: &[F], rstd: &[F], c: usize) {
     let inv_c = F::from_f64(1.0 / c as f64);
-    let rows = dinp.chunks_exact_mut(c).zip(dout.chunks_exact(c)).zip(inp.chunks_exact(c));
+    let rows = dinp
+        .chunks_exact_mut(c)
+        .zip(dout.chunks_exact(c))
+        .zip(inp.chunks_exact(c));
     for (((di, dy), x), &s) in rows.zip(rstd) {
         let mut m = F::zero();
         for ((&dyi, &xi), &w) in dy.iter().zip(x).zip(weight) {
@@ -87,7 +97,14 @@ fn dinp_rows<F: Float>(dinp: &mut [F], weight: &[F], dout: &[F], inp: &[F], rstd
 
 /// dweight += Σ_rows dout * inp * rstd for the columns `first..` that `dweight` holds; each
 /// column adds its rows in order.
-fn dweight_columns<F: Float>(dweight: &mut [F], first: usize, dout: &[F], inp: &[F], rstd: &[F], c: usize) {
+fn dweight_columns<F: Float>(
+    dweight: &mut [F],
+    first: usize,
+    dout: &[F],
+    inp: &[F],
+    rstd: &[F],
+    c: usize,
+) {
     let rows = dout.chunks_exact(c).zip(inp.chunks_exact(c)).zip(rstd);
     for ((dy, x), &s) in rows {
         for (dw, (&dyi, &xi)) in dweight.iter_mut().zip(dy[first..].iter().zip(&x[first..])) {
@@ -101,7 +118,9 @@ mod tests {
     use super::*;
 
     fn data(n: usize, a: usize, m: usize, scale: f64) -> Vec<f64> {
-        (0..n).map(|i| (((i * a) % m) as f64 / m as f64 - 0.45) * scale).collect()
+        (0..n)
+            .map(|i| (((i * a) % m) as f64 / m as f64 - 0.45) * scale)
+            .collect()
     }
 
     /// A hand-computed row: x = (3, 4), mean(x²) = 12.5, eps = 0.5: rstd = 1/sqrt(13).
@@ -119,7 +138,11 @@ mod tests {
     #[test]
     fn backward_matches_finite_differences() {
         let (n, c, eps) = (3, 7, 1e-5);
-        let (inp, w, g) = (data(n * c, 37, 101, 4.0), data(c, 7, 13, 2.0), data(n * c, 53, 97, 1.0));
+        let (inp, w, g) = (
+            data(n * c, 37, 101, 4.0),
+            data(c, 7, 13, 2.0),
+            data(n * c, 53, 97, 1.0),
+        );
         let loss = |x: &[f64], w: &[f64]| {
             let (mut out, mut r) = (vec![0.0; n * c], vec![0.0; n]);
             rmsnorm_forward(&mut out, &mut r, x, w, c, eps);
@@ -135,13 +158,21 @@ mod tests {
             let (mut p, mut m) = (inp.clone(), inp.clone());
             (p[i], m[i]) = (p[i] + h, m[i] - h);
             let fd = (loss(&p, &w) - loss(&m, &w)) / (2.0 * h);
-            assert!((dinp[i] - d0[i] - fd).abs() < 1e-7, "dinp[{i}]: {} vs {fd}", dinp[i] - d0[i]);
+            assert!(
+                (dinp[i] - d0[i] - fd).abs() < 1e-7,
+                "dinp[{i}]: {} vs {fd}",
+                dinp[i] - d0[i]
+            );
         }
         for i in 0..c {
             let (mut p, mut m) = (w.clone(), w.clone());
             (p[i], m[i]) = (p[i] + h, m[i] - h);
             let fd = (loss(&inp, &p) - loss(&inp, &m)) / (2.0 * h);
-            assert!((dw[i] - dw0[i] - fd).abs() < 1e-7, "dweight[{i}]: {} vs {fd}", dw[i] - dw0[i]);
+            assert!(
+                (dw[i] - dw0[i] - fd).abs() < 1e-7,
+                "dweight[{i}]: {} vs {fd}",
+                dw[i] - dw0[i]
+            );
         }
     }
 

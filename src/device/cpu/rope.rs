@@ -59,7 +59,12 @@ pub fn inv_freqs(head_dim: usize, theta: f64, scaling: Option<Llama3Scaling>) ->
 
 /// cos and sin, each (T, hd/2): entry (pos, i) of the angle `pos * inv_freq_i`, computed in f64
 /// and rounded to f32.
-pub fn rope_table(head_dim: usize, t: usize, theta: f64, scaling: Option<Llama3Scaling>) -> (Vec<f32>, Vec<f32>) {
+pub fn rope_table(
+    head_dim: usize,
+    t: usize,
+    theta: f64,
+    scaling: Option<Llama3Scaling>,
+) -> (Vec<f32>, Vec<f32>) {
     let freqs = inv_freqs(head_dim, theta, scaling);
     let angles = (0..t).flat_map(|pos| freqs.iter().map(move |f| pos as f64 * f));
     angles.map(|a| (a.cos() as f32, a.sin() as f32)).unzip()
@@ -146,31 +151,56 @@ mod tests {
     /// smooth = (1000/628.3 - 1)/3 = 0.197183..., (1 - smooth) 0.01/8 + smooth 0.01).
     #[test]
     fn llama3_scaling_has_three_bands() {
-        let s = Llama3Scaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 1000.0 };
+        let s = Llama3Scaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 1000.0,
+        };
         let f = inv_freqs(8, 10000.0, Some(s));
         let close = |a: f64, b: f64| (a - b).abs() <= 1e-15 * b.abs();
         assert!(close(f[0], 1.0) && close(f[1], 0.1), "{f:?}");
         let wavelen = 2.0 * std::f64::consts::PI / 0.01;
         let smooth = (1000.0 / wavelen - 1.0) / 3.0;
         assert!((smooth - 0.197_183_143_6).abs() < 1e-9);
-        assert!(close(f[2], (1.0 - smooth) * 0.01 / 8.0 + smooth * 0.01), "{f:?}");
+        assert!(
+            close(f[2], (1.0 - smooth) * 0.01 / 8.0 + smooth * 0.01),
+            "{f:?}"
+        );
         assert!(close(f[3], 0.001 / 8.0), "{f:?}");
         let (cos, sin) = rope_table(8, 3, 10000.0, Some(s));
-        assert_eq!((cos[4 + 3], sin[4 + 3]), ((0.001f64 / 8.0).cos() as f32, (0.001f64 / 8.0).sin() as f32));
+        assert_eq!(
+            (cos[4 + 3], sin[4 + 3]),
+            ((0.001f64 / 8.0).cos() as f32, (0.001f64 / 8.0).sin() as f32)
+        );
         // At the band edges the blend meets the outer bands (continuity).
-        let edge = Llama3Scaling { original_max_position: 2.0 * std::f64::consts::PI * 100.0, ..s };
+        let edge = Llama3Scaling {
+            original_max_position: 2.0 * std::f64::consts::PI * 100.0,
+            ..s
+        };
         let near = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs();
         assert!(near(edge.apply(0.01), 0.01 / 8.0));
-        let edge = Llama3Scaling { original_max_position: 4.0 * 2.0 * std::f64::consts::PI * 100.0, ..s };
+        let edge = Llama3Scaling {
+            original_max_position: 4.0 * 2.0 * std::f64::consts::PI * 100.0,
+            ..s
+        };
         assert!(near(edge.apply(0.01), 0.01));
     }
 
     fn shape() -> RopeShape {
-        RopeShape { b: 2, t: 5, nh: 4, nkv: 2, hd: 6 }
+        RopeShape {
+            b: 2,
+            t: 5,
+            nh: 4,
+            nkv: 2,
+            hd: 6,
+        }
     }
 
     fn data(n: usize, a: usize) -> Vec<f64> {
-        (0..n).map(|i| ((i * a) % 101) as f64 * 0.02 - 1.0).collect()
+        (0..n)
+            .map(|i| ((i * a) % 101) as f64 * 0.02 - 1.0)
+            .collect()
     }
 
     /// Each (i, i + hd/2) pair of every q and k head rotates by its position's angle; v stays.
@@ -178,7 +208,10 @@ mod tests {
     fn forward_rotates_half_split_pairs_and_leaves_v() {
         let s = shape();
         let (cos, sin) = rope_table(s.hd, s.t, 10000.0, None);
-        let (cos, sin): (Vec<f64>, Vec<f64>) = (cos.iter().map(|&v| v as f64).collect(), sin.iter().map(|&v| v as f64).collect());
+        let (cos, sin): (Vec<f64>, Vec<f64>) = (
+            cos.iter().map(|&v| v as f64).collect(),
+            sin.iter().map(|&v| v as f64).collect(),
+        );
         let x = data(s.b * s.t * s.row(), 37);
         let mut y = x.clone();
         rope_forward(&mut y, &cos, &sin, s);
@@ -190,7 +223,11 @@ mod tests {
                     let at = tok * s.row() + h * s.hd + i;
                     let (c, sn) = (cos[pos * half + i], sin[pos * half + i]);
                     let (x0, x1) = (x[at], x[at + half]);
-                    let want = if h < s.nh + s.nkv { (x0 * c - x1 * sn, x1 * c + x0 * sn) } else { (x0, x1) };
+                    let want = if h < s.nh + s.nkv {
+                        (x0 * c - x1 * sn, x1 * c + x0 * sn)
+                    } else {
+                        (x0, x1)
+                    };
                     assert_eq!((y[at], y[at + half]), want, "token {tok} head {h} pair {i}");
                 }
             }
@@ -203,7 +240,10 @@ mod tests {
     fn backward_is_the_transposed_rotation() {
         let s = shape();
         let (cos, sin) = rope_table(s.hd, s.t, 500000.0, None);
-        let (cos, sin): (Vec<f64>, Vec<f64>) = (cos.iter().map(|&v| v as f64).collect(), sin.iter().map(|&v| v as f64).collect());
+        let (cos, sin): (Vec<f64>, Vec<f64>) = (
+            cos.iter().map(|&v| v as f64).collect(),
+            sin.iter().map(|&v| v as f64).collect(),
+        );
         let n = s.b * s.t * s.row();
         let (x, y) = (data(n, 37), data(n, 53));
         let (mut rx, mut ry) = (x.clone(), y.clone());

@@ -34,12 +34,19 @@ fn swiglu_forward_serial<F: Float>(out: &mut [F], inp: &[F], f: usize) {
 /// dinp (N, 2F) = [d gate | d up] (overwritten) from dout (N, F) and the forward's inp (N, 2F).
 pub fn swiglu_backward<F: Float>(dinp: &mut [F], dout: &[F], inp: &[F], f: usize) {
     let rows = chunk_items(dout.len() / f.max(1), 2 * f) * f.max(1);
-    let parts = dinp.chunks_mut(2 * rows).zip(dout.chunks(rows)).zip(inp.chunks(2 * rows));
+    let parts = dinp
+        .chunks_mut(2 * rows)
+        .zip(dout.chunks(rows))
+        .zip(inp.chunks(2 * rows));
     run_parts(parts, |((d, dy), x)| swiglu_backward_serial(d, dy, x, f));
 }
 
 fn swiglu_backward_serial<F: Float>(dinp: &mut [F], dout: &[F], inp: &[F], f: usize) {
-    for ((d, dy), x) in dinp.chunks_exact_mut(2 * f).zip(dout.chunks_exact(f)).zip(inp.chunks_exact(2 * f)) {
+    for ((d, dy), x) in dinp
+        .chunks_exact_mut(2 * f)
+        .zip(dout.chunks_exact(f))
+        .zip(inp.chunks_exact(2 * f))
+    {
         let (dgate, dup) = d.split_at_mut(f);
         let (gate, up) = x.split_at(f);
         for i in 0..f {
@@ -71,8 +78,12 @@ mod tests {
     #[test]
     fn backward_matches_finite_differences_and_overwrites() {
         let (n, f) = (3, 5);
-        let inp: Vec<f64> = (0..n * 2 * f).map(|i| ((i * 37) % 23) as f64 * 0.4 - 4.0).collect();
-        let g: Vec<f64> = (0..n * f).map(|i| ((i * 53) % 17) as f64 * 0.1 - 0.8).collect();
+        let inp: Vec<f64> = (0..n * 2 * f)
+            .map(|i| ((i * 37) % 23) as f64 * 0.4 - 4.0)
+            .collect();
+        let g: Vec<f64> = (0..n * f)
+            .map(|i| ((i * 53) % 17) as f64 * 0.1 - 0.8)
+            .collect();
         let loss = |x: &[f64]| {
             let mut out = vec![0.0; n * f];
             swiglu_forward(&mut out, x, f);
@@ -85,7 +96,11 @@ mod tests {
             let (mut p, mut m) = (inp.clone(), inp.clone());
             (p[i], m[i]) = (p[i] + h, m[i] - h);
             let fd = (loss(&p) - loss(&m)) / (2.0 * h);
-            assert!((dinp[i] - fd).abs() < 1e-8, "dinp[{i}]: {} vs {fd}", dinp[i]);
+            assert!(
+                (dinp[i] - fd).abs() < 1e-8,
+                "dinp[{i}]: {} vs {fd}",
+                dinp[i]
+            );
         }
     }
 
@@ -104,8 +119,12 @@ mod tests {
     #[test]
     fn threaded_equals_serial_bitwise() {
         let (n, f) = (301, 700);
-        let inp: Vec<f32> = (0..n * 2 * f).map(|i| ((i * 37) % 101) as f32 * 0.1 - 5.0).collect();
-        let dout: Vec<f32> = (0..n * f).map(|i| ((i * 53) % 97) as f32 * 0.01 - 0.5).collect();
+        let inp: Vec<f32> = (0..n * 2 * f)
+            .map(|i| ((i * 37) % 101) as f32 * 0.1 - 5.0)
+            .collect();
+        let dout: Vec<f32> = (0..n * f)
+            .map(|i| ((i * 53) % 97) as f32 * 0.01 - 0.5)
+            .collect();
         let (mut a, mut b) = (vec![0f32; n * f], vec![0f32; n * f]);
         swiglu_forward(&mut a, &inp, f);
         swiglu_forward_serial(&mut b, &inp, f);

@@ -267,3 +267,76 @@ fn rope(
     ];
     dev.launch(k, stride_grid(pairs), &args)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Short buffers, rows of no channels, odd head widths and KV heads that do not divide the
+    /// query heads are errors naming the kernel and the argument, before anything runs.
+    #[test]
+    fn bad_shapes_are_errors_naming_the_argument() {
+        let dev = Device::Cpu;
+        let up = |n: usize| dev.upload(&vec![1f32; n]).unwrap();
+        let (mut out, mut rstd, inp, w) = (up(12), up(3), up(11), up(4));
+        let err = rmsnorm_forward(&dev, &mut out, &mut rstd, &inp, &w, 3, 4, 1e-5).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("rmsnorm_forward_f32: `inp` holds 44 bytes"),
+            "{err}"
+        );
+        let err = rmsnorm_forward(&dev, &mut out, &mut rstd, &inp, &w, 3, 0, 1e-5).unwrap_err();
+        assert!(err.to_string().contains("0 channels"), "{err}");
+        let err = swiglu_forward(&dev, &mut out, &up(23), 3, 4).unwrap_err();
+        assert!(
+            err.to_string().contains("swiglu_forward_f32: `inp`"),
+            "{err}"
+        );
+        let s = RopeShape {
+            b: 1,
+            t: 2,
+            nh: 2,
+            nkv: 1,
+            hd: 4,
+        };
+        let (mut qkv, cos) = (up(2 * 16), up(4));
+        let err = rope_forward(&dev, &mut qkv, &cos, &up(3), s).unwrap_err();
+        assert!(err.to_string().contains("rope_f32: `sin`"), "{err}");
+        let odd = RopeShape { hd: 3, ..s };
+        assert!(rope_backward(&dev, &mut qkv, &cos, &cos, odd).is_err());
+    }
+
+    /// On the CPU device the ops run the reference functions: RoPE forward then backward
+    /// returns the input (to f32 rounding) and SwiGLU's backward overwrites.
+    #[test]
+    fn cpu_arm_runs_the_reference() {
+        let dev = Device::Cpu;
+        let s = RopeShape {
+            b: 2,
+            t: 3,
+            nh: 2,
+            nkv: 1,
+            hd: 4,
+        };
+        let x: Vec<f32> = (0..2 * 3 * s.row()).map(|i| i as f32 * 0.1 - 1.0).collect();
+        let (cos, sin) = rope_table(s.hd, s.t, 10000.0, None);
+        let (cos, sin) = (dev.upload(&cos).unwrap(), dev.upload(&sin).unwrap());
+        let mut buf = dev.upload(&x).unwrap();
+        rope_forward(&dev, &mut buf, &cos, &sin, s).unwrap();
+        let mut y = vec![0f32; x.len()];
+        dev.copy_to_host(&buf, &mut y).unwrap();
+        assert!(y != x);
+        rope_backward(&dev, &mut buf, &cos, &sin, s).unwrap();
+        dev.copy_to_host(&buf, &mut y).unwrap();
+        assert!(y.iter().zip(&x).all(|(a, b)| (a - b).abs() < 1e-5));
+        let (inp, dout) = (
+            dev.upload(&[1f32, 2.0, 3.0, 4.0]).unwrap(),
+            dev.upload(&[1f32, 1.0]).unwrap(),
+        );
+        let mut dinp = dev.upload(&[f32::NAN; 4]).unwrap();
+        swiglu_backward(&dev, &mut dinp, &dout, &inp, 1, 2).unwrap();
+        let mut d = [0f32; 4];
+        dev.copy_to_host(&dinp, &mut d).unwrap();
+        assert!(d.iter().all(|v| v.is_finite()), "{d:?}");
+    }
+}

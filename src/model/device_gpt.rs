@@ -249,7 +249,7 @@ impl DeviceGpt {
         let head_vl = if spec.last { vl } else { 0 };
         let s = Scratch::new(&dev, &d, spec.last, t)?;
         let linear = Linear::new(&dev, bf16, bt * c.max(3 * w.cl).max(w.hl).max(head_vl), bt * c.max(w.hl))?;
-        let attn = AttnWork::new(&dev, AttnShape { b, t, nh: w.nhl, hs: config.head_dim() })?;
+        let attn = AttnWork::new(&dev, AttnShape { b, t, nh: w.nhl, hs: config.head_dim(), nkv: w.nhl })?;
         let n = params.len();
         let mut model = DeviceGpt {
             dev,
@@ -651,7 +651,7 @@ impl DeviceGpt {
     }
 
     fn attn_shape(&self) -> AttnShape {
-        AttnShape { b: self.b, t: self.t, nh: self.w.nhl, hs: self.config.head_dim() }
+        AttnShape { b: self.b, t: self.t, nh: self.w.nhl, hs: self.config.head_dim(), nkv: self.w.nhl }
     }
 
     /// The backward of [`DeviceGpt::backward_stage`] with d(chunk output) already in `s.dres`

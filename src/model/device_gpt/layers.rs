@@ -178,7 +178,7 @@ impl DeviceGpt {
             rows: self.rows,
             w: self.w,
             c: self.config.n_embd,
-            shape: AttnShape { b: self.b, t: self.t, nh: self.w.nhl, hs: self.config.head_dim() },
+            shape: AttnShape { b: self.b, t: self.t, nh: self.w.nhl, hs: self.config.head_dim(), nkv: self.w.nhl },
             e,
         };
         (cx, &mut self.chunks[ci].slots[si])

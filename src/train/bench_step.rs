@@ -153,13 +153,13 @@ impl StepHarness {
         let m = self.model.model();
         let n = m.layout().total_len() as u64;
         let weights16: usize = match self.precision {
-            Precision::Bf16 => m.layout().entries().iter().filter(|e| e.local_shape.len() == 2).map(|e| e.len).sum(),
+            Precision::Bf16 | Precision::Fp16 => m.layout().entries().iter().filter(|e| e.local_shape.len() == 2).map(|e| e.len).sum(),
             Precision::Fp32 => 0,
         };
         let (bt, c, vp) = (self.batches[0].inputs.len(), self.config.n_embd, self.config.padded_vocab_size());
         let host = matches!(m.device(), Device::Cpu | Device::Emu(_));
         let gemm_staging = match (host, self.precision) {
-            (true, Precision::Bf16) => 4 * (vp * c + bt * vp) as u64,
+            (true, Precision::Bf16 | Precision::Fp16) => 4 * (vp * c + bt * vp) as u64,
             _ => 0,
         };
         HeldBytes {

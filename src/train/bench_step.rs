@@ -138,7 +138,7 @@ impl StepHarness {
             DeviceEvent::BackwardDone(m) => step.after_backward(m, dp, (1, 1)),
         };
         let loss = self.model.run(&self.batches, (false, units), &mut events)?;
-        let outcome = self.step.step(self.model.model_mut(), &self.dp, &[], 1, lr, max_norm, &mut |_, _| Ok(true))?;
+        let outcome = self.step.step(self.model.model_mut(), &self.dp, &[], 1, lr, (max_norm, 1.0), &mut |_, _| Ok(true))?;
         self.model.device().synchronize()?;
         Ok(StepResult { loss, grad_norm: outcome.grad_norm, seconds: start.elapsed().as_secs_f64() })
     }

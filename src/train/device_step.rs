@@ -292,9 +292,10 @@ impl DeviceStep {
     }
 
     /// One optimizer step from the model's device gradients summed over `micro_batches` (ZeRO-2:
-    /// already reduced into the shards), averaged over them and over `dp`; clips to `max_norm`
-    /// (<= 0: off) and returns the pre-clip global norm, whose partial sums of squares are added
-    /// over `groups` (the TP group). `apply(norm, own)` sees the norm, and whether this rank's own
+    /// already reduced into the shards), averaged over them and over `dp`; the gradients are
+    /// `loss_scale` times the loss's and the update divides them by it, in the factor that also
+    /// clips to `max_norm` (<= 0: off). Returns the pre-clip global norm of the unscaled
+    /// gradients, whose partial sums of squares are added over `groups` (the TP group). `apply(norm, own)` sees the norm, and whether this rank's own
     /// gradients were non-finite before the reduction, before anything changes; `false` (the
     /// same on every rank) skips the update.
     #[allow(clippy::too_many_arguments)]
@@ -305,7 +306,7 @@ impl DeviceStep {
         groups: &[&Communicator],
         micro_batches: usize,
         lr: f64,
-        max_norm: f64,
+        (max_norm, loss_scale): (f64, f64),
         apply: &mut dyn FnMut(f64, bool) -> Result<bool>,
     ) -> Result<StepOutcome> {
         // The step's stream-ordered TP calls are only checked here: before anything is applied.
@@ -323,7 +324,8 @@ impl DeviceStep {
             sq = s[0];
         }
         self.coll.check(dp, model.device())?;
-        let grad_norm = sq.sqrt();
+        // Unscaled: a power-of-two scale (every dynamic one from the defaults) changes no bit.
+        let grad_norm = sq.sqrt() / loss_scale;
         if !apply(grad_norm, own_bad)? {
             return Ok(StepOutcome { grad_norm, timing });
         }
@@ -332,7 +334,7 @@ impl DeviceStep {
             config: &self.config,
             step: self.step,
             lr,
-            grad_scale: clip_scale(grad_norm, max_norm),
+            grad_scale: clip_scale(grad_norm, max_norm) / loss_scale,
         };
         match &mut self.state {
             State::Whole(w) => w.update(model, &update)?,

@@ -169,3 +169,30 @@ fn resuming_restores_the_scaler_bit_for_bit() {
     let old = records(&old);
     assert_eq!((old[0]["step"].as_u64(), old[0]["loss_scale"].as_f64()), (Some(3), Some(512.0)));
 }
+
+/// A bad loss-scaling value exits 2 before any work, naming the key; a dynamic scale that must
+/// back off below `train.loss_scale_min` stops the run on every rank with an error naming the
+/// step, the scale and the key (here 2^26 with minimum 2^25: step 1 overflows and halves the
+/// scale to the minimum, step 2 overflows again).
+#[test]
+fn bad_values_exit_2_and_a_scale_below_the_minimum_stops_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = job(dir.path(), "bad.toml", "");
+    for (set, key) in [("train.loss_scale=sometimes", "train.loss_scale"), ("train.loss_scale_backoff=2", "train.loss_scale_backoff")] {
+        let out = std::process::Command::new(common::meshtrain()).arg("train").arg(&path).args(["--set", "precision=fp16", "--set", set]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{set}: {err}");
+        assert!(err.contains(key), "{set}: error does not name `{key}`: {err}");
+    }
+    let mut cmd = common::mpirun(2);
+    cmd.arg("train").arg(&path);
+    for s in ["precision=fp16", "train.loss_scale_init=67108864", "train.loss_scale_min=33554432", "parallel.dp=2", "train.steps=4"] {
+        cmd.args(["--set", s]);
+    }
+    let out = common::run(cmd, std::time::Duration::from_secs(120));
+    assert!(!out.stdout.contains("# done"), "{}", out.stdout);
+    for r in 0..2 {
+        let said = out.rank_stderr(r).join("\n");
+        assert!(said.contains("at step 2 with the loss scale at 33554432") && said.contains("train.loss_scale_min = 33554432"), "rank {r}: {said}");
+    }
+}

@@ -24,6 +24,11 @@
 //! gradients are this rank's shard only, and AdamW updates the shard's block of the model's own
 //! f32 parameters, which are the master weights ([`super::device_zero`]).
 //!
+//! Under loss scaling (`loss_scale.rs`) the reduced gradients are S times the loss's: the norm
+//! is divided by S before the verdict and the clip, and the AdamW factor that carries the clipping
+//! scale carries 1/S too, so unscaling adds no pass over the gradients; a skipped step leaves the
+//! moments and the step count alone.
+//!
 //! Invariants: the flat buffers follow the layout table (an entry is an offset range); the
 //! device parameters and moments are the truth during training, the host copies (the model's
 //! mirror, [`DataParallel`]'s AdamW states) are refreshed by [`DeviceStep::store`] before a

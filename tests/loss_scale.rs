@@ -131,7 +131,7 @@ fn an_injected_nan_gradient_under_fp16_is_skipped_on_every_rank() {
 }
 
 /// A run resumed from its step-6 checkpoint continues with the saved scale and good-step count:
-/// steps 7-12 give the losses, scales and skips of the uninterrupted run bit for bit. A
+/// steps 7-12 give the losses, scales, skips and skip counts of the uninterrupted run bit for bit. A
 /// checkpoint without scaler state (written by an fp32 run) resumed under fp16 starts from
 /// `train.loss_scale_init`.
 #[test]
@@ -154,7 +154,10 @@ fn resuming_restores_the_scaler_bit_for_bit() {
     let (resumed, _) = run(d, "resumed", 1, "", &sets);
     let resumed = records(&resumed);
     assert_eq!(resumed.len(), 6);
-    let key = |r: &Value| (r["step"].as_u64(), r["loss"].as_f64().unwrap().to_bits(), r["loss_scale"].as_f64().unwrap().to_bits(), r["skipped"].as_bool());
+    let key = |r: &Value| {
+        let bits = |k: &str| r[k].as_f64().unwrap().to_bits();
+        (r["step"].as_u64(), bits("loss"), bits("loss_scale"), r["skipped"].as_bool(), r["skipped_steps"].as_u64())
+    };
     for (a, b) in resumed.iter().zip(&whole[6..]) {
         assert_eq!(key(a), key(b), "resumed vs uninterrupted");
     }

@@ -48,6 +48,9 @@ pub struct LossScaleMeta {
     pub scale: f64,
     /// Consecutive steps with finite gradients since the scale last changed.
     pub good_steps: u64,
+    /// Steps skipped so far (the metrics' cumulative `skipped_steps`).
+    #[serde(default)]
+    pub skipped_steps: u64,
 }
 
 /// Optimizer part of [`CkptMeta`].

@@ -98,9 +98,10 @@ impl LossScaler {
         Ok(())
     }
 
-    /// The state a checkpoint keeps (`None` without loss scaling).
-    pub fn state(&self) -> Option<LossScaleMeta> {
-        self.active().then_some(LossScaleMeta { scale: self.scale, good_steps: self.good })
+    /// The state a checkpoint keeps, with the run's count of `skipped` steps (`None` without
+    /// loss scaling).
+    pub fn state(&self, skipped: u64) -> Option<LossScaleMeta> {
+        self.active().then_some(LossScaleMeta { scale: self.scale, good_steps: self.good, skipped_steps: skipped })
     }
 
     /// Continues from a checkpoint's state; `None` (a checkpoint without one) keeps the
@@ -135,19 +136,19 @@ mod tests {
         assert_eq!(s.scale(), 4.0);
         // An overflow resets the count of good steps.
         s.update(4, true).unwrap();
-        assert_eq!(s.state(), Some(LossScaleMeta { scale: 2.0, good_steps: 0 }));
+        assert_eq!(s.state(0), Some(LossScaleMeta { scale: 2.0, good_steps: 0, skipped_steps: 0 }));
         for step in 5..8 {
             s.update(step, false).unwrap();
         }
-        assert_eq!(s.state(), Some(LossScaleMeta { scale: 4.0, good_steps: 0 }));
+        assert_eq!(s.state(0), Some(LossScaleMeta { scale: 4.0, good_steps: 0, skipped_steps: 0 }));
         s.update(8, false).unwrap();
-        let saved = s.state();
+        let saved = s.state(2);
         s.update(9, true).unwrap();
         let err = s.update(10, true).unwrap_err().to_string();
         assert!(err.contains("step 10") && err.contains("train.loss_scale_min = 2"), "{err}");
         let mut back = scaler(&["precision=fp16", "train.loss_scale_init=8", "train.loss_scale_min=2"]);
         back.restore(saved);
-        assert_eq!(back.state(), Some(LossScaleMeta { scale: 4.0, good_steps: 1 }));
+        assert_eq!(back.state(2), Some(LossScaleMeta { scale: 4.0, good_steps: 1, skipped_steps: 2 }));
         back.restore(None);
         assert_eq!(back.scale(), 4.0);
     }
@@ -156,13 +157,13 @@ mod tests {
     fn defaults_follow_the_precision_and_fixed_scales_never_move() {
         assert!(!scaler(&[]).active());
         assert_eq!(scaler(&[]).scale(), 1.0);
-        assert_eq!(scaler(&[]).state(), None);
+        assert_eq!(scaler(&[]).state(0), None);
         let fp16 = scaler(&["precision=fp16"]);
         assert_eq!((fp16.active(), fp16.scale()), (true, 65536.0));
         let mut fixed = scaler(&["precision=fp16", "train.loss_scale=1024", "train.loss_scale_growth_interval=1"]);
         fixed.update(1, true).unwrap();
         fixed.update(2, false).unwrap();
-        fixed.restore(Some(LossScaleMeta { scale: 2.0, good_steps: 0 }));
+        fixed.restore(Some(LossScaleMeta { scale: 2.0, good_steps: 0, skipped_steps: 0 }));
         assert_eq!(fixed.scale(), 1024.0);
         let none = scaler(&["precision=fp16", "train.loss_scale=none"]);
         assert!(!none.active());

@@ -284,6 +284,7 @@ impl<'a> Session<'a> {
             self.data.sampler.restore(r.sampler)?;
             (self.first_step, self.tokens_seen) = (r.step + 1, r.tokens_seen);
             self.scaler.restore(r.loss_scale);
+            self.guard.skipped = r.loss_scale.map_or(0, |s| s.skipped_steps);
             if leader {
                 println!("# resumed from {} at step {}", path.display(), r.step);
             }
@@ -494,7 +495,7 @@ impl<'a> Session<'a> {
         self.step.store(self.model.model_mut(), &mut self.sync)?;
         let (params, sync) = (self.model.params(), &self.sync);
         let written =
-            checkpointing::save(dir, &self.world_comm, &self.dp, self.cfg, self.adamw, &self.maps, params, sync, step, self.tokens_seen, (state, self.scaler.state()))?;
+            checkpointing::save(dir, &self.world_comm, &self.dp, self.cfg, self.adamw, &self.maps, params, sync, step, self.tokens_seen, (state, self.scaler.state(self.guard.skipped)))?;
         self.sync.release_states();
         self.model.model_mut().release_host_params()?;
         self.progress.println(&format!("# checkpoint {}", written.display()));

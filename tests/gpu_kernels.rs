@@ -459,6 +459,25 @@ fn casts_match_half_crate_bitwise(kind: DeviceKind) {
         .map(|&h| bf16::from_bits(h).to_f32().to_bits())
         .collect();
     assert!(back == want, "bf16 -> f32 differs");
+    // IEEE half: random bit patterns are mostly far outside fp16's range (infinities), so half
+    // of the inputs are drawn around its range instead: overflow at 65520 (the midpoint above
+    // 65504 rounds to infinity), subnormals, and ties of the rounding.
+    for (i, v) in x.iter_mut().enumerate().skip(4).step_by(2) {
+        *v = f32::from_bits((r.gen::<u32>() & 0x8fff_ffff) | ((100 + (i as u32 % 60)) << 23));
+    }
+    x[4..12].copy_from_slice(&[65504.0, 65519.99, 65520.0, -1e30, 5.960_464_5e-8, 2.980_232_2e-8, 2.980_232_4e-8, 1.000_488_3]);
+    let mut g_h = poisoned(&dev, 2 * n);
+    ops::cast_f32_to_f16(&dev, &mut g_h, &dev.upload(&x).unwrap(), n).unwrap();
+    dev.synchronize().unwrap();
+    dev.copy_to_host(&g_h, &mut got).unwrap();
+    let want: Vec<u16> = x.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+    assert_eq!(&got[4..12], &want[4..12], "f32 -> f16 edge cases");
+    assert!(got == want, "f32 -> f16 differs from half::f16::from_f32");
+    assert!(f16::from_bits(got[6]).is_infinite() && f16::from_bits(got[7]).is_infinite(), "fp16 overflows to infinity");
+    ops::cast_f16_to_f32(&dev, &mut g_f, &g_h, n).unwrap();
+    let back: Vec<u32> = down_f32(&dev, &g_f, n).iter().map(|v| v.to_bits()).collect();
+    let want: Vec<u32> = want.iter().map(|&h| f16::from_bits(h).to_f32().to_bits()).collect();
+    assert!(back == want, "f16 -> f32 differs");
 }
 
 /// Not a pass/fail test: prints the combine kernels' bandwidth next to a device-to-device copy.
@@ -547,8 +566,9 @@ fn batched_gemm_matches_naive_loop(kind: DeviceKind) {
     let up = |x: &[f32], dtype| match dtype {
         GemmInput::F32 => dev.upload(x).unwrap(),
         GemmInput::Bf16 => dev.upload(&x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).unwrap(),
+        GemmInput::F16 => dev.upload(&x.iter().map(|&v| f16::from_f32(v)).collect::<Vec<_>>()).unwrap(),
     };
-    for dtype in [GemmInput::F32, GemmInput::Bf16] {
+    for dtype in [GemmInput::F32, GemmInput::Bf16, GemmInput::F16] {
         for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
             let mut want = c0.clone();
             for i in 0..count {

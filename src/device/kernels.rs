@@ -83,6 +83,9 @@ const MODEL_KERNELS: [&str; 39] = [
     "rope_f32",
 ];
 
+/// The IEEE half casts of `precision = "fp16"` (kernels/cast.cu).
+const HALF_KERNELS: [&str; 2] = ["cast_f32_to_f16", "cast_f16_to_f32"];
+
 /// The whole kernel translation unit, local includes expanded once.
 pub fn kernel_source() -> String {
     let mut seen = HashSet::new();
@@ -147,7 +150,7 @@ pub fn avg_div_kernel(dtype: DType) -> String {
 
 /// Every `extern "C"` kernel the sources define.
 pub fn entry_points() -> Vec<String> {
-    let mut names: Vec<String> = MODEL_KERNELS.iter().map(|s| s.to_string()).collect();
+    let mut names: Vec<String> = MODEL_KERNELS.iter().chain(&HALF_KERNELS).map(|s| s.to_string()).collect();
     for dtype in DType::ALL {
         for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
             names.push(reduce_kernel(dtype, op));
@@ -171,11 +174,11 @@ mod tests {
     }
 
     /// Every listed entry point is defined by name or by the reduction macros, and the list has
-    /// no duplicates (28 combine kernels, 7 avg divides, 39 model and flag kernels).
+    /// no duplicates (28 combine kernels, 7 avg divides, 39 model and flag kernels, 2 fp16 casts).
     #[test]
     fn entry_points_are_unique_and_defined() {
         let names = entry_points();
-        assert_eq!(names.len(), 28 + 7 + 39);
+        assert_eq!(names.len(), 28 + 7 + 39 + HALF_KERNELS.len());
         assert_eq!(names.iter().collect::<HashSet<_>>().len(), names.len());
         let src = kernel_source();
         for n in names

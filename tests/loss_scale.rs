@@ -67,7 +67,7 @@ fn fp16_training_tracks_fp32_on_the_cpu_and_emu_arms() {
 /// A loss scale of 2^26 overflows fp16 in the backward (the loss gradient alone is 2^26 / 128
 /// per token): the first steps are skipped while the scale halves, then the run trains, and the
 /// scale grows again after each 4 good steps until it overflows again. Every layout (DP 2 with
-/// ZeRO-1, TP 2, PP 2) takes the same decisions at the same steps with the same scales as one
+/// ZeRO-0, 1 and 3, TP 2, PP 2) takes the same decisions at the same steps with the same scales as one
 /// rank, and its losses follow the single rank's (summation order only: 1e-4).
 #[test]
 fn gradient_overflow_is_skipped_alike_in_every_layout_then_the_scale_recovers() {
@@ -97,7 +97,9 @@ fn gradient_overflow_is_skipped_alike_in_every_layout_then_the_scale_recovers() 
     assert!(out.stdout.contains(&format!("{} step(s) skipped", skipped.len())), "{}", out.stdout);
     eprintln!("single rank: skipped steps {skipped:?}, scales {:?}", want.iter().map(|s| s.1).collect::<Vec<_>>());
     for (name, np, parallel, extra) in [
+        ("dp2z0", 2, "[parallel]\ndp = 2\nzero = 0", vec![]),
         ("dp2z1", 2, "[parallel]\ndp = 2\nzero = 1", vec![]),
+        ("dp2z3", 2, "[parallel]\ndp = 2\nzero = 3", vec![]),
         ("tp2", 2, "[parallel]\ntp = 2", vec!["train.grad_accum=2"]),
         ("pp2", 2, "[parallel]\npp = 2\nmicrobatches = 2", vec![]),
     ] {

@@ -5,8 +5,9 @@
 //! key/value head `h / (NH/NKV)` (transformers' `repeat_kv`), and the backward adds the dk, dv
 //! of every query head of a group, in head order; NKV == NH is GPT-2's multi-head attention with
 //! exactly the arithmetic it always had. The numbers of heads are arguments, so a
-//! tensor-parallel rank holding a subset of heads calls the same function with its local counts. The forward keeps the softmax
-//! probabilities `att` (B, NH, T, T) for the backward; entries above the diagonal are zero.
+//! tensor-parallel rank holding a subset of heads calls the same function with its local counts.
+//! The forward keeps the softmax probabilities `att` (B, NH, T, T) for the backward; entries
+//! above the diagonal are zero.
 //! Batch rows are independent, so they are split across cores (see `parallel.rs`). The q·k
 //! scores and the backward's dy·v products are taken four keys at a time (`dots`), each sum
 //! still in index order, so the results are bitwise those of one dot product at a time.

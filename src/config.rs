@@ -34,12 +34,14 @@ use crate::model::GptConfig;
 use crate::parallel::stage_split;
 
 pub mod keys;
+pub mod loss_scale;
 mod ps;
 pub use ps::{PsConfig, PsMode};
 pub(crate) mod overrides;
 
 pub use crate::device::{DeviceKind, Precision};
 pub use crate::model::Recompute;
+pub use loss_scale::LossScale;
 
 /// Whether `var` is a job-configuration override (`MESHTRAIN_<SECTION>_<KEY>` or a top-level
 /// key), which the configuration loader checks: the runtime variables' misspelling check
@@ -53,7 +55,7 @@ pub fn is_override_var(var: &str) -> bool {
 pub struct JobConfig {
     /// `device`: `cpu` (default), `cuda`, `hip` or `emu` (the GPU kernels emulated on the host).
     pub device: DeviceKind,
-    /// `precision`: `fp32` (default on the CPU) or `bf16` (default on a GPU).
+    /// `precision`: `fp32` (default on the CPU), `bf16` (default on a GPU) or `fp16`.
     pub precision: Precision,
     /// `init_from`: a checkpoint to take the initial weights from (default: random init).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -144,6 +146,18 @@ pub struct TrainConfig {
     /// Testing knob `[step, rank]`: rank's loss is made NaN at that step (default: none).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub inject_nan_at: Option<[u64; 2]>,
+    /// Loss scaling: `dynamic` (default under fp16), `none` (default otherwise) or a fixed scale.
+    pub loss_scale: LossScale,
+    /// First scale of dynamic loss scaling (default 65536).
+    pub loss_scale_init: f64,
+    /// Factor the dynamic scale grows by after `loss_scale_growth_interval` good steps (default 2).
+    pub loss_scale_growth: f64,
+    /// Factor the dynamic scale is multiplied by after a step with non-finite gradients (default 0.5).
+    pub loss_scale_backoff: f64,
+    /// Consecutive steps with finite gradients before the dynamic scale grows (default 2000).
+    pub loss_scale_growth_interval: u64,
+    /// Smallest dynamic scale; backing off below it stops the run (default 1).
+    pub loss_scale_min: f64,
 }
 
 /// `train.nonfinite`: what a step whose loss or gradient norm is NaN or infinite does.
@@ -173,6 +187,12 @@ struct TrainSection {
     threads: usize,
     recompute: Recompute,
     inject_nan_at: Option<[u64; 2]>,
+    loss_scale: Option<LossScale>,
+    loss_scale_init: f64,
+    loss_scale_growth: f64,
+    loss_scale_backoff: f64,
+    loss_scale_growth_interval: u64,
+    loss_scale_min: f64,
 }
 
 impl Default for TrainSection {
@@ -190,6 +210,12 @@ impl Default for TrainSection {
             threads: 0,
             recompute: Recompute::None,
             inject_nan_at: None,
+            loss_scale: None,
+            loss_scale_init: 65536.0,
+            loss_scale_growth: 2.0,
+            loss_scale_backoff: 0.5,
+            loss_scale_growth_interval: 2000,
+            loss_scale_min: 1.0,
         }
     }
 }
@@ -388,6 +414,7 @@ impl JobConfig {
         if t.threads > MAX_THREADS {
             return Err(Error::config("train.threads", format!("{} is above the maximum {MAX_THREADS} (0 = automatic)", t.threads)));
         }
+        loss_scale::validate(t)?;
 
         let o = &self.optim;
         if !(o.lr.is_finite() && o.lr > 0.0) {
@@ -622,12 +649,13 @@ impl FileConfig {
     fn resolve(self) -> Result<JobConfig> {
         let model = self.model.resolve()?;
         let t = self.train;
+        let precision = self.precision.unwrap_or(match self.device {
+            None | Some(DeviceKind::Cpu) => Precision::Fp32,
+            Some(_) => Precision::Bf16,
+        });
         Ok(JobConfig {
             device: self.device.unwrap_or(DeviceKind::Cpu),
-            precision: self.precision.unwrap_or(match self.device {
-                None | Some(DeviceKind::Cpu) => Precision::Fp32,
-                Some(_) => Precision::Bf16,
-            }),
+            precision,
             init_from: self.init_from,
             model,
             data: self.data,
@@ -644,6 +672,15 @@ impl FileConfig {
                 threads: t.threads,
                 recompute: t.recompute,
                 inject_nan_at: t.inject_nan_at,
+                loss_scale: t.loss_scale.unwrap_or(match precision {
+                    Precision::Fp16 => LossScale::Dynamic,
+                    _ => LossScale::None,
+                }),
+                loss_scale_init: t.loss_scale_init,
+                loss_scale_growth: t.loss_scale_growth,
+                loss_scale_backoff: t.loss_scale_backoff,
+                loss_scale_growth_interval: t.loss_scale_growth_interval,
+                loss_scale_min: t.loss_scale_min,
             },
             optim: self.optim,
             parallel: self.parallel,

@@ -244,7 +244,7 @@ struct BenchArgs {
     /// cpu).
     #[arg(long)]
     device: Option<String>,
-    /// `step`: element type of the matrix products (fp32, bf16).
+    /// `step`: element type of the matrix products (fp32, bf16, fp16).
     #[arg(long, default_value = "fp32")]
     precision: String,
 }
@@ -293,7 +293,8 @@ fn bench_step(world: &World, args: &BenchArgs) -> Result<()> {
     let precision = match args.precision.as_str() {
         "fp32" => Precision::Fp32,
         "bf16" => Precision::Bf16,
-        other => return Err(Error::config("--precision", format!("`{other}` is not fp32 or bf16"))),
+        "fp16" => Precision::Fp16,
+        other => return Err(Error::config("--precision", format!("`{other}` is not fp32, bf16 or fp16"))),
     };
     let report = run_step_bench(&world.communicator()?, &StepBenchArgs {
         size: args.size.clone(),

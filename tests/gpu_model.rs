@@ -13,7 +13,7 @@ mod common;
 
 use common::gpu::{open, rng};
 use meshtrain::config::DeviceKind;
-use half::bf16;
+use half::{bf16, f16};
 use meshtrain::device::gemm::{Gemm, GemmInput, Operand};
 use meshtrain::device::{ops, Device, DeviceBuffer};
 use meshtrain::model::{DeviceGpt, Gpt, GptConfig, Precision};
@@ -91,12 +91,13 @@ fn gemm_matches_the_cpu_arm_in_every_transposition_and_type(kind: DeviceKind) {
     let (gemm_g, gemm_c) = (Gemm::new(&g).unwrap(), Gemm::new(&cpu).unwrap());
     let mut r = rng("gemm");
     let (m, n, k) = (67, 129, 255);
-    for dtype in [GemmInput::F32, GemmInput::Bf16] {
+    for dtype in [GemmInput::F32, GemmInput::Bf16, GemmInput::F16] {
         for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
             let (a, b, c0) = (rand_f32(&mut r, m * k), rand_f32(&mut r, k * n), rand_f32(&mut r, m * n));
             let up = |dev: &Device, x: &[f32]| match dtype {
                 GemmInput::F32 => dev.upload(x).unwrap(),
                 GemmInput::Bf16 => dev.upload(&x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).unwrap(),
+                GemmInput::F16 => dev.upload(&x.iter().map(|&v| f16::from_f32(v)).collect::<Vec<_>>()).unwrap(),
             };
             let mut results = Vec::new();
             for (dev, gemm) in [(&g, &gemm_g), (&cpu, &gemm_c)] {
@@ -140,8 +141,35 @@ fn device_model_matches_the_cpu_arm_in_fp32_and_bf16(kind: DeviceKind) {
     }
 }
 
+/// `precision = "fp16"` with a loss scale of 1024: the same step on the device as on the CPU
+/// arm. fp16 keeps 11 significant bits (neighbouring values 2^-11 apart, 8x closer than bf16), so
+/// an activation one f32 ulp away rounds to a neighbouring fp16 value less often and moves less.
+fn device_model_matches_the_cpu_arm_in_fp16(kind: DeviceKind) {
+    let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 128, vocab_size: 500, max_seq_len: 64 };
+    let (b, t) = (4, 64);
+    let mut r = rng("device_model_fp16");
+    let tokens: Vec<u32> = (0..b * t).map(|_| r.gen_range(0..cfg.vocab_size as u32)).collect();
+    let targets: Vec<u32> = (0..b * t).map(|_| r.gen_range(0..cfg.vocab_size as u32)).collect();
+    let params = Gpt::<f32>::new(cfg, b, t, r.gen()).unwrap().params().to_vec();
+    let mut out = Vec::new();
+    for dev in [open(kind), Device::Cpu] {
+        let mut m = DeviceGpt::new(dev, cfg, b, t, params.clone(), Precision::Fp16).unwrap();
+        m.set_loss_scale(1024.0);
+        let loss = m.forward(&tokens, &targets).unwrap();
+        m.backward(true, &mut |_, _| {}).unwrap();
+        out.push((loss, m.params_and_grads().1.to_vec()));
+    }
+    let ((lg, gg), (lc, gc)) = (&out[0], &out[1]);
+    assert!((lg - lc).abs() <= 1e-5 * lc.abs(), "fp16: loss {lg} vs CPU arm {lc}");
+    assert!(gc.iter().all(|g| g.is_finite()) && gc.iter().any(|&g| g.abs() > 1.0), "fp16: the gradients carry the scale");
+    let d = rel_l2(gg, gc);
+    eprintln!("fp16: loss {lg} vs {lc}, gradient relative L2 {d:e}");
+    assert!(d <= 1e-3, "fp16: gradients relative L2 {d:e}");
+}
+
 crate::gpu_and_emu_tests!(
     encoder_bias_and_fill_match_the_cpu_arm,
     gemm_matches_the_cpu_arm_in_every_transposition_and_type,
     device_model_matches_the_cpu_arm_in_fp32_and_bf16,
+    device_model_matches_the_cpu_arm_in_fp16,
 );

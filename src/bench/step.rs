@@ -260,6 +260,7 @@ fn precision_name(p: Precision) -> &'static str {
     match p {
         Precision::Fp32 => "fp32",
         Precision::Bf16 => "bf16",
+        Precision::Fp16 => "fp16",
     }
 }
 

@@ -33,6 +33,24 @@ pub struct CkptMeta {
     pub data_positions: serde_json::Value,
     /// `CARGO_PKG_VERSION` of the writer.
     pub meshtrain_version: String,
+    /// Loss scaling's state (`train.loss_scale`); absent when the run scaled no loss, and in
+    /// checkpoints written before loss scaling existed (a resume then starts from the
+    /// configured `train.loss_scale_init`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<LossScaleMeta>,
+}
+
+/// Loss-scaling part of [`CkptMeta`]: what the next step's scale is, and how far the dynamic
+/// scale is from its next growth.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LossScaleMeta {
+    /// The scale of the next step.
+    pub scale: f64,
+    /// Consecutive steps with finite gradients since the scale last changed.
+    pub good_steps: u64,
+    /// Steps skipped so far (the metrics' cumulative `skipped_steps`).
+    #[serde(default)]
+    pub skipped_steps: u64,
 }
 
 /// Optimizer part of [`CkptMeta`].
@@ -57,6 +75,7 @@ impl CkptMeta {
             rng: serde_json::Value::Null,
             data_positions: serde_json::Value::Null,
             meshtrain_version: env!("CARGO_PKG_VERSION").to_string(),
+            loss_scale: None,
         }
     }
 }

@@ -102,7 +102,7 @@ pub use export::{export, read_exported, ExportedTensor, EXPORT_FORMAT};
 pub use index::{load_slice, open, CheckpointIndex};
 pub use inspect::{inspect, InspectReport, TensorStats};
 pub use lock::{lock_for_job, DirLock, LOCK_FILE};
-pub use meta::{CkptMeta, OptimizerMeta, ShardRecord, TensorRecord};
+pub use meta::{CkptMeta, LossScaleMeta, OptimizerMeta, ShardRecord, TensorRecord};
 pub use safetensors::{export_hf, is_hf_dir, read_hf, write_hf};
 pub use save::save;
 

@@ -43,7 +43,7 @@ use Default::{Code, Text};
 #[rustfmt::skip]
 pub const KEYS: &[Key] = &[
     key("device", "string", Code, "`cpu`, `cuda`, `hip`, or `emu` (the GPU kernels emulated on the host)"),
-    key("precision", "string", Text("`fp32` on the CPU, `bf16` on a GPU"), "matrix-product inputs: `fp32` or `bf16` (f32 accumulation and master weights)"),
+    key("precision", "string", Text("`fp32` on the CPU, `bf16` on a GPU"), "matrix-product inputs: `fp32`, `bf16` or `fp16` (f32 accumulation and master weights)"),
     key("init_from", "path", Text("none"), "start from these weights: a `meshtrain export` file or a Hugging Face GPT-2 directory (safetensors)"),
     key("model.size", "string", Text("none"), "named shape: `tiny`, `d12`, `d24`, `d36`, `d48`, `22b`, `175b`, `1t`"),
     key("model.n_layer", "integer", Text("from `size`"), "transformer blocks"),
@@ -67,6 +67,12 @@ pub const KEYS: &[Key] = &[
     key("train.threads", "integer", Code, "CPU threads per rank (GEMMs and other layers); 0 = `OMP_NUM_THREADS`, else `OPENBLAS_NUM_THREADS`, else the node's cores / its ranks"),
     key("train.recompute", "string", Code, "activation recomputation: `none`, `selective` (the attention core) or `full` (every block from its input)"),
     key("train.inject_nan_at", "[step, rank]", Text("none"), "testing knob: that rank's loss is NaN at that step"),
+    key("train.loss_scale", "string or float", Text("`\"dynamic\"` under fp16, else `\"none\"`"), "loss scaling: `dynamic`, `none` or a fixed scale; a step with non-finite gradients (finite loss) is skipped on every rank"),
+    key("train.loss_scale_init", "float", Code, "first scale of dynamic loss scaling"),
+    key("train.loss_scale_growth", "float", Code, "factor the dynamic scale grows by after `loss_scale_growth_interval` good steps"),
+    key("train.loss_scale_backoff", "float", Code, "factor the dynamic scale is multiplied by after a skipped step"),
+    key("train.loss_scale_growth_interval", "integer", Code, "consecutive steps with finite gradients before the scale grows"),
+    key("train.loss_scale_min", "float", Code, "smallest dynamic scale: backing off below it stops the run with an error"),
     key("optim.lr", "float", Code, "peak learning rate (AdamW)"),
     key("optim.min_lr", "float", Code, "final learning rate of the cosine decay"),
     key("optim.warmup_steps", "integer", Code, "linear warm-up steps (cut to `train.steps` when longer)"),
@@ -166,6 +172,7 @@ mod tests {
                 model_shape
                     || matches!(doc.unwrap().default, Code)
                     || k == "precision"
+                    || k == "train.loss_scale"
                     || k == "train.seq_len",
                 "`{k}` has a built-in default: mark it Code"
             );

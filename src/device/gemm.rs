@@ -11,16 +11,18 @@
 //! writing its matrices a fixed stride after the previous one's ([`Batch`]); attention's per-head
 //! products are one call each. [`Gemm::matmul`] is the batch of one.
 //!
-//! Operands are f32 or bf16; the product is accumulated in f32 and written as f32 (cuBLAS
-//! `CUBLAS_COMPUTE_32F`, rocBLAS `f32_r` compute). The CPU arm widens bf16 operands to f32
-//! (exactly) and multiplies in f32, so it computes the same rounded inputs' product up to the
-//! order of the f32 additions: the reference for the GPU arms, and how bf16 training is checked
-//! on machines without a GPU.
+//! Operands are f32, bf16 or IEEE half (fp16); the product is accumulated in f32 and written as
+//! f32 (cuBLAS `CUBLAS_COMPUTE_32F` with `CUDA_R_16BF` / `CUDA_R_16F` inputs, rocBLAS `f32_r`
+//! compute with `bf16_r` / `f16_r` inputs). The CPU arm widens 16-bit operands to f32 (exactly:
+//! both formats are subsets of f32) and multiplies in f32, so it computes the same rounded inputs'
+//! product up to the order of the f32 additions: the reference for the GPU arms, and how bf16 and
+//! fp16 training are checked on machines without a GPU. [`GemmInput::cast_from_f32`] rounds f32
+//! values into an operand type (round to nearest even; fp16 overflows to infinity).
 
 use std::borrow::Cow;
 use std::ffi::c_void;
 
-use half::bf16;
+use half::{bf16, f16};
 
 use super::ops::{host, host_mut};
 use super::{Device, DeviceBuffer};
@@ -34,13 +36,26 @@ pub enum GemmInput {
     F32,
     /// bfloat16 (bit patterns, as written by `ops::cast_f32_to_bf16`).
     Bf16,
+    /// IEEE binary16 (bit patterns, as written by `ops::cast_f32_to_f16`).
+    F16,
 }
 
 impl GemmInput {
-    fn size(self) -> usize {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
         match self {
             GemmInput::F32 => 4,
-            GemmInput::Bf16 => 2,
+            GemmInput::Bf16 | GemmInput::F16 => 2,
+        }
+    }
+
+    /// out (N) in this type = inp (N) f32, rounded to nearest even (the 16-bit copy of f32
+    /// values a product reads); an error for f32, which products read in place.
+    pub fn cast_from_f32(self, dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer, n: usize) -> Result<()> {
+        match self {
+            GemmInput::Bf16 => super::ops::cast_f32_to_bf16(dev, out, inp, n),
+            GemmInput::F16 => super::ops::cast_f32_to_f16(dev, out, inp, n),
+            GemmInput::F32 => Err(Error::Check("an f32 operand needs no 16-bit copy".into())),
         }
     }
 }
@@ -250,12 +265,13 @@ impl Gemm {
 }
 
 /// `elems` values of the operand from element `offset`, as f32: an f32 operand in place (a copy
-/// of the tied embedding would hold another 154 MB for d12), bf16 widened exactly into a copy.
+/// of the tied embedding would hold another 154 MB for d12), bf16 and fp16 widened exactly into a copy.
 fn widen<'a>(op: &Operand<'a>, offset: usize, elems: usize) -> Result<Cow<'a, [f32]>> {
     let h = host("gemm", op.buf)?;
     Ok(match op.dtype {
         GemmInput::F32 => Cow::Borrowed(&h.view::<f32>(offset + elems)[offset..]),
         GemmInput::Bf16 => Cow::Owned(h.view::<bf16>(offset + elems)[offset..].iter().map(|x| x.to_f32()).collect()),
+        GemmInput::F16 => Cow::Owned(h.view::<f16>(offset + elems)[offset..].iter().map(|x| x.to_f32()).collect()),
     })
 }
 
@@ -286,6 +302,7 @@ fn cublas_gemm(
     let ty = |d: GemmInput| match d {
         GemmInput::F32 => cudaDataType::CUDA_R_32F,
         GemmInput::Bf16 => cudaDataType::CUDA_R_16BF,
+        GemmInput::F16 => cudaDataType::CUDA_R_16F,
     };
     let alpha = 1.0f32;
     // SAFETY: Gemm::matmul_batched checked that the three buffers hold the elements the shapes
@@ -337,6 +354,7 @@ mod rocblas {
     const OP_TRANSPOSE: i32 = 112;
     const F32_R: i32 = 151;
     const BF16_R: i32 = 168;
+    const F16_R: i32 = 150;
     const ALGO_STANDARD: i32 = 0;
 
     type CreateFn = unsafe extern "C" fn(*mut Handle) -> i32;
@@ -406,7 +424,11 @@ mod rocblas {
         /// Runs `call`; `ptrs` = (result, first operand, second operand).
         pub(super) fn gemm(&self, (pc, p1, p2): (u64, u64, u64), call: &ColMajor, shape: impl Fn() -> String) -> Result<()> {
             let op = |t: bool| if t { OP_TRANSPOSE } else { OP_NONE };
-            let ty = |d: GemmInput| if d == GemmInput::Bf16 { BF16_R } else { F32_R };
+            let ty = |d: GemmInput| match d {
+                GemmInput::F32 => F32_R,
+                GemmInput::Bf16 => BF16_R,
+                GemmInput::F16 => F16_R,
+            };
             let alpha = 1.0f32;
             let c = pc as *mut c_void;
             // SAFETY: Gemm::matmul_batched checked the buffer sizes for the strides; C and D are the same buffer, which
@@ -441,7 +463,7 @@ mod rocblas {
 mod tests {
     use super::*;
 
-    /// Row-major product of small integer matrices (exact in f32 and bf16).
+    /// Row-major product of small integer matrices (exact in f32, bf16 and fp16).
     fn reference(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
         let mut c = vec![0f32; m * n];
         for i in 0..m {
@@ -466,6 +488,7 @@ mod tests {
         match dtype {
             GemmInput::F32 => dev.upload(x).unwrap(),
             GemmInput::Bf16 => dev.upload(&x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).unwrap(),
+            GemmInput::F16 => dev.upload(&x.iter().map(|&v| f16::from_f32(v)).collect::<Vec<_>>()).unwrap(),
         }
     }
 
@@ -477,7 +500,7 @@ mod tests {
         let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 - 3.0).collect(); // (M, K)
         let b: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 - 2.0).collect(); // (K, N)
         let want = reference(&a, &b, m, n, k);
-        for dtype in [GemmInput::F32, GemmInput::Bf16] {
+        for dtype in [GemmInput::F32, GemmInput::Bf16, GemmInput::F16] {
             for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
                 let a_store = if a_t { transpose(&a, m, k) } else { a.clone() };
                 let b_store = if b_t { transpose(&b, k, n) } else { b.clone() };
@@ -520,7 +543,7 @@ mod tests {
         let len = |(offset, stride): (usize, usize), elems| offset + (count - 1) * stride + elems;
         let pattern = |n: usize, p: usize| (0..n).map(|i| ((i * 7 + p) % 9) as f32 - 4.0).collect::<Vec<f32>>();
         let (a_all, b_all) = (pattern(len(batch.a, m * k), 1), pattern(len(batch.b, k * n), 2)); // stored
-        for dtype in [GemmInput::F32, GemmInput::Bf16] {
+        for dtype in [GemmInput::F32, GemmInput::Bf16, GemmInput::F16] {
             for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
                 let c0 = pattern(len(batch.c, m * n), 3);
                 let mut want = c0.clone();

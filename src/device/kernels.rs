@@ -22,7 +22,7 @@ const HEADERS: [(&str, &str); 2] = [
 const EMU_RUNTIME: &str = include_str!("../../kernels/emu_runtime.cpp");
 
 /// Kernel files, by name.
-pub const SOURCES: [(&str, &str); 12] = [
+pub const SOURCES: [(&str, &str); 15] = [
     ("reduce.cu", include_str!("../../kernels/reduce.cu")),
     ("layernorm.cu", include_str!("../../kernels/layernorm.cu")),
     ("gelu.cu", include_str!("../../kernels/gelu.cu")),
@@ -35,10 +35,13 @@ pub const SOURCES: [(&str, &str); 12] = [
     ("linear.cu", include_str!("../../kernels/linear.cu")),
     ("vocab_parallel.cu", include_str!("../../kernels/vocab_parallel.cu")),
     ("oneshot.cu", include_str!("../../kernels/oneshot.cu")),
+    ("rmsnorm.cu", include_str!("../../kernels/rmsnorm.cu")),
+    ("swiglu.cu", include_str!("../../kernels/swiglu.cu")),
+    ("rope.cu", include_str!("../../kernels/rope.cu")),
 ];
 
 /// Entry points other than the reductions.
-const MODEL_KERNELS: [&str; 33] = [
+const MODEL_KERNELS: [&str; 39] = [
     "layernorm_forward_f32",
     "layernorm_backward_dinp_f32",
     "layernorm_backward_dparams_f32",
@@ -72,7 +75,16 @@ const MODEL_KERNELS: [&str; 33] = [
     "cross_entropy_combine_f32",
     "oneshot_signal",
     "oneshot_wait",
+    "rmsnorm_forward_f32",
+    "rmsnorm_backward_dinp_f32",
+    "rmsnorm_backward_dweight_f32",
+    "swiglu_forward_f32",
+    "swiglu_backward_f32",
+    "rope_f32",
 ];
+
+/// The IEEE half casts of `precision = "fp16"` (kernels/cast.cu).
+const HALF_KERNELS: [&str; 2] = ["cast_f32_to_f16", "cast_f16_to_f32"];
 
 /// The whole kernel translation unit, local includes expanded once.
 pub fn kernel_source() -> String {
@@ -138,7 +150,7 @@ pub fn avg_div_kernel(dtype: DType) -> String {
 
 /// Every `extern "C"` kernel the sources define.
 pub fn entry_points() -> Vec<String> {
-    let mut names: Vec<String> = MODEL_KERNELS.iter().map(|s| s.to_string()).collect();
+    let mut names: Vec<String> = MODEL_KERNELS.iter().chain(&HALF_KERNELS).map(|s| s.to_string()).collect();
     for dtype in DType::ALL {
         for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
             names.push(reduce_kernel(dtype, op));
@@ -162,11 +174,11 @@ mod tests {
     }
 
     /// Every listed entry point is defined by name or by the reduction macros, and the list has
-    /// no duplicates (28 combine kernels, 7 avg divides, 33 model and flag kernels).
+    /// no duplicates (28 combine kernels, 7 avg divides, 39 model and flag kernels, 2 fp16 casts).
     #[test]
     fn entry_points_are_unique_and_defined() {
         let names = entry_points();
-        assert_eq!(names.len(), 28 + 7 + 33);
+        assert_eq!(names.len(), 28 + 7 + 39 + HALF_KERNELS.len());
         assert_eq!(names.iter().collect::<HashSet<_>>().len(), names.len());
         let src = kernel_source();
         for n in names

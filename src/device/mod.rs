@@ -31,6 +31,7 @@ pub mod kernels;
 pub mod nvrtc;
 pub mod ops;
 pub mod ops_attention;
+pub mod ops_llama;
 pub mod ops_vocab;
 pub mod pinned;
 pub mod reduce_bench;
@@ -69,6 +70,31 @@ pub enum Precision {
     /// bf16 matrix-product inputs with f32 accumulation and f32 master weights (the device
     /// model; on `device = "cpu"` an exact emulation of its numerics).
     Bf16,
+    /// IEEE half (fp16) matrix-product inputs with f32 accumulation and f32 master weights, as
+    /// bf16 but with 3 more mantissa bits and 5 exponent bits: gradients need loss scaling
+    /// (`train.loss_scale`) to stay above fp16's smallest normal and below its largest finite
+    /// value (65504).
+    Fp16,
+}
+
+impl Precision {
+    /// The element type the matrix products read their operands in.
+    pub fn gemm_input(self) -> gemm::GemmInput {
+        match self {
+            Precision::Fp32 => gemm::GemmInput::F32,
+            Precision::Bf16 => gemm::GemmInput::Bf16,
+            Precision::Fp16 => gemm::GemmInput::F16,
+        }
+    }
+
+    /// Lower-case name as written in the job configuration.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
 }
 
 /// Where kernels run and buffers live.
@@ -263,12 +289,13 @@ impl Device {
     }
 
     /// Dense peak TFLOP/s of this device for products in `precision`, for MFU: the vendor's
-    /// figure for known GPUs (H100/H200 SXM: 989 bf16, 67 fp32; A100: 312, 19.5), `None` for
+    /// figure for known GPUs (H100/H200 SXM: 989 bf16 or fp16, 67 fp32; A100: 312, 19.5), `None` for
     /// others and the CPU (whose peak is measured, [`cpu_peak_tflops`]); `metrics.peak_tflops`
     /// overrides it.
     pub fn peak_tflops(&self, precision: Precision) -> Option<f64> {
         let Device::Cuda(d) = self else { return None };
-        let bf16 = precision == Precision::Bf16;
+        // Dense fp16 and bf16 tensor-core rates are the same on these parts.
+        let bf16 = precision != Precision::Fp32;
         let name = d.name();
         if name.contains("H100") || name.contains("H200") {
             Some(if bf16 { 989.0 } else { 67.0 })

@@ -505,6 +505,33 @@ pub fn cast_bf16_to_f32(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer
     dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)])
 }
 
+/// out (N) IEEE half = inp (N) f32, rounding to nearest even; beyond fp16's range (65504 and the
+/// half-way point above it) the result is infinity, as the hardware conversions do.
+pub fn cast_f32_to_f16(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer, n: usize) -> Result<()> {
+    let k = "cast_f32_to_f16";
+    need(k, "out", out, 2 * n)?;
+    need(k, "inp", inp, f32s(n))?;
+    if let Device::Cpu = dev {
+        let (out, inp) = (host_mut(k, out)?.view_mut::<half::f16>(n), host(k, inp)?.view::<f32>(n));
+        out.iter_mut().zip(inp).for_each(|(o, &x)| *o = half::f16::from_f32(x));
+        return Ok(());
+    }
+    dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)])
+}
+
+/// out (N) f32 = inp (N) IEEE half (exact).
+pub fn cast_f16_to_f32(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer, n: usize) -> Result<()> {
+    let k = "cast_f16_to_f32";
+    need(k, "out", out, f32s(n))?;
+    need(k, "inp", inp, 2 * n)?;
+    if let Device::Cpu = dev {
+        let (out, inp) = (host_mut(k, out)?.view_mut::<f32>(n), host(k, inp)?.view::<half::f16>(n));
+        out.iter_mut().zip(inp).for_each(|(o, &x)| *o = x.to_f32());
+        return Ok(());
+    }
+    dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)])
+}
+
 /// out (N) = skip (N) + branch (N). Reference: `cpu::residual::residual_forward`.
 pub fn residual_forward(
     dev: &Device,

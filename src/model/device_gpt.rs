@@ -10,6 +10,10 @@
 //! attention softmax, residual adds, cross-entropy, the optimizer) stays f32. So the only
 //! rounding that differs from the f32 reference is the bf16 rounding of GEMM inputs (relative
 //! 2^-9 per element), which is what the tolerances of the equivalence tests are derived from.
+//! [`Precision::Fp16`] is the same with IEEE half copies (relative 2^-12 per element, but a range
+//! of 2^-24..65504): the loss gradient is multiplied by the loss scale
+//! ([`DeviceGpt::set_loss_scale`]) so that small activation gradients stay representable, and the
+//! optimizer divides the gradients by it again (`train::loss_scale`).
 //!
 //! This is the one executor of every training layout on every device arm, the CPU's included;
 //! the single-rank [`super::Gpt`] exists only as the reference the tests compare it with.
@@ -46,6 +50,7 @@ use crate::device::cpu::vocab_parallel::real_columns;
 use crate::device::ops_attention::AttnWork;
 use crate::device::ops_vocab::VocabShard;
 pub use crate::device::Precision;
+use crate::device::gemm::GemmInput;
 use crate::device::{ops, Device, DeviceBuffer};
 use crate::error::{Error, Result};
 use layers::Rows;
@@ -130,6 +135,9 @@ pub struct DeviceGpt {
     recompute: Recompute,
     /// The buffers the backward recomputes one block into (None without recomputation).
     work: Option<BlockActs>,
+    /// The loss gradient's multiplier (loss scaling; 1 without it): every gradient is this many
+    /// times the loss's.
+    loss_scale: f64,
     /// Every device gradient is zero (the optimizer zeroed them as it read them): the next
     /// [`DeviceGpt::zero_grad`] has nothing to clear. Anything that writes gradients clears it.
     grads_zero: bool,
@@ -217,7 +225,7 @@ impl DeviceGpt {
                 layout.total_len()
             )));
         }
-        let bf16 = precision == Precision::Bf16;
+        let half = precision.gemm_input() != GemmInput::F32;
         let (bt, c) = (b * t, config.n_embd);
         let sp = sp && tp_size > 1;
         if sp && bt % tp_size != 0 {
@@ -235,7 +243,7 @@ impl DeviceGpt {
         for e in layout.entries() {
             p.push(dev.alloc(0)?);
             g.push(dev.alloc(e.len * 4)?);
-            p16.push(if bf16 && e.local_shape.len() == 2 { Some(dev.alloc(0)?) } else { None });
+            p16.push(if half && e.local_shape.len() == 2 { Some(dev.alloc(0)?) } else { None });
         }
         let d = ActDims { tp: tp.is_some(), recompute, ..ActDims::of_rank(&config, b, t, tp_size, sp) };
         let work = BlockActs::work(&dev, &d)?;
@@ -248,8 +256,8 @@ impl DeviceGpt {
             .collect::<Result<Vec<_>>>()?;
         let head_vl = if spec.last { vl } else { 0 };
         let s = Scratch::new(&dev, &d, spec.last, t)?;
-        let linear = Linear::new(&dev, bf16, bt * c.max(3 * w.cl).max(w.hl).max(head_vl), bt * c.max(w.hl))?;
-        let attn = AttnWork::new(&dev, AttnShape { b, t, nh: w.nhl, hs: config.head_dim() })?;
+        let linear = Linear::new(&dev, precision.gemm_input(), bt * c.max(3 * w.cl).max(w.hl).max(head_vl), bt * c.max(w.hl))?;
+        let attn = AttnWork::new(&dev, AttnShape { b, t, nh: w.nhl, hs: config.head_dim(), nkv: w.nhl })?;
         let n = params.len();
         let mut model = DeviceGpt {
             dev,
@@ -277,6 +285,7 @@ impl DeviceGpt {
             shards: None,
             release_grads: false,
             poison: false,
+            loss_scale: 1.0,
             recompute,
             work,
             grads_zero: false,
@@ -406,7 +415,7 @@ impl DeviceGpt {
             let e = &self.layout.entries()[i];
             self.dev.copy_to_device(&mut self.params[i], &self.host_params[e.range()])?;
             if let Some(p16) = &mut self.params16[i] {
-                ops::cast_f32_to_bf16(&self.dev, p16, &self.params[i], e.len)?;
+                cast_copy(&self.linear, &self.dev, p16, &self.params[i], e.len)?;
             }
         }
         self.params_stale = false;
@@ -525,6 +534,13 @@ impl DeviceGpt {
     /// rank holding the head computes a loss backward).
     pub fn poison_next_backward(&mut self) {
         self.poison = true;
+    }
+
+    /// Multiplies the loss gradient of the following backwards by `scale` (dynamic loss
+    /// scaling): every gradient comes out `scale` times the loss's, rounded once where the
+    /// loss gradient is formed. 1 (the default) changes no bit.
+    pub fn set_loss_scale(&mut self, scale: f64) {
+        self.loss_scale = scale;
     }
 
     /// Whether the model is whole (one chunk with the embedding and the head: not a pipeline
@@ -651,7 +667,7 @@ impl DeviceGpt {
     }
 
     fn attn_shape(&self) -> AttnShape {
-        AttnShape { b: self.b, t: self.t, nh: self.w.nhl, hs: self.config.head_dim() }
+        AttnShape { b: self.b, t: self.t, nh: self.w.nhl, hs: self.config.head_dim(), nkv: self.w.nhl }
     }
 
     /// The backward of [`DeviceGpt::backward_stage`] with d(chunk output) already in `s.dres`
@@ -743,4 +759,12 @@ fn pair(bufs: &mut [DeviceBuffer], i: usize, j: usize) -> (&mut DeviceBuffer, &m
     assert!(i < j, "pair: entry {i} must precede entry {j}");
     let (lo, hi) = bufs.split_at_mut(j);
     (&mut lo[i], &mut hi[0])
+}
+
+/// The 16-bit copy `p16` of `n` f32 parameters in the type `linear` reads (bf16 or fp16).
+fn cast_copy(linear: &Linear, dev: &Device, p16: &mut DeviceBuffer, p: &DeviceBuffer, n: usize) -> Result<()> {
+    match linear.half() {
+        Some(ty) => ty.cast_from_f32(dev, p16, p, n),
+        None => Err(Error::Check("a 16-bit weight copy in an fp32 model".into())),
+    }
 }

@@ -1,21 +1,25 @@
 //! Fully connected layers of the device model: matrix products through the device's BLAS
-//! (`device::gemm`) in the chosen precision. Under bf16 the activation (and, for weight
-//! gradients, the output-gradient) operands are cast to bf16 scratch right before the product and
-//! the weights come as the model's bf16 copies; accumulation and outputs stay f32.
+//! (`device::gemm`) in the chosen precision. Under bf16 or fp16 the activation (and, for weight
+//! gradients, the output-gradient) operands are cast to 16-bit scratch right before the product
+//! and the weights come as the model's 16-bit copies (same type); accumulation and outputs stay
+//! f32. Under fp16 the output-gradient operand carries the loss scale (`train.loss_scale`), so it
+//! can overflow to infinity here: the step then sees non-finite gradients and skips.
 
 use crate::device::gemm::{Gemm, GemmInput, Operand};
 use crate::device::{ops, Device, DeviceBuffer};
 use crate::error::{Error, Result};
 
-/// Matrix products of fully connected layers in the chosen precision, with the bf16 scratch.
+/// Matrix products of fully connected layers in the chosen precision, with the 16-bit scratch.
 pub(super) struct Linear {
     gemm: Gemm,
-    bf16: bool,
-    x16: DeviceBuffer, // (B*T * max(C, 3Cl, H, Vl)) bf16: the activation or gradient operand
-    y16: DeviceBuffer, // (B*T * max(C, H)) bf16: the second activation operand of a weight gradient
+    /// The 16-bit operand type (bf16 or fp16); `None` under fp32.
+    half: Option<GemmInput>,
+    x16: DeviceBuffer, // (B*T * max(C, 3Cl, H, Vl)) 16-bit: the activation or gradient operand
+    y16: DeviceBuffer, // (B*T * max(C, H)) 16-bit: the second activation operand of a weight gradient
 }
 
-/// A parameter as a product reads it: f32, and its bf16 copy under mixed precision.
+/// A parameter as a product reads it: f32, and its 16-bit copy (bf16 or fp16, the type of the
+/// model's precision) under mixed precision.
 #[derive(Clone, Copy)]
 pub(super) struct Weight<'a> {
     pub f32: &'a DeviceBuffer,
@@ -23,22 +27,29 @@ pub(super) struct Weight<'a> {
 }
 
 impl Linear {
-    /// Products on `dev`; under `bf16`, with scratch for `x16` and `y16` bf16 operand elements.
-    pub(super) fn new(dev: &Device, bf16: bool, x16: usize, y16: usize) -> Result<Self> {
-        let scratch = |elems: usize| dev.alloc(if bf16 { elems * 2 } else { 0 });
-        Ok(Linear { gemm: Gemm::new(dev)?, bf16, x16: scratch(x16)?, y16: scratch(y16)? })
+    /// Products on `dev` with operands of type `input`; a 16-bit type gets scratch for `x16` and
+    /// `y16` operand elements.
+    pub(super) fn new(dev: &Device, input: GemmInput, x16: usize, y16: usize) -> Result<Self> {
+        let half = (input != GemmInput::F32).then_some(input);
+        let scratch = |elems: usize| dev.alloc(if half.is_some() { elems * 2 } else { 0 });
+        Ok(Linear { gemm: Gemm::new(dev)?, half, x16: scratch(x16)?, y16: scratch(y16)? })
     }
 
-    /// bf16 scratch elements held (for the memory estimate).
+    /// The 16-bit operand type, if any: the type of the weights' copies.
+    pub(super) fn half(&self) -> Option<GemmInput> {
+        self.half
+    }
+
+    /// 16-bit scratch elements held, counted in f32 elements (for the memory estimate).
     pub(super) fn scratch_elements(&self) -> usize {
         (self.x16.len() + self.y16.len()) / 4
     }
 
     fn weight_operand<'a>(&self, w: Weight<'a>) -> Result<Operand<'a>> {
-        Ok(match (self.bf16, w.bf16) {
-            (false, _) => Operand::t(w.f32, GemmInput::F32),
-            (true, Some(b)) => Operand::t(b, GemmInput::Bf16),
-            (true, None) => return Err(Error::Check("a bf16 product without the weight's bf16 copy".into())),
+        Ok(match (self.half, w.bf16) {
+            (None, _) => Operand::t(w.f32, GemmInput::F32),
+            (Some(ty), Some(b)) => Operand::t(b, ty),
+            (Some(ty), None) => return Err(Error::Check(format!("a {ty:?} product without the weight's 16-bit copy"))),
         })
     }
 
@@ -55,11 +66,12 @@ impl Linear {
         c: usize,
         oc: usize,
     ) -> Result<()> {
-        let a = if self.bf16 {
-            ops::cast_f32_to_bf16(dev, &mut self.x16, inp, n * c)?;
-            Operand::plain(&self.x16, GemmInput::Bf16)
-        } else {
-            Operand::plain(inp, GemmInput::F32)
+        let a = match self.half {
+            Some(ty) => {
+                ty.cast_from_f32(dev, &mut self.x16, inp, n * c)?;
+                Operand::plain(&self.x16, ty)
+            }
+            None => Operand::plain(inp, GemmInput::F32),
         };
         self.gemm.matmul(dev, out, a, self.weight_operand(w)?, n, oc, c, false)?;
         match bias {
@@ -85,12 +97,13 @@ impl Linear {
         if let Some(db) = dbias {
             ops::bias_backward(dev, db, dout, n, oc)?;
         }
-        let (g, x) = if self.bf16 {
-            ops::cast_f32_to_bf16(dev, &mut self.x16, dout, n * oc)?;
-            ops::cast_f32_to_bf16(dev, &mut self.y16, inp, n * c)?;
-            (Operand::plain(&self.x16, GemmInput::Bf16), Operand::plain(&self.y16, GemmInput::Bf16))
-        } else {
-            (Operand::plain(dout, GemmInput::F32), Operand::plain(inp, GemmInput::F32))
+        let (g, x) = match self.half {
+            Some(ty) => {
+                ty.cast_from_f32(dev, &mut self.x16, dout, n * oc)?;
+                ty.cast_from_f32(dev, &mut self.y16, inp, n * c)?;
+                (Operand::plain(&self.x16, ty), Operand::plain(&self.y16, ty))
+            }
+            None => (Operand::plain(dout, GemmInput::F32), Operand::plain(inp, GemmInput::F32)),
         };
         let mut w_plain = self.weight_operand(w)?;
         w_plain.transposed = false;

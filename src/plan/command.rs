@@ -101,7 +101,7 @@ struct Query {
     /// recomputation, as in the published runs; such layouts cannot be written as jobs).
     #[arg(long, default_value = "meshtrain")]
     stack: Stack,
-    /// GEMM precision whose peak counts (`bf16`, `fp32`; default bf16 on GPUs, fp32 on CPUs).
+    /// GEMM precision whose peak counts (`bf16`, `fp16`, `fp32`; default bf16 on GPUs, fp32 on CPUs).
     #[arg(long)]
     precision: Option<String>,
     /// Layouts shown in the table.

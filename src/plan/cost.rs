@@ -50,7 +50,8 @@ pub struct Machine<'a> {
     pub stack: Stack,
     /// Dense peak FLOP/s of one device at the GEMM precision.
     pub peak: f64,
-    /// GEMMs in bf16 (meshtrain then also keeps bf16 weight copies).
+    /// GEMMs in a 16-bit type, bf16 or fp16 (meshtrain then also keeps 16-bit weight copies,
+    /// the same bytes for either).
     pub bf16: bool,
 }
 
@@ -522,6 +523,24 @@ mod tests {
             grad_accum: m,
             sp: false,
             recompute: Recompute::None,
+        }
+    }
+
+    /// `precision = "fp16"` costs what bf16 costs on the shipped GPU profiles: the same dense
+    /// peak (A100, H100, MI250X datasheets) and the same bytes (2-byte weight copies and operand
+    /// staging), so the whole estimate is equal; fp32 differs.
+    #[test]
+    fn fp16_costs_what_bf16_costs() {
+        for name in ["dgx-a100", "h100-ib", "frontier"] {
+            let p = Profile::load(name).unwrap();
+            let (half, bf16) = (Machine::new(&p, Stack::Meshtrain, "fp16").unwrap(), Machine::new(&p, Stack::Meshtrain, "bf16").unwrap());
+            assert_eq!(half.peak, bf16.peak, "{name}");
+            let l = layout(8, 4, 1, 2, 8);
+            let stages = vec![96 / 4; 4];
+            let (e16, eb) = (estimate(&job(), &l, &half, &stages), estimate(&job(), &l, &bf16, &stages));
+            assert_eq!(e16, eb, "{name}");
+            let f32m = Machine::new(&p, Stack::Meshtrain, "fp32").unwrap();
+            assert!(estimate(&job(), &l, &f32m, &stages).memory != eb.memory, "{name}: fp32 keeps no 16-bit copies");
         }
     }
 

@@ -188,11 +188,7 @@ pub fn main(a: &TuneArgs) -> Result<()> {
     let p = &cfg.parallel;
     let job = job_of(&cfg, a.gpus.unwrap_or(p.tp * p.pp * p.dp), &a.job)?;
     let profile = Profile::load(&a.machine)?;
-    let precision = if cfg.precision == crate::config::Precision::Bf16 {
-        "bf16"
-    } else {
-        "fp32"
-    };
+    let precision = cfg.precision.name();
     let mach = Machine::new(&profile, Stack::Meshtrain, precision)?;
     let opts = Options {
         refine: if a.per_grid {

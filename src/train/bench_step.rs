@@ -138,7 +138,7 @@ impl StepHarness {
             DeviceEvent::BackwardDone(m) => step.after_backward(m, dp, (1, 1)),
         };
         let loss = self.model.run(&self.batches, (false, units), &mut events)?;
-        let outcome = self.step.step(self.model.model_mut(), &self.dp, &[], 1, lr, max_norm, &mut |_, _| Ok(true))?;
+        let outcome = self.step.step(self.model.model_mut(), &self.dp, &[], 1, lr, (max_norm, 1.0), &mut |_, _| Ok(true))?;
         self.model.device().synchronize()?;
         Ok(StepResult { loss, grad_norm: outcome.grad_norm, seconds: start.elapsed().as_secs_f64() })
     }
@@ -153,13 +153,13 @@ impl StepHarness {
         let m = self.model.model();
         let n = m.layout().total_len() as u64;
         let weights16: usize = match self.precision {
-            Precision::Bf16 => m.layout().entries().iter().filter(|e| e.local_shape.len() == 2).map(|e| e.len).sum(),
+            Precision::Bf16 | Precision::Fp16 => m.layout().entries().iter().filter(|e| e.local_shape.len() == 2).map(|e| e.len).sum(),
             Precision::Fp32 => 0,
         };
         let (bt, c, vp) = (self.batches[0].inputs.len(), self.config.n_embd, self.config.padded_vocab_size());
         let host = matches!(m.device(), Device::Cpu | Device::Emu(_));
         let gemm_staging = match (host, self.precision) {
-            (true, Precision::Bf16) => 4 * (vp * c + bt * vp) as u64,
+            (true, Precision::Bf16 | Precision::Fp16) => 4 * (vp * c + bt * vp) as u64,
             _ => 0,
         };
         HeldBytes {

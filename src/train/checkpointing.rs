@@ -20,7 +20,7 @@ use serde_json::json;
 
 use super::grad_sync::DataParallel;
 use super::replica::TensorMap;
-use crate::checkpoint::{self, flat_range_boxes, CkptMeta, OptimizerMeta, ShardSlice};
+use crate::checkpoint::{self, flat_range_boxes, CkptMeta, LossScaleMeta, OptimizerMeta, ShardSlice};
 use crate::comm::{block_range, Communicator};
 use crate::config::JobConfig;
 use crate::data::SamplerState;
@@ -36,6 +36,8 @@ pub struct Resumed {
     pub tokens_seen: u64,
     /// Data position of the next global batch.
     pub sampler: SamplerState,
+    /// Loss scaling's state, if the checkpoint has one.
+    pub loss_scale: Option<LossScaleMeta>,
 }
 
 fn intersect(a: &Range<usize>, b: &Range<usize>) -> Range<usize> {
@@ -86,7 +88,7 @@ pub fn save(
     sync: &DataParallel,
     step: u64,
     tokens_seen: u64,
-    sampler: SamplerState,
+    (sampler, loss_scale): (SamplerState, Option<LossScaleMeta>),
 ) -> Result<PathBuf> {
     let mine = block_range(params.len(), dp.size(), dp.rank());
     let mut slices: Vec<ShardSlice> = Vec::new();
@@ -113,6 +115,7 @@ pub fn save(
     }
     let steps_taken = sync.states().first().map_or(0, |s| s.step);
     let mut meta = CkptMeta::new(step, tokens_seen, cfg.model, OptimizerMeta { adamw, steps_taken });
+    meta.loss_scale = loss_scale;
     let p = &cfg.parallel;
     meta.parallel = json!({"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "bucket_mb": p.bucket_mb,
         "sequence_parallel": p.sequence_parallel, "microbatches": p.microbatches});
@@ -214,7 +217,7 @@ pub fn restore(
         }
         s.step = meta.optimizer.steps_taken;
     }
-    Ok(Resumed { step: meta.step, tokens_seen: meta.tokens_seen, sampler: position(&meta, cfg, path)? })
+    Ok(Resumed { step: meta.step, tokens_seen: meta.tokens_seen, sampler: position(&meta, cfg, path)?, loss_scale: meta.loss_scale })
 }
 
 /// Copies the hyperslab (`offset`, `shape`) of a row-major tensor of `global_shape` into `out`.

@@ -24,6 +24,11 @@
 //! gradients are this rank's shard only, and AdamW updates the shard's block of the model's own
 //! f32 parameters, which are the master weights ([`super::device_zero`]).
 //!
+//! Under loss scaling (`loss_scale.rs`) the reduced gradients are S times the loss's: the norm
+//! is divided by S before the verdict and the clip, and the AdamW factor that carries the clipping
+//! scale carries 1/S too, so unscaling adds no pass over the gradients; a skipped step leaves the
+//! moments and the step count alone.
+//!
 //! Invariants: the flat buffers follow the layout table (an entry is an offset range); the
 //! device parameters and moments are the truth during training, the host copies (the model's
 //! mirror, [`DataParallel`]'s AdamW states) are refreshed by [`DeviceStep::store`] before a
@@ -358,9 +363,10 @@ impl DeviceStep {
     }
 
     /// One optimizer step from the model's device gradients summed over `micro_batches` (ZeRO-2:
-    /// already reduced into the shards), averaged over them and over `dp`; clips to `max_norm`
-    /// (<= 0: off) and returns the pre-clip global norm, whose partial sums of squares are added
-    /// over `groups` (the TP group). `apply(norm, own)` sees the norm, and whether this rank's own
+    /// already reduced into the shards), averaged over them and over `dp`; the gradients are
+    /// `loss_scale` times the loss's and the update divides them by it, in the factor that also
+    /// clips to `max_norm` (<= 0: off). Returns the pre-clip global norm of the unscaled
+    /// gradients, whose partial sums of squares are added over `groups` (the TP group). `apply(norm, own)` sees the norm, and whether this rank's own
     /// gradients were non-finite before the reduction, before anything changes; `false` (the
     /// same on every rank) skips the update.
     #[allow(clippy::too_many_arguments)]
@@ -371,7 +377,7 @@ impl DeviceStep {
         groups: &[&Communicator],
         micro_batches: usize,
         lr: f64,
-        max_norm: f64,
+        (max_norm, loss_scale): (f64, f64),
         apply: &mut dyn FnMut(f64, bool) -> Result<bool>,
     ) -> Result<StepOutcome> {
         // The step's stream-ordered TP calls are only checked here: before anything is applied.
@@ -392,7 +398,8 @@ impl DeviceStep {
             sq = s[0];
         }
         self.coll.check(dp, model.device())?;
-        let grad_norm = sq.sqrt();
+        // Unscaled: a power-of-two scale (every dynamic one from the defaults) changes no bit.
+        let grad_norm = sq.sqrt() / loss_scale;
         if !apply(grad_norm, own_bad)? {
             return Ok(StepOutcome { grad_norm, timing });
         }
@@ -405,7 +412,7 @@ impl DeviceStep {
             config: &self.config,
             step: self.step,
             lr,
-            grad_scale: clip_scale(grad_norm, max_norm),
+            grad_scale: clip_scale(grad_norm, max_norm) / loss_scale,
         };
         match &mut self.state {
             State::Whole(w) => w.update(model, &update)?,

@@ -466,7 +466,7 @@ mod tests {
                     let mut params = host.params().to_vec();
                     let want = reference_step((&mut red, &mut sums), (host_sync.states_mut(), &buckets), &c, (&opt, lr, max_norm), &mut params);
                     host.params_and_grads().0.copy_from_slice(&params);
-                    let got = step.step(&mut dev, &c, &[], accum, lr, max_norm, &mut |_, _| Ok(true)).unwrap();
+                    let got = step.step(&mut dev, &c, &[], accum, lr, (max_norm, 1.0), &mut |_, _| Ok(true)).unwrap();
                     assert!(want > max_norm, "clipping is exercised");
                     assert_eq!(got.grad_norm.to_bits(), want.to_bits(), "ZeRO {zero} step {s}");
                 }

@@ -19,6 +19,7 @@ mod device_step;
 mod device_whole;
 mod device_zero;
 mod grad_sync;
+mod loss_scale;
 mod memory_estimate;
 mod memory_fit;
 mod nonfinite;

@@ -15,6 +15,11 @@
 //! reducer's copy, the device packing; with one data-parallel rank the rank's own squares
 //! before the tensor-parallel sum), so the verdict names the ranks the NaN came from.
 //!
+//! With loss scaling (`train.loss_scale`, the default under fp16) non-finite gradients under a
+//! finite loss on every rank are the scale's overflow, not a diverging run: the verdict is
+//! [`Verdict::Overflow`], the step is skipped on every rank whatever `train.nonfinite` says and
+//! the scaler backs off (`loss_scale.rs`); a non-finite loss still follows `train.nonfinite`.
+//!
 //! `train.inject_nan_at = [step, rank]` makes that rank's loss NaN at that step (a testing knob:
 //! the same config on every rank, so config agreement holds);
 //! `MESHTRAIN_FAULT=nan-grad@RANK:STEP` makes that rank's loss gradient NaN at that step, so its
@@ -61,6 +66,8 @@ pub struct NonFiniteGuard {
     inject: Option<[u64; 2]>,
     /// Steps whose update was skipped so far.
     pub skipped: u64,
+    /// The loss is scaled: non-finite gradients under finite losses are an overflow.
+    scaling: bool,
 }
 
 /// What a step does with its update.
@@ -70,12 +77,19 @@ pub enum Verdict {
     Apply,
     /// Non-finite and `skip`: leave parameters and optimizer state as they are.
     Skip(String),
+    /// Loss scaling: the gradients overflowed (every loss finite); skip, and back the scale off.
+    Overflow(String),
 }
 
 impl NonFiniteGuard {
     /// The guard for `train`'s policy.
     pub fn new(train: &TrainConfig) -> Self {
-        NonFiniteGuard { policy: train.nonfinite, inject: train.inject_nan_at, skipped: 0 }
+        NonFiniteGuard { policy: train.nonfinite, inject: train.inject_nan_at, skipped: 0, scaling: false }
+    }
+
+    /// The guard of a run that scales its loss (see the module documentation).
+    pub fn with_loss_scaling(self, scaling: bool) -> Self {
+        NonFiniteGuard { scaling, ..self }
     }
 
     /// This rank's loss of `step`, with the injected NaN where configured.
@@ -106,6 +120,10 @@ impl NonFiniteGuard {
             ),
             (false, _) => format!("non-finite loss at step {step} on rank(s) {} (gradient norm {grad_norm})", ranks.join(", ")),
         };
+        if self.scaling && ranks.is_empty() {
+            self.skipped += 1;
+            return Ok(Verdict::Overflow(format!("{what}: gradient overflow under loss scaling, update skipped ({} so far)", self.skipped)));
+        }
         match self.policy {
             NonFinitePolicy::Stop => Err(Error::Check(format!(
                 "{what}; stopping (train.nonfinite = \"stop\"; \"skip\" skips such steps)"
@@ -125,7 +143,26 @@ mod tests {
     use crate::comm::CommConfig;
 
     fn guard(policy: NonFinitePolicy) -> NonFiniteGuard {
-        NonFiniteGuard { policy, inject: Some([3, 1]), skipped: 0 }
+        NonFiniteGuard { policy, inject: Some([3, 1]), skipped: 0, scaling: false }
+    }
+
+    /// Under loss scaling a gradient overflow is skipped even with `stop`; a NaN loss still stops.
+    #[test]
+    fn loss_scaling_skips_gradient_overflow_but_not_a_nonfinite_loss() {
+        let out = run_ranks(2, CommConfig::default(), |c| {
+            let mut g = guard(NonFinitePolicy::Stop).with_loss_scaling(true);
+            let over = g.decide(&c, 2, 1.0, (f64::INFINITY, c.rank() == 1)).unwrap();
+            let err = g.decide(&c, 3, g.local_loss(3, c.rank(), 1.0), (0.5, false)).unwrap_err().to_string();
+            (over, g.skipped, err)
+        });
+        for (over, skipped, err) in out {
+            match over {
+                Verdict::Overflow(m) => assert!(m.contains("came from rank(s) 1") && m.contains("(1 so far)"), "{m}"),
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(skipped, 1);
+            assert!(err.contains("non-finite loss at step 3 on rank(s) 1"), "{err}");
+        }
     }
 
     #[test]

@@ -16,6 +16,7 @@ use super::checkpointing;
 use super::config_agree;
 use super::device_step::DeviceStep;
 use super::grad_sync::{DataParallel, StepOutcome};
+use super::loss_scale::LossScaler;
 use super::memory_estimate::{MemoryEstimate, MemoryInputs};
 use super::memory_fit;
 use super::nonfinite::{NonFiniteGuard, Verdict};
@@ -91,6 +92,8 @@ pub(super) struct Session<'a> {
     writer: Option<MetricsWriter>,
     progress: Progress,
     guard: NonFiniteGuard,
+    /// Loss scaling: the scale of the next step and its schedule.
+    scaler: LossScaler,
     /// Micro-batches per optimizer step on each data-parallel rank.
     accum: usize,
     tokens_per_step: f64,
@@ -262,7 +265,8 @@ impl<'a> Session<'a> {
                 _ => None,
             },
             progress: Progress::new(cfg.train.steps, cfg.train.log_every, world.rank == 0),
-            guard: NonFiniteGuard::new(&cfg.train),
+            guard: NonFiniteGuard::new(&cfg.train).with_loss_scaling(LossScaler::new(&cfg.train).active()),
+            scaler: LossScaler::new(&cfg.train),
             accum,
             tokens_per_step,
             first_step: 1,
@@ -294,6 +298,8 @@ impl<'a> Session<'a> {
             let r = checkpointing::restore(&path, cfg, &self.maps, self.model.params_mut(), &mut self.sync)?;
             self.data.sampler.restore(r.sampler)?;
             (self.first_step, self.tokens_seen) = (r.step + 1, r.tokens_seen);
+            self.scaler.restore(r.loss_scale);
+            self.guard.skipped = r.loss_scale.map_or(0, |s| s.skipped_steps);
             if leader {
                 println!("# resumed from {} at step {}", path.display(), r.step);
             }
@@ -342,6 +348,8 @@ impl<'a> Session<'a> {
         if self.nan_grad_at == Some(step) {
             self.model.model_mut().poison_next_backward();
         }
+        let loss_scale = self.scaler.scale();
+        self.model.model_mut().set_loss_scale(loss_scale);
         let accum = self.accum;
         self.step.begin(accum);
         let units = self.step.wants_units(self.model.model());
@@ -363,10 +371,12 @@ impl<'a> Session<'a> {
             Ok(verdict == Verdict::Apply)
         };
         let groups: Vec<&Communicator> = norm_groups.iter().collect();
-        let outcome = dstep.step(model.model_mut(), dp, &groups, accum, lr, cfg.optim.grad_clip, &mut apply)?;
-        if let Verdict::Skip(why) = &verdict {
-            self.progress.println(&format!("# step {step}: {why}"));
+        let outcome = dstep.step(model.model_mut(), dp, &groups, accum, lr, (cfg.optim.grad_clip, loss_scale), &mut apply)?;
+        if let Verdict::Skip(why) | Verdict::Overflow(why) = &verdict {
+            let scale = if self.scaler.active() { format!(" (loss scale {loss_scale})") } else { String::new() };
+            self.progress.println(&format!("# step {step}: {why}{scale}"));
         }
+        self.scaler.update(step, matches!(verdict, Verdict::Overflow(_)))?;
         let mut loss = [loss_mean];
         self.dp.all_reduce(&mut loss, ReduceOp::Avg)?;
         // The largest peak resident set over all ranks, in MB, and the largest stop signal any
@@ -381,6 +391,8 @@ impl<'a> Session<'a> {
         let val_loss = self.evaluate_if_due(step)?;
         let mut record = self.record(step, (loss[0], lr, val_loss), &outcome, (step_s, peak_mb[0]), verdict != Verdict::Apply)?;
         self.report_straggler(step, &mut record)?;
+        record.extra.insert("loss_scale".into(), json!(loss_scale));
+        record.extra.insert("skipped_steps".into(), json!(self.guard.skipped));
         if let Some(w) = &mut self.writer {
             w.write(&record)?;
         }
@@ -499,7 +511,7 @@ impl<'a> Session<'a> {
         self.step.store(self.model.model_mut(), &mut self.sync)?;
         let (params, sync) = (self.model.params(), &self.sync);
         let written =
-            checkpointing::save(dir, &self.world_comm, &self.dp, self.cfg, self.adamw, &self.maps, params, sync, step, self.tokens_seen, state)?;
+            checkpointing::save(dir, &self.world_comm, &self.dp, self.cfg, self.adamw, &self.maps, params, sync, step, self.tokens_seen, (state, self.scaler.state(self.guard.skipped)))?;
         self.sync.release_states();
         self.model.model_mut().release_host_params()?;
         self.progress.println(&format!("# checkpoint {}", written.display()));
@@ -522,9 +534,10 @@ impl<'a> Session<'a> {
                 report.losses.last().copied().unwrap_or(f64::NAN),
                 report.val_losses.last().map_or(String::new(), |(_, v)| format!(", val loss {v:.4}")),
                 report.tokens_per_s,
-                match self.guard.skipped {
-                    0 => String::new(),
-                    n => format!(", {n} step(s) skipped (non-finite)"),
+                match (self.guard.skipped, self.scaler.active()) {
+                    (0, _) => String::new(),
+                    (n, false) => format!(", {n} step(s) skipped (non-finite)"),
+                    (n, true) => format!(", {n} step(s) skipped (non-finite; final loss scale {})", self.scaler.scale()),
                 }
             );
         }

@@ -178,7 +178,7 @@ impl DeviceGpt {
             rows: self.rows,
             w: self.w,
             c: self.config.n_embd,
-            shape: AttnShape { b: self.b, t: self.t, nh: self.w.nhl, hs: self.config.head_dim() },
+            shape: AttnShape { b: self.b, t: self.t, nh: self.w.nhl, hs: self.config.head_dim(), nkv: self.w.nhl },
             e,
         };
         (cx, &mut self.chunks[ci].slots[si])
@@ -230,7 +230,7 @@ impl DeviceGpt {
         ops::fill_zero(dev, &mut s.dlogits, bt * vocab.vl)?;
         let dloss = match std::mem::take(&mut self.poison) {
             true => f32::NAN,
-            false => (1.0 / bt as f64) as f32,
+            false => (self.loss_scale / bt as f64) as f32,
         };
         ops_vocab::cross_entropy_backward(dev, &mut s.dlogits, &h.logits, &h.lse, &h.targets, dloss, bt, vocab)?;
         let w = Weight { f32: &p[wte], bf16: self.params16[wte].as_ref() };

@@ -154,7 +154,7 @@ impl DeviceGpt {
     pub fn refresh_params16(&mut self) -> Result<()> {
         for (i, e) in self.layout.entries().iter().enumerate() {
             if let Some(p16) = &mut self.params16[i] {
-                ops::cast_f32_to_bf16(&self.dev, p16, &self.params[i], e.len)?;
+                super::cast_copy(&self.linear, &self.dev, p16, &self.params[i], e.len)?;
             }
         }
         self.params_stale = false;
@@ -403,7 +403,7 @@ impl DeviceGpt {
         }
         for (i, _) in parts {
             if let Some(p16) = &mut self.params16[i] {
-                ops::cast_f32_to_bf16(dev, p16, &self.params[i], self.layout.entries()[i].len)?;
+                super::cast_copy(&self.linear, dev, p16, &self.params[i], self.layout.entries()[i].len)?;
             }
         }
         z.resident[u] = true;

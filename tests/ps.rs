@@ -224,6 +224,8 @@ fn bad_server_configurations_name_the_key() {
         ),
         (&["ps.staleness=2"], "ps.staleness", "async"),
         (&["ps.colocate=true"], "ps.colocate", "not implemented"),
+        (&["precision=fp16"], "train.loss_scale", "cannot skip a step"),
+        (&["train.loss_scale=1024"], "train.loss_scale", "cannot skip a step"),
         (&["ps.mode=later"], "ps.mode", "unknown variant"),
         (
             &["parallel.dp_sync=gossip"],

@@ -100,6 +100,12 @@ impl JobConfig {
                 "\"ps\" runs on device = \"cpu\" only for now",
             ));
         }
+        if self.train.loss_scale != super::LossScale::None {
+            return Err(Error::config(
+                "train.loss_scale",
+                "the parameter servers update with unscaled gradients and cannot skip a step yet; use loss_scale = \"none\" (and a precision other than fp16) with parallel.dp_sync = \"ps\"",
+            ));
+        }
         Ok(())
     }
 }

@@ -204,7 +204,7 @@ pub fn read_hf(dir: &Path) -> Result<(GptConfig, Vec<ExportedTensor>)> {
     let text = std::fs::read_to_string(&cpath).map_err(|e| Error::io(format!("read {}", cpath.display()), e))?;
     let c: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::file(&cpath, None, format!("not JSON: {e}")))?;
     let get = |k: &str| c[k].as_u64().map(|v| v as usize).ok_or_else(|| Error::file(&cpath, None, format!("missing integer `{k}`")));
-    let model = GptConfig { n_layer: get("n_layer")?, n_head: get("n_head")?, n_embd: get("n_embd")?, vocab_size: get("vocab_size")?, max_seq_len: get("n_positions")? };
+    let model = GptConfig { n_layer: get("n_layer")?, n_head: get("n_head")?, n_embd: get("n_embd")?, vocab_size: get("vocab_size")?, max_seq_len: get("n_positions")?, llama: None };
     model.validate()?;
     let wpath = dir.join(WEIGHTS_FILE);
     let bytes = std::fs::read(&wpath).map_err(|e| Error::io(format!("read {}", wpath.display()), e))?;
@@ -244,7 +244,7 @@ mod tests {
     use super::*;
 
     fn tiny() -> GptConfig {
-        GptConfig { n_layer: 2, n_head: 2, n_embd: 8, vocab_size: 50, max_seq_len: 6 }
+        GptConfig { n_layer: 2, n_head: 2, n_embd: 8, vocab_size: 50, max_seq_len: 6, llama: None }
     }
 
     /// Every model tensor of `m` with distinct values (padded vocabulary rows zero).

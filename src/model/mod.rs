@@ -21,6 +21,7 @@ pub mod device_tp;
 pub mod gpt;
 pub mod init;
 pub mod layout;
+pub mod llama;
 pub mod sample;
 #[cfg(test)]
 mod shard_tests;
@@ -34,6 +35,7 @@ pub use device_gpt::{DeviceGpt, ExecOptions, Precision, StageInput, StageOutput}
 pub use device_tp::DeviceTp;
 pub use gpt::Gpt;
 pub use layout::{ParamEntry, ParamLayout, TpSplit};
+pub use llama::{LlamaConfig, RopeScaling};
 pub use tp_layout::{ShardEntry, ShardLayout, StageSpec};
 
 use crate::error::{Error, Result};
@@ -51,6 +53,10 @@ pub struct GptConfig {
     pub vocab_size: usize,
     /// Longest sequence the position embedding covers (maxT).
     pub max_seq_len: usize,
+    /// `model.arch = "llama"`: the Llama shape (RMSNorm, SwiGLU, RoPE, grouped-query attention,
+    /// no biases); `None` is GPT-2. Serialized flat beside the other keys, absent for GPT-2.
+    #[serde(default, skip_serializing_if = "Option::is_none", flatten)]
+    pub llama: Option<LlamaConfig>,
 }
 
 /// Named sizes: `(name, n_layer, n_head, n_embd)`; all use the GPT-2 vocabulary and maxT 1024
@@ -68,9 +74,13 @@ const NAMED: &[(&str, usize, usize, usize, usize, usize)] = &[
 ];
 
 impl GptConfig {
-    /// The named size `name` (`tiny`, `d12`, `d24`, `d36`, `d48`, `22b`, `175b`, `1t`).
+    /// The named size `name` (`tiny`, `d12`, `d24`, `d36`, `d48`, `22b`, `175b`, `1t`, and the
+    /// Llama ones `llama-tiny`, `llama-7b`, `llama-13b`, `llama-70b`).
     pub fn named(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
+        if let Some(c) = llama::named(&lower) {
+            return Ok(c);
+        }
         NAMED
             .iter()
             .find(|n| n.0 == lower)
@@ -81,10 +91,11 @@ impl GptConfig {
                     n_embd,
                     vocab_size,
                     max_seq_len,
+                    llama: None,
                 },
             )
             .ok_or_else(|| {
-                let names: Vec<&str> = NAMED.iter().map(|n| n.0).collect();
+                let names = Self::size_names();
                 Error::config(
                     "model.size",
                     format!("unknown size `{name}` (known: {})", names.join(", ")),
@@ -94,7 +105,22 @@ impl GptConfig {
 
     /// Names accepted by [`GptConfig::named`].
     pub fn size_names() -> Vec<&'static str> {
-        NAMED.iter().map(|n| n.0).collect()
+        NAMED.iter().map(|n| n.0).chain(llama::names()).collect()
+    }
+
+    /// The architecture's name: `gpt2` or `llama`.
+    pub fn arch(&self) -> &'static str {
+        if self.llama.is_some() { "llama" } else { "gpt2" }
+    }
+
+    /// Key/value heads (NKV): `n_kv_head` for Llama, `n_head` for GPT-2.
+    pub fn n_kv_head(&self) -> usize {
+        self.llama.map_or(self.n_head, |l| l.n_kv_head)
+    }
+
+    /// Hidden width of the MLP: `ffn_dim` (SwiGLU) for Llama, 4C (GELU) for GPT-2.
+    pub fn ffn_dim(&self) -> usize {
+        self.llama.map_or(4 * self.n_embd, |l| l.ffn_dim)
     }
 
     /// Vocabulary rounded up to a multiple of 128 (Vp).
@@ -129,7 +155,10 @@ impl GptConfig {
                 ),
             ));
         }
-        Ok(())
+        match &self.llama {
+            Some(l) => l.validate(self.n_head, self.n_embd),
+            None => Ok(()),
+        }
     }
 }
 
@@ -157,6 +186,7 @@ mod tests {
             n_embd: 64,
             vocab_size: 10,
             max_seq_len: 8,
+            llama: None,
         };
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("model.n_head"), "{e}");

@@ -440,7 +440,7 @@ mod tests {
     #[test]
     fn sharded_parameters_and_released_gradients_are_exact_and_freed() {
         run_ranks(2, CommConfig::default(), |c| {
-            let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 64, max_seq_len: T };
+            let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 64, max_seq_len: T, llama: None };
             let init = Gpt::<f32>::new(cfg, B, T, 3).unwrap().params().to_vec();
             let new_model = || DeviceGpt::new(Device::Cpu, cfg, B, T, init.clone(), Precision::Bf16).unwrap();
             let (mut whole, mut sharded) = (new_model(), new_model());

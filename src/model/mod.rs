@@ -27,6 +27,8 @@ pub mod sample;
 mod shard_tests;
 #[cfg(test)]
 mod recompute_tests;
+#[cfg(test)]
+mod llama_tests;
 pub mod tp_layout;
 
 pub use crate::device::cpu::Float;

@@ -276,6 +276,24 @@ impl ShardLayout {
         self.get("wpe").map(ShardEntry::range)
     }
 
+    /// The contiguous local range of the tensors after the blocks (GPT-2: `lnf.weight`,
+    /// `lnf.bias`; Llama: `norm.weight` and, untied, `lm_head.weight`), if this stage holds them.
+    pub fn final_unit(&self) -> Option<Range<usize>> {
+        let first = self.entries.iter().position(|e| e.layer.is_none() && (e.name == "lnf.weight" || e.name == "norm.weight"))?;
+        Some(self.entries[first].offset..self.total)
+    }
+
+    /// Whether the output head reads `wte` (GPT-2, and Llama with tied embeddings).
+    pub fn tied_head(&self) -> bool {
+        self.get("lm_head.weight").is_none()
+    }
+
+    /// Local ranges of all the tensors of block `l` (`l` one of the stage's blocks), in layout
+    /// order.
+    pub fn block_ranges(&self, l: usize) -> Vec<Range<usize>> {
+        self.block_entries(l).iter().map(ShardEntry::range).collect()
+    }
+
     /// Local ranges of `lnf.weight` and `lnf.bias` (C each), if this stage holds them.
     pub fn lnf(&self) -> Option<(Range<usize>, Range<usize>)> {
         Some((

@@ -178,13 +178,13 @@ impl DeviceGpt {
         Ok(())
     }
 
-    /// The parameter units in buffer order: `wte`, `wpe`, each block, `lnf` (those this stage
-    /// holds); they partition the flat buffer.
+    /// The parameter units in buffer order: `wte`, `wpe`, each block, `lnf` (Llama: `norm` and
+    /// `lm_head`) (those this stage holds); they partition the flat buffer.
     pub fn units(&self) -> Vec<Range<usize>> {
         let l = &self.layout;
         let mut units: Vec<Range<usize>> = [l.wte(), l.wpe()].into_iter().flatten().collect();
         units.extend(self.chunks.iter().flat_map(|c| c.layers.clone()).map(|b| l.block_span(b)));
-        units.extend(l.lnf().map(|(w, b)| w.start..b.end));
+        units.extend(l.final_unit());
         units
     }
 
@@ -283,7 +283,7 @@ impl DeviceGpt {
         match what {
             Use::Embedding => [l.wte(), l.wpe()].into_iter().flatten().collect(),
             Use::Block(b) => vec![l.block_span(b)],
-            Use::Head => l.lnf().map(|(w, b)| w.start..b.end).into_iter().chain(l.wte()).collect(),
+            Use::Head => l.final_unit().into_iter().chain(l.wte().filter(|_| l.tied_head())).collect(),
         }
     }
 

@@ -165,7 +165,7 @@ pub(super) fn read_config(cpath: &Path, c: &Value) -> Result<GptConfig> {
         max_seq_len: int("max_position_embeddings")?,
         llama: Some(l),
     };
-    model.validate()?;
+    model.validate().map_err(|e| bad(format!("describes no usable Llama: {e}")))?;
     Ok(model)
 }
 
@@ -207,6 +207,68 @@ pub(super) fn is_llama(c: &Value) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::safetensors::{parse, read_hf, serialize, write_hf};
+    use std::path::PathBuf;
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama").join(name)
+    }
+
+    fn tensors_of(dir: &Path) -> NamedTensors {
+        let p = dir.join("model.safetensors");
+        parse(&p, &std::fs::read(&p).unwrap()).unwrap()
+    }
+
+    /// Import then export gives back transformers' tensors exactly (names, shapes, values), and
+    /// importing the export gives the same model; for both fixtures (GQA, Llama 3 scaling).
+    #[test]
+    fn import_export_round_trip() {
+        for name in ["gqa", "llama3"] {
+            let src = fixture(name);
+            let (model, tensors) = read_hf(&src).unwrap();
+            let out = tempfile::tempdir().unwrap();
+            write_hf(out.path(), &model, &tensors).unwrap();
+            assert!(tensors_of(out.path()) == tensors_of(&src), "{name}: exported tensors differ from the fixture's");
+            let (again, back) = read_hf(out.path()).unwrap();
+            assert_eq!(again, model, "{name}");
+            assert!(back == tensors, "{name}: re-imported tensors differ");
+        }
+        let (m, _) = read_hf(&fixture("llama3")).unwrap();
+        let s = m.llama.unwrap().rope_scaling().unwrap();
+        assert_eq!((s.factor, s.original_max_position, m.llama.unwrap().rope_theta), (8.0, 256.0, 500000.0));
+    }
+
+    /// A copy of fixture `name` with its tensors edited by `edit` and its config by `cfg`.
+    fn broken(name: &str, edit: impl FnOnce(&mut NamedTensors), cfg: impl FnOnce(&mut Value)) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let mut t = tensors_of(&fixture(name));
+        edit(&mut t);
+        std::fs::write(dir.path().join("model.safetensors"), serialize(&t)).unwrap();
+        let mut c: Value = serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json")).unwrap()).unwrap();
+        cfg(&mut c);
+        std::fs::write(dir.path().join("config.json"), c.to_string()).unwrap();
+        dir
+    }
+
+    /// Bad directories are refused naming the file and the tensor or field.
+    #[test]
+    fn bad_input_names_the_tensor_and_file() {
+        let q = "model.layers.1.self_attn.q_proj.weight";
+        let cases: Vec<(tempfile::TempDir, &str)> = vec![
+            (broken("gqa", |t| drop(t.remove(q)), |_| ()), "missing tensor `model.layers.1.self_attn.q_proj.weight`"),
+            (broken("gqa", |t| t.get_mut(q).unwrap().0 = vec![16, 64], |_| ()), "has shape [16, 64], expected [32, 32]"),
+            (broken("gqa", |t| drop(t.insert("model.extra.weight".into(), (vec![1], vec![0.0]))), |_| ()), "unexpected tensor `model.extra.weight`"),
+            (broken("gqa", |_| (), |c| c["num_key_value_heads"] = 3.into()), "model.n_kv_head"),
+            (broken("gqa", |_| (), |c| c["mlp_bias"] = true.into()), "`mlp_bias`"),
+            (broken("gqa", |_| (), |c| c["rope_parameters"]["rope_type"] = "yarn".into()), "rope type `yarn`"),
+            (broken("gqa", |_| (), |c| c["model_type"] = "gpt2".into()), "missing integer `n_layer`"),
+        ];
+        for (dir, want) in cases {
+            let e = read_hf(dir.path()).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+            assert!(e.contains("model.safetensors") || e.contains("config.json"), "no file named: {e}");
+        }
+    }
 
     #[test]
     fn names_map_one_to_one_with_gate_and_up_split() {

@@ -135,6 +135,15 @@ impl GptConfig {
         self.n_embd / self.n_head
     }
 
+    /// Why weights of shape `self` cannot load into a model of shape `want`: the architectures
+    /// when they differ, else both shapes.
+    pub fn mismatch(&self, want: &GptConfig) -> String {
+        if self.arch() != want.arch() {
+            return format!("the weights are a {} model, the job's model is {} (model.arch)", self.arch(), want.arch());
+        }
+        format!("model {self:?} differs from the job's {want:?}")
+    }
+
     /// Checks that the shape is usable; errors name the offending key under `model.`.
     pub fn validate(&self) -> Result<()> {
         for (key, v) in [

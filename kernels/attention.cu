@@ -1,47 +1,61 @@
 // attention.cu: the non-GEMM parts of causal multi-head self-attention, f32
 // (src/device/ops_attention.rs runs the whole; src/device/cpu/attention.rs is the reference).
 //
-// Layouts: qkv (B, T, 3*NH*hs) rows hold [q | k | v], head h at columns h*hs..(h+1)*hs of each
-// part; the products run on per-head views (parts, B, NH, T, hs) made by the split/merge
-// kernels below, so that each head's matrix is contiguous and one strided-batched GEMM covers
-// all B*NH heads. att (B, NH, T, T) keeps the softmax probabilities, zero above the diagonal.
+// Layouts: qkv (B, T, (NH + 2*NKV)*hs) rows hold [q | k | v], head h at columns h*hs..(h+1)*hs
+// of each part (NKV key/value heads; NKV == NH for multi-head attention); the products run on
+// per-head views made by the split/merge kernels below, so that each head's matrix is
+// contiguous and one strided-batched GEMM covers all heads (or grouped-query groups).
+// att (B, NH, T, T) keeps the softmax probabilities, zero above the diagonal.
 //
 // Softmax kernels run one block per row (B*NH*T rows of T); each thread handles columns
 // threadIdx.x, threadIdx.x + blockDim.x, ... in every loop, so it rewrites only entries it read
 // itself and no barrier is needed between the loops beyond the block reductions.
 #include "compat.h"
 
-// dst (parts, B, NH, T, hs) = src (B, T, parts*NH*hs) regrouped by head. Grid-stride over the
-// n = parts*B*NH*T*hs elements of dst.
+// The per-head layout: Q (B, NH, T, hs) first, then parts - 1 key/value parts (B, NKV, T, hs)
+// (parts = 3 for qkv, 1 for an (B, T, NH*hs) output); the row layout (B, T, W) with
+// W = (NH + (parts - 1) * NKV) * hs holds [q | k | v] per token. NKV == NH is multi-head
+// attention, where this is (parts, B, NH, T, hs).
+
+// Offset in the row layout of element i of the per-head layout.
+__device__ __forceinline__ mt_u64 mt_head_index(mt_u64 i, int b, int t, int parts, int nh, int nkv,
+                                                int hs) {
+    const mt_u64 nq = (mt_u64)b * nh * t * hs, nk = (mt_u64)b * nkv * t * hs;
+    int p = 0, heads = nh;
+    mt_u64 j = i;
+    if (i >= nq) {
+        p = 1 + (int)((i - nq) / nk);
+        j = (i - nq) % nk;
+        heads = nkv;
+    }
+    mt_u64 r = j / hs;
+    const int x = (int)(j % hs), ti = (int)(r % t);
+    r /= t;
+    const int h = (int)(r % heads), bi = (int)(r / heads);
+    const mt_u64 col = p == 0 ? (mt_u64)h * hs : ((mt_u64)nh + (mt_u64)(p - 1) * nkv + h) * hs;
+    return ((mt_u64)bi * t + ti) * (((mt_u64)nh + (mt_u64)(parts - 1) * nkv) * hs) + col + x;
+}
+
+// dst (per-head layout) = src (row layout) regrouped by head. Grid-stride over the n elements
+// of dst.
 extern "C" __global__ void attention_split_heads_f32(float *dst, const float *src, int b, int t,
-                                                     int parts, int nh, int hs, mt_u64 n) {
+                                                     int parts, int nh, int nkv, int hs, mt_u64 n) {
     for (mt_u64 i = blockIdx.x * (mt_u64)blockDim.x + threadIdx.x; i < n;
          i += (mt_u64)gridDim.x * blockDim.x) {
-        mt_u64 r = i / hs;
-        const int x = (int)(i % hs), ti = (int)(r % t);
-        r /= t;
-        const int h = (int)(r % nh);
-        r /= nh;
-        const int bi = (int)(r % b), p = (int)(r / b);
-        dst[i] = src[(((mt_u64)bi * t + ti) * parts + p) * nh * hs + (mt_u64)h * hs + x];
+        dst[i] = src[mt_head_index(i, b, t, parts, nh, nkv, hs)];
     }
 }
 
-// dst (B, T, parts*NH*hs) = src (parts, B, NH, T, hs) back in row layout (`accumulate`: +=).
-// Grid-stride over the n = B*T*parts*NH*hs elements of dst.
+// dst (row layout) = src (per-head layout) (`accumulate`: +=). Grid-stride over the n elements
+// of src; each dst element is written by exactly one src element.
 extern "C" __global__ void attention_merge_heads_f32(float *dst, const float *src, int b, int t,
-                                                     int parts, int nh, int hs, int accumulate,
-                                                     mt_u64 n) {
+                                                     int parts, int nh, int nkv, int hs,
+                                                     int accumulate, mt_u64 n) {
     for (mt_u64 i = blockIdx.x * (mt_u64)blockDim.x + threadIdx.x; i < n;
          i += (mt_u64)gridDim.x * blockDim.x) {
-        mt_u64 r = i / hs;
-        const int x = (int)(i % hs), h = (int)(r % nh);
-        r /= nh;
-        const int p = (int)(r % parts);
-        r /= parts;
-        const int ti = (int)(r % t), bi = (int)(r / t);
-        const float v = src[((((mt_u64)p * b + bi) * nh + h) * t + ti) * hs + x];
-        dst[i] = accumulate ? dst[i] + v : v;
+        const mt_u64 j = mt_head_index(i, b, t, parts, nh, nkv, hs);
+        const float v = src[i];
+        dst[j] = accumulate ? dst[j] + v : v;
     }
 }
 

@@ -22,7 +22,7 @@ const HEADERS: [(&str, &str); 2] = [
 const EMU_RUNTIME: &str = include_str!("../../kernels/emu_runtime.cpp");
 
 /// Kernel files, by name.
-pub const SOURCES: [(&str, &str); 12] = [
+pub const SOURCES: [(&str, &str); 15] = [
     ("reduce.cu", include_str!("../../kernels/reduce.cu")),
     ("layernorm.cu", include_str!("../../kernels/layernorm.cu")),
     ("gelu.cu", include_str!("../../kernels/gelu.cu")),
@@ -35,10 +35,13 @@ pub const SOURCES: [(&str, &str); 12] = [
     ("linear.cu", include_str!("../../kernels/linear.cu")),
     ("vocab_parallel.cu", include_str!("../../kernels/vocab_parallel.cu")),
     ("oneshot.cu", include_str!("../../kernels/oneshot.cu")),
+    ("rmsnorm.cu", include_str!("../../kernels/rmsnorm.cu")),
+    ("swiglu.cu", include_str!("../../kernels/swiglu.cu")),
+    ("rope.cu", include_str!("../../kernels/rope.cu")),
 ];
 
 /// Entry points other than the reductions.
-const MODEL_KERNELS: [&str; 33] = [
+const MODEL_KERNELS: [&str; 39] = [
     "layernorm_forward_f32",
     "layernorm_backward_dinp_f32",
     "layernorm_backward_dparams_f32",
@@ -72,6 +75,12 @@ const MODEL_KERNELS: [&str; 33] = [
     "cross_entropy_combine_f32",
     "oneshot_signal",
     "oneshot_wait",
+    "rmsnorm_forward_f32",
+    "rmsnorm_backward_dinp_f32",
+    "rmsnorm_backward_dweight_f32",
+    "swiglu_forward_f32",
+    "swiglu_backward_f32",
+    "rope_f32",
 ];
 
 /// The whole kernel translation unit, local includes expanded once.
@@ -162,11 +171,11 @@ mod tests {
     }
 
     /// Every listed entry point is defined by name or by the reduction macros, and the list has
-    /// no duplicates (28 combine kernels, 7 avg divides, 33 model and flag kernels).
+    /// no duplicates (28 combine kernels, 7 avg divides, 39 model and flag kernels).
     #[test]
     fn entry_points_are_unique_and_defined() {
         let names = entry_points();
-        assert_eq!(names.len(), 28 + 7 + 33);
+        assert_eq!(names.len(), 28 + 7 + 39);
         assert_eq!(names.iter().collect::<HashSet<_>>().len(), names.len());
         let src = kernel_source();
         for n in names

@@ -31,6 +31,7 @@ pub mod kernels;
 pub mod nvrtc;
 pub mod ops;
 pub mod ops_attention;
+pub mod ops_llama;
 pub mod ops_vocab;
 pub mod pinned;
 pub mod reduce_bench;

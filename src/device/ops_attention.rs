@@ -1,13 +1,21 @@
 //! Causal multi-head self-attention on a device: strided-batched GEMMs (`device::gemm`, one
 //! call for all B*NH heads) around fused causal-softmax kernels (kernels/attention.cu).
 //!
-//! Forward: qkv (B, T, 3C) is split into per-head views (3, B, NH, T, hs), `att = Q Kᵀ` as one
-//! batched product, the softmax (scale, mask j > i, max, exp, sum, normalise) in place, `out_h =
-//! att V` as one batched product, merged back to out (B, T, C). Backward: `datt = dout_h Vᵀ`,
+//! Forward: qkv (B, T, (NH + 2 NKV) hs) is split into per-head views Q (B, NH, T, hs), K and V
+//! (B, NKV, T, hs), `att = Q Kᵀ` as one batched product, the softmax (scale, mask j > i, max,
+//! exp, sum, normalise) in place, `out_h = att V` as one batched product, merged back to out
+//! (B, T, C). Backward: `datt = dout_h Vᵀ`,
 //! `dV = attᵀ dout_h`, the softmax backward in place (`dpre = scale * att * (datt - Σ att
 //! datt)`), `dQ = dpre K`, `dK = dpreᵀ Q`, merged into dqkv. The products also fill the entries
 //! above the diagonal (wasted, never read: the softmax writes zeros there, so `att V` and the
 //! products of `dpre` equal the causal sums).
+//!
+//! Grouped-query attention (NKV < NH, group g = NH/NKV): the g query heads of a key/value head
+//! are adjacent in Q, so the group's queries are one (g*T, hs) matrix and every product runs
+//! over the B*NKV groups with g*T rows where multi-head attention has T: `att` (g*T, T) is then
+//! exactly the g heads' (T, T) blocks of (B, NH, T, T), and `dV = attᵀ dout`, `dK = dpreᵀ Q`
+//! sum over the group inside the product (no repeated K/V copies, no extra reduction). With
+//! NKV = NH (g = 1) the calls are exactly the multi-head ones.
 //!
 //! On the CPU device the two attention ops run the reference `cpu::attention` instead, so the
 //! device model's CPU arm is the reference the emu and GPU arms are tested against; the single
@@ -23,27 +31,43 @@ use crate::error::Result;
 /// (every buffer fully overwritten by each call; empty on the CPU device, which does not use them).
 pub struct AttnWork {
     gemm: Gemm,
-    heads: DeviceBuffer,     // (3, B, NH, T, hs): Q, K, V
+    heads: DeviceBuffer,     // Q (B, NH, T, hs), K, V (B, NKV, T, hs)
     head_out: DeviceBuffer,  // (B, NH, T, hs): att V in the forward, d(out) in the backward
-    head_grads: DeviceBuffer, // (3, B, NH, T, hs): dQ, dK, dV
+    head_grads: DeviceBuffer, // dQ (B, NH, T, hs), dK, dV (B, NKV, T, hs)
 }
 
 impl AttnWork {
     /// Views for calls of shape `s` on `dev`.
     pub fn new(dev: &Device, s: AttnShape) -> Result<Self> {
-        let n = Self::elements(dev, s) / 7;
+        s.check()?;
+        let (nq, nkv) = if let Device::Cpu = dev { (0, 0) } else { (q_elems(s), kv_elems(s)) };
         Ok(AttnWork {
             gemm: Gemm::new(dev)?,
-            heads: dev.alloc(f32s(3 * n))?,
-            head_out: dev.alloc(f32s(n))?,
-            head_grads: dev.alloc(f32s(3 * n))?,
+            heads: dev.alloc(f32s(nq + 2 * nkv))?,
+            head_out: dev.alloc(f32s(nq))?,
+            head_grads: dev.alloc(f32s(nq + 2 * nkv))?,
         })
     }
 
     /// f32 elements the views take on `dev`.
     pub fn elements(dev: &Device, s: AttnShape) -> usize {
-        if let Device::Cpu = dev { 0 } else { 7 * s.b * s.t * s.nh * s.hs }
+        if let Device::Cpu = dev { 0 } else { 3 * q_elems(s) + 4 * kv_elems(s) }
     }
+}
+
+/// Elements of Q (B, NH, T, hs).
+fn q_elems(s: AttnShape) -> usize {
+    s.b * s.nh * s.t * s.hs
+}
+
+/// Elements of K or V (B, NKV, T, hs).
+fn kv_elems(s: AttnShape) -> usize {
+    s.b * s.nkv * s.t * s.hs
+}
+
+/// Elements of `parts` per-head parts: Q, then `parts - 1` of K/V size.
+fn parts_elems(s: AttnShape, parts: usize) -> usize {
+    q_elems(s) + parts.saturating_sub(1) * kv_elems(s)
 }
 
 /// (rows, T) block-per-row launch of a softmax kernel: the smallest multiple of 64 (a wavefront,
@@ -102,30 +126,35 @@ pub fn softmax_backward(dev: &Device, d: &mut DeviceBuffer, att: &DeviceBuffer, 
     dev.launch(k, row_dims(k, rows, t)?, &args)
 }
 
-/// The index in the row layout (B, T, parts, NH, hs) of element `i` of the per-head layout
-/// (parts, B, NH, T, hs).
+/// The index in the row layout (B, T, [NH | NKV | NKV ...] hs) of element `i` of the per-head
+/// layout (B, NH, T, hs) then (parts - 1) x (B, NKV, T, hs).
 fn head_index(i: usize, s: AttnShape, parts: usize) -> usize {
-    let (x, r) = (i % s.hs, i / s.hs);
+    let (nq, nk) = (q_elems(s), kv_elems(s));
+    let (p, j, heads) = if i < nq { (0, i, s.nh) } else { (1 + (i - nq) / nk, (i - nq) % nk, s.nkv) };
+    let (x, r) = (j % s.hs, j / s.hs);
     let (ti, r) = (r % s.t, r / s.t);
-    let (h, r) = (r % s.nh, r / s.nh);
-    let (bi, p) = (r % s.b, r / s.b);
-    (((bi * s.t + ti) * parts + p) * s.nh + h) * s.hs + x
+    let (h, bi) = (r % heads, r / heads);
+    let col = if p == 0 { h * s.hs } else { (s.nh + (p - 1) * s.nkv + h) * s.hs };
+    (bi * s.t + ti) * (s.nh + parts.saturating_sub(1) * s.nkv) * s.hs + col + x
 }
 
-fn head_args<'a>(k: &str, s: AttnShape, parts: usize) -> Result<[A<'a>; 5]> {
+fn head_args<'a>(k: &str, s: AttnShape, parts: usize) -> Result<[A<'a>; 6]> {
     Ok([
         A::I32(as_i32(k, "b", s.b)?),
         A::I32(as_i32(k, "t", s.t)?),
         A::I32(as_i32(k, "parts", parts)?),
         A::I32(as_i32(k, "nh", s.nh)?),
+        A::I32(as_i32(k, "nkv", s.nkv)?),
         A::I32(as_i32(k, "hs", s.hs)?),
     ])
 }
 
-/// dst (parts, B, NH, T, hs) = src (B, T, parts*NH*hs) regrouped by head.
+/// dst: Q (B, NH, T, hs) then (parts - 1) x (B, NKV, T, hs) = src (B, T, (NH + (parts-1) NKV)
+/// hs) regrouped by head (parts = 3: qkv; parts = 1: an (B, T, NH hs) output or its gradient).
 pub fn split_heads(dev: &Device, dst: &mut DeviceBuffer, src: &DeviceBuffer, s: AttnShape, parts: usize) -> Result<()> {
     let k = "attention_split_heads_f32";
-    let n = parts * s.b * s.t * s.nh * s.hs;
+    s.check()?;
+    let n = parts_elems(s, parts);
     need(k, "dst", dst, f32s(n))?;
     need(k, "src", src, f32s(n))?;
     if let Device::Cpu = dev {
@@ -135,14 +164,16 @@ pub fn split_heads(dev: &Device, dst: &mut DeviceBuffer, src: &DeviceBuffer, s: 
         }
         return Ok(());
     }
-    let [b, t, p, nh, hs] = head_args(k, s, parts)?;
-    dev.launch(k, stride_grid(n), &[A::Buf(dst), A::Buf(src), b, t, p, nh, hs, A::U64(n as u64)])
+    let [b, t, p, nh, nkv, hs] = head_args(k, s, parts)?;
+    dev.launch(k, stride_grid(n), &[A::Buf(dst), A::Buf(src), b, t, p, nh, nkv, hs, A::U64(n as u64)])
 }
 
-/// dst (B, T, parts*NH*hs) = src (parts, B, NH, T, hs) in row layout (`accumulate`: +=).
+/// dst (B, T, (NH + (parts-1) NKV) hs) = src (per-head layout of [`split_heads`]) in row layout
+/// (`accumulate`: +=).
 pub fn merge_heads(dev: &Device, dst: &mut DeviceBuffer, src: &DeviceBuffer, s: AttnShape, parts: usize, accumulate: bool) -> Result<()> {
     let k = "attention_merge_heads_f32";
-    let n = parts * s.b * s.t * s.nh * s.hs;
+    s.check()?;
+    let n = parts_elems(s, parts);
     need(k, "dst", dst, f32s(n))?;
     need(k, "src", src, f32s(n))?;
     if let Device::Cpu = dev {
@@ -154,13 +185,13 @@ pub fn merge_heads(dev: &Device, dst: &mut DeviceBuffer, src: &DeviceBuffer, s: 
         }
         return Ok(());
     }
-    let [b, t, p, nh, hs] = head_args(k, s, parts)?;
-    let args = [A::Buf(dst), A::Buf(src), b, t, p, nh, hs, A::I32(accumulate as i32), A::U64(n as u64)];
+    let [b, t, p, nh, nkv, hs] = head_args(k, s, parts)?;
+    let args = [A::Buf(dst), A::Buf(src), b, t, p, nh, nkv, hs, A::I32(accumulate as i32), A::U64(n as u64)];
     dev.launch(k, stride_grid(n), &args)
 }
 
-/// One batched product over the B*NH heads: `c_h (M, N) = op(a_h) · op(b_h)`, with the
-/// (offset, stride) of each operand's head matrices.
+/// One batched product over the B*NKV key/value groups (B*NH heads when NKV = NH):
+/// `c_g (M, N) = op(a_g) · op(b_g)`, with the (offset, stride) of each operand's matrices.
 #[allow(clippy::too_many_arguments)]
 fn per_head(
     w: &Gemm,
@@ -172,11 +203,11 @@ fn per_head(
     s: AttnShape,
 ) -> Result<()> {
     let c_stride = dims.0 * dims.1;
-    let batch = Batch { count: s.b * s.nh, c: (0, c_stride), a: a_at, b: b_at };
+    let batch = Batch { count: s.b * s.nkv, c: (0, c_stride), a: a_at, b: b_at };
     w.matmul_batched(dev, c, a, b, dims, &batch, false)
 }
 
-/// out (B, T, C), att (B, NH, T, T) from qkv (B, T, 3C). Reference:
+/// out (B, T, C), att (B, NH, T, T) from qkv (B, T, (NH + 2 NKV) hs). Reference:
 /// `cpu::attention::attention_forward` (run as is on the CPU device).
 pub fn attention_forward(
     dev: &Device,
@@ -187,28 +218,31 @@ pub fn attention_forward(
     s: AttnShape,
 ) -> Result<()> {
     let k = "attention_forward";
-    let (btc, tt) = (s.b * s.t * s.nh * s.hs, s.b * s.nh * s.t * s.t);
+    s.check()?;
+    let (btc, tt, nk) = (q_elems(s), s.b * s.nh * s.t * s.t, kv_elems(s));
     need(k, "out", out, f32s(btc))?;
     need(k, "att", att, f32s(tt))?;
-    need(k, "qkv", qkv, f32s(3 * btc))?;
+    need(k, "qkv", qkv, f32s(btc + 2 * nk))?;
     if let Device::Cpu = dev {
         let (o, a) = (host_mut(k, out)?.view_mut::<f32>(btc), host_mut(k, att)?.view_mut::<f32>(tt));
-        attention::attention_forward(o, a, host(k, qkv)?.view::<f32>(3 * btc), s);
+        attention::attention_forward(o, a, host(k, qkv)?.view::<f32>(btc + 2 * nk), s);
         return Ok(());
     }
     let f = |buf| Operand::plain(buf, GemmInput::F32);
     let ft = |buf| Operand::t(buf, GemmInput::F32);
-    let (t, hs, head) = (s.t, s.hs, s.t * s.hs); // head: elements of one head's (T, hs) matrix
-    split_heads(dev, &mut w.heads, qkv, s, 3)?; // Q, K, V (3, B, NH, T, hs)
-    // att_h (T, T) = Q_h (T, hs) · K_hᵀ, K_h stored (T, hs).
-    per_head(&w.gemm, dev, att, (f(&w.heads), (0, head)), (ft(&w.heads), (btc, head)), (t, t, hs), s)?;
+    // head: one key/value head's (T, hs) matrix; gt: a group's query rows; group: (gT, hs).
+    let (t, hs, head, gt) = (s.t, s.hs, s.t * s.hs, s.group() * s.t);
+    let group = gt * hs;
+    split_heads(dev, &mut w.heads, qkv, s, 3)?; // Q (B, NH, T, hs), K, V (B, NKV, T, hs)
+    // att_g (gT, T) = Q_g (gT, hs) · K_gᵀ, K_g stored (T, hs).
+    per_head(&w.gemm, dev, att, (f(&w.heads), (0, group)), (ft(&w.heads), (btc, head)), (gt, t, hs), s)?;
     softmax_forward(dev, att, s.b * s.nh * t, t, scale_of(s))?;
-    // out_h (T, hs) = att_h (T, T) · V_h (T, hs).
-    per_head(&w.gemm, dev, &mut w.head_out, (f(att), (0, t * t)), (f(&w.heads), (2 * btc, head)), (t, hs, t), s)?;
+    // out_g (gT, hs) = att_g (gT, T) · V_g (T, hs).
+    per_head(&w.gemm, dev, &mut w.head_out, (f(att), (0, gt * t)), (f(&w.heads), (btc + nk, head)), (gt, hs, t), s)?;
     merge_heads(dev, out, &w.head_out, s, 1, false)
 }
 
-/// dqkv (B, T, 3C) += the attention gradient from dout (B, T, C) and the forward's qkv and
+/// dqkv (B, T, (NH + 2 NKV) hs) += the attention gradient from dout (B, T, C) and the forward's qkv and
 /// att; `dpre` is (B, NH, T, T) scratch, fully overwritten. Reference:
 /// `cpu::attention::attention_backward` (run as is on the CPU device).
 #[allow(clippy::too_many_arguments)]
@@ -223,9 +257,10 @@ pub fn attention_backward(
     s: AttnShape,
 ) -> Result<()> {
     let k = "attention_backward";
-    let (btc, tt) = (s.b * s.t * s.nh * s.hs, s.b * s.nh * s.t * s.t);
-    need(k, "dqkv", dqkv, f32s(3 * btc))?;
-    need(k, "qkv", qkv, f32s(3 * btc))?;
+    s.check()?;
+    let (btc, tt, nk) = (q_elems(s), s.b * s.nh * s.t * s.t, kv_elems(s));
+    need(k, "dqkv", dqkv, f32s(btc + 2 * nk))?;
+    need(k, "qkv", qkv, f32s(btc + 2 * nk))?;
     need(k, "dout", dout, f32s(btc))?;
     need(k, "dpre", dpre, f32s(tt))?;
     need(k, "att", att, f32s(tt))?;
@@ -234,26 +269,29 @@ pub fn attention_backward(
         // it is zeroed here to keep the two arms' contracts alike.
         host_mut(k, dpre)?.view_mut::<f32>(tt).fill(0.0);
         let mut row = vec![0f32; attention::attention_scratch_len(s.t)];
-        let (dy, x, a) = (host(k, dout)?.view::<f32>(btc), host(k, qkv)?.view::<f32>(3 * btc), host(k, att)?.view::<f32>(tt));
-        attention::attention_backward(host_mut(k, dqkv)?.view_mut::<f32>(3 * btc), &mut row, dy, x, a, s);
+        let n = btc + 2 * nk;
+        let (dy, x, a) = (host(k, dout)?.view::<f32>(btc), host(k, qkv)?.view::<f32>(n), host(k, att)?.view::<f32>(tt));
+        attention::attention_backward(host_mut(k, dqkv)?.view_mut::<f32>(n), &mut row, dy, x, a, s);
         return Ok(());
     }
     let f = |buf| Operand::plain(buf, GemmInput::F32);
     let ft = |buf| Operand::t(buf, GemmInput::F32);
-    let (t, hs, head) = (s.t, s.hs, s.t * s.hs); // head: elements of one head's (T, hs) matrix
-    split_heads(dev, &mut w.heads, qkv, s, 3)?; // Q, K, V (3, B, NH, T, hs)
+    // head: one key/value head's (T, hs) matrix; gt: a group's query rows; group: (gT, hs).
+    let (t, hs, head, gt) = (s.t, s.hs, s.t * s.hs, s.group() * s.t);
+    let (group, count) = (gt * hs, s.b * s.nkv);
+    split_heads(dev, &mut w.heads, qkv, s, 3)?; // Q (B, NH, T, hs), K, V (B, NKV, T, hs)
     split_heads(dev, &mut w.head_out, dout, s, 1)?; // dout_h (B, NH, T, hs)
     let (heads, dy, g) = (&w.heads, &w.head_out, &mut w.head_grads);
-    // datt_h (T, T) = dout_h (T, hs) · V_hᵀ, into dpre.
-    per_head(&w.gemm, dev, dpre, (f(dy), (0, head)), (ft(heads), (2 * btc, head)), (t, t, hs), s)?;
-    // dV_h (T, hs) = att_hᵀ · dout_h, att_h stored (T, T).
-    let dv = Batch { count: s.b * s.nh, c: (2 * btc, head), a: (0, t * t), b: (0, head) };
-    w.gemm.matmul_batched(dev, g, ft(att), f(dy), (t, hs, t), &dv, false)?;
+    // datt_g (gT, T) = dout_g (gT, hs) · V_gᵀ, into dpre.
+    per_head(&w.gemm, dev, dpre, (f(dy), (0, group)), (ft(heads), (btc + nk, head)), (gt, t, hs), s)?;
+    // dV_g (T, hs) = att_gᵀ · dout_g (the sum over the group's heads), att_g stored (gT, T).
+    let dv = Batch { count, c: (btc + nk, head), a: (0, gt * t), b: (0, group) };
+    w.gemm.matmul_batched(dev, g, ft(att), f(dy), (t, hs, gt), &dv, false)?;
     softmax_backward(dev, dpre, att, s.b * s.nh * t, t, scale_of(s))?; // dpre (B, NH, T, T)
-    // dQ_h (T, hs) = dpre_h (T, T) · K_h (T, hs).
-    per_head(&w.gemm, dev, g, (f(dpre), (0, t * t)), (f(heads), (btc, head)), (t, hs, t), s)?;
-    // dK_h (T, hs) = dpre_hᵀ · Q_h.
-    let dk = Batch { count: s.b * s.nh, c: (btc, head), a: (0, t * t), b: (0, head) };
-    w.gemm.matmul_batched(dev, g, ft(dpre), f(heads), (t, hs, t), &dk, false)?;
+    // dQ_g (gT, hs) = dpre_g (gT, T) · K_g (T, hs).
+    per_head(&w.gemm, dev, g, (f(dpre), (0, gt * t)), (f(heads), (btc, head)), (gt, hs, t), s)?;
+    // dK_g (T, hs) = dpre_gᵀ · Q_g.
+    let dk = Batch { count, c: (btc, head), a: (0, gt * t), b: (0, group) };
+    w.gemm.matmul_batched(dev, g, ft(dpre), f(heads), (t, hs, gt), &dk, false)?;
     merge_heads(dev, dqkv, g, s, 3, true)
 }

@@ -248,6 +248,7 @@ impl<F: Float> Gpt<F> {
             t: self.t,
             nh: self.config.n_head,
             hs: self.config.head_dim(),
+            nkv: self.config.n_head,
         }
     }
 

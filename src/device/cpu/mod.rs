@@ -22,6 +22,9 @@ pub mod linear;
 pub mod matmul;
 pub mod parallel;
 pub mod residual;
+pub mod rmsnorm;
+pub mod rope;
+pub mod swiglu;
 pub mod vocab_parallel;
 
 pub use float::Float;

@@ -503,3 +503,24 @@ fn llama_layouts_follow_the_single_rank_trajectory() {
     }
 }
 
+
+/// A Llama checkpoint never loads into a GPT-2 job (nor the reverse): `init_from` with the
+/// other architecture's weights is refused naming `model.arch`, before any step.
+#[test]
+fn weights_of_another_arch_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let path = job(d, "arch.toml", "");
+    let llama = trajectory_of(d, "llama", 1, &path, &["model.size=\"llama-tiny\"".into()], 2);
+    assert!(llama.params.iter().any(|t| t.0 == "model/lm_head.weight"));
+    for (weights, sets) in [("llama.h5", vec![]), ("gpt2.h5", vec!["--set", "model.size=\"llama-tiny\""])] {
+        if weights == "gpt2.h5" {
+            trajectory_of(d, "gpt2", 1, &path, &[], 2);
+        }
+        let mut cmd = Command::new(common::meshtrain());
+        cmd.arg("train").arg(&path).args(["--set", &format!("init_from={:?}", d.join(weights).display().to_string())]).args(&sets);
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("model.arch") && err.contains(weights), "{weights}: {err}");
+    }
+}

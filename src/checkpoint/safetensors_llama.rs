@@ -104,9 +104,9 @@ pub(super) fn hf_tensors(dir: &Path, model: &GptConfig, tensors: &[ExportedTenso
     for (name, shape, data) in tensors {
         let Some(short) = name.strip_prefix("model/") else { continue };
         let names = hf_names(short).ok_or_else(|| Error::file(dir, None, format!("no Hugging Face name for `{name}`")))?;
-        let (rows, cols) = match &shape[..] {
-            &[r, c] => (r, c),
-            &[r] => (r, 1),
+        let (rows, cols) = match shape[..] {
+            [r, c] => (r, c),
+            [r] => (r, 1),
             _ => return Err(Error::file(dir, None, format!("`{name}` has shape {shape:?}"))),
         };
         let rows = if vocab_rows(short) { model.vocab_size } else { rows };
@@ -192,7 +192,7 @@ pub(super) fn from_hf(wpath: &Path, model: &GptConfig, mut hf: NamedTensors) -> 
     }
     let tied = model.llama.is_some_and(|l| l.tie_embeddings);
     // Rotary caches some versions store carry no parameters; a tied head may be saved anyway.
-    let extra = hf.keys().find(|k| !k.ends_with("rotary_emb.inv_freq") && !(tied && *k == "lm_head.weight"));
+    let extra = hf.keys().find(|k| !(k.ends_with("rotary_emb.inv_freq") || (tied && *k == "lm_head.weight")));
     if let Some(extra) = extra {
         return Err(Error::file(wpath, None, format!("unexpected tensor `{extra}` for a Llama of this shape")));
     }

@@ -235,7 +235,10 @@ impl LlamaKeys {
 
 /// Llama named sizes: `(name, L, NH, NKV, C, F, V, maxT)`. The 7b/13b/70b shapes are Llama 2's
 /// published configurations (vocabulary 32000, context 4096).
-const NAMED: &[(&str, usize, usize, usize, usize, usize, usize, usize)] = &[
+/// A named Llama size: (name, L, NH, NKV, C, F, V, maxT).
+type Named = (&'static str, usize, usize, usize, usize, usize, usize, usize);
+
+const NAMED: &[Named] = &[
     ("llama-tiny", 2, 4, 2, 64, 176, 256, 64),
     ("llama-7b", 32, 32, 32, 4096, 11008, 32000, 4096),
     ("llama-13b", 40, 40, 40, 5120, 13824, 32000, 4096),

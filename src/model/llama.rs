@@ -279,6 +279,9 @@ mod tests {
         // Llama 2 7B has 6.74e9 parameters (untied head, no biases).
         let p = super::super::ParamLayout::new(&c).total_len();
         assert!((6_738_000_000..6_739_000_000).contains(&p), "{p}");
+        // Model FLOPs count every matrix product's weights: all but the embedding and the norms.
+        let norms = (2 * c.n_layer + 1) * c.n_embd;
+        assert_eq!(crate::metrics::flop_params(&c) as usize, p - c.vocab_size * c.n_embd - norms);
     }
 
     #[test]

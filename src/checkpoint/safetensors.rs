@@ -1,4 +1,4 @@
-//! GPT-2 weights in the Hugging Face layout: a directory with `model.safetensors` and
+//! GPT-2 weights (Llama: `safetensors_llama.rs`) in the Hugging Face layout: a directory with `model.safetensors` and
 //! `config.json`, as `GPT2LMHeadModel.save_pretrained` writes them, so that
 //! `GPT2LMHeadModel.from_pretrained(DIR)` loads what `meshtrain export --format safetensors`
 //! writes, and `init_from = "DIR"` (or `generate DIR`) reads such a directory.

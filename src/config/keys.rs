@@ -44,7 +44,7 @@ use Default::{Code, Text};
 pub const KEYS: &[Key] = &[
     key("device", "string", Code, "`cpu`, `cuda`, `hip`, or `emu` (the GPU kernels emulated on the host)"),
     key("precision", "string", Text("`fp32` on the CPU, `bf16` on a GPU"), "matrix-product inputs: `fp32` or `bf16` (f32 accumulation and master weights)"),
-    key("init_from", "path", Text("none"), "start from these weights: a `meshtrain export` file or a Hugging Face GPT-2 directory (safetensors)"),
+    key("init_from", "path", Text("none"), "start from these weights: a `meshtrain export` file or a Hugging Face GPT-2 or Llama directory (safetensors)"),
     key("model.size", "string", Text("none"), "named shape: `tiny`, `d12`, `d24`, `d36`, `d48`, `22b`, `175b`, `1t`, `llama-tiny`, `llama-7b`, `llama-13b`, `llama-70b`"),
     key("model.n_layer", "integer", Text("from `size`"), "transformer blocks"),
     key("model.n_head", "integer", Text("from `size`"), "attention heads"),

@@ -11,6 +11,11 @@
 //! rounding that differs from the f32 reference is the bf16 rounding of GEMM inputs (relative
 //! 2^-9 per element), which is what the tolerances of the equivalence tests are derived from.
 //!
+//! Architectures: `config.llama` switches the norms to RMSNorm, drops biases and positions, adds
+//! RoPE on q and k, grouped-query attention, SwiGLU and an untied head (`device_gpt/llama_layers.rs`);
+//! everything else (slots, recomputation, TP/SP collectives, pipeline stages, ZeRO units) is
+//! shared, so every layout runs either architecture.
+//!
 //! This is the one executor of every training layout on every device arm, the CPU's included;
 //! the single-rank [`super::Gpt`] exists only as the reference the tests compare it with.
 //!

@@ -1,5 +1,6 @@
-//! The GPT-2 model: configuration, named sizes, the layout tables, the one executor and the
-//! single-rank reference.
+//! The GPT-2 and Llama models: configuration (`model.arch`, [`llama`]), named sizes, the layout
+//! tables, the one executor and the single-rank reference (GPT-2; Llama's reference is the
+//! transformers fixture, `llama_tests.rs`).
 //!
 //! A model is fully described by [`GptConfig`]; the vocabulary is padded to a multiple of 128
 //! (`padded_vocab_size`) so that embedding rows and logits GEMMs are well shaped. Padded rows exist

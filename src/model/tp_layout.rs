@@ -1,4 +1,5 @@
-//! The flat parameter buffer of one (tensor-parallel rank, pipeline stage) shard of a GPT-2.
+//! The flat parameter buffer of one (tensor-parallel rank, pipeline stage) shard of a GPT-2 or
+//! Llama model.
 //!
 //! A stage holds the tensors of the blocks of all its chunks (one contiguous block range each; an
 //! interleaved pipeline gives a rank several), plus `wte` when it embeds (first stage) or owns the
@@ -13,14 +14,24 @@
 //! | Row        | (O, I)       | columns `r*I/tp ..`                                         |
 //! | Replicated | any          | everything                                                  |
 //!
+//! Llama (`model.arch = "llama"`): q and the stacked gate/up (two (F, C) matrices, like the fused
+//! qkv's three) are Column, o and down Row, the norms Replicated, `wte` and `lm_head` Vocab (an
+//! untied `lm_head` lives on the last stage only, `wte` on the first); k and v are `KvHeads`:
+//! Column by KV head when tp divides `n_kv_head`, else (tp a multiple of `n_kv_head`) rank `r`
+//! holds rows `g*hd..(g+1)*hd` of KV head `g = r / (tp / n_kv_head)`, the one its query heads
+//! read, shared with the other `tp / n_kv_head - 1` ranks of that head (`tp_sharing`); the first
+//! of them is its `tp_owner` (writes it to checkpoints, counts it in the gradient norm), and the
+//! executor sums the sharers' gradient parts so that all hold the same gradient.
+//!
 //! Every shard is one box of a *view* of the global tensor (the fused qkv is viewed as
 //! (3, C, C), its bias as (3, C); other Column tensors as (1, O, ...)), described by
 //! `view_shape`, `box_offset` (the per-dimension start) and `box_shape`; the local tensor holds
 //! the box's elements row-major. That is all a checkpoint resharder needs.
 //!
 //! Invariants: entries tile `0..total_len()` contiguously in global order; a block's tensors are
-//! contiguous ([`ShardLayout::block_span`]); `n_head` and `Vp` are divisible by `tp`, so every
-//! rank's shard has the same shape.
+//! contiguous ([`ShardLayout::block_span`]); `n_head` and `Vp` are divisible by `tp` (Llama also
+//! `ffn_dim`, and `n_kv_head` divisible by or dividing `tp`), so every rank's shard has the same
+//! shape.
 
 use std::ops::Range;
 

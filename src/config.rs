@@ -88,6 +88,16 @@ struct ModelSection {
     n_embd: Option<usize>,
     vocab_size: Option<usize>,
     max_seq_len: Option<usize>,
+    arch: Option<String>,
+    n_kv_head: Option<usize>,
+    ffn_dim: Option<usize>,
+    rope_theta: Option<f64>,
+    rope_scaling_factor: Option<f64>,
+    rope_low_freq_factor: Option<f64>,
+    rope_high_freq_factor: Option<f64>,
+    rope_original_max_seq_len: Option<usize>,
+    norm_eps: Option<f64>,
+    tie_embeddings: Option<bool>,
 }
 
 /// `[data]`.
@@ -495,6 +505,9 @@ impl JobConfig {
                 ),
             ));
         }
+        if m.llama.is_some() {
+            crate::model::tp_layout::check_tp(m, 0, p.tp)?;
+        }
         if p.pp > m.n_layer {
             return Err(Error::config(
                 "parallel.pp",
@@ -708,7 +721,25 @@ impl ModelSection {
             n_embd: pick("n_embd", self.n_embd, base.map(|b| b.n_embd))?,
             vocab_size: pick("vocab_size", self.vocab_size, base.map(|b| b.vocab_size))?,
             max_seq_len: pick("max_seq_len", self.max_seq_len, base.map(|b| b.max_seq_len))?,
+            llama: self.llama_keys().resolve(base, self.n_head, self.n_embd)?,
         })
+    }
+}
+
+impl ModelSection {
+    fn llama_keys(&self) -> crate::model::llama::LlamaKeys {
+        crate::model::llama::LlamaKeys {
+            arch: self.arch.clone(),
+            n_kv_head: self.n_kv_head,
+            ffn_dim: self.ffn_dim,
+            rope_theta: self.rope_theta,
+            rope_scaling_factor: self.rope_scaling_factor,
+            rope_low_freq_factor: self.rope_low_freq_factor,
+            rope_high_freq_factor: self.rope_high_freq_factor,
+            rope_original_max_seq_len: self.rope_original_max_seq_len,
+            norm_eps: self.norm_eps,
+            tie_embeddings: self.tie_embeddings,
+        }
     }
 }
 

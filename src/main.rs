@@ -103,7 +103,7 @@ struct ExportArgs {
     #[arg(long)]
     optimizer: bool,
     /// `h5` (one HDF5 file, meshtrain's names) or `safetensors` (a directory that transformers'
-    /// `GPT2LMHeadModel.from_pretrained` loads: model.safetensors + config.json).
+    /// `GPT2LMHeadModel.from_pretrained` or, for `model.arch = "llama"`, `LlamaForCausalLM.from_pretrained` loads: model.safetensors + config.json).
     #[arg(long, default_value = "h5", value_parser = ["h5", "safetensors"])]
     format: String,
 }

@@ -32,14 +32,24 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::model::{GptConfig, Recompute};
 
-/// Matmul parameters `N = 12 L C^2 + V C` of the FLOP convention in the module doc.
+/// Matmul parameters `N = 12 L C^2 + V C` of the FLOP convention in the module doc (Llama:
+/// each block's `2 C^2 + 2 NKV hd C + 3 F C` instead of `12 C^2`).
 pub fn flop_params(model: &GptConfig) -> u64 {
     let (l, c, v) = (
         model.n_layer as u64,
         model.n_embd as u64,
         model.vocab_size as u64,
     );
-    12 * l * c * c + v * c
+    l * block_flop_params(model) + v * c
+}
+
+/// Matmul parameters of one block: `12 C^2` for GPT-2, `2 C^2 + 2 NKV hd C + 3 F C` for Llama.
+pub fn block_flop_params(model: &GptConfig) -> u64 {
+    let c = model.n_embd as u64;
+    match &model.llama {
+        None => 12 * c * c,
+        Some(l) => 2 * c * c + 2 * (l.n_kv_head * model.head_dim()) as u64 * c + 3 * l.ffn_dim as u64 * c,
+    }
 }
 
 /// Model FLOPs to train on one token at sequence length `seq_len`: `6 N + 12 L C T`.
@@ -55,7 +65,7 @@ pub fn recompute_flops_per_token(model: &GptConfig, seq_len: usize, recompute: R
     match recompute {
         Recompute::None => 0.0,
         Recompute::Selective => core,
-        Recompute::Full => 24.0 * l * c * c + core,
+        Recompute::Full => 2.0 * l * block_flop_params(model) as f64 + core,
     }
 }
 

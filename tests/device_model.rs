@@ -13,7 +13,7 @@ const B: usize = 2;
 const T: usize = 16;
 
 fn small() -> GptConfig {
-    GptConfig { n_layer: 2, n_head: 4, n_embd: 64, vocab_size: 100, max_seq_len: T }
+    GptConfig { n_layer: 2, n_head: 4, n_embd: 64, vocab_size: 100, max_seq_len: T, llama: None }
 }
 
 fn batch(seed: u64) -> (Vec<u32>, Vec<u32>) {

@@ -389,6 +389,7 @@ fn adamw_matches_cpu(kind: DeviceKind) {
         n_embd: 64,
         vocab_size: 300,
         max_seq_len: 32,
+        llama: None,
     });
     let total = layout.total_len();
     let cfg = AdamWConfig::default();

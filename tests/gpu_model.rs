@@ -114,7 +114,7 @@ fn gemm_matches_the_cpu_arm_in_every_transposition_and_type(kind: DeviceKind) {
 }
 
 fn device_model_matches_the_cpu_arm_in_fp32_and_bf16(kind: DeviceKind) {
-    let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 128, vocab_size: 500, max_seq_len: 64 };
+    let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 128, vocab_size: 500, max_seq_len: 64, llama: None };
     let (b, t) = (4, 64);
     let mut r = rng("device_model");
     let tokens: Vec<u32> = (0..b * t).map(|_| r.gen_range(0..cfg.vocab_size as u32)).collect();
@@ -145,7 +145,7 @@ fn device_model_matches_the_cpu_arm_in_fp32_and_bf16(kind: DeviceKind) {
 /// arm. fp16 keeps 11 significant bits (neighbouring values 2^-11 apart, 8x closer than bf16), so
 /// an activation one f32 ulp away rounds to a neighbouring fp16 value less often and moves less.
 fn device_model_matches_the_cpu_arm_in_fp16(kind: DeviceKind) {
-    let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 128, vocab_size: 500, max_seq_len: 64 };
+    let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 128, vocab_size: 500, max_seq_len: 64, llama: None };
     let (b, t) = (4, 64);
     let mut r = rng("device_model_fp16");
     let tokens: Vec<u32> = (0..b * t).map(|_| r.gen_range(0..cfg.vocab_size as u32)).collect();

@@ -17,6 +17,7 @@ fn tiny() -> GptConfig {
         n_embd: 8,
         vocab_size: 20,
         max_seq_len: T,
+        llama: None,
     }
 }
 

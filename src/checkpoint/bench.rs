@@ -274,7 +274,7 @@ fn save_and_load(comm: &Communicator, data: &BenchData, seq: &Path, root: &Path)
     drop(raw);
 
     let _ = std::fs::remove_dir_all(root.join(step_dir_name(1)));
-    let config = GptConfig { n_layer: 0, n_head: 1, n_embd: WIDTH, vocab_size: 1, max_seq_len: 1 };
+    let config = GptConfig { n_layer: 0, n_head: 1, n_embd: WIDTH, vocab_size: 1, max_seq_len: 1, llama: None };
     let meta = CkptMeta::new(1, 0, config, OptimizerMeta { adamw: AdamWConfig::default(), steps_taken: 1 });
     comm.barrier()?;
     let t = Instant::now();

@@ -264,14 +264,7 @@ impl CheckpointIndex {
         if &self.meta.model == config {
             return Ok(());
         }
-        Err(Error::file(
-            self.dir.join(INDEX_FILE),
-            None,
-            format!(
-                "model config {:?} differs from the expected {config:?}",
-                self.meta.model
-            ),
-        ))
+        Err(Error::file(self.dir.join(INDEX_FILE), None, self.meta.model.mismatch(config)))
     }
 
     /// Reads hyperslab (`offset`, `shape`) of tensor `name` into `out` (row-major, exactly its

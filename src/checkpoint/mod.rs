@@ -91,6 +91,7 @@ mod inspect;
 mod lock;
 mod meta;
 mod safetensors;
+mod safetensors_llama;
 mod save;
 #[cfg(test)]
 mod tests;
@@ -104,6 +105,8 @@ pub use inspect::{inspect, InspectReport, TensorStats};
 pub use lock::{lock_for_job, DirLock, LOCK_FILE};
 pub use meta::{CkptMeta, LossScaleMeta, OptimizerMeta, ShardRecord, TensorRecord};
 pub use safetensors::{export_hf, is_hf_dir, read_hf, write_hf};
+#[cfg(test)]
+pub(crate) use safetensors::{parse as parse_safetensors, serialize as serialize_safetensors};
 pub use save::save;
 
 /// The model and its weights (`model/<name>`, global shapes) from an exported file or a Hugging

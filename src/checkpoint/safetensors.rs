@@ -1,4 +1,4 @@
-//! GPT-2 weights in the Hugging Face layout: a directory with `model.safetensors` and
+//! GPT-2 weights (Llama: `safetensors_llama.rs`) in the Hugging Face layout: a directory with `model.safetensors` and
 //! `config.json`, as `GPT2LMHeadModel.save_pretrained` writes them, so that
 //! `GPT2LMHeadModel.from_pretrained(DIR)` loads what `meshtrain export --format safetensors`
 //! writes, and `init_from = "DIR"` (or `generate DIR`) reads such a directory.
@@ -98,6 +98,10 @@ fn hf_config(m: &GptConfig) -> serde_json::Value {
 /// Writes the model tensors of `tensors` (names `model/<name>`, global shapes) as a Hugging Face
 /// GPT-2 directory `dir`; returns the number of tensors written.
 pub fn write_hf(dir: &Path, model: &GptConfig, tensors: &[ExportedTensor]) -> Result<usize> {
+    if let Some(l) = &model.llama {
+        let out = super::safetensors_llama::hf_tensors(dir, model, tensors)?;
+        return write_dir(dir, &out, &super::safetensors_llama::hf_config(model, l));
+    }
     let mut out = NamedTensors::new();
     for (name, shape, data) in tensors {
         let Some(short) = name.strip_prefix("model/") else { continue };
@@ -109,10 +113,15 @@ pub fn write_hf(dir: &Path, model: &GptConfig, tensors: &[ExportedTensor]) -> Re
         };
         out.insert(hf, entry);
     }
+    write_dir(dir, &out, &hf_config(model))
+}
+
+/// Writes `tensors` and `config` as the Hugging Face directory `dir`; returns the tensor count.
+fn write_dir(dir: &Path, out: &NamedTensors, config: &serde_json::Value) -> Result<usize> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
-    let bytes = serialize(&out);
+    let bytes = serialize(out);
     write_atomic(&dir.join(WEIGHTS_FILE), &bytes)?;
-    let config = serde_json::to_string_pretty(&hf_config(model)).expect("a JSON value serializes");
+    let config = serde_json::to_string_pretty(config).expect("a JSON value serializes");
     write_atomic(&dir.join(CONFIG_FILE), config.as_bytes())?;
     Ok(out.len())
 }
@@ -203,8 +212,15 @@ pub fn read_hf(dir: &Path) -> Result<(GptConfig, Vec<ExportedTensor>)> {
     let cpath = dir.join(CONFIG_FILE);
     let text = std::fs::read_to_string(&cpath).map_err(|e| Error::io(format!("read {}", cpath.display()), e))?;
     let c: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::file(&cpath, None, format!("not JSON: {e}")))?;
+    if super::safetensors_llama::is_llama(&c) {
+        let model = super::safetensors_llama::read_config(&cpath, &c)?;
+        let wpath = dir.join(WEIGHTS_FILE);
+        let bytes = std::fs::read(&wpath).map_err(|e| Error::io(format!("read {}", wpath.display()), e))?;
+        let tensors = super::safetensors_llama::from_hf(&wpath, &model, parse(&wpath, &bytes)?)?;
+        return Ok((model, tensors));
+    }
     let get = |k: &str| c[k].as_u64().map(|v| v as usize).ok_or_else(|| Error::file(&cpath, None, format!("missing integer `{k}`")));
-    let model = GptConfig { n_layer: get("n_layer")?, n_head: get("n_head")?, n_embd: get("n_embd")?, vocab_size: get("vocab_size")?, max_seq_len: get("n_positions")? };
+    let model = GptConfig { n_layer: get("n_layer")?, n_head: get("n_head")?, n_embd: get("n_embd")?, vocab_size: get("vocab_size")?, max_seq_len: get("n_positions")?, llama: None };
     model.validate()?;
     let wpath = dir.join(WEIGHTS_FILE);
     let bytes = std::fs::read(&wpath).map_err(|e| Error::io(format!("read {}", wpath.display()), e))?;
@@ -244,7 +260,7 @@ mod tests {
     use super::*;
 
     fn tiny() -> GptConfig {
-        GptConfig { n_layer: 2, n_head: 2, n_embd: 8, vocab_size: 50, max_seq_len: 6 }
+        GptConfig { n_layer: 2, n_head: 2, n_embd: 8, vocab_size: 50, max_seq_len: 6, llama: None }
     }
 
     /// Every model tensor of `m` with distinct values (padded vocabulary rows zero).

@@ -35,8 +35,13 @@ pub struct ActDims {
     pub c: usize,
     /// This rank's attention width C/tp (Cl).
     pub cl: usize,
-    /// This rank's MLP width 4C/tp (H).
+    /// This rank's MLP width 4C/tp (H; Llama: F/tp, the SwiGLU output).
     pub hl: usize,
+    /// Width of this rank's qkv rows: 3Cl (Llama: (NH + 2 NKV) hd / tp, a shared KV head counted
+    /// once).
+    pub qkv: usize,
+    /// Width of this rank's MLP up-projection output: H (Llama: 2F/tp, `[gate | up]`).
+    pub fc: usize,
     /// This rank's vocabulary rows Vp/tp (Vl).
     pub vl: usize,
     /// Elements of one block's attention probabilities (B, NH/tp, T, T).
@@ -134,11 +139,12 @@ impl Field {
         match self {
             Field::Ln1 | Field::Ln2 => d.bt * d.c,
             Field::Ln1Mean | Field::Ln1Rstd | Field::Ln2Mean | Field::Ln2Rstd => d.rows,
-            Field::Qkv => d.bt * 3 * d.cl,
+            Field::Qkv => d.bt * d.qkv,
             Field::Atty => d.bt * d.cl,
             Field::Att => d.att,
             Field::Residual2 | Field::Residual3 => d.rows * d.c,
-            Field::Fch | Field::FchGelu => d.bt * d.hl,
+            Field::Fch => d.bt * d.fc,
+            Field::FchGelu => d.bt * d.hl,
         }
     }
 }
@@ -149,13 +155,22 @@ impl ActDims {
     pub fn of_rank(config: &GptConfig, b: usize, t: usize, tp: usize, sp: bool) -> ActDims {
         let (bt, c, tp) = (b * t, config.n_embd, tp.max(1));
         let sp = sp && tp > 1;
+        let (hl, qkv, fc) = match &config.llama {
+            None => (4 * c / tp, 3 * c / tp, 4 * c / tp),
+            Some(l) => {
+                let kv_heads = (l.n_kv_head / tp).max(1);
+                (l.ffn_dim / tp, c / tp + 2 * kv_heads * config.head_dim(), 2 * l.ffn_dim / tp)
+            }
+        };
         ActDims {
             bt,
             rows: if sp { bt / tp } else { bt },
             sp,
             c,
             cl: c / tp,
-            hl: 4 * c / tp,
+            hl,
+            qkv,
+            fc,
             vl: config.padded_vocab_size() / tp,
             att: b * (config.n_head / tp) * t * t,
             tp: tp > 1,
@@ -199,14 +214,14 @@ pub(super) struct BlockActs {
     pub ln1: DeviceBuffer,       // (B*T, C) all rows (gathered under SP)
     pub ln1_mean: DeviceBuffer,  // (R)
     pub ln1_rstd: DeviceBuffer,  // (R)
-    pub qkv: DeviceBuffer,       // (B*T, 3Cl)
+    pub qkv: DeviceBuffer,       // (B*T, 3Cl) (Llama: after RoPE)
     pub atty: DeviceBuffer,      // (B*T, Cl)
     pub att: DeviceBuffer,       // (B, NH/tp, T, T)
     pub residual2: DeviceBuffer, // (R, C)
     pub ln2: DeviceBuffer,       // (B*T, C) all rows (gathered under SP)
     pub ln2_mean: DeviceBuffer,  // (R)
     pub ln2_rstd: DeviceBuffer,  // (R)
-    pub fch: DeviceBuffer,       // (B*T, H)
+    pub fch: DeviceBuffer,       // (B*T, H) (Llama: (B*T, 2F/tp) [gate | up])
     pub fch_gelu: DeviceBuffer,  // (B*T, H)
     pub residual3: DeviceBuffer, // (R, C)
 }
@@ -365,10 +380,10 @@ impl Scratch {
             dres: if d.sp { d.reduced(dev, r * c)? } else { f(r * c)? },
             dln: if d.sp { f(r * c)? } else { d.reduced(dev, bt * c)? },
             datty: f(bt * d.cl)?,
-            dqkv: f(bt * 3 * d.cl)?,
+            dqkv: f(bt * d.qkv)?,
             dpre: f(d.att)?,
             dfch_gelu: f(bt * d.hl)?,
-            dfch: f(bt * d.hl)?,
+            dfch: f(bt * d.fc)?,
             ln: d.reduced(dev, sp(r * c))?,
             partial: d.reduced(dev, sp(bt * c))?,
             full: f(sp(bt * c))?,
@@ -380,6 +395,6 @@ impl Scratch {
     pub(super) fn elements(d: &ActDims, head: bool, t: usize) -> usize {
         let dlogits = if head { d.bt * d.vl } else { 0 };
         let sp = if d.sp { d.rows * d.c + 2 * d.bt * d.c + (6 * d.c).max(t * d.c) + 6 * d.c } else { 0 };
-        d.rows * 3 * d.c + d.bt * (4 * d.cl + 2 * d.hl) + dlogits + d.att + sp
+        d.rows * 3 * d.c + d.bt * (d.cl + d.qkv + d.hl + d.fc) + dlogits + d.att + sp
     }
 }

@@ -15,6 +15,11 @@
 //! ([`DeviceGpt::set_loss_scale`]) so that small activation gradients stay representable, and the
 //! optimizer divides the gradients by it again (`train::loss_scale`).
 //!
+//! Architectures: `config.llama` switches the norms to RMSNorm, drops biases and positions, adds
+//! RoPE on q and k, grouped-query attention, SwiGLU and an untied head (`device_gpt/llama_layers.rs`);
+//! everything else (slots, recomputation, TP/SP collectives, pipeline stages, ZeRO units) is
+//! shared, so every layout runs either architecture.
+//!
 //! This is the one executor of every training layout on every device arm, the CPU's included;
 //! the single-rank [`super::Gpt`] exists only as the reference the tests compare it with.
 //!
@@ -57,6 +62,7 @@ use layers::Rows;
 use shards::{ParamShards, Use};
 
 mod layers;
+mod llama_layers;
 mod shards;
 
 /// This rank's share of the model's widths.
@@ -64,10 +70,12 @@ mod shards;
 struct Widths {
     /// Attention width C/tp (this rank's heads).
     cl: usize,
-    /// MLP hidden width 4C/tp.
+    /// MLP hidden width 4C/tp (Llama: F/tp).
     hl: usize,
     /// Heads NH/tp.
     nhl: usize,
+    /// Key/value heads held: NH/tp for GPT-2, max(NKV/tp, 1) for Llama.
+    nkvl: usize,
     /// The vocabulary shard of `wte` and the logits.
     vocab: VocabShard,
 }
@@ -79,8 +87,10 @@ struct Ends {
     wte: Option<usize>,
     /// The first stage.
     wpe: Option<usize>,
-    /// The last stage: weight and bias.
+    /// The last stage: weight and bias (Llama: the RMSNorm weight twice).
     lnf: Option<(usize, usize)>,
+    /// The last stage: the output head's weight (`wte` when tied, else `lm_head.weight`).
+    head: Option<usize>,
 }
 
 /// One chunk of blocks with its activation slots.
@@ -125,6 +135,8 @@ pub struct DeviceGpt {
     attn: AttnWork,
     /// Host staging of a hidden state or its gradient (R, C) for the pipeline.
     hidden: Vec<f32>,
+    /// Llama's RoPE tables, q/k/v staging and shared-KV gradient sums (None for GPT-2).
+    llama: Option<llama_layers::LlamaWork>,
     /// ZeRO-3: this rank's blocks of the parameters, gathered unit by unit on use.
     shards: Option<ParamShards>,
     /// Gradients are freed once reduced and allocated again when written (ZeRO-2/3).
@@ -235,8 +247,9 @@ impl DeviceGpt {
         let rows = Rows { bt, rows: r, row0: if sp { tp_rank * r } else { 0 }, sp };
         let vl = config.padded_vocab_size() / tp_size;
         let vocab = VocabShard { start: tp_rank * vl, vl, real: real_columns(tp_rank * vl, vl, config.vocab_size) };
-        let w = Widths { cl: c / tp_size, hl: 4 * c / tp_size, nhl: config.n_head / tp_size, vocab };
-        let (index, ends) = end_tensors(&layout, &spec)?;
+        let nkvl = (config.n_kv_head() / tp_size).max(1);
+        let w = Widths { cl: c / tp_size, hl: config.ffn_dim() / tp_size, nhl: config.n_head / tp_size, nkvl, vocab };
+        let (index, ends) = end_tensors(&layout, &spec, config.llama.is_some())?;
         let mut p = Vec::new();
         let mut g = Vec::new();
         let mut p16 = Vec::new();
@@ -256,8 +269,9 @@ impl DeviceGpt {
             .collect::<Result<Vec<_>>>()?;
         let head_vl = if spec.last { vl } else { 0 };
         let s = Scratch::new(&dev, &d, spec.last, t)?;
-        let linear = Linear::new(&dev, precision.gemm_input(), bt * c.max(3 * w.cl).max(w.hl).max(head_vl), bt * c.max(w.hl))?;
-        let attn = AttnWork::new(&dev, AttnShape { b, t, nh: w.nhl, hs: config.head_dim(), nkv: w.nhl })?;
+        let linear = Linear::new(&dev, precision.gemm_input(), bt * c.max(d.qkv).max(d.fc).max(head_vl), bt * c.max(w.hl))?;
+        let llama = llama_layers::LlamaWork::new(&dev, &config, (b, t), &d, (tp_rank, tp_size))?;
+        let attn = AttnWork::new(&dev, AttnShape { b, t, nh: w.nhl, hs: config.head_dim(), nkv: w.nkvl })?;
         let n = params.len();
         let mut model = DeviceGpt {
             dev,
@@ -282,6 +296,7 @@ impl DeviceGpt {
             linear,
             attn,
             hidden: vec![0.0; r * c],
+            llama,
             shards: None,
             release_grads: false,
             poison: false,
@@ -370,6 +385,7 @@ impl DeviceGpt {
             + Scratch::elements(&d, self.ends.lnf.is_some(), self.t)
             + self.linear.scratch_elements()
             + AttnWork::elements(&self.dev, self.attn_shape())
+            + self.llama.as_ref().map_or(0, llama_layers::LlamaWork::elements)
     }
 
     fn dims(&self) -> ActDims {
@@ -502,6 +518,16 @@ impl DeviceGpt {
     pub fn forward(&mut self, tokens: &[u32], targets: &[u32]) -> Result<f64> {
         self.forward_chunk(0, 0, StageInput::Tokens(tokens), Some(targets))?
             .ok_or_else(|| Error::InvalidArgument("forward: this device model is a pipeline stage without the loss".into()))
+    }
+
+    /// The logits (B*T, Vp/tp) of the last forward of a model that ends with the head (chunk
+    /// 0's slot 0 on a whole model), copied to the host.
+    pub fn last_logits(&self) -> Result<Vec<f32>> {
+        let k = self.chunks.last().ok_or_else(|| Error::InvalidArgument("last_logits: no chunk".into()))?;
+        let h = k.slots[0].head.as_ref().ok_or_else(|| Error::InvalidArgument("last_logits: this stage has no head".into()))?;
+        let mut out = vec![0f32; self.rows.bt * self.w.vocab.vl];
+        self.dev.copy_to_host(&h.logits, &mut out)?;
+        Ok(out)
     }
 
     /// Adds d(mean loss)/d(params) of the last forward into the device gradients; with
@@ -656,8 +682,16 @@ impl DeviceGpt {
     }
 
     /// Entry indices of block `l`'s tensors: ln1 w, b; qkv w, b; attn.proj w, b; ln2 w, b;
-    /// fc w, b; mlp.proj w, b.
+    /// fc w, b; mlp.proj w, b. Llama: the first eight are its block's tensors in layout order
+    /// (attn_norm, q, k, v, o, mlp_norm, gate_up, down), the rest unused.
     fn block_entries(&self, l: usize) -> [usize; 12] {
+        if self.llama.is_some() {
+            let mut e = [usize::MAX; 12];
+            for (i, r) in self.layout.block_ranges(l).iter().enumerate() {
+                e[i] = self.entry(r);
+            }
+            return e;
+        }
         let r = self.layout.block(l);
         [
             &r.ln1_w, &r.ln1_b, &r.qkv_w, &r.qkv_b, &r.attn_proj_w, &r.attn_proj_b,
@@ -667,7 +701,7 @@ impl DeviceGpt {
     }
 
     fn attn_shape(&self) -> AttnShape {
-        AttnShape { b: self.b, t: self.t, nh: self.w.nhl, hs: self.config.head_dim(), nkv: self.w.nhl }
+        AttnShape { b: self.b, t: self.t, nh: self.w.nhl, hs: self.config.head_dim(), nkv: self.w.nkvl }
     }
 
     /// The backward of [`DeviceGpt::backward_stage`] with d(chunk output) already in `s.dres`
@@ -732,15 +766,20 @@ fn check_shape(config: &GptConfig, (b, t): (usize, usize), spec: &StageSpec, slo
 
 /// The entry index of each layout offset, and the stage's end tensors (`wte`, `wpe`, `lnf`),
 /// which must be the ones its place in the pipeline reads.
-fn end_tensors(layout: &ShardLayout, spec: &StageSpec) -> Result<(HashMap<usize, usize>, Ends)> {
+fn end_tensors(layout: &ShardLayout, spec: &StageSpec, llama: bool) -> Result<(HashMap<usize, usize>, Ends)> {
     let index: HashMap<usize, usize> = layout.entries().iter().enumerate().map(|(i, e)| (e.offset, i)).collect();
     let at = |name: &str| layout.get(name).map(|e| index[&e.offset]);
     let ends = Ends {
         wte: at("wte"),
         wpe: at("wpe"),
-        lnf: at("lnf.weight").zip(at("lnf.bias")),
+        lnf: at("lnf.weight").zip(at("lnf.bias")).or(at("norm.weight").map(|n| (n, n))),
+        head: at("lm_head.weight").or(at("wte").filter(|_| spec.last)),
     };
-    let consistent = ends.wte.is_some() == (spec.first || spec.last) && ends.wpe.is_some() == spec.first && ends.lnf.is_some() == spec.last;
+    let tied = layout.tied_head();
+    let consistent = ends.wte.is_some() == (spec.first || (spec.last && tied))
+        && ends.wpe.is_some() == (spec.first && !llama)
+        && ends.lnf.is_some() == spec.last
+        && ends.head.is_some() == spec.last;
     if !consistent {
         return Err(Error::Check(format!("the shard layout's end tensors do not match the stage {spec:?}")));
     }

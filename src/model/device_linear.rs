@@ -5,7 +5,7 @@
 //! f32. Under fp16 the output-gradient operand carries the loss scale (`train.loss_scale`), so it
 //! can overflow to infinity here: the step then sees non-finite gradients and skips.
 
-use crate::device::gemm::{Gemm, GemmInput, Operand};
+use crate::device::gemm::{Batch, Gemm, GemmInput, Operand};
 use crate::device::{ops, Device, DeviceBuffer};
 use crate::error::{Error, Result};
 
@@ -110,5 +110,69 @@ impl Linear {
         self.gemm.matmul(dev, dinp, g, w_plain, n, c, oc, false)?;
         let g_t = Operand { transposed: true, ..g };
         self.gemm.matmul(dev, dw, g_t, x, oc, c, n, true)
+    }
+}
+
+/// Products whose outputs are stacked part-major: Llama's q, k and v projections write their
+/// `width`-column parts one after the other into (P, N, width) staging (`ops_attention::merge_heads`
+/// then interleaves them into qkv rows), so three weights that are separate tensors act as one
+/// fused projection. `ws` lists each weight with its number of parts (its rows / `width`).
+impl Linear {
+    /// out (P, N, W) part by part: part j of weight `w` = inp (N, C) · W_j (W, C)ᵀ.
+    pub(super) fn forward_stacked(&mut self, dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer, ws: &[(Weight, usize)], (n, c, width): (usize, usize, usize)) -> Result<()> {
+        let a = match self.half {
+            Some(ty) => {
+                ty.cast_from_f32(dev, &mut self.x16, inp, n * c)?;
+                Operand::plain(&self.x16, ty)
+            }
+            None => Operand::plain(inp, GemmInput::F32),
+        };
+        let mut at = 0;
+        for &(w, parts) in ws {
+            let batch = Batch { count: parts, c: (at, n * width), a: (0, 0), b: (0, width * c) };
+            self.gemm.matmul_batched(dev, out, a, self.weight_operand(w)?, (n, width, c), &batch, false)?;
+            at += parts * n * width;
+        }
+        Ok(())
+    }
+
+    /// The backward of [`Linear::forward_stacked`] from dout (P, N, W): dinp (N, C) = the sum
+    /// over all parts of dout_j · W_j (overwritten); each weight's gradient `dws[i]` += its parts'
+    /// dout_jᵀ · inp.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn backward_stacked(
+        &mut self,
+        dev: &Device,
+        dinp: &mut DeviceBuffer,
+        dws: &mut [&mut DeviceBuffer],
+        dout: &DeviceBuffer,
+        inp: &DeviceBuffer,
+        ws: &[(Weight, usize)],
+        (n, c, width): (usize, usize, usize),
+    ) -> Result<()> {
+        let total: usize = ws.iter().map(|w| w.1).sum();
+        let (g, x) = match self.half {
+            Some(ty) => {
+                ty.cast_from_f32(dev, &mut self.x16, dout, total * n * width)?;
+                ty.cast_from_f32(dev, &mut self.y16, inp, n * c)?;
+                (Operand::plain(&self.x16, ty), Operand::plain(&self.y16, ty))
+            }
+            None => (Operand::plain(dout, GemmInput::F32), Operand::plain(inp, GemmInput::F32)),
+        };
+        let (mut at, mut first) = (0, true);
+        for (&(w, parts), dw) in ws.iter().zip(dws.iter_mut()) {
+            let mut w_plain = self.weight_operand(w)?;
+            w_plain.transposed = false;
+            for j in 0..parts {
+                let batch = Batch { count: 1, c: (0, 0), a: (at + j * n * width, 0), b: (j * width * c, 0) };
+                self.gemm.matmul_batched(dev, dinp, g, w_plain, (n, c, width), &batch, !first)?;
+                first = false;
+            }
+            let g_t = Operand { transposed: true, ..g };
+            let batch = Batch { count: parts, c: (0, width * c), a: (at, n * width), b: (0, 0) };
+            self.gemm.matmul_batched(dev, dw, g_t, x, (width, c, n), &batch, true)?;
+            at += parts * n * width;
+        }
+        Ok(())
     }
 }

@@ -1,9 +1,10 @@
 //! Deterministic GPT-2 initialization from a seed.
 //!
-//! Weights ~ normal(0, 0.02); the two residual output projections (`attn.proj.weight`,
+//! Weights ~ normal(0, 0.02); for GPT-2 the two residual output projections (`attn.proj.weight`,
 //! `mlp.proj.weight`) are scaled by 1/sqrt(2L) so the residual stream's variance does not grow
 //! with depth; biases 0; LayerNorm weights 1. Padded vocabulary rows of `wte` are 0 (they never
-//! receive gradient, so they stay 0). The draw order is the buffer order, from one ChaCha8
+//! receive gradient, so they stay 0), and so are those of Llama's untied `lm_head`; Llama's RMSNorm
+//! weights are 1 and its projections are not scaled. The draw order is the buffer order, from one ChaCha8
 //! stream, so the same seed gives bitwise the same parameters on every machine.
 //!
 //! The stream is seekable: the k-th normal draw uses words 4k..4k+4 of the ChaCha8 stream (two
@@ -61,10 +62,12 @@ impl Initializer {
                 let start = if e.shape.len() == 1 {
                     Start::Constant(if e.name.ends_with(".weight") { 1.0 } else { 0.0 })
                 } else {
-                    let residual = e.name.ends_with("attn.proj.weight") || e.name.ends_with("mlp.proj.weight");
+                    // Llama: every weight normal(0, 0.02), as transformers initialises it.
+                    let residual = config.llama.is_none() && (e.name.ends_with("attn.proj.weight") || e.name.ends_with("mlp.proj.weight"));
                     let std = if residual { residual_std } else { INIT_STD };
                     // Only the real vocabulary rows of wte are drawn; padded rows stay 0.
-                    let drawn = if e.name == "wte" { config.vocab_size * config.n_embd } else { e.len };
+                    let head = e.name == "wte" || e.name == "lm_head.weight";
+                    let drawn = if head { config.vocab_size * config.n_embd } else { e.len };
                     let first_draw = draws;
                     draws += drawn as u64;
                     Start::Normal { std, drawn, first_draw }
@@ -133,6 +136,7 @@ mod tests {
             n_embd: 64,
             vocab_size: 100,
             max_seq_len: 16,
+            llama: None,
         };
         let layout = ParamLayout::new(&config);
         let p: Vec<f64> = init_params(&config, &layout, 7);
@@ -180,7 +184,7 @@ mod tests {
 
     #[test]
     fn any_range_is_bitwise_the_sequential_stream() {
-        let config = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 50, max_seq_len: 8 };
+        let config = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 50, max_seq_len: 8, llama: None };
         let layout = ParamLayout::new(&config);
         let want = sequential(&config, &layout, 11);
         let init = Initializer::new(&config, &layout, 11);

@@ -20,6 +20,26 @@
 //! | `h.{l}.mlp.proj.bias`   | (C)       | no    | replicated            |
 //! | `lnf.weight`, `lnf.bias`| (C)       | no    | replicated            |
 //!
+//! Llama (`model.arch = "llama"`; F = `ffn_dim`, hd = C/NH, no biases, no position table):
+//!
+//! | name                       | shape        | decay | tensor-parallel split        | transformers name (`model.` prefix)   |
+//! |----------------------------|--------------|-------|------------------------------|---------------------------------------|
+//! | `wte`                      | (Vp, C)      | yes   | vocab                        | `embed_tokens.weight`                 |
+//! | `h.{l}.attn_norm.weight`   | (C)          | no    | replicated                   | `layers.{l}.input_layernorm.weight`   |
+//! | `h.{l}.attn.q.weight`      | (NH*hd, C)   | yes   | column (query heads)         | `layers.{l}.self_attn.q_proj.weight`  |
+//! | `h.{l}.attn.k.weight`      | (NKV*hd, C)  | yes   | KV heads (shared if NKV < tp)| `layers.{l}.self_attn.k_proj.weight`  |
+//! | `h.{l}.attn.v.weight`      | (NKV*hd, C)  | yes   | KV heads (shared if NKV < tp)| `layers.{l}.self_attn.v_proj.weight`  |
+//! | `h.{l}.attn.proj.weight`   | (C, NH*hd)   | yes   | row                          | `layers.{l}.self_attn.o_proj.weight`  |
+//! | `h.{l}.mlp_norm.weight`    | (C)          | no    | replicated                   | `layers.{l}.post_attention_layernorm.weight` |
+//! | `h.{l}.mlp.gate_up.weight` | (2F, C)      | yes   | column (gate and up stacked) | `layers.{l}.mlp.gate_proj.weight` rows 0..F, `up_proj` rows F..2F |
+//! | `h.{l}.mlp.proj.weight`    | (C, F)       | yes   | row                          | `layers.{l}.mlp.down_proj.weight`     |
+//! | `norm.weight`              | (C)          | no    | replicated                   | `norm.weight`                         |
+//! | `lm_head.weight`           | (Vp, C)      | yes   | vocab (absent when tied)     | `lm_head.weight` (no `model.` prefix) |
+//!
+//! Gate and up are one tensor so that one product yields the SwiGLU input `[gate | up]`; under
+//! TP it is two stacked (F, C) matrices, each split by rows, so a rank's shard is `[its gate rows |
+//! its up rows]`.
+//!
 //! Invariants: entries are contiguous and non-overlapping, in the order above, covering
 //! `0..total_len()`; every block has the same size, so blocks `a..b` occupy one contiguous range
 //! ([`ParamLayout::layers_range`]) — the unit of pipeline stages and ZeRO shards. Weight decay
@@ -36,8 +56,12 @@ pub enum TpSplit {
     Column,
     /// Input features (weight columns): row-parallel linear; its bias stays replicated.
     Row,
-    /// Vocabulary rows of the tied embedding / output projection.
+    /// Vocabulary rows of the embedding / output projection.
     Vocab,
+    /// Rows by key/value head (Llama's k and v): like `Column` when `n_kv_head` is a multiple of
+    /// tp; with fewer KV heads than ranks each rank holds the one KV head its query heads read,
+    /// shared with the other ranks of that head.
+    KvHeads,
     /// Every rank keeps a full copy.
     Replicated,
 }
@@ -140,6 +164,10 @@ const BLOCK_TENSORS: &[(&str, usize, usize, TpSplit)] = &[
 pub struct ParamLayout {
     entries: Vec<ParamEntry>,
     n_layer: usize,
+    /// Entries before block 0 (`wte`, `wpe` for GPT-2; `wte` for Llama).
+    pre: usize,
+    /// Tensors per block.
+    per_block: usize,
     /// Offset of block 0.
     blocks_start: usize,
     /// Elements per block.
@@ -147,10 +175,47 @@ pub struct ParamLayout {
     total: usize,
 }
 
+/// One tensor of a table: name (suffix within a block), shape, split.
+type TensorSpec = (String, Vec<usize>, TpSplit);
+
+/// The tensors before the blocks, of one block (suffixes) and after the blocks, in buffer order.
+fn tables(config: &GptConfig) -> (Vec<TensorSpec>, Vec<TensorSpec>, Vec<TensorSpec>) {
+    let (c, vp) = (config.n_embd, config.padded_vocab_size());
+    let t = |name: &str, shape: Vec<usize>, split| (name.to_string(), shape, split);
+    let Some(l) = &config.llama else {
+        let pre = vec![t("wte", vec![vp, c], TpSplit::Vocab), t("wpe", vec![config.max_seq_len, c], TpSplit::Replicated)];
+        let block = BLOCK_TENSORS
+            .iter()
+            .map(|&(suffix, rows, cols, split)| {
+                let shape = if cols == 0 { vec![rows * c] } else { vec![rows * c, cols * c] };
+                t(suffix, shape, split)
+            })
+            .collect();
+        let post = vec![t("lnf.weight", vec![c], TpSplit::Replicated), t("lnf.bias", vec![c], TpSplit::Replicated)];
+        return (pre, block, post);
+    };
+    let (hd, f) = (config.head_dim(), l.ffn_dim);
+    let block = vec![
+        t("attn_norm.weight", vec![c], TpSplit::Replicated),
+        t("attn.q.weight", vec![config.n_head * hd, c], TpSplit::Column),
+        t("attn.k.weight", vec![l.n_kv_head * hd, c], TpSplit::KvHeads),
+        t("attn.v.weight", vec![l.n_kv_head * hd, c], TpSplit::KvHeads),
+        t("attn.proj.weight", vec![c, config.n_head * hd], TpSplit::Row),
+        t("mlp_norm.weight", vec![c], TpSplit::Replicated),
+        t("mlp.gate_up.weight", vec![2 * f, c], TpSplit::Column),
+        t("mlp.proj.weight", vec![c, f], TpSplit::Row),
+    ];
+    let mut post = vec![t("norm.weight", vec![c], TpSplit::Replicated)];
+    if !l.tie_embeddings {
+        post.push(t("lm_head.weight", vec![vp, c], TpSplit::Vocab));
+    }
+    (vec![t("wte", vec![vp, c], TpSplit::Vocab)], block, post)
+}
+
 impl ParamLayout {
     /// Builds the table for `config` (assumed validated).
     pub fn new(config: &GptConfig) -> Self {
-        let c = config.n_embd;
+        let (pre, block, post) = tables(config);
         let mut entries = Vec::new();
         let mut offset = 0;
         let mut push = |name: String, shape: Vec<usize>, layer, split| {
@@ -167,40 +232,27 @@ impl ParamLayout {
             });
             offset += len;
         };
-        push(
-            "wte".into(),
-            vec![config.padded_vocab_size(), c],
-            None,
-            TpSplit::Vocab,
-        );
-        push(
-            "wpe".into(),
-            vec![config.max_seq_len, c],
-            None,
-            TpSplit::Replicated,
-        );
+        for (name, shape, split) in &pre {
+            push(name.clone(), shape.clone(), None, *split);
+        }
         for l in 0..config.n_layer {
-            for &(suffix, rows, cols, split) in BLOCK_TENSORS {
-                let shape = if cols == 0 {
-                    vec![rows * c]
-                } else {
-                    vec![rows * c, cols * c]
-                };
-                push(format!("h.{l}.{suffix}"), shape, Some(l), split);
+            for (suffix, shape, split) in &block {
+                push(format!("h.{l}.{suffix}"), shape.clone(), Some(l), *split);
             }
         }
-        push("lnf.weight".into(), vec![c], None, TpSplit::Replicated);
-        push("lnf.bias".into(), vec![c], None, TpSplit::Replicated);
-        let blocks_start = entries[2].offset;
-        let block_len: usize = entries[2..2 + BLOCK_TENSORS.len()].iter().map(|e| e.len).sum();
-        let total = offset;
-        debug_assert_eq!(blocks_start + config.n_layer * block_len + 2 * c, total);
+        for (name, shape, split) in &post {
+            push(name.clone(), shape.clone(), None, *split);
+        }
+        let blocks_start: usize = entries[..pre.len()].iter().map(|e| e.len).sum();
+        let block_len: usize = block.iter().map(|(_, s, _)| s.iter().product::<usize>()).sum();
         ParamLayout {
             entries,
             n_layer: config.n_layer,
+            pre: pre.len(),
+            per_block: block.len(),
             blocks_start,
             block_len,
-            total,
+            total: offset,
         }
     }
 
@@ -224,12 +276,12 @@ impl ParamLayout {
         self.entries[0].range()
     }
 
-    /// Flat range of `wpe` (maxT, C).
+    /// Flat range of `wpe` (maxT, C) (GPT-2).
     pub fn wpe(&self) -> Range<usize> {
         self.entries[1].range()
     }
 
-    /// Flat ranges of `lnf.weight` and `lnf.bias` (C each).
+    /// Flat ranges of `lnf.weight` and `lnf.bias` (C each) (GPT-2).
     pub fn lnf(&self) -> (Range<usize>, Range<usize>) {
         let n = self.entries.len();
         (self.entries[n - 2].range(), self.entries[n - 1].range())
@@ -247,12 +299,12 @@ impl ParamLayout {
 
     /// Number of tensors in every block.
     pub fn block_tensor_count(&self) -> usize {
-        BLOCK_TENSORS.len()
+        self.per_block
     }
 
-    /// Ranges of block `l`'s tensors.
+    /// Ranges of block `l`'s tensors (GPT-2).
     pub fn block(&self, l: usize) -> BlockRanges {
-        let first = 2 + l * BLOCK_TENSORS.len();
+        let first = self.pre + l * self.per_block;
         let r = |i: usize| self.entries[first + i].range();
         BlockRanges::from_fn(r)
     }
@@ -282,6 +334,7 @@ mod tests {
             n_embd: 8,
             vocab_size: 20,
             max_seq_len: 5,
+            llama: None,
         }
     }
 

@@ -1,5 +1,6 @@
-//! The GPT-2 model: configuration, named sizes, the layout tables, the one executor and the
-//! single-rank reference.
+//! The GPT-2 and Llama models: configuration (`model.arch`, [`llama`]), named sizes, the layout
+//! tables, the one executor and the single-rank reference (GPT-2; Llama's reference is the
+//! transformers fixture, `llama_tests.rs`).
 //!
 //! A model is fully described by [`GptConfig`]; the vocabulary is padded to a multiple of 128
 //! (`padded_vocab_size`) so that embedding rows and logits GEMMs are well shaped. Padded rows exist
@@ -21,11 +22,14 @@ pub mod device_tp;
 pub mod gpt;
 pub mod init;
 pub mod layout;
+pub mod llama;
 pub mod sample;
 #[cfg(test)]
 mod shard_tests;
 #[cfg(test)]
 mod recompute_tests;
+#[cfg(test)]
+mod llama_tests;
 pub mod tp_layout;
 
 pub use crate::device::cpu::Float;
@@ -34,6 +38,7 @@ pub use device_gpt::{DeviceGpt, ExecOptions, Precision, StageInput, StageOutput}
 pub use device_tp::DeviceTp;
 pub use gpt::Gpt;
 pub use layout::{ParamEntry, ParamLayout, TpSplit};
+pub use llama::{LlamaConfig, RopeScaling};
 pub use tp_layout::{ShardEntry, ShardLayout, StageSpec};
 
 use crate::error::{Error, Result};
@@ -51,6 +56,10 @@ pub struct GptConfig {
     pub vocab_size: usize,
     /// Longest sequence the position embedding covers (maxT).
     pub max_seq_len: usize,
+    /// `model.arch = "llama"`: the Llama shape (RMSNorm, SwiGLU, RoPE, grouped-query attention,
+    /// no biases); `None` is GPT-2. Serialized flat beside the other keys, absent for GPT-2.
+    #[serde(default, skip_serializing_if = "Option::is_none", flatten)]
+    pub llama: Option<LlamaConfig>,
 }
 
 /// Named sizes: `(name, n_layer, n_head, n_embd)`; all use the GPT-2 vocabulary and maxT 1024
@@ -68,9 +77,13 @@ const NAMED: &[(&str, usize, usize, usize, usize, usize)] = &[
 ];
 
 impl GptConfig {
-    /// The named size `name` (`tiny`, `d12`, `d24`, `d36`, `d48`, `22b`, `175b`, `1t`).
+    /// The named size `name` (`tiny`, `d12`, `d24`, `d36`, `d48`, `22b`, `175b`, `1t`, and the
+    /// Llama ones `llama-tiny`, `llama-7b`, `llama-13b`, `llama-70b`).
     pub fn named(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
+        if let Some(c) = llama::named(&lower) {
+            return Ok(c);
+        }
         NAMED
             .iter()
             .find(|n| n.0 == lower)
@@ -81,10 +94,11 @@ impl GptConfig {
                     n_embd,
                     vocab_size,
                     max_seq_len,
+                    llama: None,
                 },
             )
             .ok_or_else(|| {
-                let names: Vec<&str> = NAMED.iter().map(|n| n.0).collect();
+                let names = Self::size_names();
                 Error::config(
                     "model.size",
                     format!("unknown size `{name}` (known: {})", names.join(", ")),
@@ -94,7 +108,22 @@ impl GptConfig {
 
     /// Names accepted by [`GptConfig::named`].
     pub fn size_names() -> Vec<&'static str> {
-        NAMED.iter().map(|n| n.0).collect()
+        NAMED.iter().map(|n| n.0).chain(llama::names()).collect()
+    }
+
+    /// The architecture's name: `gpt2` or `llama`.
+    pub fn arch(&self) -> &'static str {
+        if self.llama.is_some() { "llama" } else { "gpt2" }
+    }
+
+    /// Key/value heads (NKV): `n_kv_head` for Llama, `n_head` for GPT-2.
+    pub fn n_kv_head(&self) -> usize {
+        self.llama.map_or(self.n_head, |l| l.n_kv_head)
+    }
+
+    /// Hidden width of the MLP: `ffn_dim` (SwiGLU) for Llama, 4C (GELU) for GPT-2.
+    pub fn ffn_dim(&self) -> usize {
+        self.llama.map_or(4 * self.n_embd, |l| l.ffn_dim)
     }
 
     /// Vocabulary rounded up to a multiple of 128 (Vp).
@@ -105,6 +134,15 @@ impl GptConfig {
     /// Width of one attention head (C / NH).
     pub fn head_dim(&self) -> usize {
         self.n_embd / self.n_head
+    }
+
+    /// Why weights of shape `self` cannot load into a model of shape `want`: the architectures
+    /// when they differ, else both shapes.
+    pub fn mismatch(&self, want: &GptConfig) -> String {
+        if self.arch() != want.arch() {
+            return format!("the weights are a {} model, the job's model is {} (model.arch)", self.arch(), want.arch());
+        }
+        format!("model {self:?} differs from the job's {want:?}")
     }
 
     /// Checks that the shape is usable; errors name the offending key under `model.`.
@@ -129,7 +167,10 @@ impl GptConfig {
                 ),
             ));
         }
-        Ok(())
+        match &self.llama {
+            Some(l) => l.validate(self.n_head, self.n_embd),
+            None => Ok(()),
+        }
     }
 }
 
@@ -157,6 +198,7 @@ mod tests {
             n_embd: 64,
             vocab_size: 10,
             max_seq_len: 8,
+            llama: None,
         };
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("model.n_head"), "{e}");

@@ -18,7 +18,7 @@ const T: usize = 8;
 const SLOTS: usize = 2;
 
 fn cfg() -> GptConfig {
-    GptConfig { n_layer: 3, n_head: 4, n_embd: 32, vocab_size: 200, max_seq_len: 16 }
+    GptConfig { n_layer: 3, n_head: 4, n_embd: 32, vocab_size: 200, max_seq_len: 16, llama: None }
 }
 
 /// Tokens and targets (B, T) of micro-batch `i`.
@@ -32,13 +32,51 @@ fn batch(i: usize) -> (Vec<u32>, Vec<u32>) {
 /// The whole model (or this rank's TP shard of it over `comm`, sequence parallel with `sp`) with
 /// `SLOTS` slots, initialised from seed 3.
 fn model(comm: Option<&Communicator>, sp: bool, exec: ExecOptions) -> DeviceGpt {
+    model_of(cfg(), comm, sp, exec)
+}
+
+/// [`model`] of the shape `cfg`.
+fn model_of(cfg: GptConfig, comm: Option<&Communicator>, sp: bool, exec: ExecOptions) -> DeviceGpt {
     let tp = comm.map(|c| DeviceTp::new(c.split(Some(0), c.rank() as i64).unwrap().unwrap()).unwrap());
-    let n = super::ShardLayout::new(&cfg(), comm.map_or(0, |c| c.rank()), comm.map_or(1, |c| c.size()), &StageSpec::whole(&cfg()))
+    let n = super::ShardLayout::new(&cfg, comm.map_or(0, |c| c.rank()), comm.map_or(1, |c| c.size()), &StageSpec::whole(&cfg))
         .unwrap()
         .total_len();
-    let mut m = DeviceGpt::stage(Device::Cpu, cfg(), (B, T), vec![0.0; n], exec, (tp, sp), StageSpec::whole(&cfg()), SLOTS).unwrap();
-    m.init_params(&Initializer::new(&cfg(), &ParamLayout::new(&cfg()), 3)).unwrap();
+    let mut m = DeviceGpt::stage(Device::Cpu, cfg, (B, T), vec![0.0; n], exec, (tp, sp), StageSpec::whole(&cfg), SLOTS).unwrap();
+    m.init_params(&Initializer::new(&cfg, &ParamLayout::new(&cfg), 3)).unwrap();
     m
+}
+
+/// A Llama of the same size: 4 query heads on 2 KV heads, SwiGLU width 48.
+fn llama_cfg() -> GptConfig {
+    let mut c = GptConfig { llama: GptConfig::named("llama-tiny").unwrap().llama, ..cfg() };
+    c.llama.as_mut().unwrap().ffn_dim = 48;
+    c
+}
+
+/// Llama's blocks (RMSNorm, RoPE, GQA, SwiGLU) recompute bit for bit too: one rank in fp32 and
+/// bf16, TP 2 (KV heads split) and TP 4 (KV heads shared) with sequence parallelism.
+#[test]
+fn llama_recomputation_is_bitwise() {
+    for precision in [Precision::Fp32, Precision::Bf16] {
+        let runs: Vec<_> = MODES.iter().map(|&recompute| run(&mut model_of(llama_cfg(), None, false, ExecOptions { precision, recompute }))).collect();
+        for (mode, got) in MODES.iter().zip(&runs).skip(1) {
+            assert_eq!(got.0, runs[0].0, "llama {precision:?} {mode:?}: losses differ");
+            assert!(got.1 == runs[0].1, "llama {precision:?} {mode:?}: gradients differ");
+        }
+        assert!(runs[0].1.iter().any(|&g| g != 0), "the gradients are not all zero");
+    }
+    for tp in [2, 4] {
+        let results = run_ranks(tp, CommConfig::default(), move |c| {
+            let exec = |recompute| ExecOptions { precision: Precision::Fp32, recompute };
+            MODES.iter().map(|&r| run(&mut model_of(llama_cfg(), Some(&c), true, exec(r)))).collect::<Vec<_>>()
+        });
+        for (rank, runs) in results.iter().enumerate() {
+            for (mode, got) in MODES.iter().zip(runs).skip(1) {
+                assert_eq!(got.0, runs[0].0, "llama tp {tp}, rank {rank}, {mode:?}: losses differ");
+                assert!(got.1 == runs[0].1, "llama tp {tp}, rank {rank}, {mode:?}: gradients differ");
+            }
+        }
+    }
 }
 
 /// Forwards of micro-batches 0 and 1 into the two slots, then their backwards in reverse order,

@@ -43,7 +43,7 @@ const T: usize = 8;
 const MICRO: usize = 2;
 
 fn cfg() -> GptConfig {
-    GptConfig { n_layer: 4, n_head: 4, n_embd: 32, vocab_size: 200, max_seq_len: 16 }
+    GptConfig { n_layer: 4, n_head: 4, n_embd: 32, vocab_size: 200, max_seq_len: 16, llama: None }
 }
 
 /// Tokens and targets (B, T) of micro-batch `i`.

@@ -1,4 +1,5 @@
-//! The flat parameter buffer of one (tensor-parallel rank, pipeline stage) shard of a GPT-2.
+//! The flat parameter buffer of one (tensor-parallel rank, pipeline stage) shard of a GPT-2 or
+//! Llama model.
 //!
 //! A stage holds the tensors of the blocks of all its chunks (one contiguous block range each; an
 //! interleaved pipeline gives a rank several), plus `wte` when it embeds (first stage) or owns the
@@ -13,14 +14,24 @@
 //! | Row        | (O, I)       | columns `r*I/tp ..`                                         |
 //! | Replicated | any          | everything                                                  |
 //!
+//! Llama (`model.arch = "llama"`): q and the stacked gate/up (two (F, C) matrices, like the fused
+//! qkv's three) are Column, o and down Row, the norms Replicated, `wte` and `lm_head` Vocab (an
+//! untied `lm_head` lives on the last stage only, `wte` on the first); k and v are `KvHeads`:
+//! Column by KV head when tp divides `n_kv_head`, else (tp a multiple of `n_kv_head`) rank `r`
+//! holds rows `g*hd..(g+1)*hd` of KV head `g = r / (tp / n_kv_head)`, the one its query heads
+//! read, shared with the other `tp / n_kv_head - 1` ranks of that head (`tp_sharing`); the first
+//! of them is its `tp_owner` (writes it to checkpoints, counts it in the gradient norm), and the
+//! executor sums the sharers' gradient parts so that all hold the same gradient.
+//!
 //! Every shard is one box of a *view* of the global tensor (the fused qkv is viewed as
 //! (3, C, C), its bias as (3, C); other Column tensors as (1, O, ...)), described by
 //! `view_shape`, `box_offset` (the per-dimension start) and `box_shape`; the local tensor holds
 //! the box's elements row-major. That is all a checkpoint resharder needs.
 //!
 //! Invariants: entries tile `0..total_len()` contiguously in global order; a block's tensors are
-//! contiguous ([`ShardLayout::block_span`]); `n_head` and `Vp` are divisible by `tp`, so every
-//! rank's shard has the same shape.
+//! contiguous ([`ShardLayout::block_span`]); `n_head` and `Vp` are divisible by `tp` (Llama also
+//! `ffn_dim`, and `n_kv_head` divisible by or dividing `tp`), so every rank's shard has the same
+//! shape.
 
 use std::ops::Range;
 
@@ -121,6 +132,13 @@ pub struct ShardEntry {
     pub decay: bool,
     /// Whether every TP rank holds the whole tensor (and, after backward, the same gradient).
     pub replicated_over_tp: bool,
+    /// Whether this rank writes the shard to checkpoints and counts it in the gradient norm: every
+    /// rank for split tensors, TP rank 0 for replicated ones, the first of the ranks sharing a KV
+    /// head for Llama's k and v with fewer KV heads than ranks.
+    pub tp_owner: bool,
+    /// TP ranks holding this same box (1 for split tensors, tp for replicated ones, tp/NKV for
+    /// shared KV heads).
+    pub tp_sharing: usize,
 }
 
 impl ShardEntry {
@@ -168,6 +186,8 @@ pub struct ShardLayout {
 fn stacked_matrices(name: &str) -> usize {
     if name.ends_with(".attn.qkv.weight") || name.ends_with(".attn.qkv.bias") {
         3
+    } else if name.ends_with(".mlp.gate_up.weight") {
+        2
     } else {
         1
     }
@@ -185,9 +205,10 @@ impl ShardLayout {
         check_tp(config, tp_rank, tp_size)?;
         spec.validate(config.n_layer)?;
         let global = ParamLayout::new(config);
+        let tied = config.llama.is_none_or(|l| l.tie_embeddings);
         let keep = |name: &str, layer: Option<usize>| match layer {
             Some(l) => spec.holds(l),
-            None if name == "wte" => spec.first || spec.last,
+            None if name == "wte" => spec.first || (spec.last && tied),
             None if name == "wpe" => spec.first,
             None => spec.last,
         };
@@ -198,13 +219,19 @@ impl ShardLayout {
             if e.layer.is_some() && first_block_entry.is_none() {
                 first_block_entry = Some(entries.len());
             }
-            let (view_shape, box_offset, box_shape, local_shape) = shard_box(
-                &e.shape,
-                e.tp_split,
-                stacked_matrices(&e.name),
-                tp_rank,
-                tp_size,
-            );
+            let (split, sharing) = match e.tp_split {
+                TpSplit::KvHeads if config.n_kv_head() < tp_size => (TpSplit::KvHeads, tp_size / config.n_kv_head()),
+                TpSplit::KvHeads => (TpSplit::Column, 1),
+                TpSplit::Replicated => (TpSplit::Replicated, tp_size),
+                s => (s, 1),
+            };
+            let (view_shape, box_offset, box_shape, local_shape) = if split == TpSplit::KvHeads {
+                // The KV head of this rank's query heads: rows g*hd.. of (NKV*hd, C).
+                let (hd, g) = (config.head_dim(), tp_rank / sharing);
+                (e.shape.clone(), vec![g * hd, 0], vec![hd, e.shape[1]], vec![hd, e.shape[1]])
+            } else {
+                shard_box(&e.shape, split, stacked_matrices(&e.name), tp_rank, tp_size)
+            };
             let len = local_shape.iter().product();
             entries.push(ShardEntry {
                 name: e.name.clone(),
@@ -220,6 +247,8 @@ impl ShardLayout {
                 len,
                 decay: e.decay,
                 replicated_over_tp: e.tp_split == TpSplit::Replicated || tp_size == 1,
+                tp_owner: tp_rank % sharing == 0,
+                tp_sharing: sharing,
             });
             offset += len;
         }
@@ -256,6 +285,24 @@ impl ShardLayout {
     /// Local range of `wpe` (maxT, C), if this stage holds it.
     pub fn wpe(&self) -> Option<Range<usize>> {
         self.get("wpe").map(ShardEntry::range)
+    }
+
+    /// The contiguous local range of the tensors after the blocks (GPT-2: `lnf.weight`,
+    /// `lnf.bias`; Llama: `norm.weight` and, untied, `lm_head.weight`), if this stage holds them.
+    pub fn final_unit(&self) -> Option<Range<usize>> {
+        let first = self.entries.iter().position(|e| e.layer.is_none() && (e.name == "lnf.weight" || e.name == "norm.weight"))?;
+        Some(self.entries[first].offset..self.total)
+    }
+
+    /// Whether the output head reads `wte` (GPT-2, and Llama with tied embeddings).
+    pub fn tied_head(&self) -> bool {
+        self.get("lm_head.weight").is_none()
+    }
+
+    /// Local ranges of all the tensors of block `l` (`l` one of the stage's blocks), in layout
+    /// order.
+    pub fn block_ranges(&self, l: usize) -> Vec<Range<usize>> {
+        self.block_entries(l).iter().map(ShardEntry::range).collect()
     }
 
     /// Local ranges of `lnf.weight` and `lnf.bias` (C each), if this stage holds them.
@@ -371,6 +418,21 @@ pub fn check_tp(config: &GptConfig, tp_rank: usize, tp_size: usize) -> Result<()
             ),
         ));
     }
+    if let Some(l) = &config.llama {
+        let nkv = l.n_kv_head;
+        if nkv % tp_size != 0 && tp_size % nkv != 0 {
+            return Err(Error::config(
+                "parallel.tp",
+                format!("tp {tp_size} must divide model.n_kv_head {nkv} or be a multiple of it"),
+            ));
+        }
+        if l.ffn_dim % tp_size != 0 {
+            return Err(Error::config(
+                "parallel.tp",
+                format!("model.ffn_dim {} is not divisible by tp {tp_size}", l.ffn_dim),
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -406,6 +468,7 @@ fn shard_box(
             local.extend_from_slice(&shape[1..]);
             (view, off, boxed, local)
         }
+        TpSplit::KvHeads => unreachable!("KV-head shards are placed by ShardLayout::new"),
         TpSplit::Row => {
             let cols = shape[1] / tp;
             let local = vec![shape[0], cols];
@@ -425,6 +488,7 @@ mod tests {
             n_embd: 8,
             vocab_size: 200,
             max_seq_len: 5,
+            llama: None,
         }
     }
 
@@ -556,6 +620,51 @@ mod tests {
             .collect();
         assert_eq!(first_row, (16..32).collect::<Vec<_>>());
         assert!(!p.replicated_over_tp && lay.get("h.0.mlp.proj.bias").unwrap().replicated_over_tp);
+    }
+
+    fn llama(nkv: usize) -> GptConfig {
+        let mut c = GptConfig::named("llama-tiny").unwrap();
+        c.n_layer = 2;
+        c.llama.as_mut().unwrap().n_kv_head = nkv;
+        c
+    }
+
+    /// Llama shards: q, gate/up split by rows, k and v by KV head (shared by tp/NKV ranks when
+    /// there are fewer KV heads than ranks), `lm_head` on the last stage only; the owners' boxes
+    /// tile every tensor exactly once.
+    #[test]
+    fn llama_shards_split_by_heads_and_share_kv_heads() {
+        for (nkv, tp) in [(2, 2), (1, 2), (2, 4), (4, 4), (1, 4)] {
+            let c = llama(nkv);
+            let full_len = ParamLayout::new(&c).total_len();
+            let mut owned = vec![0usize; full_len];
+            for r in 0..tp {
+                let lay = ShardLayout::new(&c, r, tp, &StageSpec::whole(&c)).unwrap();
+                let k = lay.get("h.1.attn.k.weight").unwrap();
+                let hd = c.head_dim();
+                assert_eq!(k.local_shape, vec![hd * (nkv / tp).max(1), 64], "nkv {nkv} tp {tp}");
+                assert_eq!(k.tp_sharing, (tp / nkv).max(1));
+                // Query heads r*NH/tp.. read KV head (first query head) / (NH/NKV).
+                assert_eq!(k.box_offset[k.box_offset.len() - 2] / hd, (r * 4 / tp) / (4 / nkv) * usize::from(nkv < tp) + (r * nkv / tp) * usize::from(nkv >= tp));
+                let gu = lay.get("h.0.mlp.gate_up.weight").unwrap();
+                assert_eq!(gu.local_shape, vec![2 * 176 / tp, 64]);
+                let local: Vec<f32> = (0..lay.total_len()).map(|i| i as f32).collect();
+                let mut full = vec![-1f32; full_len];
+                lay.scatter_into_full(&local, &mut full).unwrap();
+                for e in lay.entries().iter().filter(|e| e.tp_owner) {
+                    let mut one = vec![-1f32; full_len];
+                    let mut l2 = vec![-1f32; lay.total_len()];
+                    l2[e.range()].copy_from_slice(&local[e.range()]);
+                    lay.scatter_into_full(&l2, &mut one).unwrap();
+                    one.iter().enumerate().filter(|(_, &v)| v >= 0.0).for_each(|(g, _)| owned[g] += 1);
+                }
+            }
+            assert!(owned.iter().all(|&n| n == 1), "nkv {nkv} tp {tp}: owners do not tile the model");
+        }
+        let c = llama(2);
+        let last = ShardLayout::new(&c, 0, 1, &StageSpec::single(1..2, false, true)).unwrap();
+        assert!(last.get("wte").is_none() && last.get("lm_head.weight").is_some());
+        assert!(ShardLayout::new(&llama(2), 0, 3, &StageSpec::whole(&c)).is_err());
     }
 
     #[test]

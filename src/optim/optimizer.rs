@@ -179,6 +179,7 @@ mod tests {
             n_embd: 8,
             vocab_size: 20,
             max_seq_len: 5,
+            llama: None,
         })
     }
 

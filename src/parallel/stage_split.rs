@@ -141,7 +141,7 @@ mod tests {
     use crate::comm::block_range;
 
     fn model(n_layer: usize, n_embd: usize, vocab_size: usize) -> GptConfig {
-        GptConfig { n_layer, n_head: 4, n_embd, vocab_size, max_seq_len: 1024 }
+        GptConfig { n_layer, n_head: 4, n_embd, vocab_size, max_seq_len: 1024, llama: None }
     }
 
     /// Without a head the split is `block_range`'s: even, remainder on the first stages.

@@ -414,6 +414,7 @@ fn harness_overhead(own: &Communicator, o: &Options, profile: &Profile) -> Resul
             n_embd: 64,
             vocab_size: 256,
             max_seq_len: t,
+            llama: None,
         };
         let dev = Device::open(o.device, 0)?;
         let mut h = StepHarness::new(own, config, (b, t), (dev, precision), 1)?;

@@ -136,6 +136,7 @@ fn check(r: &Run, mach: &Machine) -> Result<Check> {
         n_embd,
         vocab_size: 51200,
         max_seq_len: 2048,
+        llama: None,
     };
     let job = Job::new(&r.name, &model, r.gpus, r.global_batch, 2048)?;
     let dp = r.gpus / (r.tp * r.pp);

@@ -364,6 +364,7 @@ mod tests {
             n_embd: 12288,
             vocab_size: 51200,
             max_seq_len: 2048,
+            llama: None,
         };
         let job = Job::new("175b", &c, 64, 64, 2048).unwrap();
         let l = Layout {

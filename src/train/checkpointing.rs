@@ -246,7 +246,7 @@ fn extract(global: &[f32], global_shape: &[usize], offset: &[usize], shape: &[us
 pub fn init_from(path: &Path, cfg: &JobConfig, maps: &[TensorMap], params: &mut [f32]) -> Result<()> {
     let (model, tensors) = checkpoint::read_weights(path)?;
     if model != cfg.model {
-        return Err(Error::file(path, None, format!("model {model:?} differs from the job's {:?}", cfg.model)));
+        return Err(Error::file(path, None, model.mismatch(&cfg.model)));
     }
     for t in maps {
         let name = format!("model/{}", t.name);

@@ -380,6 +380,7 @@ mod tests {
             n_embd: 16,
             vocab_size: 50,
             max_seq_len: 8,
+            llama: None,
         };
         let params = Gpt::<f32>::new(cfg, 2, 8, 1).unwrap().params().to_vec();
         let mut m = DeviceGpt::new(Device::Cpu, cfg, 2, 8, params, Precision::Fp32).unwrap();

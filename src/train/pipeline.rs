@@ -101,7 +101,7 @@ impl Pipeline {
         let n = ShardLayout::new(&cfg, tp_rank, group.as_ref().map_or(1, DeviceTp::size), &spec)?.total_len();
         let exec =
             Box::new(DeviceGpt::stage(dev, cfg, (b, t), vec![0f32; n], exec, (group, sequence_parallel), spec.clone(), slots)?);
-        let ends = r == 0 || r + 1 == p;
+        let ends = (r == 0 || r + 1 == p) && cfg.llama.is_none_or(|l| l.tie_embeddings);
         let tied = if p > 1 { pp.split(ends.then_some(0), r as i64)? } else { None };
         let rows = exec.hidden_len();
         let bufs = || (0..microbatches * v).map(|_| vec![0f32; rows]).collect::<Vec<_>>();
@@ -298,7 +298,7 @@ impl Pipeline {
             .entries()
             .iter()
             .map(|e| {
-                let tp_ok = !e.replicated_over_tp || self.tp_rank == 0;
+                let tp_ok = e.tp_owner;
                 let pp_ok = e.name != "wte" || first;
                 (e.offset..e.offset + e.len, tp_ok && pp_ok)
             })

@@ -240,7 +240,7 @@ impl Replica {
 
     /// This rank's tensors as boxes of the global tensors.
     pub fn tensor_maps(&self) -> Vec<TensorMap> {
-        let (layout, tp_rank, pp_first, pp_size) = match self {
+        let (layout, _tp_rank, pp_first, pp_size) = match self {
             Replica::Whole(m) => (m.layout(), m.tp_rank(), true, 1),
             Replica::Pipeline(p) => {
                 let (tp_rank, pp_rank, pp_size) = p.position();
@@ -257,7 +257,7 @@ impl Replica {
                 box_offset: e.box_offset.clone(),
                 box_shape: e.box_shape.clone(),
                 range: e.range(),
-                owner: (!e.replicated_over_tp || tp_rank == 0) && (e.name != "wte" || pp_first || pp_size == 1),
+                owner: e.tp_owner && (e.name != "wte" || pp_first || pp_size == 1),
             })
             .collect()
     }
@@ -265,6 +265,6 @@ impl Replica {
 
 /// `(range, counted)` spans of a TP shard's flat buffer: a tensor replicated over the TP group is
 /// counted by TP rank 0 only, so the norm summed over the group counts every parameter once.
-fn shard_norm_spans(layout: &ShardLayout, tp_rank: usize) -> Vec<(Range<usize>, bool)> {
-    layout.entries().iter().map(|e| (e.range(), !e.replicated_over_tp || tp_rank == 0)).collect()
+fn shard_norm_spans(layout: &ShardLayout, _tp_rank: usize) -> Vec<(Range<usize>, bool)> {
+    layout.entries().iter().map(|e| (e.range(), e.tp_owner)).collect()
 }

@@ -21,6 +21,7 @@ use crate::device::ops_attention::AttnWork;
 use crate::model::device_acts::{BlockActs, Recompute, Scratch, SlotActs};
 use crate::model::device_linear::{Linear, Weight};
 use crate::model::device_tp::{self, tp_sum, DeviceTp, Embed, LossBufs};
+use super::llama_layers::{self, LlamaWork};
 
 /// The rows of the residual stream this rank holds.
 #[derive(Debug, Clone, Copy)]
@@ -36,7 +37,7 @@ pub(super) struct Rows {
 }
 
 /// The TP group of a sequence-parallel model.
-fn group(tp: &mut Option<DeviceTp>) -> &mut DeviceTp {
+pub(super) fn group(tp: &mut Option<DeviceTp>) -> &mut DeviceTp {
     tp.as_mut().expect("sequence parallelism runs in a TP group")
 }
 
@@ -63,14 +64,14 @@ fn norm_gathered(
 
 /// `s.branch` (R, C) = the held rows of the TP sum of inp (B*T, K) · W (C, K)ᵀ, plus the bias.
 #[allow(clippy::too_many_arguments)]
-fn row_parallel_forward(
+pub(super) fn row_parallel_forward(
     dev: &Device,
     tp: &mut Option<DeviceTp>,
     linear: &mut Linear,
     rows: Rows,
     s: &mut Scratch,
     inp: &DeviceBuffer,
-    (w, bias): (Weight, &DeviceBuffer),
+    (w, bias): (Weight, Option<&DeviceBuffer>),
     (k, c): (usize, usize),
 ) -> Result<()> {
     let bt = rows.bt;
@@ -81,12 +82,15 @@ fn row_parallel_forward(
         linear.forward(dev, &mut s.branch, inp, w, None, bt, k, c)?;
         tp_sum(tp, dev, &mut s.branch, bt * c)?;
     }
-    ops::bias_add(dev, &mut s.branch, bias, rows.rows, c)
+    match bias {
+        Some(bias) => ops::bias_add(dev, &mut s.branch, bias, rows.rows, c),
+        None => Ok(()),
+    }
 }
 
 /// `s.dln` (R, C) = the held rows of the TP sum of a column-parallel product's input gradient
 /// (B*T, C), which went to `s.partial` under SP and to `s.dln` otherwise.
-fn sum_input_grad(dev: &Device, tp: &mut Option<DeviceTp>, rows: Rows, s: &mut Scratch, c: usize) -> Result<()> {
+pub(super) fn sum_input_grad(dev: &Device, tp: &mut Option<DeviceTp>, rows: Rows, s: &mut Scratch, c: usize) -> Result<()> {
     match rows.sp {
         true => group(tp).scatter_rows(dev, &s.partial, &mut s.dln, rows.bt * c),
         false => tp_sum(tp, dev, &mut s.dln, rows.bt * c),
@@ -95,7 +99,7 @@ fn sum_input_grad(dev: &Device, tp: &mut Option<DeviceTp>, rows: Rows, s: &mut S
 
 /// SP: sums the first `k` replicated-gradient parts (C each) over TP in one all-reduce and adds
 /// part `i` into the gradient entry `entries[i]`.
-fn add_replicated(
+pub(super) fn add_replicated(
     dev: &Device,
     tp: &mut Option<DeviceTp>,
     s: &mut Scratch,
@@ -118,6 +122,9 @@ fn add_replicated(
 impl DeviceGpt {
     /// The embedding of the tokens in `slot.tokens` into `slot.input` (R, C).
     pub(super) fn embed_forward(&mut self, ci: usize, si: usize) -> Result<()> {
+        if self.llama.is_some() {
+            return self.llama_embed_forward(ci, si);
+        }
         let (b, t, c) = (self.b, self.t, self.config.n_embd);
         let (dev, p, vocab, rows) = (&self.dev, &self.params, self.w.vocab, self.rows);
         let (wte, wpe) = (self.ends.wte.expect("a first stage"), self.ends.wpe.expect("a first stage"));
@@ -166,6 +173,7 @@ impl DeviceGpt {
     /// The block context and the slot of block `li` of chunk `ci`, borrowed apart.
     fn block_parts(&mut self, ci: usize, si: usize, li: usize) -> (BlockCtx<'_>, &mut SlotActs) {
         let e = self.block_entries(self.chunks[ci].layers.start + li);
+        let shape = self.attn_shape();
         let cx = BlockCtx {
             dev: &self.dev,
             tp: &mut self.tp,
@@ -178,8 +186,9 @@ impl DeviceGpt {
             rows: self.rows,
             w: self.w,
             c: self.config.n_embd,
-            shape: AttnShape { b: self.b, t: self.t, nh: self.w.nhl, hs: self.config.head_dim(), nkv: self.w.nhl },
+            shape,
             e,
+            llama: self.llama.as_mut(),
         };
         (cx, &mut self.chunks[ci].slots[si])
     }
@@ -189,13 +198,18 @@ impl DeviceGpt {
         let (c, v, rows) = (self.config.n_embd, self.config.vocab_size, self.rows);
         let bt = rows.bt;
         let (dev, p, vocab, s) = (&self.dev, &self.params, self.w.vocab, &mut self.s);
-        let (wte, (lnf_w, lnf_b)) = (self.ends.wte.expect("a last stage"), self.ends.lnf.expect("a last stage"));
+        let (wte, (lnf_w, lnf_b)) = (self.ends.head.expect("a last stage"), self.ends.lnf.expect("a last stage"));
         let SlotActs { input, blocks, head, .. } = &mut self.chunks[ci].slots[si];
         let x = blocks.last().map_or(&*input, |blk| &blk.residual3); // (R, C)
         let h = head.as_mut().expect("the last chunk keeps the head's activations");
         dev.copy_to_device(&mut h.targets, targets)?;
-        let stats = (&mut h.lnf_mean, &mut h.lnf_rstd);
-        norm_gathered(dev, &mut self.tp, rows, s, &mut h.lnf, stats, x, (&p[lnf_w], &p[lnf_b]), c)?;
+        match &self.llama {
+            Some(lw) => llama_layers::rms_gathered(dev, &mut self.tp, rows, s, &mut h.lnf, &mut h.lnf_rstd, x, &p[lnf_w], (c, lw.eps))?,
+            None => {
+                let stats = (&mut h.lnf_mean, &mut h.lnf_rstd);
+                norm_gathered(dev, &mut self.tp, rows, s, &mut h.lnf, stats, x, (&p[lnf_w], &p[lnf_b]), c)?
+            }
+        }
         let w = Weight { f32: &p[wte], bf16: self.params16[wte].as_ref() };
         self.linear.forward(dev, &mut h.logits, &h.lnf, w, None, bt, c, vocab.vl)?;
         match &mut self.tp {
@@ -222,7 +236,8 @@ impl DeviceGpt {
     pub(super) fn head_backward(&mut self, ci: usize, si: usize) -> Result<()> {
         let (c, vocab, rows) = (self.config.n_embd, self.w.vocab, self.rows);
         let bt = rows.bt;
-        let (wte, (lnf_w, lnf_b)) = (self.ends.wte.expect("a last stage"), self.ends.lnf.expect("a last stage"));
+        let (wte, (lnf_w, lnf_b)) = (self.ends.head.expect("a last stage"), self.ends.lnf.expect("a last stage"));
+        let llama = self.llama.is_some();
         let (dev, s, p, g, tp) = (&self.dev, &mut self.s, &self.params, &mut self.grads, &mut self.tp);
         let SlotActs { input, blocks, head, .. } = &self.chunks[ci].slots[si];
         let x = blocks.last().map_or(input, |blk| &blk.residual3); // (R, C)
@@ -238,6 +253,13 @@ impl DeviceGpt {
         self.linear.backward(dev, dinp, &mut g[wte], None, &s.dlogits, &h.lnf, w, (bt, c, vocab.vl))?;
         sum_input_grad(dev, tp, rows, s, c)?;
         ops::fill_zero(dev, &mut s.dres, rows.rows * c)?;
+        if llama {
+            if rows.sp {
+                ops::fill_zero(dev, &mut s.parts[0], c)?;
+            }
+            llama_layers::rms_backward(dev, rows, s, g, (lnf_w, 0), x, &p[lnf_w], &h.lnf_rstd, c)?;
+            return if rows.sp { add_replicated(dev, tp, s, g, &[lnf_w], c) } else { Ok(()) };
+        }
         let (mean, rstd) = (&h.lnf_mean, &h.lnf_rstd);
         if !rows.sp {
             let (gw, gb) = pair(g, lnf_w, lnf_b);
@@ -280,6 +302,9 @@ impl DeviceGpt {
 
     /// Backward of the embedding from d(block 0 input) (R, C) in `s.dres`.
     pub(super) fn embed_backward(&mut self, ci: usize, si: usize) -> Result<()> {
+        if self.llama.is_some() {
+            return self.llama_embed_backward(ci, si);
+        }
         let (b, t, c, rows) = (self.b, self.t, self.config.n_embd, self.rows);
         let (wte, wpe) = (self.ends.wte.expect("a first stage"), self.ends.wpe.expect("a first stage"));
         let (dev, s, g, a) = (&self.dev, &mut self.s, &mut self.grads, &self.chunks[ci].slots[si]);
@@ -304,19 +329,21 @@ impl DeviceGpt {
 /// scratch, the matrix-product and attention work, the parameters and gradients, the shapes and
 /// the block's entry indices (ln1 w, b; qkv w, b; attn.proj w, b; ln2 w, b; fc w, b; mlp.proj w, b).
 pub(super) struct BlockCtx<'a> {
-    dev: &'a Device,
-    tp: &'a mut Option<DeviceTp>,
-    s: &'a mut Scratch,
-    linear: &'a mut Linear,
-    attn: &'a mut AttnWork,
-    p: &'a [DeviceBuffer],
-    p16: &'a [Option<DeviceBuffer>],
-    g: &'a mut [DeviceBuffer],
-    rows: Rows,
-    w: Widths,
-    c: usize,
-    shape: AttnShape,
-    e: [usize; 12],
+    pub(super) dev: &'a Device,
+    pub(super) tp: &'a mut Option<DeviceTp>,
+    pub(super) s: &'a mut Scratch,
+    pub(super) linear: &'a mut Linear,
+    pub(super) attn: &'a mut AttnWork,
+    pub(super) p: &'a [DeviceBuffer],
+    pub(super) p16: &'a [Option<DeviceBuffer>],
+    pub(super) g: &'a mut [DeviceBuffer],
+    pub(super) rows: Rows,
+    pub(super) w: Widths,
+    pub(super) c: usize,
+    pub(super) shape: AttnShape,
+    pub(super) e: [usize; 12],
+    /// Llama's work (None for GPT-2: the block is GPT-2's).
+    pub(super) llama: Option<&'a mut LlamaWork>,
 }
 
 /// One block's forward from its input `x` (R, C) into `a`: column-parallel qkv and fc (this
@@ -324,6 +351,9 @@ pub(super) struct BlockCtx<'a> {
 /// added once. The attention probabilities go to `att` if given (selective recomputation keeps
 /// them out of the slot), else to `a.att`.
 fn block_compute(cx: &mut BlockCtx<'_>, x: &DeviceBuffer, a: &mut BlockActs, att: Option<&mut DeviceBuffer>) -> Result<()> {
+    if cx.llama.is_some() {
+        return llama_layers::block_compute(cx, x, a, att);
+    }
     let (c, rows, bt, r) = (cx.c, cx.rows, cx.rows.bt, cx.rows.rows);
     let Widths { cl, hl, .. } = cx.w;
     let [ln1_w, ln1_b, qkv_w, qkv_b, ap_w, ap_b, ln2_w, ln2_b, fc_w, fc_b, mp_w, mp_b] = cx.e;
@@ -337,13 +367,13 @@ fn block_compute(cx: &mut BlockCtx<'_>, x: &DeviceBuffer, a: &mut BlockActs, att
         None => &mut a.att,
     };
     ops_attention::attention_forward(dev, &mut a.atty, att, &a.qkv, cx.attn, cx.shape)?;
-    row_parallel_forward(dev, tp, linear, rows, s, &a.atty, (w(ap_w), &p[ap_b]), (cl, c))?;
+    row_parallel_forward(dev, tp, linear, rows, s, &a.atty, (w(ap_w), Some(&p[ap_b])), (cl, c))?;
     ops::residual_forward(dev, &mut a.residual2, x, &s.branch, r * c)?;
     let stats = (&mut a.ln2_mean, &mut a.ln2_rstd);
     norm_gathered(dev, tp, rows, s, &mut a.ln2, stats, &a.residual2, (&p[ln2_w], &p[ln2_b]), c)?;
     linear.forward(dev, &mut a.fch, &a.ln2, w(fc_w), Some(&p[fc_b]), bt, c, hl)?;
     ops::gelu_forward(dev, &mut a.fch_gelu, &a.fch, bt * hl)?;
-    row_parallel_forward(dev, tp, linear, rows, s, &a.fch_gelu, (w(mp_w), &p[mp_b]), (hl, c))?;
+    row_parallel_forward(dev, tp, linear, rows, s, &a.fch_gelu, (w(mp_w), Some(&p[mp_b])), (hl, c))?;
     ops::residual_forward(dev, &mut a.residual3, &a.residual2, &s.branch, r * c)
 }
 
@@ -352,6 +382,9 @@ fn block_compute(cx: &mut BlockCtx<'_>, x: &DeviceBuffer, a: &mut BlockActs, att
 /// The column-parallel products' input gradients are partial sums over this rank's heads and
 /// hidden units, summed over TP before the LayerNorm backward.
 fn block_backward(cx: &mut BlockCtx<'_>, x: &DeviceBuffer, a: &BlockActs, att: &DeviceBuffer) -> Result<()> {
+    if cx.llama.is_some() {
+        return llama_layers::block_backward(cx, x, a, att);
+    }
     let (c, rows, bt, r) = (cx.c, cx.rows, cx.rows.bt, cx.rows.rows);
     let Widths { cl, hl, .. } = cx.w;
     let shape = cx.shape;

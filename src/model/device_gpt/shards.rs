@@ -178,13 +178,13 @@ impl DeviceGpt {
         Ok(())
     }
 
-    /// The parameter units in buffer order: `wte`, `wpe`, each block, `lnf` (those this stage
-    /// holds); they partition the flat buffer.
+    /// The parameter units in buffer order: `wte`, `wpe`, each block, `lnf` (Llama: `norm` and
+    /// `lm_head`) (those this stage holds); they partition the flat buffer.
     pub fn units(&self) -> Vec<Range<usize>> {
         let l = &self.layout;
         let mut units: Vec<Range<usize>> = [l.wte(), l.wpe()].into_iter().flatten().collect();
         units.extend(self.chunks.iter().flat_map(|c| c.layers.clone()).map(|b| l.block_span(b)));
-        units.extend(l.lnf().map(|(w, b)| w.start..b.end));
+        units.extend(l.final_unit());
         units
     }
 
@@ -283,7 +283,7 @@ impl DeviceGpt {
         match what {
             Use::Embedding => [l.wte(), l.wpe()].into_iter().flatten().collect(),
             Use::Block(b) => vec![l.block_span(b)],
-            Use::Head => l.lnf().map(|(w, b)| w.start..b.end).into_iter().chain(l.wte()).collect(),
+            Use::Head => l.final_unit().into_iter().chain(l.wte().filter(|_| l.tied_head())).collect(),
         }
     }
 
@@ -440,7 +440,7 @@ mod tests {
     #[test]
     fn sharded_parameters_and_released_gradients_are_exact_and_freed() {
         run_ranks(2, CommConfig::default(), |c| {
-            let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 64, max_seq_len: T };
+            let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 64, max_seq_len: T, llama: None };
             let init = Gpt::<f32>::new(cfg, B, T, 3).unwrap().params().to_vec();
             let new_model = || DeviceGpt::new(Device::Cpu, cfg, B, T, init.clone(), Precision::Bf16).unwrap();
             let (mut whole, mut sharded) = (new_model(), new_model());

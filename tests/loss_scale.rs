@@ -201,3 +201,33 @@ fn bad_values_exit_2_and_a_scale_below_the_minimum_stops_the_run() {
         assert!(said.contains("at step 2 with the loss scale at 33554432") && said.contains("train.loss_scale_min = 33554432"), "rank {r}: {said}");
     }
 }
+
+/// Llama under fp16 with loss scaling: the same forced overflow (2^26) on `llama-tiny` (grouped-
+/// query attention, RoPE, SwiGLU, RMSNorm, untied head), on the emu arm: one rank, TP 2 with
+/// sequence parallelism x DP 2 at ZeRO-2, and PP 2 x DP 2 take the same skip decisions at the same
+/// scales, and their losses follow the single rank's (summation order only: 1e-4); the CPU arm's
+/// single rank takes the same decisions too.
+#[test]
+fn llama_fp16_skips_overflow_alike_on_the_emu_arm_in_every_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let base = ["model.size=llama-tiny", "precision=fp16", "train.loss_scale_init=67108864", "train.loss_scale_growth_interval=4", "train.steps=8"];
+    let with = |extra: &[&'static str]| -> Vec<&str> { base.iter().copied().chain(extra.iter().copied()).collect() };
+    let (single, _) = run(d, "emu1", 1, "", &with(&["device=emu", "train.grad_accum=2"]));
+    let want = steps(&single);
+    assert!(want[0].2 && want.iter().any(|s| !s.2), "the first step overflows, later ones train: {want:?}");
+    let decisions = |s: &[(f64, f64, bool)]| s.iter().map(|x| (x.1, x.2)).collect::<Vec<_>>();
+    let (cpu, _) = run(d, "cpu1", 1, "", &with(&["train.grad_accum=2"]));
+    let cpu = steps(&cpu);
+    assert_eq!(decisions(&cpu), decisions(&want), "the CPU arm decides otherwise than emu");
+    assert_losses_close(&cpu, &want, 1e-4, "llama fp16: cpu vs emu");
+    for (name, np, parallel) in [
+        ("tp2spdp2z2", 4, "[parallel]\ntp = 2\nsequence_parallel = true\ndp = 2\nzero = 2"),
+        ("pp2dp2", 4, "[parallel]\npp = 2\ndp = 2\nmicrobatches = 1"),
+    ] {
+        let (metrics, _) = run(d, name, np, parallel, &with(&["device=emu"]));
+        let got = steps(&metrics);
+        assert_eq!(decisions(&got), decisions(&want), "{name}: scales and skips differ from one rank's");
+        assert_losses_close(&got, &want, 1e-4, name);
+    }
+}

@@ -11,9 +11,13 @@
 //! tied to `wte` in both and is not stored.
 //!
 //! The file: 8 bytes little-endian header length, the header (compact JSON: `__metadata__` first,
-//! then every tensor by name with dtype `F32`, shape and data offsets), padded with spaces to a
-//! multiple of 8, then the tensors' bytes in name order. Reading checks every offset against the
-//! file's length and every shape against the model's.
+//! then every tensor by name with dtype, shape and data offsets), padded with spaces to a
+//! multiple of 8, then the tensors' bytes. Export always writes F32 tensors in name order into
+//! one `model.safetensors`. Import (`safetensors_read.rs`) also takes what the hub publishes:
+//! F32, BF16 or F16 tensors (widened to f32 exactly), in one `model.safetensors` or in shards
+//! named by `model.safetensors.index.json`, read one shard at a time; errors about the set of
+//! tensors (missing, extra) then name the index. Reading checks every offset against the file's
+//! length and every shape against the model's.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -225,7 +225,7 @@ pub(crate) mod writer {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::writer::{serialize_as, variants, write_sharded};
     use super::*;
     use crate::checkpoint::export::ExportedTensor;

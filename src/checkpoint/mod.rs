@@ -92,6 +92,7 @@ mod lock;
 mod meta;
 mod safetensors;
 mod safetensors_llama;
+mod safetensors_read;
 mod save;
 #[cfg(test)]
 mod tests;

@@ -11,9 +11,13 @@
 //! tied to `wte` in both and is not stored.
 //!
 //! The file: 8 bytes little-endian header length, the header (compact JSON: `__metadata__` first,
-//! then every tensor by name with dtype `F32`, shape and data offsets), padded with spaces to a
-//! multiple of 8, then the tensors' bytes in name order. Reading checks every offset against the
-//! file's length and every shape against the model's.
+//! then every tensor by name with dtype, shape and data offsets), padded with spaces to a
+//! multiple of 8, then the tensors' bytes. Export always writes F32 tensors in name order into
+//! one `model.safetensors`. Import (`safetensors_read.rs`) also takes what the hub publishes:
+//! F32, BF16 or F16 tensors (widened to f32 exactly), in one `model.safetensors` or in shards
+//! named by `model.safetensors.index.json`, read one shard at a time; errors about the set of
+//! tensors (missing, extra) then name the index. Reading checks every offset against the file's
+//! length and every shape against the model's.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -21,6 +25,9 @@ use std::path::{Path, PathBuf};
 use crate::checkpoint::export::ExportedTensor;
 use crate::error::{Error, Result};
 use crate::model::{GptConfig, ParamLayout};
+
+#[cfg(test)]
+pub(crate) use super::safetensors_read::parse;
 
 /// The weights file inside a Hugging Face model directory.
 pub const WEIGHTS_FILE: &str = "model.safetensors";
@@ -158,35 +165,6 @@ pub fn serialize(tensors: &NamedTensors) -> Vec<u8> {
     bytes
 }
 
-/// Parses safetensors `bytes` (from `path`, for errors): name -> (shape, F32 values).
-pub fn parse(path: &Path, bytes: &[u8]) -> Result<NamedTensors> {
-    let bad = |msg: String| Error::file(path, None, msg);
-    let n = bytes.get(..8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize);
-    let n = n.filter(|&n| n <= bytes.len() - 8).ok_or_else(|| bad("not a safetensors file (header length)".into()))?;
-    let header: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&bytes[8..8 + n]).map_err(|e| bad(format!("header is not JSON: {e}")))?;
-    let data = &bytes[8 + n..];
-    let mut out = BTreeMap::new();
-    for (name, v) in header.iter().filter(|(k, _)| *k != "__metadata__") {
-        let dtype = v["dtype"].as_str().unwrap_or("?");
-        if dtype != "F32" {
-            return Err(bad(format!("tensor `{name}` is {dtype}; meshtrain reads F32")));
-        }
-        let shape: Option<Vec<usize>> = v["shape"].as_array().and_then(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect());
-        let offs: Option<Vec<usize>> = v["data_offsets"].as_array().and_then(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect());
-        let (shape, [start, end]) = match (shape, offs.as_deref()) {
-            (Some(s), Some(&[a, b])) => (s, [a, b]),
-            _ => return Err(bad(format!("tensor `{name}`: bad shape or data_offsets"))),
-        };
-        if start > end || end > data.len() || end - start != 4 * shape.iter().product::<usize>() {
-            return Err(bad(format!("tensor `{name}`: data_offsets [{start}, {end}] do not fit shape {shape:?} in {} data bytes", data.len())));
-        }
-        let values = data[start..end].chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))).collect();
-        out.insert(name.clone(), (shape, values));
-    }
-    Ok(out)
-}
-
 /// Writes the weights of the checkpoint at `ckpt` as a Hugging Face GPT-2 directory `dir`;
 /// returns the number of tensors written.
 pub fn export_hf(ckpt: &Path, dir: &Path) -> Result<usize> {
@@ -201,9 +179,9 @@ pub fn export_hf(ckpt: &Path, dir: &Path) -> Result<usize> {
     write_hf(dir, &index.meta().model, &tensors)
 }
 
-/// Whether `path` is a Hugging Face model directory.
+/// Whether `path` is a Hugging Face model directory (single-file or sharded weights).
 pub fn is_hf_dir(path: &Path) -> bool {
-    path.join(WEIGHTS_FILE).is_file()
+    super::safetensors_read::has_weights(path)
 }
 
 /// Reads a Hugging Face GPT-2 directory: its model configuration and the tensors in meshtrain's
@@ -214,17 +192,14 @@ pub fn read_hf(dir: &Path) -> Result<(GptConfig, Vec<ExportedTensor>)> {
     let c: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::file(&cpath, None, format!("not JSON: {e}")))?;
     if super::safetensors_llama::is_llama(&c) {
         let model = super::safetensors_llama::read_config(&cpath, &c)?;
-        let wpath = dir.join(WEIGHTS_FILE);
-        let bytes = std::fs::read(&wpath).map_err(|e| Error::io(format!("read {}", wpath.display()), e))?;
-        let tensors = super::safetensors_llama::from_hf(&wpath, &model, parse(&wpath, &bytes)?)?;
+        let (wpath, hf) = super::safetensors_read::read_tensors(dir)?;
+        let tensors = super::safetensors_llama::from_hf(&wpath, &model, hf)?;
         return Ok((model, tensors));
     }
     let get = |k: &str| c[k].as_u64().map(|v| v as usize).ok_or_else(|| Error::file(&cpath, None, format!("missing integer `{k}`")));
     let model = GptConfig { n_layer: get("n_layer")?, n_head: get("n_head")?, n_embd: get("n_embd")?, vocab_size: get("vocab_size")?, max_seq_len: get("n_positions")?, llama: None };
     model.validate()?;
-    let wpath = dir.join(WEIGHTS_FILE);
-    let bytes = std::fs::read(&wpath).map_err(|e| Error::io(format!("read {}", wpath.display()), e))?;
-    let mut hf = parse(&wpath, &bytes)?;
+    let (wpath, mut hf) = super::safetensors_read::read_tensors(dir)?;
     let mut out = Vec::new();
     for e in ParamLayout::new(&model).entries() {
         let (name, t) = hf_name(&e.name).expect("every layout tensor has a Hugging Face name");

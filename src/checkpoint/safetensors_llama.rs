@@ -1,6 +1,10 @@
 //! Llama weights in the Hugging Face layout (`LlamaForCausalLM.save_pretrained`): the
-//! `model.safetensors` + `config.json` directory that `init_from = "DIR"` reads and
-//! `meshtrain export --format safetensors` writes for a `model.arch = "llama"` checkpoint.
+//! `model.safetensors` + `config.json` directory that `init_from = "DIR"` (and `generate DIR`)
+//! reads and `meshtrain export --format safetensors` writes for a `model.arch = "llama"`
+//! checkpoint. Import takes what the hub publishes: F32, BF16 or F16 tensors, in one file or
+//! sharded through `model.safetensors.index.json` (`safetensors_read.rs` reads the files and
+//! widens to f32 exactly; errors about the set of tensors then name the index). Export writes
+//! F32, one `model.safetensors`.
 //!
 //! Names map one to one (see the Llama table in `model::layout`), except that meshtrain keeps
 //! `gate_proj` and `up_proj` as one (2F, C) tensor, gate rows first; matrices have the same
@@ -267,6 +271,26 @@ mod tests {
             let e = read_hf(dir.path()).unwrap_err().to_string();
             assert!(e.contains(want), "{e}");
             assert!(e.contains("model.safetensors") || e.contains("config.json"), "no file named: {e}");
+        }
+    }
+
+    /// A llama-tiny written as F32, then as BF16, F16 and two shards, imports the same bit for bit.
+    #[test]
+    fn bf16_f16_and_sharded_import_like_f32() {
+        use crate::checkpoint::safetensors_read::{tests::bits, tests::exact_tensors, writer::variants};
+        let mut m = GptConfig::named("llama-tiny").unwrap();
+        for tied in [false, true] {
+            m.llama.as_mut().unwrap().tie_embeddings = tied;
+            let t = exact_tensors(&m);
+            let dir = tempfile::tempdir().unwrap();
+            write_hf(dir.path(), &m, &t).unwrap();
+            let (m32, t32) = read_hf(dir.path()).unwrap();
+            assert_eq!((&m32, bits(&t32)), (&m, bits(&t)), "tied {tied}");
+            for (label, v) in variants(dir.path()) {
+                let (mv, tv) = read_hf(v.path()).unwrap();
+                assert_eq!(mv, m, "{label}");
+                assert!(bits(&tv) == bits(&t32), "{label}, tied {tied}: differs from the F32 import");
+            }
         }
     }
 

@@ -2,9 +2,10 @@
 //!
 //! Layers, bottom to top; each only uses the ones below it (or beside it in the same line), and
 //! no import points up or round:
-//! - [`dtype`], [`error`], [`env`], [`memory`]: leaves. Element types and reduce operators with
-//!   their byte kernels; the one error type; every runtime `MESHTRAIN_*` variable and the one size
-//!   parser; releasing buffer pages (ZeRO-2/3 residency) and measuring resident memory.
+//! - [`dtype`], [`error`], [`env`], [`memory`], [`logging`]: leaves. Element types and reduce
+//!   operators with their byte kernels; the one error type; every runtime `MESHTRAIN_*` variable
+//!   and the one size parser; releasing buffer pages (ZeRO-2/3 residency) and measuring resident
+//!   memory; log output in whole-line writes that launchers merge intact.
 //! - [`bootstrap`]: MPI discovers ranks and nodes and broadcasts the unique id (root address +
 //!   secret) under the start-up watchdog; nothing else ever goes through MPI.
 //! - [`transport`]: chunk FIFOs between two ranks over shared memory, TCP or libfabric.
@@ -39,6 +40,7 @@ pub mod device;
 pub mod dtype;
 pub mod env;
 pub mod error;
+pub mod logging;
 pub mod memory;
 pub mod metrics;
 pub mod model;

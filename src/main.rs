@@ -593,8 +593,8 @@ fn fail(e: &Error) -> ! {
 }
 
 /// Logs to stderr, each line prefixed with the rank (`[r3 INFO ...]`; a process started without a
-/// launcher is rank 0 of a world of one). Default level info; `-v` debug, `-vv` trace, else
-/// `RUST_LOG`.
+/// launcher is rank 0 of a world of one), in writes of whole lines (`logging::LineWrites`). Default
+/// level info; `-v` debug, `-vv` trace, else `RUST_LOG`.
 fn init_logging(verbose: u8) {
     let rank = rank_hint().unwrap_or(0);
     let mut builder = match verbose {
@@ -607,6 +607,7 @@ fn init_logging(verbose: u8) {
     };
     builder
         .format(move |buf, rec| writeln!(buf, "[r{rank} {} {}] {}", rec.level(), rec.target(), rec.args()))
+        .target(env_logger::Target::Pipe(Box::new(meshtrain::logging::LineWrites::new(std::io::stderr()))))
         .init();
 }
 

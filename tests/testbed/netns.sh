@@ -31,6 +31,8 @@
 #                                  node r mod N + 1; MT_NETNS_MAP=slot fills node 1 first); ARGS go
 #                                  to mpirun
 #   netns.sh link K up|down        bring node K's data cable up or down (a partition)
+#   netns.sh shape K RATE|off      limit node K's data cable to RATE (tc syntax: 1gbit, 500mbit)
+#                                  in both directions (token bucket), or remove the limit
 #   netns.sh run N CMD...          up N, run CMD (in the root namespace, with this script in
 #                                  $NETNS), down on exit whatever happens
 # MT_NETNS_MPI_NET (default: the management /24) is the network of MPI's own messages (set it to
@@ -137,6 +139,21 @@ link() {
   ip -n mt-sw link set "d$1" "$2"
 }
 
+# shape K RATE|off: a token-bucket limit on both ends of node K's data cable (the node's eth1 sends
+# to the switch, the switch's d<K> sends to the node), so that cable is the job's bottleneck link.
+shape() {
+  [[ "${1:-}" =~ ^[0-9]+$ ]] || { echo "netns.sh shape: node must be a number, got '${1:-}'" >&2; exit 2; }
+  local rate=${2:-}
+  if [ "$rate" = off ]; then
+    tc -n "mt-node$1" qdisc del dev eth1 root 2>/dev/null || true
+    tc -n mt-sw qdisc del dev "d$1" root 2>/dev/null || true
+    return
+  fi
+  [[ "$rate" =~ ^[0-9]+(\.[0-9]+)?[kmg]?bit$ ]] || { echo "netns.sh shape: rate like 1gbit or 500mbit, got '$rate'" >&2; exit 2; }
+  tc -n "mt-node$1" qdisc replace dev eth1 root tbf rate "$rate" burst 256kb latency 100ms
+  tc -n mt-sw qdisc replace dev "d$1" root tbf rate "$rate" burst 256kb latency 100ms
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -146,6 +163,7 @@ case "$cmd" in
   agent) agent "$@" ;;
   mpirun) launch "$@" ;;
   link) link "$@" ;;
+  shape) shape "$@" ;;
   run)
     trap down EXIT INT TERM
     up "$1"

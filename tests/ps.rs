@@ -177,14 +177,16 @@ fn async_staleness_zero_is_sync_and_larger_staleness_trains_within_its_bound() {
     }
 }
 
-#[test]
-fn checkpoints_move_between_servers_and_allreduce_both_ways() {
+/// A PS run and an all-reduce run of `layout` (`np` workers, `ps.servers = 2`) each save a
+/// checkpoint at step 10; each resumes under the other mode and steps 11-20 are the
+/// uninterrupted run's bits.
+fn checkpoints_move_both_ways(layout: &str, np: usize) {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let job = tiny_job(d, "job.toml", "[parallel]\ndp = 2\nbucket_mb = 0.05");
+    let job = tiny_job(d, "job.toml", &format!("[parallel]\n{layout}\nbucket_mb = 0.05"));
     let ps_args = ["parallel.dp_sync=ps", "ps.servers=2"];
-    let (ps, _) = run(d, "ps", 4, &job, &ps_args);
-    let (ar, _) = run(d, "ar", 2, &job, &[]);
+    let (ps, _) = run(d, "ps", np + 2, &job, &ps_args);
+    let (ar, _) = run(d, "ar", np, &job, &[]);
     // Resume at step 10 under the other mode: steps 11-20 are the uninterrupted run's.
     let resume = |name: &str, np: usize, from: &str, extra: &[&str]| {
         let metrics = d.join(format!("{name}.jsonl"));
@@ -196,19 +198,74 @@ fn checkpoints_move_between_servers_and_allreduce_both_ways() {
         common::train(np, &job, &metrics, &all);
         common::losses(&metrics)
     };
-    let ar_from_ps = resume("ar_from_ps", 2, "ps_ckpt", &[]);
+    let ar_from_ps = resume("ar_from_ps", np, "ps_ckpt", &[]);
     assert_eq!(ar_from_ps.first().map(|s| s.0), Some(11));
     assert_eq!(
         bits(&ar_from_ps.iter().map(|s| s.1).collect::<Vec<_>>()),
         bits(&ps[10..]),
-        "all-reduce resumed from a PS checkpoint"
+        "{layout}: all-reduce resumed from a PS checkpoint"
     );
-    let ps_from_ar = resume("ps_from_ar", 4, "ar_ckpt", &ps_args);
+    let ps_from_ar = resume("ps_from_ar", np + 2, "ar_ckpt", &ps_args);
     assert_eq!(
         bits(&ps_from_ar.iter().map(|s| s.1).collect::<Vec<_>>()),
         bits(&ar[10..]),
-        "PS resumed from an all-reduce checkpoint"
+        "{layout}: PS resumed from an all-reduce checkpoint"
     );
+}
+
+#[test]
+fn checkpoints_move_between_servers_and_allreduce_both_ways() {
+    checkpoints_move_both_ways("dp = 2", 2);
+}
+
+#[test]
+fn tp2_checkpoints_move_between_servers_and_allreduce_both_ways() {
+    checkpoints_move_both_ways("tp = 2\ndp = 2", 4);
+}
+
+/// (loss, grad_norm) bits of every step.
+fn loss_and_norm_bits(metrics: &Path) -> Vec<(u64, u64)> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} in {l}")).to_bits();
+            (f("loss"), f("grad_norm"))
+        })
+        .collect()
+}
+
+/// Each (tp, pp) shard has its own pieces on the servers and the global norm is the whole
+/// model's (each shard's counted spans, added over tp then pp as the all-reduce step adds its
+/// partial norms): with two ranks per axis every sum is of two terms, so the losses and norms
+/// are the all-reduce run's bits.
+#[test]
+fn tp_and_pp_shards_give_the_allreduce_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let job = tiny_job(d, "job.toml", "[parallel]\ndp = 2\nbucket_mb = 0.05");
+    let layouts: &[(&str, usize, &[&str])] = &[
+        ("tp2_dp2", 4, &["parallel.tp=2"]),
+        ("pp2_dp2", 4, &["parallel.pp=2", "parallel.microbatches=2"]),
+        (
+            "tp2_pp2_dp2",
+            8,
+            &["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"],
+        ),
+    ];
+    for (name, np, layout) in layouts {
+        let mut all = sets(layout);
+        all.push("train.steps=8".into());
+        let ar = d.join(format!("{name}_ar.jsonl"));
+        common::train(*np, &job, &ar, &all);
+        all.extend(sets(&["parallel.dp_sync=ps", "ps.servers=3"]));
+        let ps = d.join(format!("{name}_ps.jsonl"));
+        common::train(np + 3, &job, &ps, &all);
+        let (a, p) = (loss_and_norm_bits(&ar), loss_and_norm_bits(&ps));
+        assert_eq!(a.len(), 8, "{name}");
+        assert_eq!(p, a, "{name}: (loss, norm) bits of the PS run vs the all-reduce run");
+    }
 }
 
 #[test]

@@ -88,12 +88,6 @@ impl JobConfig {
                 format!("{}: with parallel.dp_sync = \"ps\" the servers hold the optimizer state, so ZeRO does not apply; use zero = 0", p.zero),
             ));
         }
-        if p.tp > 1 || p.pp > 1 {
-            return Err(Error::config(
-                "parallel.dp_sync",
-                "\"ps\" runs data parallelism only for now (tp = 1, pp = 1)",
-            ));
-        }
         if self.device != DeviceKind::Cpu {
             return Err(Error::config(
                 "parallel.dp_sync",

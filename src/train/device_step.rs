@@ -392,6 +392,8 @@ impl DeviceStep {
             let path = if ipc == calls { "mapped peer memory (IPC)" } else { "staging through host memory" };
             log::info!("data-parallel gradient reduction over {} ranks after the backward: {path}", dp.size());
         }
+        // The servers' squares are the whole model's already.
+        let groups = if matches!(self.overlap, Some((Overlap::Ps(_), _))) { &[] } else { groups };
         for g in groups {
             let mut s = [sq];
             g.all_reduce(&mut s, ReduceOp::Sum)?;

@@ -19,7 +19,7 @@ use super::super::buckets::ReduceTiming;
 use super::super::comm_worker::CommWorker;
 use super::super::grad_sync::DataParallel;
 use super::{
-    spans_to_words, PiecePlan, PsLinks, KIND_FETCH, KIND_FINISH, KIND_GRADS, KIND_LOAD,
+    shard_count, spans_to_words, worker_place, PiecePlan, PsLinks, KIND_FETCH, KIND_FINISH, KIND_GRADS, KIND_LOAD,
     VERSION_HEADER,
 };
 use crate::comm::stats::CommStats;
@@ -58,6 +58,8 @@ pub struct PsClient {
     first_server: usize,
     servers: usize,
     rank: usize,
+    /// Whether this worker hands its shard's state to the servers (data-parallel index 0).
+    leader: bool,
     staleness: u64,
     pusher: CommWorker<Outgoing>,
     queued: usize,
@@ -83,15 +85,18 @@ pub struct PsClient {
 }
 
 impl PsClient {
-    /// The client of a model of `n` parameters with weight decay on the `decay` spans and the
-    /// `norm` spans counted in the norm; starts the push and pull threads on `links`.
+    /// The client of a model shard of `n` parameters with weight decay on the `decay` spans and
+    /// the `norm` spans counted in the norm; starts the push and pull threads on `links`.
+    /// Collective over `workers` (the workers' communicator: every shard's size is exchanged).
     pub fn new(
         links: PsLinks,
         cfg: &JobConfig,
+        workers: &Communicator,
         n: usize,
         (decay, norm): (SpanList, SpanList),
     ) -> Result<Self> {
-        let plan = PiecePlan::of_job(cfg, n);
+        let (shard, dp_index) = worker_place(cfg, workers.rank());
+        let plan = PiecePlan::of_job(cfg, &shard_sizes(cfg, workers, n)?).swap_remove(shard);
         let PsLinks {
             push,
             pull,
@@ -142,6 +147,7 @@ impl PsClient {
             first_server: workers,
             servers,
             rank,
+            leader: dp_index == 0,
             staleness: cfg.ps.staleness,
             pusher,
             queued: 0,
@@ -193,7 +199,7 @@ impl PsClient {
     pub fn load(&mut self, model: &DeviceGpt, sync: &DataParallel) -> Result<()> {
         let steps = sync.states().first().map_or(0, |s| s.step);
         self.send(Outgoing::All(vec![KIND_LOAD, steps as i64, 0, 0]))?;
-        if self.rank == 0 {
+        if self.leader {
             let params = model.params();
             if params.len() != self.n {
                 return Err(Error::Check(format!(
@@ -460,6 +466,32 @@ impl PsClient {
         }
         Ok(())
     }
+}
+
+/// Every (tp, pp) shard's number of parameters, from each worker's `n` (collective over
+/// `workers`); the workers of one shard must agree.
+fn shard_sizes(cfg: &JobConfig, workers: &Communicator, n: usize) -> Result<Vec<usize>> {
+    let mut all = vec![0i64; workers.size()];
+    all[workers.rank()] = n as i64;
+    workers.all_gather(&mut all)?;
+    let mut sizes: Vec<Option<usize>> = vec![None; shard_count(cfg)];
+    for (w, &m) in all.iter().enumerate() {
+        let (k, _) = worker_place(cfg, w);
+        let slot = sizes.get_mut(k).ok_or_else(|| {
+            Error::Check(format!("parameter server plan: worker {w} is in shard {k} of {}", shard_count(cfg)))
+        })?;
+        if *slot.get_or_insert(m as usize) != m as usize {
+            return Err(Error::Check(format!(
+                "parameter server plan: worker {w} holds {m} parameters where the other workers of its (tp, pp) shard {k} hold {}",
+                slot.unwrap_or(0)
+            )));
+        }
+    }
+    sizes
+        .into_iter()
+        .enumerate()
+        .map(|(k, s)| s.ok_or_else(|| Error::Check(format!("parameter server plan: shard {k} has no worker"))))
+        .collect()
 }
 
 /// The pull thread: every version of every server into a buffer, then swapped into `shared`;

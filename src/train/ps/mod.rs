@@ -51,6 +51,7 @@ use super::buckets::plan_buckets;
 use crate::comm::Communicator;
 use crate::config::JobConfig;
 use crate::error::{Error, Result};
+use crate::parallel::grid::GridShape;
 use crate::world::World;
 
 pub(super) use client::PsClient;
@@ -81,31 +82,39 @@ pub struct PiecePlan {
 }
 
 impl PiecePlan {
-    /// Pieces of `n` elements at most `piece_elems` (capped at [`MAX_PIECE_ELEMS`]) over `servers`.
-    pub fn new(n: usize, piece_elems: usize, servers: usize) -> Self {
-        let whole = 0..n;
-        let pieces = plan_buckets(
-            std::slice::from_ref(&whole),
-            piece_elems.clamp(1, MAX_PIECE_ELEMS),
-        );
+    /// The plans of the (tp, pp) shards of `sizes[k]` elements: each shard's buffer is cut alone
+    /// (its pieces are its buckets), and the owners are chosen over all shards' pieces, shard by
+    /// shard in readiness order, each piece to the server with the fewest elements so far (the
+    /// lowest index on a tie): the servers' shares differ by at most one piece.
+    pub fn sharded(sizes: &[usize], piece_elems: usize, servers: usize) -> Vec<Self> {
         let mut load = vec![0usize; servers.max(1)];
-        let owner = pieces
+        sizes
             .iter()
-            .map(|p| {
-                let s = (0..load.len())
-                    .min_by_key(|&s| (load[s], s))
-                    .expect("at least one server");
-                load[s] += p.len();
-                s
+            .map(|&n| {
+                let whole = 0..n;
+                let pieces = plan_buckets(
+                    std::slice::from_ref(&whole),
+                    piece_elems.clamp(1, MAX_PIECE_ELEMS),
+                );
+                let owner = pieces
+                    .iter()
+                    .map(|p| {
+                        let s = (0..load.len())
+                            .min_by_key(|&s| (load[s], s))
+                            .expect("at least one server");
+                        load[s] += p.len();
+                        s
+                    })
+                    .collect();
+                PiecePlan { pieces, owner }
             })
-            .collect();
-        PiecePlan { pieces, owner }
+            .collect()
     }
 
-    /// The plan of `cfg` for a buffer of `n` elements.
-    pub fn of_job(cfg: &JobConfig, n: usize) -> Self {
+    /// The plans of `cfg` for shards of `sizes[k]` elements.
+    pub fn of_job(cfg: &JobConfig, sizes: &[usize]) -> Vec<Self> {
         let bucket = ((cfg.parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1);
-        PiecePlan::new(n, bucket, cfg.ps.servers)
+        PiecePlan::sharded(sizes, bucket, cfg.ps.servers)
     }
 
     /// Indices of the pieces server `s` owns, in piece order.
@@ -129,6 +138,31 @@ pub struct PsLinks {
     pub workers: usize,
     /// Number of servers (the last link ranks).
     pub servers: usize,
+}
+
+/// Where worker `w` (a link rank) sits: its (tp, pp) shard `pp * tp_size + tp` and its
+/// data-parallel index, from the grid of `cfg` (the workers' communicator is ordered as the
+/// world, so a worker's link rank is its grid rank).
+pub fn worker_place(cfg: &JobConfig, w: usize) -> (usize, usize) {
+    let shape = GridShape::from_config(&cfg.parallel);
+    let c = shape.coords(w);
+    (c.pp * shape.tp + c.tp, c.dp)
+}
+
+/// Number of (tp, pp) shards of `cfg`.
+pub fn shard_count(cfg: &JobConfig) -> usize {
+    cfg.parallel.tp * cfg.parallel.pp
+}
+
+/// The whole model's sum of squares from each shard's (`shard_sq[pp * tp + tp_rank]`), added as
+/// the all-reduce step adds its partial norms: over the tensor-parallel ranks first (the order
+/// of the `tp` group), then over the stages (the `pp` group). Two-rank sums do not depend on the
+/// order, so with tp, pp <= 2 this is the all-reduce run's number bit for bit.
+pub fn whole_model_squares(shard_sq: &[f64], tp: usize) -> f64 {
+    shard_sq
+        .chunks(tp.max(1))
+        .map(|stage| stage.iter().fold(0.0, |a, s| a + s))
+        .fold(0.0, |a, s| a + s)
 }
 
 /// This rank's part in a parameter-server job.
@@ -216,7 +250,7 @@ mod tests {
     #[test]
     fn pieces_cover_the_buffer_and_are_balanced() {
         let n = 10_000_123;
-        let plan = PiecePlan::new(n, usize::MAX, 3);
+        let plan = PiecePlan::sharded(&[n], usize::MAX, 3).remove(0);
         assert!(plan
             .pieces
             .iter()
@@ -233,9 +267,44 @@ mod tests {
         assert!(hi - lo <= MAX_PIECE_ELEMS, "{share:?}");
         assert_eq!(share.iter().sum::<usize>(), n);
         // More servers than pieces: some own none, every piece has one.
-        let small = PiecePlan::new(10, 4, 5);
+        let small = PiecePlan::sharded(&[10], 4, 5).remove(0);
         assert_eq!(small.pieces.len(), 3);
         assert_eq!(small.owner, vec![0, 1, 2]);
+    }
+
+    /// Shards are cut alone and balanced together: every shard's pieces cover it, and the
+    /// servers' shares over all shards differ by at most one piece.
+    #[test]
+    fn shards_are_cut_alone_and_balanced_together() {
+        let sizes = [3_000_001, 2_500_000, 10, 1 << 20];
+        let plans = PiecePlan::sharded(&sizes, usize::MAX, 3);
+        let mut share = [0usize; 3];
+        for (plan, &n) in plans.iter().zip(&sizes) {
+            assert_eq!(plan.pieces.iter().map(|p| p.len()).sum::<usize>(), n);
+            assert_eq!(plan.pieces[0].end, n);
+            for (p, &s) in plan.pieces.iter().zip(&plan.owner) {
+                share[s] += p.len();
+            }
+        }
+        let (lo, hi) = (*share.iter().min().unwrap(), *share.iter().max().unwrap());
+        assert!(hi - lo <= MAX_PIECE_ELEMS, "{share:?}");
+        // One shard: the data-parallel plan.
+        assert_eq!(
+            PiecePlan::sharded(&[sizes[0]], 1000, 2)[0],
+            PiecePlan::sharded(&sizes, 1000, 2)[0]
+        );
+    }
+
+    /// The shards' squares are added over tp first, then over the stages.
+    #[test]
+    fn whole_model_squares_add_tp_then_pp() {
+        let sq = [1e-8, 3.0, 0.1, 7.0];
+        assert_eq!(
+            whole_model_squares(&sq, 2).to_bits(),
+            ((1e-8 + 3.0) + (0.1 + 7.0f64)).to_bits()
+        );
+        assert_eq!(whole_model_squares(&sq, 1), ((1e-8 + 3.0) + 0.1) + 7.0);
+        assert_eq!(whole_model_squares(&[2.5], 1), 2.5);
     }
 
     #[test]

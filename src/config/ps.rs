@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{DeviceKind, JobConfig};
+use super::JobConfig;
 use crate::error::{Error, Result};
 use crate::parallel::options::DpSync;
 
@@ -86,12 +86,6 @@ impl JobConfig {
             return Err(Error::config(
                 "parallel.zero",
                 format!("{}: with parallel.dp_sync = \"ps\" the servers hold the optimizer state, so ZeRO does not apply; use zero = 0", p.zero),
-            ));
-        }
-        if self.device != DeviceKind::Cpu {
-            return Err(Error::config(
-                "parallel.dp_sync",
-                "\"ps\" runs on device = \"cpu\" only for now",
             ));
         }
         if self.train.loss_scale != super::LossScale::None {

@@ -81,6 +81,8 @@ pub struct PsClient {
     histogram: Vec<u64>,
     /// The parameters taken from the pull thread (swapped with its buffer).
     taken: Vec<f32>,
+    /// A device arm's gradients copied to the host ([`PsClient::take_scratch`]).
+    scratch: Vec<f32>,
     spans: (SpanList, SpanList),
 }
 
@@ -166,9 +168,21 @@ impl PsClient {
             version: 0,
             histogram: vec![0; cfg.ps.staleness as usize + 1],
             taken: Vec::new(),
+            scratch: Vec::new(),
             spans: (decay, norm),
             plan,
         })
+    }
+
+    /// The host buffer a device arm's gradients are copied into before staging (give it back
+    /// with [`PsClient::put_scratch`], so a step allocates it once).
+    pub fn take_scratch(&mut self) -> Vec<f32> {
+        std::mem::take(&mut self.scratch)
+    }
+
+    /// Gives the buffer of [`PsClient::take_scratch`] back.
+    pub fn put_scratch(&mut self, scratch: Vec<f32>) {
+        self.scratch = scratch;
     }
 
     /// Traffic counters of the push link.

@@ -318,7 +318,11 @@ fn bad_server_configurations_name_the_key() {
             "servers hold the optimizer state",
         ),
         (&["ps.staleness=2"], "ps.staleness", "async"),
-        (&["ps.colocate=true"], "ps.colocate", "not implemented"),
+        (
+            &["ps.colocate=true", "ps.servers=3"],
+            "ps.servers",
+            "every worker process runs one server",
+        ),
         (&["precision=fp16"], "train.loss_scale", "cannot skip a step"),
         (&["train.loss_scale=1024"], "train.loss_scale", "cannot skip a step"),
         (&["ps.mode=later"], "ps.mode", "unknown variant"),
@@ -347,46 +351,28 @@ fn bad_server_configurations_name_the_key() {
     }
 }
 
-/// SIGKILLs rank `victim` of a running 2-worker + 1-server job; every survivor must exit naming
-/// it, within a minute.
-fn kill_and_check_survivors(victim: usize) {
+/// SIGKILLs rank `victim` of a running `np`-rank job of `layout` (lines of `[parallel]` and
+/// after); every survivor must exit naming it, within a minute.
+fn kill_and_check_survivors(victim: usize, np: usize, layout: &str) {
     let dir = tempfile::tempdir().unwrap();
     let job = tiny_job(
         dir.path(),
         "job.toml",
-        "[parallel]\ndp = 2\ndp_sync = \"ps\"",
+        &format!("[parallel]\ndp_sync = \"ps\"\n{layout}"),
     );
     let text = std::fs::read_to_string(&job)
         .unwrap()
         .replace("\nsteps = 20", "\nsteps = 100000");
     std::fs::write(&job, text).unwrap();
     let metrics = dir.path().join("m.jsonl");
-    let mut cmd = common::mpirun(3);
+    let mut cmd = common::mpirun(np);
     cmd.arg("train").arg(&job).arg("--metrics").arg(&metrics);
-    let child = common::spawn(cmd);
-    let launcher = child.id();
-    let limit = Duration::from_secs(60);
-    let start = Instant::now();
-    while std::fs::read_to_string(&metrics)
-        .unwrap_or_default()
-        .lines()
-        .count()
-        < 3
-    {
-        assert!(start.elapsed() < limit, "the job never trained");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let ranks = common::rank_pids(launcher);
-    let pid = ranks
-        .iter()
-        .find(|(r, _)| *r == victim)
-        .expect("the victim runs")
-        .1;
-    Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status()
-        .unwrap();
-    let killed = Instant::now();
+    let mut launcher = 0;
+    let child = common::spawn_then_signal(cmd, &metrics, 3, "KILL", |pid| {
+        launcher = pid;
+        common::rank_pid(pid, victim)
+    });
+    let (limit, killed) = (Duration::from_secs(60), Instant::now());
     while !common::rank_pids(launcher).is_empty() {
         assert!(
             killed.elapsed() < limit,
@@ -396,7 +382,7 @@ fn kill_and_check_survivors(victim: usize) {
     }
     // mpirun, told not to abort, may linger after its processes are gone: the test ends it.
     let out = common::wait(child, Duration::from_secs(5));
-    for r in (0..3).filter(|&r| r != victim) {
+    for r in (0..np).filter(|&r| r != victim) {
         let said = out.rank_stderr(r).join("\n");
         assert!(
             said.contains("error") && said.contains(&format!("rank {victim}")),
@@ -407,12 +393,44 @@ fn kill_and_check_survivors(victim: usize) {
 
 #[test]
 fn a_killed_server_is_named_by_every_worker_and_nothing_hangs() {
-    kill_and_check_survivors(2);
+    kill_and_check_survivors(2, 3, "dp = 2");
 }
 
 #[test]
 fn a_killed_worker_is_named_by_the_other_worker_and_the_server() {
-    kill_and_check_survivors(0);
+    kill_and_check_survivors(0, 3, "dp = 2");
+}
+
+/// A colocated worker + server process dies: the other process (its worker and its server
+/// thread) names it and ends.
+#[test]
+fn a_killed_colocated_worker_and_server_is_named_by_the_survivors() {
+    kill_and_check_survivors(1, 3, "dp = 3\n[ps]\ncolocate = true");
+}
+
+/// `ps.colocate = true`: every worker process runs a server (no extra ranks), the pieces are
+/// spread over all of them as over as many server ranks, and the sums have the same fixed
+/// order: the losses and norms are the separate servers' run's bits (DP2, TP2 x DP2).
+#[test]
+fn colocated_servers_give_the_separate_servers_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let job = tiny_job(d, "job.toml", "[parallel]\ndp = 2\ndp_sync = \"ps\"\nbucket_mb = 0.05");
+    for (name, np, layout) in [("dp2", 2, &[][..]), ("tp2_dp2", 4, &["parallel.tp=2"][..])] {
+        let mut all = sets(layout);
+        all.push("train.steps=8".into());
+        let mut separate = all.clone();
+        separate.push(format!("ps.servers={np}"));
+        let sep = d.join(format!("{name}_separate.jsonl"));
+        common::train(2 * np, &job, &sep, &separate);
+        all.push("ps.colocate=true".into());
+        let col = d.join(format!("{name}_colocated.jsonl"));
+        let out = common::train(np, &job, &col, &all);
+        assert!(out.stdout.contains("colocated"), "{}", out.stdout);
+        let (a, b) = (loss_and_norm_bits(&sep), loss_and_norm_bits(&col));
+        assert_eq!(a.len(), 8, "{name}");
+        assert_eq!(b, a, "{name}: colocated vs separate servers");
+    }
 }
 
 #[test]
@@ -432,22 +450,8 @@ fn sigusr1_checkpoints_through_the_servers_and_the_job_resumes() {
     let metrics = d.join("m.jsonl");
     let mut cmd = common::mpirun(3);
     cmd.arg("train").arg(&job).arg("--metrics").arg(&metrics);
-    let child = common::spawn(cmd);
+    let child = common::spawn_then_signal(cmd, &metrics, 3, "USR1", |launcher| launcher);
     let limit = Duration::from_secs(60);
-    let start = Instant::now();
-    while std::fs::read_to_string(&metrics)
-        .unwrap_or_default()
-        .lines()
-        .count()
-        < 3
-    {
-        assert!(start.elapsed() < limit, "the job never trained");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Command::new("kill")
-        .args(["-USR1", &child.id().to_string()])
-        .status()
-        .unwrap();
     let out = common::wait(child, limit);
     assert!(out.success(), "{}\n{}", out.stdout, out.stderr);
     assert!(out.stdout.contains("stopped by SIGUSR1"), "{}", out.stdout);

@@ -52,10 +52,22 @@ impl JobConfig {
         self.parallel.dp_sync == DpSync::Ps
     }
 
-    /// Ranks the job needs: the tp x pp x dp workers, plus the servers of `dp_sync = "ps"`.
+    /// Ranks the job needs: the tp x pp x dp workers, plus the server ranks of `dp_sync = "ps"`
+    /// (none when colocated).
     pub fn ranks_needed(&self) -> usize {
         let p = &self.parallel;
-        p.tp * p.pp * p.dp + if self.uses_ps() { self.ps.servers } else { 0 }
+        let extra = self.uses_ps() && !self.ps.colocate;
+        p.tp * p.pp * p.dp + if extra { self.ps.servers } else { 0 }
+    }
+
+    /// The parameter servers of the job: `ps.servers` ranks, or one per worker when colocated.
+    pub fn ps_servers(&self) -> usize {
+        let p = &self.parallel;
+        if self.ps.colocate {
+            p.tp * p.pp * p.dp
+        } else {
+            self.ps.servers
+        }
     }
 
     /// The `[ps]` keys and what they combine with; errors name the key.
@@ -64,8 +76,12 @@ impl JobConfig {
         if !self.uses_ps() {
             return Ok(());
         }
-        if ps.colocate {
-            return Err(Error::config("ps.colocate", "servers inside the worker processes are not implemented yet; use colocate = false (servers are extra ranks)"));
+        let workers = p.tp * p.pp * p.dp;
+        if ps.colocate && ps.servers != 1 && ps.servers != workers {
+            return Err(Error::config(
+                "ps.servers",
+                format!("{}: with ps.colocate = true every worker process runs one server (tp x pp x dp = {workers}); leave ps.servers unset", ps.servers),
+            ));
         }
         if ps.servers == 0 {
             return Err(Error::config(

@@ -18,6 +18,7 @@ use serde_json::json;
 use super::super::buckets::ReduceTiming;
 use super::super::comm_worker::CommWorker;
 use super::super::grad_sync::DataParallel;
+use super::link::Link;
 use super::{
     shard_count, spans_to_words, worker_place, PiecePlan, PsLinks, KIND_FETCH, KIND_FINISH, KIND_GRADS, KIND_LOAD,
     VERSION_HEADER,
@@ -54,8 +55,6 @@ type SpanList = Vec<(Range<usize>, bool)>;
 pub struct PsClient {
     plan: PiecePlan,
     n: usize,
-    /// Link ranks of the servers: `workers..workers + servers`.
-    first_server: usize,
     servers: usize,
     rank: usize,
     /// Whether this worker hands its shard's state to the servers (data-parallel index 0).
@@ -65,7 +64,7 @@ pub struct PsClient {
     queued: usize,
     shared: Shared,
     puller: Option<JoinHandle<()>>,
-    reply: Communicator,
+    reply: Link,
     stats: Arc<CommStats>,
     staging: Vec<Option<Vec<f32>>>,
     ready: Vec<usize>,
@@ -103,19 +102,19 @@ impl PsClient {
             push,
             pull,
             reply,
-            workers,
             servers,
+            ..
         } = links;
-        let rank = push.rank();
+        let rank = workers.rank();
         let stats = push.stats();
         let pusher = CommWorker::spawn(
             "meshtrain-ps-push",
             "parameter-server push",
             push,
-            move |c: &mut Communicator, out: &mut Outgoing| match out {
+            move |c: &mut Link, out: &mut Outgoing| match out {
                 Outgoing::Words(s, w) => c.send(w, *s),
                 Outgoing::Floats(s, f) => c.send(f, *s),
-                Outgoing::All(w) => (workers..workers + servers).try_for_each(|s| c.send(w, s)),
+                Outgoing::All(w) => (0..servers).try_for_each(|s| c.send(w, s)),
             },
         );
         let shared: Shared = Arc::new((
@@ -133,7 +132,7 @@ impl PsClient {
             std::thread::Builder::new()
                 .name("meshtrain-ps-pull".into())
                 .spawn(move || {
-                    if let Err(e) = pull_versions(&pull, &plan, (workers, servers), n, &shared) {
+                    if let Err(e) = pull_versions(&pull, &plan, servers, n, &shared) {
                         let (lock, cv) = &*shared;
                         lock.lock().unwrap_or_else(|p| p.into_inner()).failed = Some(e.to_string());
                         cv.notify_all();
@@ -146,7 +145,6 @@ impl PsClient {
         let k = plan.pieces.len();
         Ok(PsClient {
             n,
-            first_server: workers,
             servers,
             rank,
             leader: dp_index == 0,
@@ -232,7 +230,7 @@ impl PsClient {
             words.extend(spans_to_words(norm));
             let sizes = vec![self.n as i64, decay.len() as i64, norm.len() as i64];
             for s in 0..self.servers {
-                let to = self.first_server + s;
+                let to = s;
                 self.send(Outgoing::Words(to, sizes.clone()))?;
                 self.send(Outgoing::Words(to, words.clone()))?;
                 for p in self.plan.owned(s) {
@@ -316,7 +314,7 @@ impl PsClient {
                 0,
             ]))?;
         }
-        let to = self.first_server + self.plan.owner[p];
+        let to = self.plan.owner[p];
         let buf = self.staging[p].take().expect("a complete piece is staged");
         self.send(Outgoing::Words(to, vec![p as i64]))?;
         self.send(Outgoing::Floats(to, buf))
@@ -344,7 +342,7 @@ impl PsClient {
         // workers' schedule, resumed or not).
         let flags = vec![i64::from(self.loss_bad), lr.to_bits() as i64];
         for s in 0..self.servers {
-            self.send(Outgoing::Words(self.first_server + s, flags.clone()))?;
+            self.send(Outgoing::Words(s, flags.clone()))?;
         }
         self.drain()?;
         let need = self.clock.saturating_sub(self.staleness);
@@ -412,15 +410,14 @@ impl PsClient {
         let mut seen: Option<[i64; 2]> = None;
         for s in 0..self.servers {
             let mut head = [0i64; 2];
-            self.reply.recv_into(&mut head, self.first_server + s)?;
+            self.reply.recv_into(&mut head, s)?;
             if *seen.get_or_insert(head) != head {
                 return Err(Error::Check(format!("parameter servers disagree on (optimizer steps, version) at a checkpoint: {:?} and {head:?} (server {s})", seen)));
             }
             for k in self.plan.owned(s) {
                 let r = self.plan.pieces[k].clone();
                 for dst in [&mut p, &mut m, &mut v] {
-                    self.reply
-                        .recv_into(&mut dst[r.clone()], self.first_server + s)?;
+                    self.reply.recv_into(&mut dst[r.clone()], s)?;
                 }
             }
         }
@@ -511,9 +508,9 @@ fn shard_sizes(cfg: &JobConfig, workers: &Communicator, n: usize) -> Result<Vec<
 /// The pull thread: every version of every server into a buffer, then swapped into `shared`;
 /// ends at the servers' finish.
 fn pull_versions(
-    pull: &Communicator,
+    pull: &Link,
     plan: &PiecePlan,
-    (workers, servers): (usize, usize),
+    servers: usize,
     n: usize,
     shared: &Shared,
 ) -> Result<()> {
@@ -523,7 +520,7 @@ fn pull_versions(
         let mut first: Option<[f64; VERSION_HEADER]> = None;
         for (s, pieces) in owned.iter().enumerate() {
             let mut head = [0f64; VERSION_HEADER];
-            pull.recv_into(&mut head, workers + s)?;
+            pull.recv_into(&mut head, s)?;
             let f = *first.get_or_insert(head);
             if f[0] != head[0] || f[1] != head[1] {
                 return Err(Error::Check(format!(
@@ -534,7 +531,7 @@ fn pull_versions(
                 continue;
             }
             for &p in pieces {
-                pull.recv_into(&mut buf[plan.pieces[p].clone()], workers + s)?;
+                pull.recv_into(&mut buf[plan.pieces[p].clone()], s)?;
             }
         }
         let head = first.expect("at least one server");

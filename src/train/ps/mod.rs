@@ -43,6 +43,7 @@
 //! survivors through the communicators' own deadline and peer checks.
 
 mod client;
+mod link;
 mod server;
 
 use std::ops::Range;
@@ -55,6 +56,7 @@ use crate::parallel::grid::GridShape;
 use crate::world::World;
 
 pub(super) use client::PsClient;
+use link::Link;
 pub(super) use server::serve;
 
 /// Largest piece: 4 MiB of f32.
@@ -114,7 +116,7 @@ impl PiecePlan {
     /// The plans of `cfg` for shards of `sizes[k]` elements.
     pub fn of_job(cfg: &JobConfig, sizes: &[usize]) -> Vec<Self> {
         let bucket = ((cfg.parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1);
-        PiecePlan::sharded(sizes, bucket, cfg.ps.servers)
+        PiecePlan::sharded(sizes, bucket, cfg.ps_servers())
     }
 
     /// Indices of the pieces server `s` owns, in piece order.
@@ -125,18 +127,19 @@ impl PiecePlan {
     }
 }
 
-/// The communicators between workers and servers: splits of the world communicator, so a link
-/// rank is the world rank (workers first, then the servers).
+/// One side's ends of the links between workers and servers ([`Link`]): separate servers are
+/// the last world ranks (a link's peer `i` is rank `i` of the workers, or `workers + i` for
+/// the servers); colocated, server `i` runs in worker `i`'s process.
 pub struct PsLinks {
     /// Worker push thread -> server: headers and gradient pieces.
-    pub push: Communicator,
+    pub push: Link,
     /// Server -> worker pull thread: versions of the parameters.
-    pub pull: Communicator,
+    pub pull: Link,
     /// Server -> worker main thread: checkpoint state.
-    pub reply: Communicator,
-    /// Number of workers (the first link ranks).
+    pub reply: Link,
+    /// Number of workers.
     pub workers: usize,
-    /// Number of servers (the last link ranks).
+    /// Number of servers.
     pub servers: usize,
 }
 
@@ -171,6 +174,9 @@ pub enum Role {
     Worker(Communicator, PsLinks),
     /// A server: the communicator among the servers and the links.
     Server(Communicator, PsLinks),
+    /// `ps.colocate`: a worker (as [`Role::Worker`]) whose process also runs a server (the
+    /// communicator among the servers and the server's links, for [`spawn_colocated`]).
+    Colocated(Communicator, PsLinks, (Communicator, PsLinks)),
 }
 
 /// Splits the world into workers and servers (collective over the world).
@@ -178,42 +184,114 @@ pub fn start(world: &World, cfg: &JobConfig) -> Result<Role> {
     let world_comm = world.communicator()?;
     super::config_agree::check(&world_comm, cfg)?;
     cfg.validate_world(world.size)?;
-    let workers = world.size - cfg.ps.servers;
+    let servers = cfg.ps_servers();
+    let workers = world.size - if cfg.ps.colocate { 0 } else { servers };
+    if world.rank == 0 {
+        let mode = match cfg.ps.mode {
+            crate::config::PsMode::Sync => "sync".to_string(),
+            crate::config::PsMode::Async => format!("async, staleness {}", cfg.ps.staleness),
+        };
+        let place = match cfg.ps.colocate {
+            true => "one in each worker process (colocated)".to_string(),
+            false => format!("server rank(s) {}..{}", workers, world.size - 1),
+        };
+        println!("# parameter servers: {servers}, {place}, for {workers} worker(s), mode {mode}");
+    }
+    if cfg.ps.colocate {
+        return start_colocated(world, world_comm);
+    }
     let is_server = world.rank >= workers;
     let rank = world.rank as i64;
     let group = world_comm
         .split(Some(u32::from(is_server)), rank)?
         .expect("every rank joins");
-    let link = || -> Result<Communicator> {
-        Ok(world_comm.split(Some(0), rank)?.expect("every rank joins"))
+    let base = if is_server { 0 } else { workers };
+    let link = || -> Result<Link> {
+        let comm = world_comm.split(Some(0), rank)?.expect("every rank joins");
+        Ok(Link::Ranks { comm, base })
     };
     let links = PsLinks {
         push: link()?,
         pull: link()?,
         reply: link()?,
         workers,
-        servers: cfg.ps.servers,
+        servers,
     };
-    if world.rank == 0 {
-        println!(
-            "# parameter servers: {} server rank(s) ({}..{}) for {workers} worker(s), mode {}{}",
-            cfg.ps.servers,
-            workers,
-            world.size - 1,
-            match cfg.ps.mode {
-                crate::config::PsMode::Sync => "sync",
-                crate::config::PsMode::Async => "async",
-            },
-            match cfg.ps.mode {
-                crate::config::PsMode::Async => format!(", staleness {}", cfg.ps.staleness),
-                crate::config::PsMode::Sync => String::new(),
-            }
-        );
-    }
     Ok(if is_server {
         Role::Server(group, links)
     } else {
         Role::Worker(group, links)
+    })
+}
+
+/// [`start`] with a server in every worker process: per direction, one communicator per server
+/// (its process's server thread the only user there, the other processes' worker threads the
+/// only users elsewhere) and an in-process channel between the worker and server of a process.
+fn start_colocated(world: &World, world_comm: Communicator) -> Result<Role> {
+    let (n, me, rank) = (world.size, world.rank, world.rank as i64);
+    let group = world_comm.split(Some(0), rank)?.expect("every rank joins");
+    // Worker side: peer s's communicator is comms[s] (s < me) or comms[s - 1] (s > me).
+    let worker_via: Vec<Option<usize>> = (0..n)
+        .map(|s| (s != me).then(|| if s < me { s } else { s - 1 }))
+        .collect();
+    let server_via: Vec<Option<usize>> = (0..n).map(|w| (w != me).then_some(0)).collect();
+    let mut ends = Vec::new();
+    for _direction in 0..3 {
+        let (mut theirs, mut mine) = (Vec::new(), None);
+        for s in 0..n {
+            let c = world_comm.split(Some(0), rank)?.expect("every rank joins");
+            if s == me {
+                mine = Some(c);
+            } else {
+                theirs.push(c);
+            }
+        }
+        ends.push((theirs, mine.expect("this process's server")));
+    }
+    let mut ends = ends.into_iter();
+    let mut next = || ends.next().expect("three directions");
+    let ((push_w, push_s), (pull_w, pull_s), (reply_w, reply_s)) = (next(), next(), next());
+    // In-process ends: (sender, receiver).
+    let (push_tx, push_rx) = link::local_pair();
+    let (pull_tx, pull_rx) = link::local_pair();
+    let (reply_tx, reply_rx) = link::local_pair();
+    let wv = || worker_via.clone();
+    let sv = || server_via.clone();
+    let worker = PsLinks {
+        push: Link::colocated(push_w, wv(), push_tx, me),
+        pull: Link::colocated(pull_w, wv(), pull_rx, me),
+        reply: Link::colocated(reply_w, wv(), reply_rx, me),
+        workers: n,
+        servers: n,
+    };
+    let server = PsLinks {
+        push: Link::colocated(vec![push_s], sv(), push_rx, me),
+        pull: Link::colocated(vec![pull_s], sv(), pull_tx, me),
+        reply: Link::colocated(vec![reply_s], sv(), reply_tx, me),
+        workers: n,
+        servers: n,
+    };
+    Ok(Role::Colocated(world_comm, worker, (group, server)))
+}
+
+/// Starts the colocated server of this process on a thread of its own ([`serve`]).
+pub fn spawn_colocated(
+    (group, links): (Communicator, PsLinks),
+    cfg: &JobConfig,
+) -> Result<std::thread::JoinHandle<Result<()>>> {
+    let cfg = cfg.clone();
+    std::thread::Builder::new()
+        .name("meshtrain-ps-server".into())
+        .spawn(move || serve(group, links, &cfg))
+        .map_err(|e| Error::Check(format!("spawning the colocated parameter server: {e}")))
+}
+
+/// Waits for the colocated server of [`spawn_colocated`] and returns its outcome.
+pub fn join_colocated(server: std::thread::JoinHandle<Result<()>>) -> Result<()> {
+    server.join().unwrap_or_else(|_| {
+        Err(Error::Check(
+            "the colocated parameter server thread panicked".into(),
+        ))
     })
 }
 

@@ -54,8 +54,18 @@ pub struct LocalEnd(Local);
 impl Link {
     /// A colocated link of process `me`: peer `i`'s messages go over `comms[via[i]]` (as its
     /// rank `i`), or through `local` where `via[i]` is None (see [`Link::Colocated`]).
-    pub fn colocated(comms: Vec<Communicator>, via: Vec<Option<usize>>, local: LocalEnd, me: usize) -> Self {
-        Link::Colocated { comms, via, local: local.0, me }
+    pub fn colocated(
+        comms: Vec<Communicator>,
+        via: Vec<Option<usize>>,
+        local: LocalEnd,
+        me: usize,
+    ) -> Self {
+        Link::Colocated {
+            comms,
+            via,
+            local: local.0,
+            me,
+        }
     }
 
     /// Sends `buf` to peer `peer`.
@@ -79,7 +89,12 @@ impl Link {
     pub fn recv_into<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
         match self {
             Link::Ranks { comm, base } => comm.recv_into(buf, base + peer),
-            Link::Colocated { comms, via, local, me } => match via.get(peer) {
+            Link::Colocated {
+                comms,
+                via,
+                local,
+                me,
+            } => match via.get(peer) {
                 Some(Some(k)) => comms[*k].recv_into(buf, peer),
                 Some(None) => match local {
                     Local::Recv(rx) => {
@@ -97,9 +112,13 @@ impl Link {
                         dst.copy_from_slice(&bytes);
                         Ok(())
                     }
-                    Local::Send(_) => Err(Error::Check(format!("rank {me}: a colocated link's sending end was asked to receive"))),
+                    Local::Send(_) => Err(Error::Check(format!(
+                        "rank {me}: a colocated link's sending end was asked to receive"
+                    ))),
                 },
-                None => Err(Error::Check(format!("rank {me}: parameter-server link peer {peer} out of range"))),
+                None => Err(Error::Check(format!(
+                    "rank {me}: parameter-server link peer {peer} out of range"
+                ))),
             },
         }
     }

@@ -1,9 +1,24 @@
 //! Parameter-server data parallelism (`parallel.dp_sync = "ps"`): the tp x pp x dp workers run
-//! the model; `ps.servers` extra ranks (the last ones) hold the parameters and the AdamW state.
-//! Each step a worker pushes its gradients, piece by piece as the backward finishes them (the
-//! readiness order of the all-reduce buckets), to the servers that own the pieces; the servers
-//! sum the workers' pieces, clip by the global norm (reduced among the servers), run AdamW on
-//! their pieces and send every worker the new parameters ([`server`], [`client`]).
+//! the model; `ps.servers` extra ranks (the last ones), or with `ps.colocate = true` a server
+//! thread in every worker process (BytePS' summation service: no extra ranks, one server per
+//! worker), hold the parameters and the AdamW state. Each step a worker pushes its gradients,
+//! piece by piece as the backward finishes them (the readiness order of the all-reduce buckets),
+//! to the servers that own the pieces; the servers sum the workers' pieces, clip by the global
+//! norm (reduced among the servers), run AdamW on their pieces and send every worker the new
+//! parameters ([`server`], [`client`], the links of either placement in [`link`]).
+//!
+//! Model shards: under TP and PP every (tp, pp) shard has its own flat buffer, cut into its own
+//! pieces; the owners are chosen over all shards' pieces together, so the servers' shares stay
+//! balanced, and a worker talks only about its own shard's pieces (the servers sum a piece over
+//! the dp workers of its shard). The norm is the whole model's: each shard's counted spans (the
+//! model's norm spans: a TP-replicated tensor is counted on one rank only) in piece order, then
+//! the shards' sums over tp and then over pp, as the all-reduce step adds its partial norms
+//! ([`whole_model_squares`]); the workers do not sum it again.
+//!
+//! Devices: the gradients reach the push as host slices: the CPU arm's without a copy, a device
+//! arm's (emu, CUDA, HIP: one code path) copied device -> host entry by entry as the backward
+//! hands each unit over; the pulled parameters are copied host -> device (and the 16-bit copies
+//! refreshed) before the next step.
 //!
 //! Pieces: the flat parameter buffer cut as the ZeRO-0 buckets are ([`super::buckets::plan_buckets`]),
 //! with buckets of `min(parallel.bucket_mb, 4 MiB)`, each owned by one server: in readiness
@@ -21,8 +36,12 @@
 //! - AdamW is the CPU arm's element expression, so where an element is updated does not matter.
 //!
 //! So with two workers a PS run gives the all-reduce run's bits (a sum of two terms does not
-//! depend on the order); with more, the all-reduce's ring adds the workers in an order that
-//! rotates with the chunk, and the two differ by float rounding (tests: within 1e-6 over 20 steps).
+//! depend on the order), also under TP2 and PP2 (the shards' norms, too, are sums of two); with
+//! more, the all-reduce's ring adds the workers in an order that rotates with the chunk, and the
+//! two differ by float rounding (tests: within 1e-6 over 20 steps). On a device arm the
+//! all-reduce run's norm and AdamW are device kernels (block sums, fused multiply-adds), the
+//! servers' the CPU's expressions: within 1e-6, not bit for bit. Colocated servers add in the
+//! same orders as as many server ranks: the same bits.
 //!
 //! Versions and staleness (`ps.mode`): version v is the parameters after the servers' v-th
 //! update. A worker pushes the gradient of its step c tagged with the version it trained on and,
@@ -38,9 +57,11 @@
 //!
 //! Invariants: every message has a length both sides know in advance (headers of fixed size);
 //! every worker sends every server the same sequence of message kinds, which the server checks;
-//! each link communicator is used by one thread on each side (the worker's push thread, its pull
-//! thread, its main thread for checkpoints). A server or worker that dies is named by the
-//! survivors through the communicators' own deadline and peer checks.
+//! each link communicator is used by one thread in each process (the worker's push thread, its
+//! pull thread, its main thread for checkpoints, or the colocated server thread: [`link`]). A
+//! worker's link rank is its grid rank, so a server knows every worker's shard from the config.
+//! A server or worker that dies (colocated: the process with both) is named by the survivors
+//! through the communicators' own deadline and peer checks.
 
 mod client;
 mod link;

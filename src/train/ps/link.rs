@@ -31,7 +31,7 @@ pub enum Local {
 /// One thread's end of one direction of the links.
 pub enum Link {
     /// Servers are ranks of their own: peer `i` is rank `base + i` of `comm`.
-    Ranks { comm: Communicator, base: usize },
+    Ranks { comm: Box<Communicator>, base: usize },
     /// Colocated: peer `i` is rank `i` of `comms[via[i]]`, or this process (`via[i]` None).
     Colocated {
         comms: Vec<Communicator>,

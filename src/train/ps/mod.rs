@@ -197,7 +197,7 @@ pub enum Role {
     Server(Communicator, PsLinks),
     /// `ps.colocate`: a worker (as [`Role::Worker`]) whose process also runs a server (the
     /// communicator among the servers and the server's links, for [`spawn_colocated`]).
-    Colocated(Communicator, PsLinks, (Communicator, PsLinks)),
+    Colocated(Communicator, PsLinks, Box<(Communicator, PsLinks)>),
 }
 
 /// Splits the world into workers and servers (collective over the world).
@@ -229,7 +229,10 @@ pub fn start(world: &World, cfg: &JobConfig) -> Result<Role> {
     let base = if is_server { 0 } else { workers };
     let link = || -> Result<Link> {
         let comm = world_comm.split(Some(0), rank)?.expect("every rank joins");
-        Ok(Link::Ranks { comm, base })
+        Ok(Link::Ranks {
+            comm: Box::new(comm),
+            base,
+        })
     };
     let links = PsLinks {
         push: link()?,
@@ -292,14 +295,15 @@ fn start_colocated(world: &World, world_comm: Communicator) -> Result<Role> {
         workers: n,
         servers: n,
     };
-    Ok(Role::Colocated(world_comm, worker, (group, server)))
+    Ok(Role::Colocated(world_comm, worker, Box::new((group, server))))
 }
 
 /// Starts the colocated server of this process on a thread of its own ([`serve`]).
 pub fn spawn_colocated(
-    (group, links): (Communicator, PsLinks),
+    server: Box<(Communicator, PsLinks)>,
     cfg: &JobConfig,
 ) -> Result<std::thread::JoinHandle<Result<()>>> {
+    let (group, links) = *server;
     let cfg = cfg.clone();
     std::thread::Builder::new()
         .name("meshtrain-ps-server".into())

@@ -579,7 +579,7 @@ impl JobConfig {
                 "ps.servers",
                 format!(
                     "tp {} x pp {} x dp {} workers + {} server(s) = {} ranks, but the job has {world_size}",
-                    p.tp, p.pp, p.dp, self.ps.servers, self.ranks_needed()
+                    p.tp, p.pp, p.dp, self.ranks_needed() - p.tp * p.pp * p.dp, self.ranks_needed()
                 ),
             ));
         }

@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{DeviceKind, JobConfig};
+use super::JobConfig;
 use crate::error::{Error, Result};
 use crate::parallel::options::DpSync;
 
@@ -52,10 +52,22 @@ impl JobConfig {
         self.parallel.dp_sync == DpSync::Ps
     }
 
-    /// Ranks the job needs: the tp x pp x dp workers, plus the servers of `dp_sync = "ps"`.
+    /// Ranks the job needs: the tp x pp x dp workers, plus the server ranks of `dp_sync = "ps"`
+    /// (none when colocated).
     pub fn ranks_needed(&self) -> usize {
         let p = &self.parallel;
-        p.tp * p.pp * p.dp + if self.uses_ps() { self.ps.servers } else { 0 }
+        let extra = self.uses_ps() && !self.ps.colocate;
+        p.tp * p.pp * p.dp + if extra { self.ps.servers } else { 0 }
+    }
+
+    /// The parameter servers of the job: `ps.servers` ranks, or one per worker when colocated.
+    pub fn ps_servers(&self) -> usize {
+        let p = &self.parallel;
+        if self.ps.colocate {
+            p.tp * p.pp * p.dp
+        } else {
+            self.ps.servers
+        }
     }
 
     /// The `[ps]` keys and what they combine with; errors name the key.
@@ -64,8 +76,12 @@ impl JobConfig {
         if !self.uses_ps() {
             return Ok(());
         }
-        if ps.colocate {
-            return Err(Error::config("ps.colocate", "servers inside the worker processes are not implemented yet; use colocate = false (servers are extra ranks)"));
+        let workers = p.tp * p.pp * p.dp;
+        if ps.colocate && ps.servers != 1 && ps.servers != workers {
+            return Err(Error::config(
+                "ps.servers",
+                format!("{}: with ps.colocate = true every worker process runs one server (tp x pp x dp = {workers}); leave ps.servers unset", ps.servers),
+            ));
         }
         if ps.servers == 0 {
             return Err(Error::config(
@@ -86,18 +102,6 @@ impl JobConfig {
             return Err(Error::config(
                 "parallel.zero",
                 format!("{}: with parallel.dp_sync = \"ps\" the servers hold the optimizer state, so ZeRO does not apply; use zero = 0", p.zero),
-            ));
-        }
-        if p.tp > 1 || p.pp > 1 {
-            return Err(Error::config(
-                "parallel.dp_sync",
-                "\"ps\" runs data parallelism only for now (tp = 1, pp = 1)",
-            ));
-        }
-        if self.device != DeviceKind::Cpu {
-            return Err(Error::config(
-                "parallel.dp_sync",
-                "\"ps\" runs on device = \"cpu\" only for now",
             ));
         }
         if self.train.loss_scale != super::LossScale::None {

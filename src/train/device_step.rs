@@ -310,11 +310,13 @@ impl DeviceStep {
             (Some((Overlap::Device(r), _)), state) => r.on_final(model, range, &mut shard_sink(model.device(), state)),
             (Some((Overlap::Ps(c), _)), _) => {
                 let mut failed = Ok(());
-                model.host_grads_in(range, &mut |range, g| {
+                let mut scratch = c.take_scratch();
+                model.grads_to_host_in(range, &mut scratch, &mut |range, g| {
                     if failed.is_ok() {
                         failed = c.on_final(range, g);
                     }
                 })?;
+                c.put_scratch(scratch);
                 failed
             }
             (None, _) => Err(Error::Check("gradients handed to a step that reduces after the backward".into())),
@@ -392,6 +394,8 @@ impl DeviceStep {
             let path = if ipc == calls { "mapped peer memory (IPC)" } else { "staging through host memory" };
             log::info!("data-parallel gradient reduction over {} ranks after the backward: {path}", dp.size());
         }
+        // The servers' squares are the whole model's already.
+        let groups = if matches!(self.overlap, Some((Overlap::Ps(_), _))) { &[] } else { groups };
         for g in groups {
             let mut s = [sq];
             g.all_reduce(&mut s, ReduceOp::Sum)?;

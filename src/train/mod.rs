@@ -67,6 +67,7 @@ pub struct TrainReport {
 pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<TrainReport> {
     // From here on SIGTERM/SIGUSR1 stop the run after a step, with a checkpoint (`shutdown.rs`).
     shutdown::install()?;
+    let mut colocated = None;
     let mut session = match cfg.uses_ps() {
         false => Session::setup(world, cfg, opts)?,
         true => match ps::start(world, cfg)? {
@@ -74,6 +75,10 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             ps::Role::Server(servers, links) => {
                 ps::serve(servers, links, cfg)?;
                 return Ok(TrainReport { losses: Vec::new(), val_losses: Vec::new(), tokens_per_s: 0.0 });
+            }
+            ps::Role::Colocated(workers, links, server) => {
+                colocated = Some(ps::spawn_colocated(server, cfg)?);
+                Session::setup_on(world, workers, Some(links), cfg, opts)?
             }
         },
     };
@@ -84,5 +89,8 @@ pub fn train(world: &World, cfg: &JobConfig, opts: &TrainOptions) -> Result<Trai
             break;
         }
     }
-    session.finish(last)
+    let report = session.finish(last)?;
+    // The colocated server ends once every worker has finished.
+    colocated.map_or(Ok(()), ps::join_colocated)?;
+    Ok(report)
 }

@@ -204,7 +204,7 @@ impl<'a> Session<'a> {
         let step = match ps {
             None => DeviceStep::new(model.model(), &sync, &dp, (&decay, &norm), adamw)?,
             Some(links) => {
-                let client = PsClient::new(links, cfg, model.params().len(), (decay.clone(), norm.clone()))?;
+                let client = PsClient::new(links, cfg, &world_comm, model.params().len(), (decay.clone(), norm.clone()))?;
                 DeviceStep::with_ps(model.model(), &sync, &dp, (&decay, &norm), adamw, client)?
             }
         };

@@ -115,6 +115,28 @@ pub fn rank_pids(mpirun_pid: u32) -> Vec<(usize, u32)> {
     out
 }
 
+/// Spawns `cmd` (a training job writing the metrics file `metrics`), waits until `lines` steps
+/// are logged there (failing the test after a minute: the job never trained), then sends
+/// `signal` (`KILL`, `USR1`, ...) to the process `target(launcher pid)` names (e.g. the launcher
+/// itself, or a rank through [`rank_pids`]). Returns the running launcher.
+pub fn spawn_then_signal(cmd: Command, metrics: &std::path::Path, lines: usize, signal: &str, target: impl FnOnce(u32) -> u32) -> Child {
+    let child = spawn(cmd);
+    let start = Instant::now();
+    while std::fs::read_to_string(metrics).unwrap_or_default().lines().count() < lines {
+        assert!(start.elapsed() < Duration::from_secs(60), "the job never trained");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pid = target(child.id());
+    let st = Command::new("kill").args([&format!("-{signal}"), &pid.to_string()]).status().unwrap();
+    assert!(st.success(), "kill -{signal} {pid}");
+    child
+}
+
+/// The pid of world rank `rank` among `mpirun_pid`'s children (the test fails if it is gone).
+pub fn rank_pid(mpirun_pid: u32, rank: usize) -> u32 {
+    rank_pids(mpirun_pid).iter().find(|(r, _)| *r == rank).unwrap_or_else(|| panic!("rank {rank} is not running")).1
+}
+
 /// Files in /dev/shm whose names start with `prefix`.
 pub fn shm_files(prefix: &str) -> Vec<String> {
     std::fs::read_dir("/dev/shm")

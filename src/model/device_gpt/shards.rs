@@ -69,6 +69,27 @@ impl DeviceGpt {
         Ok(())
     }
 
+    /// Hands the gradients of the flat range `r` to `f(range, values)`, one piece per layout
+    /// entry, as host slices on every arm: the CPU's without a copy, a device arm's (emu, CUDA,
+    /// HIP alike) copied device -> host into `scratch` first (the entry from its start to the
+    /// piece's end; the entries' own stream order makes the copy wait for their backward).
+    pub fn grads_to_host_in(&self, r: Range<usize>, scratch: &mut Vec<f32>, f: &mut dyn FnMut(Range<usize>, &[f32])) -> Result<()> {
+        if matches!(self.dev, Device::Cpu) {
+            return self.host_grads_in(r, f);
+        }
+        for (i, p) in entry_parts(&self.layout, r) {
+            let e = &self.layout.entries()[i];
+            if self.grads[i].len() < e.len * 4 {
+                return Err(Error::Check(format!("the gradients of `{}` were handed over after being freed", e.name)));
+            }
+            let (lo, hi) = (p.start - e.offset, p.end - e.offset);
+            scratch.resize(hi, 0.0);
+            self.dev.copy_to_host(&self.grads[i], &mut scratch[..hi])?;
+            f(p, &scratch[lo..hi]);
+        }
+        Ok(())
+    }
+
     /// Sets the gradients of the flat range `r` from the host values `src` (`r.len()`), on arms
     /// whose buffers are host memory (the CPU, emu); other arms are an error naming the arm.
     pub fn set_grads_range(&mut self, r: Range<usize>, src: &[f32]) -> Result<()> {

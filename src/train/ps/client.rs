@@ -18,8 +18,9 @@ use serde_json::json;
 use super::super::buckets::ReduceTiming;
 use super::super::comm_worker::CommWorker;
 use super::super::grad_sync::DataParallel;
+use super::link::Link;
 use super::{
-    spans_to_words, PiecePlan, PsLinks, KIND_FETCH, KIND_FINISH, KIND_GRADS, KIND_LOAD,
+    shard_count, spans_to_words, worker_place, PiecePlan, PsLinks, KIND_FETCH, KIND_FINISH, KIND_GRADS, KIND_LOAD,
     VERSION_HEADER,
 };
 use crate::comm::stats::CommStats;
@@ -54,16 +55,16 @@ type SpanList = Vec<(Range<usize>, bool)>;
 pub struct PsClient {
     plan: PiecePlan,
     n: usize,
-    /// Link ranks of the servers: `workers..workers + servers`.
-    first_server: usize,
     servers: usize,
     rank: usize,
+    /// Whether this worker hands its shard's state to the servers (data-parallel index 0).
+    leader: bool,
     staleness: u64,
     pusher: CommWorker<Outgoing>,
     queued: usize,
     shared: Shared,
     puller: Option<JoinHandle<()>>,
-    reply: Communicator,
+    reply: Link,
     stats: Arc<CommStats>,
     staging: Vec<Option<Vec<f32>>>,
     ready: Vec<usize>,
@@ -79,36 +80,41 @@ pub struct PsClient {
     histogram: Vec<u64>,
     /// The parameters taken from the pull thread (swapped with its buffer).
     taken: Vec<f32>,
+    /// A device arm's gradients copied to the host ([`PsClient::take_scratch`]).
+    scratch: Vec<f32>,
     spans: (SpanList, SpanList),
 }
 
 impl PsClient {
-    /// The client of a model of `n` parameters with weight decay on the `decay` spans and the
-    /// `norm` spans counted in the norm; starts the push and pull threads on `links`.
+    /// The client of a model shard of `n` parameters with weight decay on the `decay` spans and
+    /// the `norm` spans counted in the norm; starts the push and pull threads on `links`.
+    /// Collective over `workers` (the workers' communicator: every shard's size is exchanged).
     pub fn new(
         links: PsLinks,
         cfg: &JobConfig,
+        workers: &Communicator,
         n: usize,
         (decay, norm): (SpanList, SpanList),
     ) -> Result<Self> {
-        let plan = PiecePlan::of_job(cfg, n);
+        let (shard, dp_index) = worker_place(cfg, workers.rank());
+        let plan = PiecePlan::of_job(cfg, &shard_sizes(cfg, workers, n)?).swap_remove(shard);
         let PsLinks {
             push,
             pull,
             reply,
-            workers,
             servers,
+            ..
         } = links;
-        let rank = push.rank();
+        let rank = workers.rank();
         let stats = push.stats();
         let pusher = CommWorker::spawn(
             "meshtrain-ps-push",
             "parameter-server push",
             push,
-            move |c: &mut Communicator, out: &mut Outgoing| match out {
+            move |c: &mut Link, out: &mut Outgoing| match out {
                 Outgoing::Words(s, w) => c.send(w, *s),
                 Outgoing::Floats(s, f) => c.send(f, *s),
-                Outgoing::All(w) => (workers..workers + servers).try_for_each(|s| c.send(w, s)),
+                Outgoing::All(w) => (0..servers).try_for_each(|s| c.send(w, s)),
             },
         );
         let shared: Shared = Arc::new((
@@ -126,7 +132,7 @@ impl PsClient {
             std::thread::Builder::new()
                 .name("meshtrain-ps-pull".into())
                 .spawn(move || {
-                    if let Err(e) = pull_versions(&pull, &plan, (workers, servers), n, &shared) {
+                    if let Err(e) = pull_versions(&pull, &plan, servers, n, &shared) {
                         let (lock, cv) = &*shared;
                         lock.lock().unwrap_or_else(|p| p.into_inner()).failed = Some(e.to_string());
                         cv.notify_all();
@@ -139,9 +145,9 @@ impl PsClient {
         let k = plan.pieces.len();
         Ok(PsClient {
             n,
-            first_server: workers,
             servers,
             rank,
+            leader: dp_index == 0,
             staleness: cfg.ps.staleness,
             pusher,
             queued: 0,
@@ -160,9 +166,21 @@ impl PsClient {
             version: 0,
             histogram: vec![0; cfg.ps.staleness as usize + 1],
             taken: Vec::new(),
+            scratch: Vec::new(),
             spans: (decay, norm),
             plan,
         })
+    }
+
+    /// The host buffer a device arm's gradients are copied into before staging (give it back
+    /// with [`PsClient::put_scratch`], so a step allocates it once).
+    pub fn take_scratch(&mut self) -> Vec<f32> {
+        std::mem::take(&mut self.scratch)
+    }
+
+    /// Gives the buffer of [`PsClient::take_scratch`] back.
+    pub fn put_scratch(&mut self, scratch: Vec<f32>) {
+        self.scratch = scratch;
     }
 
     /// Traffic counters of the push link.
@@ -193,7 +211,7 @@ impl PsClient {
     pub fn load(&mut self, model: &DeviceGpt, sync: &DataParallel) -> Result<()> {
         let steps = sync.states().first().map_or(0, |s| s.step);
         self.send(Outgoing::All(vec![KIND_LOAD, steps as i64, 0, 0]))?;
-        if self.rank == 0 {
+        if self.leader {
             let params = model.params();
             if params.len() != self.n {
                 return Err(Error::Check(format!(
@@ -212,7 +230,7 @@ impl PsClient {
             words.extend(spans_to_words(norm));
             let sizes = vec![self.n as i64, decay.len() as i64, norm.len() as i64];
             for s in 0..self.servers {
-                let to = self.first_server + s;
+                let to = s;
                 self.send(Outgoing::Words(to, sizes.clone()))?;
                 self.send(Outgoing::Words(to, words.clone()))?;
                 for p in self.plan.owned(s) {
@@ -296,7 +314,7 @@ impl PsClient {
                 0,
             ]))?;
         }
-        let to = self.first_server + self.plan.owner[p];
+        let to = self.plan.owner[p];
         let buf = self.staging[p].take().expect("a complete piece is staged");
         self.send(Outgoing::Words(to, vec![p as i64]))?;
         self.send(Outgoing::Floats(to, buf))
@@ -324,7 +342,7 @@ impl PsClient {
         // workers' schedule, resumed or not).
         let flags = vec![i64::from(self.loss_bad), lr.to_bits() as i64];
         for s in 0..self.servers {
-            self.send(Outgoing::Words(self.first_server + s, flags.clone()))?;
+            self.send(Outgoing::Words(s, flags.clone()))?;
         }
         self.drain()?;
         let need = self.clock.saturating_sub(self.staleness);
@@ -392,15 +410,14 @@ impl PsClient {
         let mut seen: Option<[i64; 2]> = None;
         for s in 0..self.servers {
             let mut head = [0i64; 2];
-            self.reply.recv_into(&mut head, self.first_server + s)?;
+            self.reply.recv_into(&mut head, s)?;
             if *seen.get_or_insert(head) != head {
                 return Err(Error::Check(format!("parameter servers disagree on (optimizer steps, version) at a checkpoint: {:?} and {head:?} (server {s})", seen)));
             }
             for k in self.plan.owned(s) {
                 let r = self.plan.pieces[k].clone();
                 for dst in [&mut p, &mut m, &mut v] {
-                    self.reply
-                        .recv_into(&mut dst[r.clone()], self.first_server + s)?;
+                    self.reply.recv_into(&mut dst[r.clone()], s)?;
                 }
             }
         }
@@ -462,12 +479,38 @@ impl PsClient {
     }
 }
 
+/// Every (tp, pp) shard's number of parameters, from each worker's `n` (collective over
+/// `workers`); the workers of one shard must agree.
+fn shard_sizes(cfg: &JobConfig, workers: &Communicator, n: usize) -> Result<Vec<usize>> {
+    let mut all = vec![0i64; workers.size()];
+    all[workers.rank()] = n as i64;
+    workers.all_gather(&mut all)?;
+    let mut sizes: Vec<Option<usize>> = vec![None; shard_count(cfg)];
+    for (w, &m) in all.iter().enumerate() {
+        let (k, _) = worker_place(cfg, w);
+        let slot = sizes.get_mut(k).ok_or_else(|| {
+            Error::Check(format!("parameter server plan: worker {w} is in shard {k} of {}", shard_count(cfg)))
+        })?;
+        if *slot.get_or_insert(m as usize) != m as usize {
+            return Err(Error::Check(format!(
+                "parameter server plan: worker {w} holds {m} parameters where the other workers of its (tp, pp) shard {k} hold {}",
+                slot.unwrap_or(0)
+            )));
+        }
+    }
+    sizes
+        .into_iter()
+        .enumerate()
+        .map(|(k, s)| s.ok_or_else(|| Error::Check(format!("parameter server plan: shard {k} has no worker"))))
+        .collect()
+}
+
 /// The pull thread: every version of every server into a buffer, then swapped into `shared`;
 /// ends at the servers' finish.
 fn pull_versions(
-    pull: &Communicator,
+    pull: &Link,
     plan: &PiecePlan,
-    (workers, servers): (usize, usize),
+    servers: usize,
     n: usize,
     shared: &Shared,
 ) -> Result<()> {
@@ -477,7 +520,7 @@ fn pull_versions(
         let mut first: Option<[f64; VERSION_HEADER]> = None;
         for (s, pieces) in owned.iter().enumerate() {
             let mut head = [0f64; VERSION_HEADER];
-            pull.recv_into(&mut head, workers + s)?;
+            pull.recv_into(&mut head, s)?;
             let f = *first.get_or_insert(head);
             if f[0] != head[0] || f[1] != head[1] {
                 return Err(Error::Check(format!(
@@ -488,7 +531,7 @@ fn pull_versions(
                 continue;
             }
             for &p in pieces {
-                pull.recv_into(&mut buf[plan.pieces[p].clone()], workers + s)?;
+                pull.recv_into(&mut buf[plan.pieces[p].clone()], s)?;
             }
         }
         let head = first.expect("at least one server");

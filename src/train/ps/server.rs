@@ -11,8 +11,8 @@
 use std::ops::Range;
 
 use super::{
-    spans_from_words, PiecePlan, PsLinks, HEADER, KIND_FETCH, KIND_FINISH, KIND_GRADS, KIND_LOAD,
-    VERSION_HEADER,
+    shard_count, spans_from_words, whole_model_squares, worker_place, PiecePlan, PsLinks, HEADER,
+    KIND_FETCH, KIND_FINISH, KIND_GRADS, KIND_LOAD, VERSION_HEADER,
 };
 use crate::comm::{Communicator, ReduceOp};
 use crate::config::JobConfig;
@@ -22,6 +22,9 @@ use crate::optim::{clip_scale, sum_of_squares, AdamWConfig};
 
 /// One owned piece: its range, parameters, moments and this round's summed gradient.
 struct Piece {
+    /// The (tp, pp) shard and the piece's index in its plan.
+    shard: usize,
+    index: usize,
     range: Range<usize>,
     params: Vec<f32>,
     m: Vec<f32>,
@@ -39,12 +42,19 @@ struct Server<'a> {
     cfg: &'a JobConfig,
     group: Communicator,
     links: PsLinks,
-    plan: PiecePlan,
+    /// Each shard's plan.
+    plans: Vec<PiecePlan>,
+    /// The owned pieces, shard by shard, each shard's in piece order.
     pieces: Vec<Piece>,
-    /// Squares slots over all pieces (the exchange among servers).
-    slots: usize,
-    /// Index of each piece among this server's (None: another server's).
-    slot_of: Vec<Option<usize>>,
+    /// Squares slots over all shards' pieces (the exchange among servers), and where each
+    /// shard's slots start (`shard_slots[k]..shard_slots[k + 1]`).
+    shard_slots: Vec<usize>,
+    /// Per shard: the index among the owned pieces of each of its pieces (None: another server's).
+    slot_of: Vec<Vec<Option<usize>>>,
+    /// Per shard: its workers' link ranks in data-parallel order.
+    workers_of: Vec<Vec<usize>>,
+    /// Per worker: its shard.
+    shard_of: Vec<usize>,
     steps_taken: u64,
     version: u64,
     adamw: AdamWConfig,
@@ -96,56 +106,65 @@ fn receive_headers(links: &PsLinks) -> Result<Vec<[i64; HEADER]>> {
 }
 
 impl<'a> Server<'a> {
-    /// Receives the layout and this server's pieces' state from worker 0 (`steps_taken`: the
-    /// optimizer steps the state has seen).
+    /// Receives each shard's layout and this server's pieces' state from the shard's first
+    /// worker (data-parallel index 0); `steps_taken`: the optimizer steps the state has seen.
     fn load(
         cfg: &'a JobConfig,
         group: Communicator,
         links: PsLinks,
         steps_taken: u64,
     ) -> Result<Self> {
-        let mut sizes = [0i64; 3];
-        links.push.recv_into(&mut sizes, 0)?;
-        let (n, nd, nn) = (sizes[0] as usize, sizes[1] as usize, sizes[2] as usize);
-        let mut words = vec![0i64; 3 * (nd + nn)];
-        links.push.recv_into(&mut words, 0)?;
-        let decay = spans_from_words(&words[..3 * nd], n, "decay")?;
-        let norm = spans_from_words(&words[3 * nd..], n, "norm")?;
-        let plan = PiecePlan::of_job(cfg, n);
         let me = group.rank();
-        let mut slot_of = vec![None; plan.pieces.len()];
-        let (mut pieces, mut slots) = (Vec::new(), 0);
-        for (p, range) in plan.pieces.iter().enumerate() {
-            let counted = relative(range, &norm)
-                .into_iter()
-                .filter(|(_, c)| *c)
-                .map(|(r, _)| r)
-                .collect::<Vec<_>>();
-            if plan.owner[p] == me {
-                let len = range.len();
-                slot_of[p] = Some(pieces.len());
-                let decay = relative(range, &decay);
-                if decay.iter().map(|(r, _)| r.len()).sum::<usize>() != len {
-                    return Err(Error::Check(format!("parameter server {me}: the weight-decay spans do not cover piece {p} ({range:?})")));
+        let shards = shard_count(cfg);
+        let mut workers_of = vec![Vec::new(); shards];
+        let mut shard_of = Vec::with_capacity(links.workers);
+        for w in 0..links.workers {
+            let (k, _) = worker_place(cfg, w);
+            workers_of[k].push(w);
+            shard_of.push(k);
+        }
+        if let Some(k) = workers_of.iter().position(|w| w.is_empty()) {
+            return Err(Error::Check(format!(
+                "parameter server {me}: shard {k} has no worker among the {} workers",
+                links.workers
+            )));
+        }
+        let mut sizes = vec![[0i64; 3]; shards];
+        for (k, s) in sizes.iter_mut().enumerate() {
+            links.push.recv_into(s, workers_of[k][0])?;
+        }
+        let n_of: Vec<usize> = sizes.iter().map(|s| s[0] as usize).collect();
+        let plans = PiecePlan::of_job(cfg, &n_of);
+        let (mut pieces, mut shard_slots, mut slot_of) = (Vec::new(), vec![0], Vec::new());
+        for (k, plan) in plans.iter().enumerate() {
+            let (n, nd, nn) = (n_of[k], sizes[k][1] as usize, sizes[k][2] as usize);
+            let leader = workers_of[k][0];
+            let mut words = vec![0i64; 3 * (nd + nn)];
+            links.push.recv_into(&mut words, leader)?;
+            let decay = spans_from_words(&words[..3 * nd], n, "decay")?;
+            let norm = spans_from_words(&words[3 * nd..], n, "norm")?;
+            let mut slots = *shard_slots.last().expect("starts at 0");
+            let mut owned = vec![None; plan.pieces.len()];
+            for (p, range) in plan.pieces.iter().enumerate() {
+                let counted: Vec<Range<usize>> = relative(range, &norm)
+                    .into_iter()
+                    .filter(|(_, c)| *c)
+                    .map(|(r, _)| r)
+                    .collect();
+                let ncounted = counted.len();
+                if plan.owner[p] == me {
+                    owned[p] = Some(pieces.len());
+                    let decay = relative(range, &decay);
+                    if decay.iter().map(|(r, _)| r.len()).sum::<usize>() != range.len() {
+                        return Err(Error::Check(format!("parameter server {me}: the weight-decay spans of shard {k} do not cover piece {p} ({range:?})")));
+                    }
+                    let piece = Piece::receive(&links, leader, (k, p), range, decay, (counted, slots))?;
+                    pieces.push(piece);
                 }
-                let mut piece = Piece {
-                    range: range.clone(),
-                    params: vec![0.0; len],
-                    m: vec![0.0; len],
-                    v: vec![0.0; len],
-                    grad: vec![0.0; len],
-                    decay,
-                    counted,
-                    first_slot: slots,
-                };
-                for buf in [&mut piece.params, &mut piece.m, &mut piece.v] {
-                    links.push.recv_into(buf, 0)?;
-                }
-                slots += piece.counted.len();
-                pieces.push(piece);
-            } else {
-                slots += counted.len();
+                slots += ncounted;
             }
+            shard_slots.push(slots);
+            slot_of.push(owned);
         }
         let largest = pieces.iter().map(|p| p.range.len()).max().unwrap_or(0);
         let o = &cfg.optim;
@@ -153,10 +172,12 @@ impl<'a> Server<'a> {
             cfg,
             group,
             links,
-            plan,
+            plans,
             pieces,
-            slots,
+            shard_slots,
             slot_of,
+            workers_of,
+            shard_of,
             steps_taken,
             version: 0,
             adamw: AdamWConfig {
@@ -230,60 +251,72 @@ impl<'a> Server<'a> {
         let head = [0.0, self.version as f64, sq, f64::from(u8::from(applied))];
         for w in 0..self.links.workers {
             self.links.pull.send(&head, w)?;
-            for p in &self.pieces {
+            let k = self.shard_of[w];
+            for p in self.pieces.iter().filter(|p| p.shard == k) {
                 self.links.pull.send(&p.params, w)?;
             }
         }
         Ok(())
     }
 
-    /// Receives this server's pieces from every worker, in the order the workers pushed them
-    /// (the backward's, the same on every worker), and sums each in worker order, then divides
-    /// by the worker count.
+    /// Receives this server's pieces of every shard from the shard's workers, shard by shard,
+    /// in the order the workers pushed them (the backward's, the same on every worker of a
+    /// shard), and sums each in data-parallel order, then divides by the data-parallel degree.
     fn receive_gradients(&mut self) -> Result<()> {
-        let (me, workers) = (self.group.rank(), self.links.workers);
-        for _ in 0..self.pieces.len() {
-            let mut first = None;
-            for w in 0..workers {
-                let mut idx = [0i64; 1];
-                self.links.push.recv_into(&mut idx, w)?;
-                let p = idx[0] as usize;
-                let slot = self.slot_of.get(p).copied().flatten().ok_or_else(|| {
-                    Error::Check(format!(
-                        "parameter server {me}: worker {w} pushed piece {} it does not own",
-                        idx[0]
-                    ))
-                })?;
-                if *first.get_or_insert(p) != p {
-                    return Err(Error::Check(format!("parameter server {me}: worker {w} pushed piece {p} where worker 0 pushed piece {}", first.unwrap_or(p))));
-                }
-                let piece = &mut self.pieces[slot];
-                let len = piece.range.len();
-                if w == 0 {
-                    self.links.push.recv_into(&mut piece.grad, w)?;
-                } else {
-                    self.links.push.recv_into(&mut self.scratch[..len], w)?;
-                    piece
-                        .grad
-                        .iter_mut()
-                        .zip(&self.scratch[..len])
-                        .for_each(|(a, b)| *a += b);
-                }
-            }
-            if workers > 1 {
-                let piece = &mut self.pieces
-                    [self.slot_of[first.expect("at least one worker")].expect("owned")];
-                let n = workers as f32;
-                piece.grad.iter_mut().for_each(|g| *g /= n);
+        for k in 0..self.workers_of.len() {
+            let owned = self.slot_of[k].iter().flatten().count();
+            for _ in 0..owned {
+                self.receive_piece(k)?;
             }
         }
         Ok(())
     }
 
-    /// The global sum of squares of the averaged gradients: per (piece, counted span), exchanged
-    /// among the servers, added in piece order.
+    /// The next piece of shard `k` from each of its workers, summed and averaged.
+    fn receive_piece(&mut self, k: usize) -> Result<()> {
+        let me = self.group.rank();
+        let mut first = None;
+        for (i, &w) in self.workers_of[k].iter().enumerate() {
+            let mut idx = [0i64; 1];
+            self.links.push.recv_into(&mut idx, w)?;
+            let p = idx[0] as usize;
+            let slot = self.slot_of[k].get(p).copied().flatten().ok_or_else(|| {
+                Error::Check(format!(
+                    "parameter server {me}: worker {w} pushed piece {} of shard {k}, which it does not own",
+                    idx[0]
+                ))
+            })?;
+            if *first.get_or_insert(slot) != slot {
+                let f = self.pieces[first.unwrap_or(slot)].index;
+                return Err(Error::Check(format!("parameter server {me}: worker {w} pushed piece {p} of shard {k} where its first worker pushed piece {f}")));
+            }
+            let piece = &mut self.pieces[slot];
+            let len = piece.range.len();
+            if i == 0 {
+                self.links.push.recv_into(&mut piece.grad, w)?;
+            } else {
+                self.links.push.recv_into(&mut self.scratch[..len], w)?;
+                piece
+                    .grad
+                    .iter_mut()
+                    .zip(&self.scratch[..len])
+                    .for_each(|(a, b)| *a += b);
+            }
+        }
+        let dp = self.workers_of[k].len();
+        if dp > 1 {
+            let piece = &mut self.pieces[first.expect("at least one worker")];
+            let n = dp as f32;
+            piece.grad.iter_mut().for_each(|g| *g /= n);
+        }
+        Ok(())
+    }
+
+    /// The whole model's sum of squares of the averaged gradients: per (shard, piece, counted
+    /// span), exchanged among the servers, added in piece order within a shard, then over the
+    /// shards as the all-reduce step adds its partial norms ([`whole_model_squares`]).
     fn sum_of_squares(&self) -> Result<f64> {
-        let mut squares = vec![0f64; self.slots];
+        let mut squares = vec![0f64; *self.shard_slots.last().expect("starts at 0")];
         for p in &self.pieces {
             for (k, c) in p.counted.iter().enumerate() {
                 squares[p.first_slot + k] = sum_of_squares(&p.grad[c.clone()]);
@@ -292,7 +325,12 @@ impl<'a> Server<'a> {
         if self.group.size() > 1 {
             self.group.all_reduce(&mut squares, ReduceOp::Sum)?;
         }
-        Ok(squares.iter().fold(0.0, |acc, s| acc + s))
+        let shard_sq: Vec<f64> = self
+            .shard_slots
+            .windows(2)
+            .map(|w| squares[w[0]..w[1]].iter().fold(0.0, |acc, s| acc + s))
+            .collect();
+        Ok(whole_model_squares(&shard_sq, self.cfg.parallel.tp))
     }
 
     /// A checkpoint: every worker gets the optimizer steps, the version and this server's pieces'
@@ -301,7 +339,8 @@ impl<'a> Server<'a> {
         let head = [self.steps_taken as i64, self.version as i64];
         for w in 0..self.links.workers {
             self.links.reply.send(&head, w)?;
-            for p in &self.pieces {
+            let k = self.shard_of[w];
+            for p in self.pieces.iter().filter(|p| p.shard == k) {
                 for buf in [&p.params, &p.m, &p.v] {
                     self.links.reply.send(buf, w)?;
                 }
@@ -321,10 +360,41 @@ impl<'a> Server<'a> {
             "parameter server {}: {} pieces of {}, {} versions",
             self.group.rank(),
             self.pieces.len(),
-            self.plan.pieces.len(),
+            self.plans.iter().map(|p| p.pieces.len()).sum::<usize>(),
             self.version
         );
         Ok(())
+    }
+}
+
+impl Piece {
+    /// Piece `p` of shard `k` over `range` with its `decay` spans and `counted` spans (whose
+    /// squares go to the slots from `first_slot`): its parameters and moments from `leader`.
+    fn receive(
+        links: &PsLinks,
+        leader: usize,
+        (shard, index): (usize, usize),
+        range: &Range<usize>,
+        decay: Vec<(Range<usize>, bool)>,
+        (counted, first_slot): (Vec<Range<usize>>, usize),
+    ) -> Result<Self> {
+        let len = range.len();
+        let mut piece = Piece {
+            shard,
+            index,
+            range: range.clone(),
+            params: vec![0.0; len],
+            m: vec![0.0; len],
+            v: vec![0.0; len],
+            grad: vec![0.0; len],
+            decay,
+            counted,
+            first_slot,
+        };
+        for buf in [&mut piece.params, &mut piece.m, &mut piece.v] {
+            links.push.recv_into(buf, leader)?;
+        }
+        Ok(piece)
     }
 }
 

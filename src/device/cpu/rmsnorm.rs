@@ -153,26 +153,21 @@ mod tests {
         let (d0, dw0) = (data(n * c, 3, 7, 1.0), data(c, 5, 11, 1.0));
         let (mut dinp, mut dw) = (d0.clone(), dw0.clone());
         rmsnorm_backward(&mut dinp, &mut dw, &g, &inp, &w, &rstd, c);
+        // dinp against d loss / d inp, then dweight against d loss / d weight.
+        check_fd("dinp", &inp, &dinp, &d0, |x: &[f64]| loss(x, &w));
+        check_fd("dweight", &w, &dw, &dw0, |x: &[f64]| loss(&inp, x));
+    }
+
+    /// Asserts that `got - start` (a gradient accumulated onto `start`) matches the central
+    /// difference of `loss` at `at`, element by element.
+    fn check_fd(what: &str, at: &[f64], got: &[f64], start: &[f64], loss: impl Fn(&[f64]) -> f64) {
         let h = 1e-6;
-        for i in 0..n * c {
-            let (mut p, mut m) = (inp.clone(), inp.clone());
+        for i in 0..at.len() {
+            let (mut p, mut m) = (at.to_vec(), at.to_vec());
             (p[i], m[i]) = (p[i] + h, m[i] - h);
-            let fd = (loss(&p, &w) - loss(&m, &w)) / (2.0 * h);
-            assert!(
-                (dinp[i] - d0[i] - fd).abs() < 1e-7,
-                "dinp[{i}]: {} vs {fd}",
-                dinp[i] - d0[i]
-            );
-        }
-        for i in 0..c {
-            let (mut p, mut m) = (w.clone(), w.clone());
-            (p[i], m[i]) = (p[i] + h, m[i] - h);
-            let fd = (loss(&inp, &p) - loss(&inp, &m)) / (2.0 * h);
-            assert!(
-                (dw[i] - dw0[i] - fd).abs() < 1e-7,
-                "dweight[{i}]: {} vs {fd}",
-                dw[i] - dw0[i]
-            );
+            let fd = (loss(&p) - loss(&m)) / (2.0 * h);
+            let d = got[i] - start[i];
+            assert!((d - fd).abs() < 1e-7, "{what}[{i}]: {d} vs {fd}");
         }
     }
 

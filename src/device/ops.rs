@@ -260,23 +260,40 @@ pub fn layernorm_backward(
         let ci = as_i32(k, "c", c)?;
         let args = [A::Buf(dinp), A::Buf(dout), A::Buf(inp), A::Buf(weight), A::Buf(mean), A::Buf(rstd), A::I32(ci)];
         launch_rows(dev, k, n, &args)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let k = "layernorm_backward_dparams_f32";
-        let cols = column_tiles(k, c)?;
-        let args = [
-            A::Buf(dweight),
-            A::Buf(dbias),
-            A::Buf(dout),
-            A::Buf(inp),
-            A::Buf(mean),
-            A::Buf(rstd),
-            A::I32(as_i32(k, "n", n)?),
-            A::I32(ci),
-        ];
-        dev.launch(k, cols, &args)
+        let grads = NormParamGrads { dweight, dbias: Some(dbias), dout, inp, mean: Some(mean), rstd };
+        norm_dparams(dev, grads, n, c)
     })
+}
+
+/// The buffers of a norm layer's parameter gradients (kernel `norm_backward_dparams_f32`):
+/// LayerNorm's, or RMSNorm's without `dbias` and `mean`.
+pub(crate) struct NormParamGrads<'a> {
+    /// Weight gradient (C), accumulated.
+    pub dweight: &'a DeviceBuffer,
+    /// Bias gradient (C), accumulated (LayerNorm).
+    pub dbias: Option<&'a DeviceBuffer>,
+    /// Output gradient and the forward's input (N, C).
+    pub dout: &'a DeviceBuffer,
+    pub inp: &'a DeviceBuffer,
+    /// The forward's per-row mean (LayerNorm) and reciprocal standard deviation (N).
+    pub mean: Option<&'a DeviceBuffer>,
+    pub rstd: &'a DeviceBuffer,
+}
+
+/// Launches the column sums of a norm layer's parameter gradients over `n` rows of `c` (GPU arms;
+/// the CPU arm is `cpu::norm_params`, run by the reference backward). The caller checked the
+/// buffers' sizes. Nothing on zero rows.
+pub(crate) fn norm_dparams(dev: &Device, g: NormParamGrads, n: usize, c: usize) -> Result<()> {
+    let k = "norm_backward_dparams_f32";
+    if n == 0 {
+        return Ok(());
+    }
+    fn opt(b: Option<&DeviceBuffer>) -> A<'_> {
+        b.map_or(A::Null, A::Buf)
+    }
+    let (ni, ci) = (A::I32(as_i32(k, "n", n)?), A::I32(as_i32(k, "c", c)?));
+    let args = [A::Buf(g.dweight), opt(g.dbias), A::Buf(g.dout), A::Buf(g.inp), opt(g.mean), A::Buf(g.rstd), ni, ci];
+    dev.launch(k, column_tiles(k, c)?, &args)
 }
 
 /// out (N) = gelu(inp (N)). Reference: `cpu::gelu::gelu_forward`.

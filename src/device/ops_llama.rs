@@ -9,16 +9,11 @@
 
 use super::cpu::rope as cpu_rope;
 use super::cpu::{rmsnorm, swiglu};
-use super::ops::{as_i32, as_u32, f32s, launch_op, launch_rows, stride_grid};
-use super::{Device, DeviceBuffer, HostBytes, KernelArg as A, LaunchDims};
+use super::ops::{as_i32, f32s, launch_op, launch_rows, norm_dparams, stride_grid, NormParamGrads};
+use super::{Device, DeviceBuffer, HostBytes, KernelArg as A};
 use crate::error::{Error, Result};
 
 pub use super::cpu::rope::{rope_table, Llama3Scaling, RopeShape};
-
-/// Columns per block and row lanes of the weight-gradient kernel (`MT_COL_TILE`,
-/// `MT_ROW_LANES` in kernels/compat.h).
-const COL_TILE: u32 = 64;
-const ROW_LANES: u32 = 16;
 
 /// RMSNorm forward over `n` rows of `c`: out (N, C) = inp * rstd * weight, rstd (N) =
 /// 1/sqrt(mean(inp²) + eps). Reference: `cpu::rmsnorm::rmsnorm_forward`.
@@ -72,14 +67,7 @@ pub fn rmsnorm_backward(
         let ci = as_i32(k, "c", c)?;
         let args = [A::Buf(dinp), A::Buf(dout), A::Buf(inp), A::Buf(weight), A::Buf(rstd), A::I32(ci)];
         launch_rows(dev, k, n, &args)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let k = "rmsnorm_backward_dweight_f32";
-        let blocks = as_u32(k, "columns", c.div_ceil(COL_TILE as usize))?;
-        let cols = LaunchDims { grid: (blocks, 1, 1), block: (COL_TILE, ROW_LANES, 1), shared_bytes: 0 };
-        let args = [A::Buf(dweight), A::Buf(dout), A::Buf(inp), A::Buf(rstd), A::I32(as_i32(k, "n", n)?), A::I32(ci)];
-        dev.launch(k, cols, &args)
+        norm_dparams(dev, NormParamGrads { dweight, dbias: None, dout, inp, mean: None, rstd }, n, c)
     })
 }
 

@@ -4,10 +4,12 @@
 //! Face's `LlamaRMSNorm` normalises first and multiplies by the weight last, so the f32 results
 //! round the same way. The forward saves `rstd` per row for the backward. Rows are independent,
 //! so the forward and the input gradient split rows across the cores; the weight gradient is a
-//! sum over rows, so it splits columns, each column still adding its rows in order. Either way
-//! every element is computed exactly as on one thread (bitwise independent of the thread count).
+//! sum over rows, so it splits columns, each column still adding its rows in order (`norm_params`,
+//! shared with LayerNorm). Either way every element is computed exactly as on one thread (bitwise
+//! independent of the thread count).
 
 use super::float::Float;
+use super::norm_params::{norm_dparams, NormRows};
 use super::parallel::{chunk_items, run_parts};
 
 /// out (N, C) = inp * rstd * weight; rstd (N) = 1/sqrt(mean(inp²) + eps); inp (N, C); weight (C).
@@ -69,10 +71,7 @@ pub fn rmsnorm_backward<F: Float>(
             c,
         )
     });
-    let per_col = chunk_items(c, n).max(1);
-    run_parts(dweight.chunks_mut(per_col).enumerate(), |(i, dw)| {
-        dweight_columns(dw, i * per_col, dout, inp, rstd, c)
-    });
+    norm_dparams(dweight, None, &NormRows { dout, inp, mean: None, rstd, c });
 }
 
 /// dinp += s * (dnorm - xhat * mean(dnorm * xhat)) with dnorm = dout * weight, xhat = x * s, for
@@ -91,24 +90,6 @@ fn dinp_rows<F: Float>(dinp: &mut [F], weight: &[F], dout: &[F], inp: &[F], rstd
         m *= inv_c;
         for (((dxi, &dyi), &xi), &w) in di.iter_mut().zip(dy).zip(x).zip(weight) {
             *dxi += s * (dyi * w - xi * s * m);
-        }
-    }
-}
-
-/// dweight += Σ_rows dout * inp * rstd for the columns `first..` that `dweight` holds; each
-/// column adds its rows in order.
-fn dweight_columns<F: Float>(
-    dweight: &mut [F],
-    first: usize,
-    dout: &[F],
-    inp: &[F],
-    rstd: &[F],
-    c: usize,
-) {
-    let rows = dout.chunks_exact(c).zip(inp.chunks_exact(c)).zip(rstd);
-    for ((dy, x), &s) in rows {
-        for (dw, (&dyi, &xi)) in dweight.iter_mut().zip(dy[first..].iter().zip(&x[first..])) {
-            *dw += xi * s * dyi;
         }
     }
 }
@@ -188,7 +169,12 @@ mod tests {
         let (mut d2, mut dw2) = (d1.clone(), dw1.clone());
         rmsnorm_backward(&mut d1, &mut dw1, &dout, &inp, &w, &rstd, c);
         dinp_rows(&mut d2, &w, &dout, &inp, &rstd, c);
-        dweight_columns(&mut dw2, 0, &dout, &inp, &rstd, c);
+        // The weight gradient written out directly: Σ_rows inp * rstd * dout, rows in order.
+        for ((dy, x), &s) in dout.chunks_exact(c).zip(inp.chunks_exact(c)).zip(&rstd) {
+            for ((dw, &dyi), &xi) in dw2.iter_mut().zip(dy).zip(x) {
+                *dw += xi * s * dyi;
+            }
+        }
         assert_eq!((d1, dw1), (d2, dw2));
     }
 }

@@ -390,17 +390,10 @@ pub fn adamw_update(
     decay: bool,
 ) -> Result<()> {
     let k = "adamw_f32";
-    if s.step == 0 {
-        return Err(Error::InvalidArgument(format!("{k}: steps count from 1")));
-    }
-    let end = f32s(span.end);
-    need(k, "params", bufs.params, end)?;
-    need(k, "grads", bufs.grads, end)?;
-    need(k, "m", bufs.m, end)?;
-    need(k, "v", bufs.v, end)?;
+    check_adamw(s, &span, [&*bufs.params, bufs.grads, &*bufs.m, &*bufs.v])?;
     let wd = if decay { s.config.weight_decay } else { 0.0 };
+    let coef = adamw::Coefficients::<f32>::new(s);
     if let Device::Cpu = dev {
-        let coef = adamw::Coefficients::new(s);
         let g = &host(k, bufs.grads)?.view::<f32>(span.end)[span.clone()];
         let p = &mut host_mut(k, bufs.params)?.view_mut::<f32>(span.end)[span.clone()];
         let m = &mut host_mut(k, bufs.m)?.view_mut::<f32>(span.end)[span.clone()];
@@ -413,8 +406,7 @@ pub fn adamw_update(
         });
         return Ok(());
     }
-    let (c, t) = (s.config, s.step as i32);
-    let f = |x: f64| A::F32(x as f32);
+    let [b1, b2, one_b1, one_b2, inv_bc1, inv_bc2, lr, eps, grad_scale] = coef.in_kernel_order().map(A::F32);
     let off = f32s(span.start);
     let n = span.len();
     let args = [
@@ -423,18 +415,30 @@ pub fn adamw_update(
         A::BufAt(bufs.m, off),
         A::BufAt(bufs.v, off),
         A::U64(n as u64),
-        f(c.beta1),
-        f(c.beta2),
-        f(1.0 - c.beta1),
-        f(1.0 - c.beta2),
-        f(1.0 / (1.0 - c.beta1.powi(t))),
-        f(1.0 / (1.0 - c.beta2.powi(t))),
-        f(s.lr),
-        f(c.eps),
-        f(wd),
-        f(s.grad_scale),
+        b1,
+        b2,
+        one_b1,
+        one_b2,
+        inv_bc1,
+        inv_bc2,
+        lr,
+        eps,
+        A::F32(wd as f32),
+        grad_scale,
     ];
     dev.launch(k, stride_grid(n), &args)
+}
+
+/// Errors unless `s` is a step from 1 and each of params, grads, m, v holds the elements of `span`.
+fn check_adamw(s: &AdamWStep, span: &Range<usize>, bufs: [&DeviceBuffer; 4]) -> Result<()> {
+    let k = "adamw_f32";
+    if s.step == 0 {
+        return Err(Error::InvalidArgument(format!("{k}: steps count from 1")));
+    }
+    for (what, buf) in ["params", "grads", "m", "v"].into_iter().zip(bufs) {
+        need(k, what, buf, f32s(span.end))?;
+    }
+    Ok(())
 }
 
 /// The buffers of [`adamw_update_clearing`]: [`AdamWBuffers`] with the gradients writable.
@@ -460,13 +464,7 @@ pub fn adamw_update_clearing(dev: &Device, bufs: AdamWClearing, span: Range<usiz
         return Ok(false);
     }
     let k = "adamw_f32";
-    if s.step == 0 {
-        return Err(Error::InvalidArgument(format!("{k}: steps count from 1")));
-    }
-    let end = f32s(span.end);
-    for (name, b) in [("params", &*params), ("grads", &*grads), ("m", &*m), ("v", &*v)] {
-        need(k, name, b, end)?;
-    }
+    check_adamw(s, &span, [&*params, &*grads, &*m, &*v])?;
     let wd = if decay { s.config.weight_decay as f32 } else { 0.0 };
     let coef = adamw::Coefficients::new(s);
     let g = &mut host_mut(k, grads)?.view_mut::<f32>(span.end)[span.clone()];

@@ -12,7 +12,7 @@
 //! summed over TP in one all-reduce and only then added to the accumulated gradients (summing the
 //! accumulated buffer would multiply earlier micro-batches by tp).
 
-use super::{pair, DeviceGpt, Widths};
+use super::{DeviceGpt, Widths};
 use crate::device::{ops_attention, ops_vocab};
 use crate::device::{ops, Device, DeviceBuffer};
 use crate::error::Result;
@@ -463,4 +463,11 @@ fn ln_backward(
         false => pair(grads, w, b),
     };
     ops::layernorm_backward(dev, &mut s.dres, gw, gb, &s.dln, x, weight, mean, rstd, rows.rows, c)
+}
+
+/// Two distinct entries of `bufs`, both mutable (`i < j`, as layout order always gives here).
+pub(super) fn pair(bufs: &mut [DeviceBuffer], i: usize, j: usize) -> (&mut DeviceBuffer, &mut DeviceBuffer) {
+    assert!(i < j, "pair: entry {i} must precede entry {j}");
+    let (lo, hi) = bufs.split_at_mut(j);
+    (&mut lo[i], &mut hi[0])
 }

@@ -15,8 +15,8 @@
 //! to the gradients, so every sharing rank holds the exact gradient, as a replicated tensor does.
 //! The input gradient needs nothing extra: it is summed over TP like any column-parallel one.
 
-use super::layers::{add_replicated, group, row_parallel_forward, sum_input_grad, BlockCtx, Rows};
-use super::{pair, DeviceGpt, Widths};
+use super::layers::{add_replicated, group, pair, row_parallel_forward, sum_input_grad, BlockCtx, Rows};
+use super::{DeviceGpt, Widths};
 use crate::device::cpu::attention::AttnShape;
 use crate::device::cpu::rope::RopeShape;
 use crate::device::ipc::alloc_shareable;
@@ -273,6 +273,16 @@ fn sum_shared_kv(dev: &Device, tp: &mut Option<DeviceTp>, sh: &mut KvShare, g: &
 }
 
 impl DeviceGpt {
+    /// Entry indices of Llama block `l`'s tensors in layout order (attn_norm, q, k, v, o,
+    /// mlp_norm, gate_up, down), the last four of the twelve GPT-2 slots unused.
+    pub(super) fn llama_block_entries(&self, l: usize) -> [usize; 12] {
+        let mut e = [usize::MAX; 12];
+        for (i, r) in self.layout.block_ranges(l).iter().enumerate() {
+            e[i] = self.entry(r);
+        }
+        e
+    }
+
     /// Llama's embedding of `slot.tokens` into `slot.input` (R, C): the token rows only.
     pub(super) fn llama_embed_forward(&mut self, ci: usize, si: usize) -> Result<()> {
         let (bt, c) = (self.b * self.t, self.config.n_embd);

@@ -30,9 +30,9 @@ use meshtrain::device::cpu::gelu::{gelu_backward, gelu_forward};
 use meshtrain::device::cpu::layernorm::{layernorm_backward, layernorm_forward};
 use meshtrain::device::cpu::vocab_parallel as vp;
 use meshtrain::device::gemm::{Batch, Gemm, GemmInput, Operand};
-use meshtrain::device::ops::{self, AdamWBuffers};
+use meshtrain::device::ops::{self, AdamWBuffers, CrossEntropyForward, LayerNormBackward, LayerNormForward};
 use meshtrain::device::ops_attention::{self, AttnWork};
-use meshtrain::device::ops_llama::{self, rope_table, Llama3Scaling};
+use meshtrain::device::ops_llama::{self, rope_table, Llama3Scaling, RmsNormBackward, RmsNormForward};
 use meshtrain::device::ops_vocab::{self, VocabShard};
 use meshtrain::device::reduce_bench::reduce_bandwidth;
 use meshtrain::device::{Device, DeviceBuffer};
@@ -183,18 +183,8 @@ fn layernorm_matches_cpu(kind: DeviceKind) {
     );
     let mut g_out = poisoned(&dev, 4 * n * c);
     let (mut g_mean, mut g_rstd) = (poisoned(&dev, 4 * n), poisoned(&dev, 4 * n));
-    ops::layernorm_forward(
-        &dev,
-        &mut g_out,
-        &mut g_mean,
-        &mut g_rstd,
-        &g_inp,
-        &g_w,
-        &g_b,
-        n,
-        c,
-    )
-    .unwrap();
+    let bufs = LayerNormForward { out: &mut g_out, mean: &mut g_mean, rstd: &mut g_rstd, inp: &g_inp, weight: &g_w, bias: &g_b };
+    ops::layernorm_forward(&dev, bufs, n, c).unwrap();
     assert_close("layernorm out", &down_f32(&dev, &g_out, n * c), &out);
     assert_close("layernorm mean", &down_f32(&dev, &g_mean, n), &mean);
     assert_close("layernorm rstd", &down_f32(&dev, &g_rstd, n), &rstd);
@@ -205,20 +195,17 @@ fn layernorm_matches_cpu(kind: DeviceKind) {
         dev.upload(&dw0).unwrap(),
         dev.upload(&db0).unwrap(),
     );
-    ops::layernorm_backward(
-        &dev,
-        &mut g_dinp,
-        &mut g_dw,
-        &mut g_db,
-        &g_dout,
-        &g_inp,
-        &g_w,
-        &g_mean,
-        &g_rstd,
-        n,
-        c,
-    )
-    .unwrap();
+    let bufs = LayerNormBackward {
+        dinp: &mut g_dinp,
+        dweight: &mut g_dw,
+        dbias: &mut g_db,
+        dout: &g_dout,
+        inp: &g_inp,
+        weight: &g_w,
+        mean: &g_mean,
+        rstd: &g_rstd,
+    };
+    ops::layernorm_backward(&dev, bufs, n, c).unwrap();
     assert_close("layernorm dinp", &down_f32(&dev, &g_dinp, n * c), &dinp);
     assert_close("layernorm dweight", &down_f32(&dev, &g_dw, c), &dw);
     assert_close("layernorm dbias", &down_f32(&dev, &g_db, c), &db);
@@ -302,7 +289,8 @@ fn cross_entropy_matches_cpu_and_skips_padding(kind: DeviceKind) {
 
     let (g_z, g_t) = (dev.upload(&logits).unwrap(), dev.upload(&targets).unwrap());
     let (mut g_loss, mut g_lse) = (poisoned(&dev, 4 * n), poisoned(&dev, 4 * n));
-    ops::cross_entropy_forward(&dev, &mut g_loss, &mut g_lse, &g_z, &g_t, n, v, vp).unwrap();
+    let bufs = CrossEntropyForward { losses: &mut g_loss, lse: &mut g_lse, logits: &g_z, targets: &g_t };
+    ops::cross_entropy_forward(&dev, bufs, n, v, vp).unwrap();
     assert_close("cross-entropy losses", &down_f32(&dev, &g_loss, n), &losses);
     assert_close("cross-entropy lse", &down_f32(&dev, &g_lse, n), &lse);
     let mut g_dl = dev.upload(&dl0).unwrap();
@@ -605,12 +593,13 @@ fn rmsnorm_matches_cpu(kind: DeviceKind) {
 
     let (g_inp, g_w) = (dev.upload(&inp).unwrap(), dev.upload(&w).unwrap());
     let (mut g_out, mut g_rstd) = (poisoned(&dev, 4 * n * c), poisoned(&dev, 4 * n));
-    ops_llama::rmsnorm_forward(&dev, &mut g_out, &mut g_rstd, &g_inp, &g_w, n, c, eps).unwrap();
+    ops_llama::rmsnorm_forward(&dev, RmsNormForward { out: &mut g_out, rstd: &mut g_rstd, inp: &g_inp, weight: &g_w }, n, c, eps).unwrap();
     assert_close("rmsnorm out", &down_f32(&dev, &g_out, n * c), &out);
     assert_close("rmsnorm rstd", &down_f32(&dev, &g_rstd, n), &rstd);
     let (mut g_dinp, mut g_dw) = (dev.upload(&dinp0).unwrap(), dev.upload(&dw0).unwrap());
     let g_dout = dev.upload(&dout).unwrap();
-    ops_llama::rmsnorm_backward(&dev, &mut g_dinp, &mut g_dw, &g_dout, &g_inp, &g_w, &g_rstd, n, c).unwrap();
+    let bufs = RmsNormBackward { dinp: &mut g_dinp, dweight: &mut g_dw, dout: &g_dout, inp: &g_inp, weight: &g_w, rstd: &g_rstd };
+    ops_llama::rmsnorm_backward(&dev, bufs, n, c).unwrap();
     assert_close("rmsnorm dinp", &down_f32(&dev, &g_dinp, n * c), &dinp);
     assert_close("rmsnorm dweight", &down_f32(&dev, &g_dw, c), &dw);
 }

@@ -199,20 +199,26 @@ pub fn avg_divide(dev: &Device, dtype: DType, buf: &mut DeviceBuffer, n: usize, 
     )
 }
 
+/// The buffers of [`layernorm_forward`].
+pub struct LayerNormForward<'a> {
+    /// Output (N, C).
+    pub out: &'a mut DeviceBuffer,
+    /// Per-row mean (N).
+    pub mean: &'a mut DeviceBuffer,
+    /// Per-row reciprocal standard deviation (N).
+    pub rstd: &'a mut DeviceBuffer,
+    /// Input (N, C).
+    pub inp: &'a DeviceBuffer,
+    /// Weight (C).
+    pub weight: &'a DeviceBuffer,
+    /// Bias (C).
+    pub bias: &'a DeviceBuffer,
+}
+
 /// LayerNorm forward over `n` rows of `c`. Buffers: out (N, C), mean, rstd (N), inp (N, C),
 /// weight, bias (C). Reference: `cpu::layernorm::layernorm_forward`.
-#[allow(clippy::too_many_arguments)]
-pub fn layernorm_forward(
-    dev: &Device,
-    out: &mut DeviceBuffer,
-    mean: &mut DeviceBuffer,
-    rstd: &mut DeviceBuffer,
-    inp: &DeviceBuffer,
-    weight: &DeviceBuffer,
-    bias: &DeviceBuffer,
-    n: usize,
-    c: usize,
-) -> Result<()> {
+pub fn layernorm_forward(dev: &Device, bufs: LayerNormForward, n: usize, c: usize) -> Result<()> {
+    let LayerNormForward { out, mean, rstd, inp, weight, bias } = bufs;
     let k = "layernorm_forward_f32";
     let outs = [("out", out, f32s(n * c)), ("mean", mean, f32s(n)), ("rstd", rstd, f32s(n))];
     let ins = [("inp", inp, f32s(n * c)), ("weight", weight, f32s(c)), ("bias", bias, f32s(c))];
@@ -226,22 +232,30 @@ pub fn layernorm_forward(
     })
 }
 
+/// The buffers of [`layernorm_backward`].
+pub struct LayerNormBackward<'a> {
+    /// Input gradient (N, C), accumulated.
+    pub dinp: &'a mut DeviceBuffer,
+    /// Weight gradient (C), accumulated.
+    pub dweight: &'a mut DeviceBuffer,
+    /// Bias gradient (C), accumulated.
+    pub dbias: &'a mut DeviceBuffer,
+    /// Output gradient (N, C).
+    pub dout: &'a DeviceBuffer,
+    /// The forward's input (N, C).
+    pub inp: &'a DeviceBuffer,
+    /// Weight (C).
+    pub weight: &'a DeviceBuffer,
+    /// The forward's per-row mean (N).
+    pub mean: &'a DeviceBuffer,
+    /// The forward's per-row reciprocal standard deviation (N).
+    pub rstd: &'a DeviceBuffer,
+}
+
 /// LayerNorm backward, accumulating: dinp (N, C) +=, dweight, dbias (C) +=. Reference:
 /// `cpu::layernorm::layernorm_backward`.
-#[allow(clippy::too_many_arguments)]
-pub fn layernorm_backward(
-    dev: &Device,
-    dinp: &mut DeviceBuffer,
-    dweight: &mut DeviceBuffer,
-    dbias: &mut DeviceBuffer,
-    dout: &DeviceBuffer,
-    inp: &DeviceBuffer,
-    weight: &DeviceBuffer,
-    mean: &DeviceBuffer,
-    rstd: &DeviceBuffer,
-    n: usize,
-    c: usize,
-) -> Result<()> {
+pub fn layernorm_backward(dev: &Device, bufs: LayerNormBackward, n: usize, c: usize) -> Result<()> {
+    let LayerNormBackward { dinp, dweight, dbias, dout, inp, weight, mean, rstd } = bufs;
     let k = "layernorm_backward_dinp_f32";
     let outs = [("dinp", dinp, f32s(n * c)), ("dweight", dweight, f32s(c)), ("dbias", dbias, f32s(c))];
     let ins = [
@@ -328,19 +342,22 @@ pub fn gelu_backward(
     })
 }
 
+/// The buffers of [`cross_entropy_forward`].
+pub struct CrossEntropyForward<'a> {
+    /// Per-row loss (N).
+    pub losses: &'a mut DeviceBuffer,
+    /// Per-row log-sum-exp (N).
+    pub lse: &'a mut DeviceBuffer,
+    /// Logits (N, Vp).
+    pub logits: &'a DeviceBuffer,
+    /// Target token ids (N, u32).
+    pub targets: &'a DeviceBuffer,
+}
+
 /// losses (N), lse (N) from logits (N, Vp) and u32 targets (N) over columns 0..v. Reference:
 /// `cpu::cross_entropy::cross_entropy_forward`.
-#[allow(clippy::too_many_arguments)]
-pub fn cross_entropy_forward(
-    dev: &Device,
-    losses: &mut DeviceBuffer,
-    lse: &mut DeviceBuffer,
-    logits: &DeviceBuffer,
-    targets: &DeviceBuffer,
-    n: usize,
-    v: usize,
-    vp: usize,
-) -> Result<()> {
+pub fn cross_entropy_forward(dev: &Device, bufs: CrossEntropyForward, n: usize, v: usize, vp: usize) -> Result<()> {
+    let CrossEntropyForward { losses, lse, logits, targets } = bufs;
     let k = "cross_entropy_forward_f32";
     check_vocab(k, v, vp)?;
     let outs = [("losses", losses, f32s(n)), ("lse", lse, f32s(n))];
@@ -526,19 +543,22 @@ pub fn residual_forward(
     })
 }
 
+/// The buffers of [`encoder_forward`].
+pub struct EncoderForward<'a> {
+    /// Output (B*T, C).
+    pub out: &'a mut DeviceBuffer,
+    /// Token ids (B*T, u32).
+    pub tokens: &'a DeviceBuffer,
+    /// Token embeddings (Vp, C).
+    pub wte: &'a DeviceBuffer,
+    /// Position embeddings (>= T, C).
+    pub wpe: &'a DeviceBuffer,
+}
+
 /// out (B*T, C) = wte (Vp, C) rows of `tokens` (B*T, u32, each < Vp) + wpe (>= T, C) rows
 /// `i % t`. Reference: `cpu::encoder::encoder_forward`.
-#[allow(clippy::too_many_arguments)]
-pub fn encoder_forward(
-    dev: &Device,
-    out: &mut DeviceBuffer,
-    tokens: &DeviceBuffer,
-    wte: &DeviceBuffer,
-    wpe: &DeviceBuffer,
-    bt: usize,
-    t: usize,
-    c: usize,
-) -> Result<()> {
+pub fn encoder_forward(dev: &Device, bufs: EncoderForward, bt: usize, t: usize, c: usize) -> Result<()> {
+    let EncoderForward { out, tokens, wte, wpe } = bufs;
     let k = "encoder_forward_f32";
     need(k, "out", out, f32s(bt * c))?;
     need(k, "tokens", tokens, 4 * bt)?;
@@ -567,19 +587,22 @@ pub fn encoder_forward(
     dev.launch(k, stride_grid(bt * c), &args)
 }
 
+/// The buffers of [`encoder_backward`].
+pub struct EncoderBackward<'a> {
+    /// Token embedding gradient (Vp, C), accumulated.
+    pub dwte: &'a mut DeviceBuffer,
+    /// Position embedding gradient (>= T, C), accumulated.
+    pub dwpe: &'a mut DeviceBuffer,
+    /// Output gradient (B*T, C).
+    pub dout: &'a DeviceBuffer,
+    /// Token ids (B*T, u32).
+    pub tokens: &'a DeviceBuffer,
+}
+
 /// dwte (Vp, C) += dout (B*T, C) scattered to the rows of `tokens`; dwpe (>= T, C) += the sum
 /// over the batch. Reference: `cpu::encoder::encoder_backward`.
-#[allow(clippy::too_many_arguments)]
-pub fn encoder_backward(
-    dev: &Device,
-    dwte: &mut DeviceBuffer,
-    dwpe: &mut DeviceBuffer,
-    dout: &DeviceBuffer,
-    tokens: &DeviceBuffer,
-    b: usize,
-    t: usize,
-    c: usize,
-) -> Result<()> {
+pub fn encoder_backward(dev: &Device, bufs: EncoderBackward, b: usize, t: usize, c: usize) -> Result<()> {
+    let EncoderBackward { dwte, dwpe, dout, tokens } = bufs;
     let k = "encoder_backward_wte_f32";
     let bt = b * t;
     need(k, "dout", dout, f32s(bt * c))?;

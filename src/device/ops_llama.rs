@@ -15,19 +15,22 @@ use crate::error::{Error, Result};
 
 pub use super::cpu::rope::{rope_table, Llama3Scaling, RopeShape};
 
+/// The buffers of [`rmsnorm_forward`].
+pub struct RmsNormForward<'a> {
+    /// Output (N, C).
+    pub out: &'a mut DeviceBuffer,
+    /// Per-row reciprocal RMS (N).
+    pub rstd: &'a mut DeviceBuffer,
+    /// Input (N, C).
+    pub inp: &'a DeviceBuffer,
+    /// Weight (C).
+    pub weight: &'a DeviceBuffer,
+}
+
 /// RMSNorm forward over `n` rows of `c`: out (N, C) = inp * rstd * weight, rstd (N) =
 /// 1/sqrt(mean(inp²) + eps). Reference: `cpu::rmsnorm::rmsnorm_forward`.
-#[allow(clippy::too_many_arguments)]
-pub fn rmsnorm_forward(
-    dev: &Device,
-    out: &mut DeviceBuffer,
-    rstd: &mut DeviceBuffer,
-    inp: &DeviceBuffer,
-    weight: &DeviceBuffer,
-    n: usize,
-    c: usize,
-    eps: f32,
-) -> Result<()> {
+pub fn rmsnorm_forward(dev: &Device, bufs: RmsNormForward, n: usize, c: usize, eps: f32) -> Result<()> {
+    let RmsNormForward { out, rstd, inp, weight } = bufs;
     let k = "rmsnorm_forward_f32";
     check_rows(k, n, c)?;
     let outs = [("out", out, f32s(n * c)), ("rstd", rstd, f32s(n))];
@@ -41,20 +44,26 @@ pub fn rmsnorm_forward(
     })
 }
 
+/// The buffers of [`rmsnorm_backward`].
+pub struct RmsNormBackward<'a> {
+    /// Input gradient (N, C), accumulated.
+    pub dinp: &'a mut DeviceBuffer,
+    /// Weight gradient (C), accumulated.
+    pub dweight: &'a mut DeviceBuffer,
+    /// Output gradient (N, C).
+    pub dout: &'a DeviceBuffer,
+    /// The forward's input (N, C).
+    pub inp: &'a DeviceBuffer,
+    /// Weight (C).
+    pub weight: &'a DeviceBuffer,
+    /// The forward's per-row reciprocal RMS (N).
+    pub rstd: &'a DeviceBuffer,
+}
+
 /// RMSNorm backward, accumulating: dinp (N, C) +=, dweight (C) +=, from dout (N, C) and the
 /// forward's inp, weight and rstd. Reference: `cpu::rmsnorm::rmsnorm_backward`.
-#[allow(clippy::too_many_arguments)]
-pub fn rmsnorm_backward(
-    dev: &Device,
-    dinp: &mut DeviceBuffer,
-    dweight: &mut DeviceBuffer,
-    dout: &DeviceBuffer,
-    inp: &DeviceBuffer,
-    weight: &DeviceBuffer,
-    rstd: &DeviceBuffer,
-    n: usize,
-    c: usize,
-) -> Result<()> {
+pub fn rmsnorm_backward(dev: &Device, bufs: RmsNormBackward, n: usize, c: usize) -> Result<()> {
+    let RmsNormBackward { dinp, dweight, dout, inp, weight, rstd } = bufs;
     let k = "rmsnorm_backward_dinp_f32";
     check_rows(k, n, c)?;
     let outs = [("dinp", dinp, f32s(n * c)), ("dweight", dweight, f32s(c))];
@@ -197,13 +206,13 @@ mod tests {
         let dev = Device::Cpu;
         let up = |n: usize| dev.upload(&vec![1f32; n]).unwrap();
         let (mut out, mut rstd, inp, w) = (up(12), up(3), up(11), up(4));
-        let err = rmsnorm_forward(&dev, &mut out, &mut rstd, &inp, &w, 3, 4, 1e-5).unwrap_err();
+        let err = rmsnorm_forward(&dev, RmsNormForward { out: &mut out, rstd: &mut rstd, inp: &inp, weight: &w }, 3, 4, 1e-5).unwrap_err();
         assert!(
             err.to_string()
                 .contains("rmsnorm_forward_f32: `inp` holds 44 bytes"),
             "{err}"
         );
-        let err = rmsnorm_forward(&dev, &mut out, &mut rstd, &inp, &w, 3, 0, 1e-5).unwrap_err();
+        let err = rmsnorm_forward(&dev, RmsNormForward { out: &mut out, rstd: &mut rstd, inp: &inp, weight: &w }, 3, 0, 1e-5).unwrap_err();
         assert!(err.to_string().contains("0 channels"), "{err}");
         let err = swiglu_forward(&dev, &mut out, &up(23), 3, 4).unwrap_err();
         assert!(

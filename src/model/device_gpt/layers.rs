@@ -14,6 +14,7 @@
 
 use super::{DeviceGpt, Widths};
 use crate::device::{ops_attention, ops_vocab};
+use crate::device::ops::{CrossEntropyForward, EncoderBackward, EncoderForward, LayerNormBackward, LayerNormForward};
 use crate::device::{ops, Device, DeviceBuffer};
 use crate::error::Result;
 use crate::device::cpu::attention::AttnShape;
@@ -56,9 +57,9 @@ fn norm_gathered(
     c: usize,
 ) -> Result<()> {
     if !rows.sp {
-        return ops::layernorm_forward(dev, full, mean, rstd, x, w, b, rows.rows, c);
+        return ops::layernorm_forward(dev, LayerNormForward { out: full, mean, rstd, inp: x, weight: w, bias: b }, rows.rows, c);
     }
-    ops::layernorm_forward(dev, &mut s.ln, mean, rstd, x, w, b, rows.rows, c)?;
+    ops::layernorm_forward(dev, LayerNormForward { out: &mut s.ln, mean, rstd, inp: x, weight: w, bias: b }, rows.rows, c)?;
     group(tp).gather_rows(dev, &s.ln, full, rows.bt * c)
 }
 
@@ -130,7 +131,7 @@ impl DeviceGpt {
         let (wte, wpe) = (self.ends.wte.expect("a first stage"), self.ends.wpe.expect("a first stage"));
         let a = &mut self.chunks[ci].slots[si];
         match &mut self.tp {
-            None => ops::encoder_forward(dev, &mut a.input, &a.tokens, &p[wte], &p[wpe], b * t, t, c),
+            None => ops::encoder_forward(dev, EncoderForward { out: &mut a.input, tokens: &a.tokens, wte: &p[wte], wpe: &p[wpe] }, b * t, t, c),
             Some(g) if rows.sp => {
                 let s = &mut self.s;
                 ops_vocab::embedding_shard_forward(dev, &mut s.partial, &a.tokens, &p[wte], (b * t, c), vocab)?;
@@ -213,7 +214,10 @@ impl DeviceGpt {
         let w = Weight { f32: &p[wte], bf16: self.params16[wte].as_ref() };
         self.linear.forward(dev, &mut h.logits, &h.lnf, w, None, bt, c, vocab.vl)?;
         match &mut self.tp {
-            None => ops::cross_entropy_forward(dev, &mut h.losses, &mut h.lse, &h.logits, &h.targets, bt, v, vocab.vl)?,
+            None => {
+                let bufs = CrossEntropyForward { losses: &mut h.losses, lse: &mut h.lse, logits: &h.logits, targets: &h.targets };
+                ops::cross_entropy_forward(dev, bufs, bt, v, vocab.vl)?
+            }
             Some(g) => {
                 let l = LossBufs {
                     logits: &h.logits,
@@ -263,12 +267,14 @@ impl DeviceGpt {
         let (mean, rstd) = (&h.lnf_mean, &h.lnf_rstd);
         if !rows.sp {
             let (gw, gb) = pair(g, lnf_w, lnf_b);
-            return ops::layernorm_backward(dev, &mut s.dres, gw, gb, &s.dln, x, &p[lnf_w], mean, rstd, rows.rows, c);
+            let bufs = LayerNormBackward { dinp: &mut s.dres, dweight: gw, dbias: gb, dout: &s.dln, inp: x, weight: &p[lnf_w], mean, rstd };
+            return ops::layernorm_backward(dev, bufs, rows.rows, c);
         }
         let [gw, gb] = &mut s.parts[..2] else { unreachable!("two parts") };
         ops::fill_zero(dev, gw, c)?;
         ops::fill_zero(dev, gb, c)?;
-        ops::layernorm_backward(dev, &mut s.dres, gw, gb, &s.dln, x, &p[lnf_w], mean, rstd, rows.rows, c)?;
+        let bufs = LayerNormBackward { dinp: &mut s.dres, dweight: gw, dbias: gb, dout: &s.dln, inp: x, weight: &p[lnf_w], mean, rstd };
+        ops::layernorm_backward(dev, bufs, rows.rows, c)?;
         add_replicated(dev, tp, s, g, &[lnf_w, lnf_b], c)
     }
 
@@ -319,7 +325,7 @@ impl DeviceGpt {
         }
         let (gte, gpe) = pair(g, wte, wpe);
         match self.tp {
-            None => ops::encoder_backward(dev, gte, gpe, &s.dres, &a.tokens, b, t, c),
+            None => ops::encoder_backward(dev, EncoderBackward { dwte: gte, dwpe: gpe, dout: &s.dres, tokens: &a.tokens }, b, t, c),
             Some(_) => device_tp::embed_backward(dev, gte, gpe, &s.dres, &a.tokens, (b, t, c), self.w.vocab),
         }
     }
@@ -462,7 +468,8 @@ fn ln_backward(
         }
         false => pair(grads, w, b),
     };
-    ops::layernorm_backward(dev, &mut s.dres, gw, gb, &s.dln, x, weight, mean, rstd, rows.rows, c)
+    let bufs = LayerNormBackward { dinp: &mut s.dres, dweight: gw, dbias: gb, dout: &s.dln, inp: x, weight, mean, rstd };
+    ops::layernorm_backward(dev, bufs, rows.rows, c)
 }
 
 /// Two distinct entries of `bufs`, both mutable (`i < j`, as layout order always gives here).

@@ -20,7 +20,7 @@ use super::{DeviceGpt, Widths};
 use crate::device::cpu::attention::AttnShape;
 use crate::device::cpu::rope::RopeShape;
 use crate::device::ipc::alloc_shareable;
-use crate::device::ops_llama::{self, rope_table, Llama3Scaling};
+use crate::device::ops_llama::{self, rope_table, Llama3Scaling, RmsNormBackward, RmsNormForward};
 use crate::device::{ops, ops_attention, ops_vocab, Device, DeviceBuffer};
 use crate::error::Result;
 use crate::model::device_acts::{ActDims, BlockActs, Scratch};
@@ -106,9 +106,9 @@ pub(super) fn rms_gathered(
     (c, eps): (usize, f32),
 ) -> Result<()> {
     if !rows.sp {
-        return ops_llama::rmsnorm_forward(dev, full, rstd, x, w, rows.rows, c, eps);
+        return ops_llama::rmsnorm_forward(dev, RmsNormForward { out: full, rstd, inp: x, weight: w }, rows.rows, c, eps);
     }
-    ops_llama::rmsnorm_forward(dev, &mut s.ln, rstd, x, w, rows.rows, c, eps)?;
+    ops_llama::rmsnorm_forward(dev, RmsNormForward { out: &mut s.ln, rstd, inp: x, weight: w }, rows.rows, c, eps)?;
     group(tp).gather_rows(dev, &s.ln, full, rows.bt * c)
 }
 
@@ -127,7 +127,8 @@ pub(super) fn rms_backward(
     c: usize,
 ) -> Result<()> {
     let dw = if rows.sp { &mut s.parts[part] } else { &mut g[entry] };
-    ops_llama::rmsnorm_backward(dev, &mut s.dres, dw, &s.dln, x, weight, rstd, rows.rows, c)
+    let bufs = RmsNormBackward { dinp: &mut s.dres, dweight: dw, dout: &s.dln, inp: x, weight, rstd };
+    ops_llama::rmsnorm_backward(dev, bufs, rows.rows, c)
 }
 
 /// Parts per KV width of this rank's q (its query heads per KV head held) and the staging's

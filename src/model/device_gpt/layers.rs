@@ -136,7 +136,7 @@ impl DeviceGpt {
                 let s = &mut self.s;
                 ops_vocab::embedding_shard_forward(dev, &mut s.partial, &a.tokens, &p[wte], (b * t, c), vocab)?;
                 g.scatter_rows(dev, &s.partial, &mut a.input, b * t * c)?;
-                ops_vocab::position_forward(dev, &mut a.input, &p[wpe], rows.rows, rows.row0, t, c)
+                ops_vocab::position_forward(dev, &mut a.input, &p[wpe], rows.row0..rows.row0 + rows.rows, (t, c))
             }
             Some(g) => {
                 let e = Embed { tokens: &a.tokens, wte: &p[wte], wpe: &p[wpe] };
@@ -251,7 +251,8 @@ impl DeviceGpt {
             true => f32::NAN,
             false => (self.loss_scale / bt as f64) as f32,
         };
-        ops_vocab::cross_entropy_backward(dev, &mut s.dlogits, &h.logits, &h.lse, &h.targets, dloss, bt, vocab)?;
+        let bufs = ops_vocab::CrossEntropyBackward { dlogits: &mut s.dlogits, logits: &h.logits, lse: &h.lse, targets: &h.targets };
+        ops_vocab::cross_entropy_backward(dev, bufs, dloss, bt, vocab)?;
         let w = Weight { f32: &p[wte], bf16: self.params16[wte].as_ref() };
         let dinp = if rows.sp { &mut s.partial } else { &mut s.dln };
         self.linear.backward(dev, dinp, &mut g[wte], None, &s.dlogits, &h.lnf, w, (bt, c, vocab.vl))?;
@@ -316,7 +317,7 @@ impl DeviceGpt {
         let (dev, s, g, a) = (&self.dev, &mut self.s, &mut self.grads, &self.chunks[ci].slots[si]);
         if rows.sp {
             ops::fill_zero(dev, &mut s.repl, t * c)?;
-            ops_vocab::position_backward(dev, &mut s.repl, &s.dres, rows.rows, rows.row0, t, c)?;
+            ops_vocab::position_backward(dev, &mut s.repl, &s.dres, rows.row0..rows.row0 + rows.rows, (t, c))?;
             let tp = group(&mut self.tp);
             tp.sum(dev, &mut s.repl, t * c)?;
             ops::bias_add(dev, &mut g[wpe], &s.repl, 1, t * c)?;
@@ -433,7 +434,8 @@ fn block_backward(cx: &mut BlockCtx<'_>, x: &DeviceBuffer, a: &BlockActs, att: &
         linear.backward(dev, &mut s.datty, gw, Some(gb), &s.dres, &a.atty, w(ap_w), (bt, cl, c))?;
     }
     ops::fill_zero(dev, &mut s.dqkv, bt * 3 * cl)?;
-    ops_attention::attention_backward(dev, &mut s.dqkv, &mut s.dpre, &s.datty, &a.qkv, att, attn, shape)?;
+    let bufs = ops_attention::AttentionBackward { dqkv: &mut s.dqkv, dpre: &mut s.dpre, dout: &s.datty, qkv: &a.qkv, att };
+    ops_attention::attention_backward(dev, bufs, attn, shape)?;
     let (gw, gb) = pair(g, qkv_w, qkv_b);
     let dinp = if rows.sp { &mut s.partial } else { &mut s.dln };
     linear.backward(dev, dinp, gw, Some(gb), &s.dqkv, &a.ln1, w(qkv_w), (bt, c, 3 * cl))?;

@@ -195,7 +195,8 @@ pub(super) fn block_backward(cx: &mut BlockCtx<'_>, x: &DeviceBuffer, a: &BlockA
     // Attention: d(block input) = d(residual2) + d through the attention norm.
     row_parallel_backward(dev, tp, linear, rows, s, (&mut g[o], w(o)), &a.atty, (cl, c), Dst::Attn)?;
     ops::fill_zero(dev, &mut s.dqkv, bt * (cl + 2 * cx.w.nkvl * shape.hs))?;
-    ops_attention::attention_backward(dev, &mut s.dqkv, &mut s.dpre, &s.datty, &a.qkv, att, attn, shape)?;
+    let bufs = ops_attention::AttentionBackward { dqkv: &mut s.dqkv, dpre: &mut s.dpre, dout: &s.datty, qkv: &a.qkv, att };
+    ops_attention::attention_backward(dev, bufs, attn, shape)?;
     ops_llama::rope_backward(dev, &mut s.dqkv, &lw.cos, &lw.sin, rope_shape(shape))?;
     let (qp, kvw, st) = stage_shape(cx.w, shape.hs, bt);
     ops_attention::split_heads(dev, &mut lw.stage, &s.dqkv, st, qp + 2)?;

@@ -48,7 +48,11 @@ pub(crate) fn dparams_columns<F: Float>(
     rows: &NormRows<F>,
 ) {
     let c = rows.c;
-    let each = rows.dout.chunks_exact(c).zip(rows.inp.chunks_exact(c)).zip(rows.rstd);
+    let each = rows
+        .dout
+        .chunks_exact(c)
+        .zip(rows.inp.chunks_exact(c))
+        .zip(rows.rstd);
     for (r, ((dy, x), &s)) in each.enumerate() {
         let mu = rows.mean.map_or(F::zero(), |m| m[r]);
         let (dy, x) = (&dy[first..], &x[first..]);
@@ -69,13 +73,34 @@ mod tests {
     /// zeros, subnormals and infinities included (subtracting +0 changes no float).
     #[test]
     fn rmsnorm_columns_are_inp_times_rstd_times_dout_bitwise() {
-        let odd = [-0.0f32, 0.0, 1e-40, -1e-40, f32::MAX, -3.5, 7.25e-3, f32::INFINITY];
+        let odd = [
+            -0.0f32,
+            0.0,
+            1e-40,
+            -1e-40,
+            f32::MAX,
+            -3.5,
+            7.25e-3,
+            f32::INFINITY,
+        ];
         let (n, c) = (5, odd.len());
-        let inp: Vec<f32> = (0..n * c).map(|i| odd[(i * 3) % c] * if i % 2 == 0 { 1.0 } else { -0.5 }).collect();
+        let inp: Vec<f32> = (0..n * c)
+            .map(|i| odd[(i * 3) % c] * if i % 2 == 0 { 1.0 } else { -0.5 })
+            .collect();
         let dout: Vec<f32> = (0..n * c).map(|i| odd[(i * 5 + 1) % c] * 0.75).collect();
         let rstd = [1.0f32, -0.0, 2.5, 1e-30, 0.125];
         let mut got = vec![-0.0f32; c];
-        norm_dparams(&mut got, None, &NormRows { dout: &dout, inp: &inp, mean: None, rstd: &rstd, c });
+        norm_dparams(
+            &mut got,
+            None,
+            &NormRows {
+                dout: &dout,
+                inp: &inp,
+                mean: None,
+                rstd: &rstd,
+                c,
+            },
+        );
         let mut want = vec![-0.0f32; c];
         for r in 0..n {
             for i in 0..c {

@@ -54,10 +54,12 @@ extern "C" __global__ void layernorm_backward_dinp_f32(float *dinp, const float 
     }
 }
 
-// dweight (C) += sum_rows xhat * dout, dbias (C) += sum_rows dout, tiled as compat.h describes
-// (each row of a tile is read coalesced). Grid: ceil(C / MT_COL_TILE) blocks of
-// (MT_COL_TILE, MT_ROW_LANES) threads.
-extern "C" __global__ void __launch_bounds__(MT_COL_TILE * MT_ROW_LANES) layernorm_backward_dparams_f32(
+// The parameter gradients of both norm layers (RMSNorm's too, kernels/rmsnorm.cu):
+// dweight (C) += sum_rows xhat * dout with xhat = (inp - mean) * rstd, and dbias (C) += sum_rows
+// dout. RMSNorm passes null `mean` and `dbias`: xhat = (inp - 0) * rstd, the bits of inp * rstd
+// (subtracting +0 changes no float), and no bias. Tiled as compat.h describes (each row of a tile
+// is read coalesced). Grid: ceil(C / MT_COL_TILE) blocks of (MT_COL_TILE, MT_ROW_LANES) threads.
+extern "C" __global__ void __launch_bounds__(MT_COL_TILE * MT_ROW_LANES) norm_backward_dparams_f32(
     float *dweight, float *dbias, const float *dout, const float *inp, const float *mean, const float *rstd, int n,
     int c) {
     __shared__ float part_w[MT_ROW_LANES][MT_COL_TILE + 1];
@@ -68,8 +70,9 @@ extern "C" __global__ void __launch_bounds__(MT_COL_TILE * MT_ROW_LANES) layerno
         for (int row = threadIdx.y; row < n; row += MT_ROW_LANES) {
             const mt_u64 at = (mt_u64)row * c + i;
             const float dyi = dout[at];
+            const float mu = mean ? mean[row] : 0.0f;
             db += dyi;
-            dw += (inp[at] - mean[row]) * rstd[row] * dyi;
+            dw += (inp[at] - mu) * rstd[row] * dyi;
         }
     }
     part_w[threadIdx.y][threadIdx.x] = dw;
@@ -82,6 +85,6 @@ extern "C" __global__ void __launch_bounds__(MT_COL_TILE * MT_ROW_LANES) layerno
             sb += part_b[y][threadIdx.x];
         }
         dweight[i] += sw;
-        dbias[i] += sb;
+        if (dbias) dbias[i] += sb;
     }
 }

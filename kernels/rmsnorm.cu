@@ -2,9 +2,9 @@
 // (src/device/cpu/rmsnorm.rs is the reference): rstd = 1/sqrt(mean(x^2) + eps), out = (x * rstd)
 // * weight, the order of Hugging Face's LlamaRMSNorm.
 //
-// Forward and the input gradient run one block per row; the weight gradient sums columns in
-// tiles with the row lanes added in a fixed order (compat.h), so there are no atomics and every
-// result is deterministic run to run.
+// Forward and the input gradient run one block per row; the weight gradient is LayerNorm's
+// column-sum kernel (layernorm.cu), which adds the row lanes in a fixed order (compat.h), so there
+// are no atomics and every result is deterministic run to run.
 #include "compat.h"
 
 // out (N, C) = inp * rstd * weight; rstd (N). Grid: N blocks.
@@ -36,24 +36,4 @@ extern "C" __global__ void rmsnorm_backward_dinp_f32(float *dinp, const float *d
     for (int i = threadIdx.x; i < c; i += blockDim.x) dx[i] += r * (dy[i] * weight[i] - x[i] * r * m);
 }
 
-// dweight (C) += sum_rows inp * rstd * dout, tiled as compat.h describes (each row of a tile is
-// read coalesced). Grid: ceil(C / MT_COL_TILE) blocks of (MT_COL_TILE, MT_ROW_LANES) threads.
-extern "C" __global__ void __launch_bounds__(MT_COL_TILE * MT_ROW_LANES) rmsnorm_backward_dweight_f32(
-    float *dweight, const float *dout, const float *inp, const float *rstd, int n, int c) {
-    __shared__ float part[MT_ROW_LANES][MT_COL_TILE + 1];
-    const int i = blockIdx.x * MT_COL_TILE + threadIdx.x;
-    float dw = 0.0f;
-    if (i < c) {
-        for (int row = threadIdx.y; row < n; row += MT_ROW_LANES) {
-            const mt_u64 at = (mt_u64)row * c + i;
-            dw += inp[at] * rstd[row] * dout[at];
-        }
-    }
-    part[threadIdx.y][threadIdx.x] = dw;
-    __syncthreads();
-    if (threadIdx.y == 0 && i < c) {
-        float s = 0.0f;
-        for (int y = 0; y < MT_ROW_LANES; y++) s += part[y][threadIdx.x];
-        dweight[i] += s;
-    }
-}
+// The weight gradient is layernorm.cu's norm_backward_dparams_f32 with no mean and no bias.

@@ -30,10 +30,10 @@ use meshtrain::device::cpu::gelu::{gelu_backward, gelu_forward};
 use meshtrain::device::cpu::layernorm::{layernorm_backward, layernorm_forward};
 use meshtrain::device::cpu::vocab_parallel as vp;
 use meshtrain::device::gemm::{Batch, Gemm, GemmInput, Operand};
-use meshtrain::device::ops::{self, AdamWBuffers};
-use meshtrain::device::ops_attention::{self, AttnWork};
-use meshtrain::device::ops_llama::{self, rope_table, Llama3Scaling};
-use meshtrain::device::ops_vocab::{self, VocabShard};
+use meshtrain::device::ops::{self, AdamWBuffers, CrossEntropyForward, LayerNormBackward, LayerNormForward};
+use meshtrain::device::ops_attention::{self, AttentionBackward, AttnWork};
+use meshtrain::device::ops_llama::{self, rope_table, Llama3Scaling, RmsNormBackward, RmsNormForward};
+use meshtrain::device::ops_vocab::{self, CrossEntropyBackward, VocabShard};
 use meshtrain::device::reduce_bench::reduce_bandwidth;
 use meshtrain::device::{Device, DeviceBuffer};
 use meshtrain::dtype::Reducer;
@@ -183,18 +183,8 @@ fn layernorm_matches_cpu(kind: DeviceKind) {
     );
     let mut g_out = poisoned(&dev, 4 * n * c);
     let (mut g_mean, mut g_rstd) = (poisoned(&dev, 4 * n), poisoned(&dev, 4 * n));
-    ops::layernorm_forward(
-        &dev,
-        &mut g_out,
-        &mut g_mean,
-        &mut g_rstd,
-        &g_inp,
-        &g_w,
-        &g_b,
-        n,
-        c,
-    )
-    .unwrap();
+    let bufs = LayerNormForward { out: &mut g_out, mean: &mut g_mean, rstd: &mut g_rstd, inp: &g_inp, weight: &g_w, bias: &g_b };
+    ops::layernorm_forward(&dev, bufs, n, c).unwrap();
     assert_close("layernorm out", &down_f32(&dev, &g_out, n * c), &out);
     assert_close("layernorm mean", &down_f32(&dev, &g_mean, n), &mean);
     assert_close("layernorm rstd", &down_f32(&dev, &g_rstd, n), &rstd);
@@ -205,20 +195,17 @@ fn layernorm_matches_cpu(kind: DeviceKind) {
         dev.upload(&dw0).unwrap(),
         dev.upload(&db0).unwrap(),
     );
-    ops::layernorm_backward(
-        &dev,
-        &mut g_dinp,
-        &mut g_dw,
-        &mut g_db,
-        &g_dout,
-        &g_inp,
-        &g_w,
-        &g_mean,
-        &g_rstd,
-        n,
-        c,
-    )
-    .unwrap();
+    let bufs = LayerNormBackward {
+        dinp: &mut g_dinp,
+        dweight: &mut g_dw,
+        dbias: &mut g_db,
+        dout: &g_dout,
+        inp: &g_inp,
+        weight: &g_w,
+        mean: &g_mean,
+        rstd: &g_rstd,
+    };
+    ops::layernorm_backward(&dev, bufs, n, c).unwrap();
     assert_close("layernorm dinp", &down_f32(&dev, &g_dinp, n * c), &dinp);
     assert_close("layernorm dweight", &down_f32(&dev, &g_dw, c), &dw);
     assert_close("layernorm dbias", &down_f32(&dev, &g_db, c), &db);
@@ -280,7 +267,8 @@ fn attention_matches_cpu(kind: DeviceKind) {
     let mut g_dqkv = dev.upload(&dqkv0).unwrap();
     let mut g_dpre = poisoned(&dev, 4 * tt);
     let g_dout = dev.upload(&dout).unwrap();
-    ops_attention::attention_backward(&dev, &mut g_dqkv, &mut g_dpre, &g_dout, &g_qkv, &g_att, &mut work, s).unwrap();
+    let bufs = AttentionBackward { dqkv: &mut g_dqkv, dpre: &mut g_dpre, dout: &g_dout, qkv: &g_qkv, att: &g_att };
+    ops_attention::attention_backward(&dev, bufs, &mut work, s).unwrap();
     assert_close("attention dqkv", &down_f32(&dev, &g_dqkv, dqkv.len()), &dqkv);
 }
 
@@ -302,12 +290,14 @@ fn cross_entropy_matches_cpu_and_skips_padding(kind: DeviceKind) {
 
     let (g_z, g_t) = (dev.upload(&logits).unwrap(), dev.upload(&targets).unwrap());
     let (mut g_loss, mut g_lse) = (poisoned(&dev, 4 * n), poisoned(&dev, 4 * n));
-    ops::cross_entropy_forward(&dev, &mut g_loss, &mut g_lse, &g_z, &g_t, n, v, vp).unwrap();
+    let bufs = CrossEntropyForward { losses: &mut g_loss, lse: &mut g_lse, logits: &g_z, targets: &g_t };
+    ops::cross_entropy_forward(&dev, bufs, n, v, vp).unwrap();
     assert_close("cross-entropy losses", &down_f32(&dev, &g_loss, n), &losses);
     assert_close("cross-entropy lse", &down_f32(&dev, &g_lse, n), &lse);
     let mut g_dl = dev.upload(&dl0).unwrap();
     let whole = VocabShard { start: 0, vl: vp, real: v };
-    ops_vocab::cross_entropy_backward(&dev, &mut g_dl, &g_z, &g_lse, &g_t, dloss, n, whole).unwrap();
+    let bufs = CrossEntropyBackward { dlogits: &mut g_dl, logits: &g_z, lse: &g_lse, targets: &g_t };
+    ops_vocab::cross_entropy_backward(&dev, bufs, dloss, n, whole).unwrap();
     let got = down_f32(&dev, &g_dl, n * vp);
     assert_close("cross-entropy dlogits", &got, &dl);
     for (row, (g, w)) in got.chunks(vp).zip(dl0.chunks(vp)).enumerate() {
@@ -349,7 +339,8 @@ fn vocab_parallel_kernels_match_cpu(kind: DeviceKind) {
     let mut dl = widen(&dl0);
     vp::cross_entropy_shard_backward(&mut dl, &z, &lse, &targets, dloss as f64, start, real);
     let mut g_dl = dev.upload(&dl0).unwrap();
-    ops_vocab::cross_entropy_backward(&dev, &mut g_dl, &g_z, &g_lse, &g_t, dloss, n, shard).unwrap();
+    let bufs = CrossEntropyBackward { dlogits: &mut g_dl, logits: &g_z, lse: &g_lse, targets: &g_t };
+    ops_vocab::cross_entropy_backward(&dev, bufs, dloss, n, shard).unwrap();
     let got = down_f32(&dev, &g_dl, n * vl);
     assert_close("shard dlogits", &got, &dl);
     for (row, (g, w)) in got.chunks(vl).zip(dl0.chunks(vl)).enumerate() {
@@ -365,7 +356,7 @@ fn vocab_parallel_kernels_match_cpu(kind: DeviceKind) {
     let (g_tok, g_wte, g_wpe) = (dev.upload(&tokens).unwrap(), dev.upload(&wte).unwrap(), dev.upload(&wpe).unwrap());
     let mut g_emb = poisoned(&dev, 4 * n * c);
     ops_vocab::embedding_shard_forward(&dev, &mut g_emb, &g_tok, &g_wte, (n, c), shard).unwrap();
-    ops_vocab::position_forward(&dev, &mut g_emb, &g_wpe, n, 5, t, c).unwrap();
+    ops_vocab::position_forward(&dev, &mut g_emb, &g_wpe, 5..5 + n, (t, c)).unwrap();
     assert_close("shard embedding + positions", &down_f32(&dev, &g_emb, n * c), &emb);
     let dout = rand_f32(&mut r, n * c, 1.0);
     let (dwte0, dwpe0) = (rand_f32(&mut r, vl * c, 1.0), rand_f32(&mut r, t * c, 1.0));
@@ -375,7 +366,7 @@ fn vocab_parallel_kernels_match_cpu(kind: DeviceKind) {
     let g_dout = dev.upload(&dout).unwrap();
     let (mut g_dwte, mut g_dwpe) = (dev.upload(&dwte0).unwrap(), dev.upload(&dwpe0).unwrap());
     ops_vocab::embedding_shard_backward(&dev, &mut g_dwte, &g_dout, &g_tok, (n, c), shard).unwrap();
-    ops_vocab::position_backward(&dev, &mut g_dwpe, &g_dout, n, 5, t, c).unwrap();
+    ops_vocab::position_backward(&dev, &mut g_dwpe, &g_dout, 5..5 + n, (t, c)).unwrap();
     assert_close("shard dwte", &down_f32(&dev, &g_dwte, vl * c), &dwte);
     assert_close("dwpe", &down_f32(&dev, &g_dwpe, t * c), &dwpe);
 }
@@ -605,12 +596,13 @@ fn rmsnorm_matches_cpu(kind: DeviceKind) {
 
     let (g_inp, g_w) = (dev.upload(&inp).unwrap(), dev.upload(&w).unwrap());
     let (mut g_out, mut g_rstd) = (poisoned(&dev, 4 * n * c), poisoned(&dev, 4 * n));
-    ops_llama::rmsnorm_forward(&dev, &mut g_out, &mut g_rstd, &g_inp, &g_w, n, c, eps).unwrap();
+    ops_llama::rmsnorm_forward(&dev, RmsNormForward { out: &mut g_out, rstd: &mut g_rstd, inp: &g_inp, weight: &g_w }, n, c, eps).unwrap();
     assert_close("rmsnorm out", &down_f32(&dev, &g_out, n * c), &out);
     assert_close("rmsnorm rstd", &down_f32(&dev, &g_rstd, n), &rstd);
     let (mut g_dinp, mut g_dw) = (dev.upload(&dinp0).unwrap(), dev.upload(&dw0).unwrap());
     let g_dout = dev.upload(&dout).unwrap();
-    ops_llama::rmsnorm_backward(&dev, &mut g_dinp, &mut g_dw, &g_dout, &g_inp, &g_w, &g_rstd, n, c).unwrap();
+    let bufs = RmsNormBackward { dinp: &mut g_dinp, dweight: &mut g_dw, dout: &g_dout, inp: &g_inp, weight: &g_w, rstd: &g_rstd };
+    ops_llama::rmsnorm_backward(&dev, bufs, n, c).unwrap();
     assert_close("rmsnorm dinp", &down_f32(&dev, &g_dinp, n * c), &dinp);
     assert_close("rmsnorm dweight", &down_f32(&dev, &g_dw, c), &dw);
 }
@@ -691,7 +683,8 @@ fn gqa_attention_matches_cpu(kind: DeviceKind) {
         assert_close(&format!("gqa nkv={nkv} probabilities"), &down_f32(&dev, &g_att, tt), &att);
         let (mut g_dqkv, mut g_dpre) = (dev.upload(&dqkv0).unwrap(), poisoned(&dev, 4 * tt));
         let g_dout = dev.upload(&dout).unwrap();
-        ops_attention::attention_backward(&dev, &mut g_dqkv, &mut g_dpre, &g_dout, &g_qkv, &g_att, &mut work, s).unwrap();
+        let bufs = AttentionBackward { dqkv: &mut g_dqkv, dpre: &mut g_dpre, dout: &g_dout, qkv: &g_qkv, att: &g_att };
+        ops_attention::attention_backward(&dev, bufs, &mut work, s).unwrap();
         assert_close(&format!("gqa nkv={nkv} dqkv"), &down_f32(&dev, &g_dqkv, n), &dqkv);
 
         for parts in [1, 3] {

@@ -15,6 +15,7 @@ use common::gpu::{open, rng};
 use meshtrain::config::DeviceKind;
 use half::{bf16, f16};
 use meshtrain::device::gemm::{Gemm, GemmInput, Operand};
+use meshtrain::device::ops::{EncoderBackward, EncoderForward};
 use meshtrain::device::{ops, Device, DeviceBuffer};
 use meshtrain::model::{DeviceGpt, Gpt, GptConfig, Precision};
 use rand::Rng;
@@ -56,14 +57,14 @@ fn encoder_bias_and_fill_match_the_cpu_arm(kind: DeviceKind) {
     let ((wte_g, wte_c), (wpe_g, wpe_c), (dout_g, dout_c)) = (both(&g, &wte), both(&g, &wpe), both(&g, &dout));
     let mut out_g = poisoned(&g, b * t * c);
     let mut out_c = cpu.alloc(b * t * c * 4).unwrap();
-    ops::encoder_forward(&g, &mut out_g, &tok_g, &wte_g, &wpe_g, b * t, t, c).unwrap();
-    ops::encoder_forward(&cpu, &mut out_c, &tok_c, &wte_c, &wpe_c, b * t, t, c).unwrap();
+    ops::encoder_forward(&g, EncoderForward { out: &mut out_g, tokens: &tok_g, wte: &wte_g, wpe: &wpe_g }, b * t, t, c).unwrap();
+    ops::encoder_forward(&cpu, EncoderForward { out: &mut out_c, tokens: &tok_c, wte: &wte_c, wpe: &wpe_c }, b * t, t, c).unwrap();
     assert_eq!(down(&g, &out_g, b * t * c), down(&cpu, &out_c, b * t * c), "encoder forward");
     // Backward accumulates into existing gradients.
     let (init_te, init_pe) = (rand_f32(&mut r, vp * c), rand_f32(&mut r, t * c));
     let ((mut dte_g, mut dte_c), (mut dpe_g, mut dpe_c)) = (both(&g, &init_te), both(&g, &init_pe));
-    ops::encoder_backward(&g, &mut dte_g, &mut dpe_g, &dout_g, &tok_g, b, t, c).unwrap();
-    ops::encoder_backward(&cpu, &mut dte_c, &mut dpe_c, &dout_c, &tok_c, b, t, c).unwrap();
+    ops::encoder_backward(&g, EncoderBackward { dwte: &mut dte_g, dwpe: &mut dpe_g, dout: &dout_g, tokens: &tok_g }, b, t, c).unwrap();
+    ops::encoder_backward(&cpu, EncoderBackward { dwte: &mut dte_c, dwpe: &mut dpe_c, dout: &dout_c, tokens: &tok_c }, b, t, c).unwrap();
     let d = rel_l2(&down(&g, &dte_g, vp * c), &down(&cpu, &dte_c, vp * c));
     assert!(d <= 1e-5, "encoder backward wte: {d:e}");
     let d = rel_l2(&down(&g, &dpe_g, t * c), &down(&cpu, &dpe_c, t * c));

@@ -146,6 +146,8 @@ pub enum KernelArg<'a> {
     U64(u64),
     /// C `float`.
     F32(f32),
+    /// A null pointer: an optional buffer the kernel is told to leave alone.
+    Null,
 }
 
 /// A kernel argument with buffers resolved to raw device addresses.
@@ -285,6 +287,7 @@ impl Device {
             KernelArg::I64(v) => RawArg::I64(v),
             KernelArg::U64(v) => RawArg::U64(v),
             KernelArg::F32(v) => RawArg::F32(v),
+            KernelArg::Null => RawArg::Ptr(0),
         })
     }
 

@@ -82,6 +82,55 @@ pub(crate) fn stride_grid(items: usize) -> LaunchDims {
     LaunchDims::linear(blocks as u32, THREADS)
 }
 
+/// A buffer an op writes, named, with the bytes its kernel touches.
+pub(crate) type Out<'a> = (&'static str, &'a mut DeviceBuffer, usize);
+/// A buffer an op only reads, named, with the bytes its kernel touches.
+pub(crate) type In<'a> = (&'static str, &'a DeviceBuffer, usize);
+
+/// The shape every launcher shares: checks each buffer of `outs` and `ins` against the bytes its
+/// kernel touches (an error naming kernel `k` and the buffer, before anything runs), then on the
+/// CPU device runs `cpu` on the buffers' host bytes (the reference), on the others `gpu` on the
+/// buffers themselves (it picks the grid and launches). Both get the buffers in the order given.
+pub(crate) fn launch_op<'a, const W: usize, const R: usize>(
+    dev: &Device,
+    k: &str,
+    (outs, ins): ([Out<'a>; W], [In<'a>; R]),
+    cpu: impl FnOnce([&mut HostBytes; W], [&HostBytes; R]),
+    gpu: impl FnOnce([&DeviceBuffer; W], [&DeviceBuffer; R]) -> Result<()>,
+) -> Result<()> {
+    for (what, buf, bytes) in &outs {
+        need(k, what, buf, *bytes)?;
+    }
+    for (what, buf, bytes) in &ins {
+        need(k, what, buf, *bytes)?;
+    }
+    if let Device::Cpu = dev {
+        let outs = all_ok(outs.map(|(_, buf, _)| host_mut(k, buf)))?;
+        cpu(outs, all_ok(ins.map(|(_, buf, _)| host(k, buf)))?);
+        return Ok(());
+    }
+    gpu(outs.map(|(_, buf, _)| shared(buf)), ins.map(|(_, buf, _)| buf))
+}
+
+fn shared(buf: &mut DeviceBuffer) -> &DeviceBuffer {
+    buf
+}
+
+/// The values of `xs`, or the first error.
+fn all_ok<T, const N: usize>(xs: [Result<T>; N]) -> Result<[T; N]> {
+    let v = xs.into_iter().collect::<Result<Vec<T>>>()?;
+    v.try_into().map_err(|_| Error::Check("all_ok: length changed".into()))
+}
+
+/// Launches kernel `k` one block of [`THREADS`] per row over `n` rows; nothing on zero rows (a
+/// grid of no blocks is a launch error, and there is no work).
+pub(crate) fn launch_rows(dev: &Device, k: &str, n: usize, args: &[A]) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    dev.launch(k, LaunchDims::linear(as_u32(k, "rows", n)?, THREADS), args)
+}
+
 /// `out = a (op) b` over `n` elements of `dtype` (`Avg` sums; finish it with [`avg_divide`]);
 /// `out` may be `a`'s buffer only through [`reduce_into`]. Reference: `Reducer::reduce_out`.
 pub fn reduce(
@@ -150,122 +199,115 @@ pub fn avg_divide(dev: &Device, dtype: DType, buf: &mut DeviceBuffer, n: usize, 
     )
 }
 
+/// The buffers of [`layernorm_forward`].
+pub struct LayerNormForward<'a> {
+    /// Output (N, C).
+    pub out: &'a mut DeviceBuffer,
+    /// Per-row mean (N).
+    pub mean: &'a mut DeviceBuffer,
+    /// Per-row reciprocal standard deviation (N).
+    pub rstd: &'a mut DeviceBuffer,
+    /// Input (N, C).
+    pub inp: &'a DeviceBuffer,
+    /// Weight (C).
+    pub weight: &'a DeviceBuffer,
+    /// Bias (C).
+    pub bias: &'a DeviceBuffer,
+}
+
 /// LayerNorm forward over `n` rows of `c`. Buffers: out (N, C), mean, rstd (N), inp (N, C),
 /// weight, bias (C). Reference: `cpu::layernorm::layernorm_forward`.
-#[allow(clippy::too_many_arguments)]
-pub fn layernorm_forward(
-    dev: &Device,
-    out: &mut DeviceBuffer,
-    mean: &mut DeviceBuffer,
-    rstd: &mut DeviceBuffer,
-    inp: &DeviceBuffer,
-    weight: &DeviceBuffer,
-    bias: &DeviceBuffer,
-    n: usize,
-    c: usize,
-) -> Result<()> {
+pub fn layernorm_forward(dev: &Device, bufs: LayerNormForward, n: usize, c: usize) -> Result<()> {
+    let LayerNormForward { out, mean, rstd, inp, weight, bias } = bufs;
     let k = "layernorm_forward_f32";
-    need(k, "out", out, f32s(n * c))?;
-    need(k, "inp", inp, f32s(n * c))?;
-    need(k, "mean", mean, f32s(n))?;
-    need(k, "rstd", rstd, f32s(n))?;
-    need(k, "weight", weight, f32s(c))?;
-    need(k, "bias", bias, f32s(c))?;
-    if let Device::Cpu = dev {
-        layernorm::layernorm_forward(
-            host_mut(k, out)?.view_mut::<f32>(n * c),
-            host_mut(k, mean)?.view_mut::<f32>(n),
-            host_mut(k, rstd)?.view_mut::<f32>(n),
-            host(k, inp)?.view::<f32>(n * c),
-            host(k, weight)?.view::<f32>(c),
-            host(k, bias)?.view::<f32>(c),
-            c,
-        );
-        return Ok(());
-    }
-    if n == 0 {
-        return Ok(());
-    }
-    let dims = LaunchDims::linear(as_u32(k, "rows", n)?, THREADS);
-    let args = [
-        A::Buf(out),
-        A::Buf(mean),
-        A::Buf(rstd),
-        A::Buf(inp),
-        A::Buf(weight),
-        A::Buf(bias),
-        A::I32(as_i32(k, "c", c)?),
-    ];
-    dev.launch(k, dims, &args)
+    let outs = [("out", out, f32s(n * c)), ("mean", mean, f32s(n)), ("rstd", rstd, f32s(n))];
+    let ins = [("inp", inp, f32s(n * c)), ("weight", weight, f32s(c)), ("bias", bias, f32s(c))];
+    let cpu = |[out, mean, rstd]: [&mut HostBytes; 3], [inp, w, b]: [&HostBytes; 3]| {
+        let (out, mean, rstd) = (out.view_mut::<f32>(n * c), mean.view_mut::<f32>(n), rstd.view_mut::<f32>(n));
+        layernorm::layernorm_forward(out, mean, rstd, inp.view::<f32>(n * c), w.view::<f32>(c), b.view::<f32>(c), c)
+    };
+    launch_op(dev, k, (outs, ins), cpu, |[out, mean, rstd], [inp, weight, bias]| {
+        let args = [A::Buf(out), A::Buf(mean), A::Buf(rstd), A::Buf(inp), A::Buf(weight), A::Buf(bias), A::I32(as_i32(k, "c", c)?)];
+        launch_rows(dev, k, n, &args)
+    })
+}
+
+/// The buffers of [`layernorm_backward`].
+pub struct LayerNormBackward<'a> {
+    /// Input gradient (N, C), accumulated.
+    pub dinp: &'a mut DeviceBuffer,
+    /// Weight gradient (C), accumulated.
+    pub dweight: &'a mut DeviceBuffer,
+    /// Bias gradient (C), accumulated.
+    pub dbias: &'a mut DeviceBuffer,
+    /// Output gradient (N, C).
+    pub dout: &'a DeviceBuffer,
+    /// The forward's input (N, C).
+    pub inp: &'a DeviceBuffer,
+    /// Weight (C).
+    pub weight: &'a DeviceBuffer,
+    /// The forward's per-row mean (N).
+    pub mean: &'a DeviceBuffer,
+    /// The forward's per-row reciprocal standard deviation (N).
+    pub rstd: &'a DeviceBuffer,
 }
 
 /// LayerNorm backward, accumulating: dinp (N, C) +=, dweight, dbias (C) +=. Reference:
 /// `cpu::layernorm::layernorm_backward`.
-#[allow(clippy::too_many_arguments)]
-pub fn layernorm_backward(
-    dev: &Device,
-    dinp: &mut DeviceBuffer,
-    dweight: &mut DeviceBuffer,
-    dbias: &mut DeviceBuffer,
-    dout: &DeviceBuffer,
-    inp: &DeviceBuffer,
-    weight: &DeviceBuffer,
-    mean: &DeviceBuffer,
-    rstd: &DeviceBuffer,
-    n: usize,
-    c: usize,
-) -> Result<()> {
+pub fn layernorm_backward(dev: &Device, bufs: LayerNormBackward, n: usize, c: usize) -> Result<()> {
+    let LayerNormBackward { dinp, dweight, dbias, dout, inp, weight, mean, rstd } = bufs;
     let k = "layernorm_backward_dinp_f32";
-    for (what, buf) in [("dinp", &*dinp), ("dout", dout), ("inp", inp)] {
-        need(k, what, buf, f32s(n * c))?;
-    }
-    for (what, buf) in [("dweight", &*dweight), ("dbias", &*dbias), ("weight", weight)] {
-        need(k, what, buf, f32s(c))?;
-    }
-    need(k, "mean", mean, f32s(n))?;
-    need(k, "rstd", rstd, f32s(n))?;
-    if let Device::Cpu = dev {
-        layernorm::layernorm_backward(
-            host_mut(k, dinp)?.view_mut::<f32>(n * c),
-            host_mut(k, dweight)?.view_mut::<f32>(c),
-            host_mut(k, dbias)?.view_mut::<f32>(c),
-            host(k, dout)?.view::<f32>(n * c),
-            host(k, inp)?.view::<f32>(n * c),
-            host(k, weight)?.view::<f32>(c),
-            host(k, mean)?.view::<f32>(n),
-            host(k, rstd)?.view::<f32>(n),
-            c,
-        );
-        return Ok(());
-    }
+    let outs = [("dinp", dinp, f32s(n * c)), ("dweight", dweight, f32s(c)), ("dbias", dbias, f32s(c))];
+    let ins = [
+        ("dout", dout, f32s(n * c)),
+        ("inp", inp, f32s(n * c)),
+        ("weight", weight, f32s(c)),
+        ("mean", mean, f32s(n)),
+        ("rstd", rstd, f32s(n)),
+    ];
+    let cpu = |[dinp, dw, db]: [&mut HostBytes; 3], [dout, inp, w, mean, rstd]: [&HostBytes; 5]| {
+        let (dinp, dw, db) = (dinp.view_mut::<f32>(n * c), dw.view_mut::<f32>(c), db.view_mut::<f32>(c));
+        let (dout, inp) = (dout.view::<f32>(n * c), inp.view::<f32>(n * c));
+        layernorm::layernorm_backward(dinp, dw, db, dout, inp, w.view::<f32>(c), mean.view::<f32>(n), rstd.view::<f32>(n), c)
+    };
+    launch_op(dev, k, (outs, ins), cpu, |[dinp, dweight, dbias], [dout, inp, weight, mean, rstd]| {
+        let ci = as_i32(k, "c", c)?;
+        let args = [A::Buf(dinp), A::Buf(dout), A::Buf(inp), A::Buf(weight), A::Buf(mean), A::Buf(rstd), A::I32(ci)];
+        launch_rows(dev, k, n, &args)?;
+        let grads = NormParamGrads { dweight, dbias: Some(dbias), dout, inp, mean: Some(mean), rstd };
+        norm_dparams(dev, grads, n, c)
+    })
+}
+
+/// The buffers of a norm layer's parameter gradients (kernel `norm_backward_dparams_f32`):
+/// LayerNorm's, or RMSNorm's without `dbias` and `mean`.
+pub(crate) struct NormParamGrads<'a> {
+    /// Weight gradient (C), accumulated.
+    pub dweight: &'a DeviceBuffer,
+    /// Bias gradient (C), accumulated (LayerNorm).
+    pub dbias: Option<&'a DeviceBuffer>,
+    /// Output gradient and the forward's input (N, C).
+    pub dout: &'a DeviceBuffer,
+    pub inp: &'a DeviceBuffer,
+    /// The forward's per-row mean (LayerNorm) and reciprocal standard deviation (N).
+    pub mean: Option<&'a DeviceBuffer>,
+    pub rstd: &'a DeviceBuffer,
+}
+
+/// Launches the column sums of a norm layer's parameter gradients over `n` rows of `c` (GPU arms;
+/// the CPU arm is `cpu::norm_params`, run by the reference backward). The caller checked the
+/// buffers' sizes. Nothing on zero rows.
+pub(crate) fn norm_dparams(dev: &Device, g: NormParamGrads, n: usize, c: usize) -> Result<()> {
+    let k = "norm_backward_dparams_f32";
     if n == 0 {
         return Ok(());
     }
-    let ci = as_i32(k, "c", c)?;
-    let rows = LaunchDims::linear(as_u32(k, "rows", n)?, THREADS);
-    let args = [
-        A::Buf(dinp),
-        A::Buf(dout),
-        A::Buf(inp),
-        A::Buf(weight),
-        A::Buf(mean),
-        A::Buf(rstd),
-        A::I32(ci),
-    ];
-    dev.launch(k, rows, &args)?;
-    let k = "layernorm_backward_dparams_f32";
-    let cols = column_tiles(k, c)?;
-    let args = [
-        A::Buf(dweight),
-        A::Buf(dbias),
-        A::Buf(dout),
-        A::Buf(inp),
-        A::Buf(mean),
-        A::Buf(rstd),
-        A::I32(as_i32(k, "n", n)?),
-        A::I32(ci),
-    ];
-    dev.launch(k, cols, &args)
+    fn opt(b: Option<&DeviceBuffer>) -> A<'_> {
+        b.map_or(A::Null, A::Buf)
+    }
+    let (ni, ci) = (A::I32(as_i32(k, "n", n)?), A::I32(as_i32(k, "c", c)?));
+    let args = [A::Buf(g.dweight), opt(g.dbias), A::Buf(g.dout), A::Buf(g.inp), opt(g.mean), A::Buf(g.rstd), ni, ci];
+    dev.launch(k, column_tiles(k, c)?, &args)
 }
 
 /// out (N) = gelu(inp (N)). Reference: `cpu::gelu::gelu_forward`.
@@ -276,13 +318,10 @@ pub fn gelu_forward(
     n: usize,
 ) -> Result<()> {
     let k = "gelu_forward_f32";
-    need(k, "out", out, f32s(n))?;
-    need(k, "inp", inp, f32s(n))?;
-    if let Device::Cpu = dev {
-        gelu::gelu_forward(host_mut(k, out)?.view_mut::<f32>(n), host(k, inp)?.view::<f32>(n));
-        return Ok(());
-    }
-    dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)])
+    let cpu = |[out]: [&mut HostBytes; 1], [inp]: [&HostBytes; 1]| gelu::gelu_forward(out.view_mut::<f32>(n), inp.view::<f32>(n));
+    launch_op(dev, k, ([("out", out, f32s(n))], [("inp", inp, f32s(n))]), cpu, |[out], [inp]| {
+        dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)])
+    })
 }
 
 /// dinp (N) += gelu'(inp) * dout. Reference: `cpu::gelu::gelu_backward`.
@@ -294,64 +333,43 @@ pub fn gelu_backward(
     n: usize,
 ) -> Result<()> {
     let k = "gelu_backward_f32";
-    for (what, buf) in [("dinp", &*dinp), ("inp", inp), ("dout", dout)] {
-        need(k, what, buf, f32s(n))?;
-    }
-    if let Device::Cpu = dev {
-        let (inp, dout) = (host(k, inp)?.view::<f32>(n), host(k, dout)?.view::<f32>(n));
-        gelu::gelu_backward(host_mut(k, dinp)?.view_mut::<f32>(n), inp, dout);
-        return Ok(());
-    }
-    dev.launch(
-        k,
-        stride_grid(n),
-        &[A::Buf(dinp), A::Buf(inp), A::Buf(dout), A::U64(n as u64)],
-    )
+    let bufs = ([("dinp", dinp, f32s(n))], [("inp", inp, f32s(n)), ("dout", dout, f32s(n))]);
+    let cpu = |[dinp]: [&mut HostBytes; 1], [inp, dout]: [&HostBytes; 2]| {
+        gelu::gelu_backward(dinp.view_mut::<f32>(n), inp.view::<f32>(n), dout.view::<f32>(n))
+    };
+    launch_op(dev, k, bufs, cpu, |[dinp], [inp, dout]| {
+        dev.launch(k, stride_grid(n), &[A::Buf(dinp), A::Buf(inp), A::Buf(dout), A::U64(n as u64)])
+    })
+}
+
+/// The buffers of [`cross_entropy_forward`].
+pub struct CrossEntropyForward<'a> {
+    /// Per-row loss (N).
+    pub losses: &'a mut DeviceBuffer,
+    /// Per-row log-sum-exp (N).
+    pub lse: &'a mut DeviceBuffer,
+    /// Logits (N, Vp).
+    pub logits: &'a DeviceBuffer,
+    /// Target token ids (N, u32).
+    pub targets: &'a DeviceBuffer,
 }
 
 /// losses (N), lse (N) from logits (N, Vp) and u32 targets (N) over columns 0..v. Reference:
 /// `cpu::cross_entropy::cross_entropy_forward`.
-#[allow(clippy::too_many_arguments)]
-pub fn cross_entropy_forward(
-    dev: &Device,
-    losses: &mut DeviceBuffer,
-    lse: &mut DeviceBuffer,
-    logits: &DeviceBuffer,
-    targets: &DeviceBuffer,
-    n: usize,
-    v: usize,
-    vp: usize,
-) -> Result<()> {
+pub fn cross_entropy_forward(dev: &Device, bufs: CrossEntropyForward, n: usize, v: usize, vp: usize) -> Result<()> {
+    let CrossEntropyForward { losses, lse, logits, targets } = bufs;
     let k = "cross_entropy_forward_f32";
     check_vocab(k, v, vp)?;
-    need(k, "losses", losses, f32s(n))?;
-    need(k, "lse", lse, f32s(n))?;
-    need(k, "targets", targets, 4 * n)?;
-    need(k, "logits", logits, f32s(n * vp))?;
-    if let Device::Cpu = dev {
-        cross_entropy::cross_entropy_forward(
-            host_mut(k, losses)?.view_mut::<f32>(n),
-            host_mut(k, lse)?.view_mut::<f32>(n),
-            host(k, logits)?.view::<f32>(n * vp),
-            host(k, targets)?.view::<u32>(n),
-            v,
-            vp,
-        );
-        return Ok(());
-    }
-    if n == 0 {
-        return Ok(());
-    }
-    let dims = LaunchDims::linear(as_u32(k, "rows", n)?, THREADS);
-    let args = [
-        A::Buf(losses),
-        A::Buf(lse),
-        A::Buf(logits),
-        A::Buf(targets),
-        A::I32(as_i32(k, "v", v)?),
-        A::I32(as_i32(k, "vp", vp)?),
-    ];
-    dev.launch(k, dims, &args)
+    let outs = [("losses", losses, f32s(n)), ("lse", lse, f32s(n))];
+    let ins = [("targets", targets, 4 * n), ("logits", logits, f32s(n * vp))];
+    let cpu = |[losses, lse]: [&mut HostBytes; 2], [targets, logits]: [&HostBytes; 2]| {
+        let (logits, targets) = (logits.view::<f32>(n * vp), targets.view::<u32>(n));
+        cross_entropy::cross_entropy_forward(losses.view_mut::<f32>(n), lse.view_mut::<f32>(n), logits, targets, v, vp)
+    };
+    launch_op(dev, k, (outs, ins), cpu, |[losses, lse], [targets, logits]| {
+        let (vi, vpi) = (A::I32(as_i32(k, "v", v)?), A::I32(as_i32(k, "vp", vp)?));
+        launch_rows(dev, k, n, &[A::Buf(losses), A::Buf(lse), A::Buf(logits), A::Buf(targets), vi, vpi])
+    })
 }
 
 fn check_vocab(k: &str, v: usize, vp: usize) -> Result<()> {
@@ -389,17 +407,10 @@ pub fn adamw_update(
     decay: bool,
 ) -> Result<()> {
     let k = "adamw_f32";
-    if s.step == 0 {
-        return Err(Error::InvalidArgument(format!("{k}: steps count from 1")));
-    }
-    let end = f32s(span.end);
-    need(k, "params", bufs.params, end)?;
-    need(k, "grads", bufs.grads, end)?;
-    need(k, "m", bufs.m, end)?;
-    need(k, "v", bufs.v, end)?;
+    check_adamw(s, &span, [&*bufs.params, bufs.grads, &*bufs.m, &*bufs.v])?;
     let wd = if decay { s.config.weight_decay } else { 0.0 };
+    let coef = adamw::Coefficients::<f32>::new(s);
     if let Device::Cpu = dev {
-        let coef = adamw::Coefficients::new(s);
         let g = &host(k, bufs.grads)?.view::<f32>(span.end)[span.clone()];
         let p = &mut host_mut(k, bufs.params)?.view_mut::<f32>(span.end)[span.clone()];
         let m = &mut host_mut(k, bufs.m)?.view_mut::<f32>(span.end)[span.clone()];
@@ -412,8 +423,7 @@ pub fn adamw_update(
         });
         return Ok(());
     }
-    let (c, t) = (s.config, s.step as i32);
-    let f = |x: f64| A::F32(x as f32);
+    let [b1, b2, one_b1, one_b2, inv_bc1, inv_bc2, lr, eps, grad_scale] = coef.in_kernel_order().map(A::F32);
     let off = f32s(span.start);
     let n = span.len();
     let args = [
@@ -422,18 +432,30 @@ pub fn adamw_update(
         A::BufAt(bufs.m, off),
         A::BufAt(bufs.v, off),
         A::U64(n as u64),
-        f(c.beta1),
-        f(c.beta2),
-        f(1.0 - c.beta1),
-        f(1.0 - c.beta2),
-        f(1.0 / (1.0 - c.beta1.powi(t))),
-        f(1.0 / (1.0 - c.beta2.powi(t))),
-        f(s.lr),
-        f(c.eps),
-        f(wd),
-        f(s.grad_scale),
+        b1,
+        b2,
+        one_b1,
+        one_b2,
+        inv_bc1,
+        inv_bc2,
+        lr,
+        eps,
+        A::F32(wd as f32),
+        grad_scale,
     ];
     dev.launch(k, stride_grid(n), &args)
+}
+
+/// Errors unless `s` is a step from 1 and each of params, grads, m, v holds the elements of `span`.
+fn check_adamw(s: &AdamWStep, span: &Range<usize>, bufs: [&DeviceBuffer; 4]) -> Result<()> {
+    let k = "adamw_f32";
+    if s.step == 0 {
+        return Err(Error::InvalidArgument(format!("{k}: steps count from 1")));
+    }
+    for (what, buf) in ["params", "grads", "m", "v"].into_iter().zip(bufs) {
+        need(k, what, buf, f32s(span.end))?;
+    }
+    Ok(())
 }
 
 /// The buffers of [`adamw_update_clearing`]: [`AdamWBuffers`] with the gradients writable.
@@ -459,13 +481,7 @@ pub fn adamw_update_clearing(dev: &Device, bufs: AdamWClearing, span: Range<usiz
         return Ok(false);
     }
     let k = "adamw_f32";
-    if s.step == 0 {
-        return Err(Error::InvalidArgument(format!("{k}: steps count from 1")));
-    }
-    let end = f32s(span.end);
-    for (name, b) in [("params", &*params), ("grads", &*grads), ("m", &*m), ("v", &*v)] {
-        need(k, name, b, end)?;
-    }
+    check_adamw(s, &span, [&*params, &*grads, &*m, &*v])?;
     let wd = if decay { s.config.weight_decay as f32 } else { 0.0 };
     let coef = adamw::Coefficients::new(s);
     let g = &mut host_mut(k, grads)?.view_mut::<f32>(span.end)[span.clone()];
@@ -479,57 +495,34 @@ pub fn adamw_update_clearing(dev: &Device, bufs: AdamWClearing, span: Range<usiz
     Ok(true)
 }
 
+/// The element-wise cast kernel `k`: out (N) of `O` = inp (N) of `I`, `f` on the CPU arm.
+fn cast<I: bytemuck::Pod, O: bytemuck::Pod>(dev: &Device, k: &str, out: &mut DeviceBuffer, inp: &DeviceBuffer, n: usize, f: impl Fn(I) -> O) -> Result<()> {
+    let bufs = ([("out", out, n * std::mem::size_of::<O>())], [("inp", inp, n * std::mem::size_of::<I>())]);
+    let cpu = |[out]: [&mut HostBytes; 1], [inp]: [&HostBytes; 1]| {
+        out.view_mut::<O>(n).iter_mut().zip(inp.view::<I>(n)).for_each(|(o, &x)| *o = f(x));
+    };
+    launch_op(dev, k, bufs, cpu, |[out], [inp]| dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)]))
+}
+
 /// out (N) bf16 = inp (N) f32, rounding to nearest even.
 pub fn cast_f32_to_bf16(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer, n: usize) -> Result<()> {
-    let k = "cast_f32_to_bf16";
-    need(k, "out", out, 2 * n)?;
-    need(k, "inp", inp, f32s(n))?;
-    if let Device::Cpu = dev {
-        let (out, inp) = (host_mut(k, out)?.view_mut::<half::bf16>(n), host(k, inp)?.view::<f32>(n));
-        out.iter_mut().zip(inp).for_each(|(o, &x)| *o = half::bf16::from_f32(x));
-        return Ok(());
-    }
-    dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)])
+    cast::<f32, half::bf16>(dev, "cast_f32_to_bf16", out, inp, n, half::bf16::from_f32)
 }
 
 /// out (N) f32 = inp (N) bf16.
 pub fn cast_bf16_to_f32(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer, n: usize) -> Result<()> {
-    let k = "cast_bf16_to_f32";
-    need(k, "out", out, f32s(n))?;
-    need(k, "inp", inp, 2 * n)?;
-    if let Device::Cpu = dev {
-        let (out, inp) = (host_mut(k, out)?.view_mut::<f32>(n), host(k, inp)?.view::<half::bf16>(n));
-        out.iter_mut().zip(inp).for_each(|(o, &x)| *o = x.to_f32());
-        return Ok(());
-    }
-    dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)])
+    cast::<half::bf16, f32>(dev, "cast_bf16_to_f32", out, inp, n, |x: half::bf16| x.to_f32())
 }
 
 /// out (N) IEEE half = inp (N) f32, rounding to nearest even; beyond fp16's range (65504 and the
 /// half-way point above it) the result is infinity, as the hardware conversions do.
 pub fn cast_f32_to_f16(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer, n: usize) -> Result<()> {
-    let k = "cast_f32_to_f16";
-    need(k, "out", out, 2 * n)?;
-    need(k, "inp", inp, f32s(n))?;
-    if let Device::Cpu = dev {
-        let (out, inp) = (host_mut(k, out)?.view_mut::<half::f16>(n), host(k, inp)?.view::<f32>(n));
-        out.iter_mut().zip(inp).for_each(|(o, &x)| *o = half::f16::from_f32(x));
-        return Ok(());
-    }
-    dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)])
+    cast::<f32, half::f16>(dev, "cast_f32_to_f16", out, inp, n, half::f16::from_f32)
 }
 
 /// out (N) f32 = inp (N) IEEE half (exact).
 pub fn cast_f16_to_f32(dev: &Device, out: &mut DeviceBuffer, inp: &DeviceBuffer, n: usize) -> Result<()> {
-    let k = "cast_f16_to_f32";
-    need(k, "out", out, f32s(n))?;
-    need(k, "inp", inp, 2 * n)?;
-    if let Device::Cpu = dev {
-        let (out, inp) = (host_mut(k, out)?.view_mut::<f32>(n), host(k, inp)?.view::<half::f16>(n));
-        out.iter_mut().zip(inp).for_each(|(o, &x)| *o = x.to_f32());
-        return Ok(());
-    }
-    dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(inp), A::U64(n as u64)])
+    cast::<half::f16, f32>(dev, "cast_f16_to_f32", out, inp, n, |x: half::f16| x.to_f32())
 }
 
 /// out (N) = skip (N) + branch (N). Reference: `cpu::residual::residual_forward`.
@@ -541,34 +534,31 @@ pub fn residual_forward(
     n: usize,
 ) -> Result<()> {
     let k = "residual_forward_f32";
-    for (what, buf) in [("out", &*out), ("skip", skip), ("branch", branch)] {
-        need(k, what, buf, f32s(n))?;
-    }
-    if let Device::Cpu = dev {
-        let (skip, branch) = (host(k, skip)?.view::<f32>(n), host(k, branch)?.view::<f32>(n));
-        residual::residual_forward(host_mut(k, out)?.view_mut::<f32>(n), skip, branch);
-        return Ok(());
-    }
-    dev.launch(
-        k,
-        stride_grid(n),
-        &[A::Buf(out), A::Buf(skip), A::Buf(branch), A::U64(n as u64)],
-    )
+    let bufs = ([("out", out, f32s(n))], [("skip", skip, f32s(n)), ("branch", branch, f32s(n))]);
+    let cpu = |[out]: [&mut HostBytes; 1], [skip, branch]: [&HostBytes; 2]| {
+        residual::residual_forward(out.view_mut::<f32>(n), skip.view::<f32>(n), branch.view::<f32>(n))
+    };
+    launch_op(dev, k, bufs, cpu, |[out], [skip, branch]| {
+        dev.launch(k, stride_grid(n), &[A::Buf(out), A::Buf(skip), A::Buf(branch), A::U64(n as u64)])
+    })
+}
+
+/// The buffers of [`encoder_forward`].
+pub struct EncoderForward<'a> {
+    /// Output (B*T, C).
+    pub out: &'a mut DeviceBuffer,
+    /// Token ids (B*T, u32).
+    pub tokens: &'a DeviceBuffer,
+    /// Token embeddings (Vp, C).
+    pub wte: &'a DeviceBuffer,
+    /// Position embeddings (>= T, C).
+    pub wpe: &'a DeviceBuffer,
 }
 
 /// out (B*T, C) = wte (Vp, C) rows of `tokens` (B*T, u32, each < Vp) + wpe (>= T, C) rows
 /// `i % t`. Reference: `cpu::encoder::encoder_forward`.
-#[allow(clippy::too_many_arguments)]
-pub fn encoder_forward(
-    dev: &Device,
-    out: &mut DeviceBuffer,
-    tokens: &DeviceBuffer,
-    wte: &DeviceBuffer,
-    wpe: &DeviceBuffer,
-    bt: usize,
-    t: usize,
-    c: usize,
-) -> Result<()> {
+pub fn encoder_forward(dev: &Device, bufs: EncoderForward, bt: usize, t: usize, c: usize) -> Result<()> {
+    let EncoderForward { out, tokens, wte, wpe } = bufs;
     let k = "encoder_forward_f32";
     need(k, "out", out, f32s(bt * c))?;
     need(k, "tokens", tokens, 4 * bt)?;
@@ -597,19 +587,22 @@ pub fn encoder_forward(
     dev.launch(k, stride_grid(bt * c), &args)
 }
 
+/// The buffers of [`encoder_backward`].
+pub struct EncoderBackward<'a> {
+    /// Token embedding gradient (Vp, C), accumulated.
+    pub dwte: &'a mut DeviceBuffer,
+    /// Position embedding gradient (>= T, C), accumulated.
+    pub dwpe: &'a mut DeviceBuffer,
+    /// Output gradient (B*T, C).
+    pub dout: &'a DeviceBuffer,
+    /// Token ids (B*T, u32).
+    pub tokens: &'a DeviceBuffer,
+}
+
 /// dwte (Vp, C) += dout (B*T, C) scattered to the rows of `tokens`; dwpe (>= T, C) += the sum
 /// over the batch. Reference: `cpu::encoder::encoder_backward`.
-#[allow(clippy::too_many_arguments)]
-pub fn encoder_backward(
-    dev: &Device,
-    dwte: &mut DeviceBuffer,
-    dwpe: &mut DeviceBuffer,
-    dout: &DeviceBuffer,
-    tokens: &DeviceBuffer,
-    b: usize,
-    t: usize,
-    c: usize,
-) -> Result<()> {
+pub fn encoder_backward(dev: &Device, bufs: EncoderBackward, b: usize, t: usize, c: usize) -> Result<()> {
+    let EncoderBackward { dwte, dwpe, dout, tokens } = bufs;
     let k = "encoder_backward_wte_f32";
     let bt = b * t;
     need(k, "dout", dout, f32s(bt * c))?;
@@ -643,20 +636,19 @@ pub fn bias_add(
     oc: usize,
 ) -> Result<()> {
     let k = "bias_add_f32";
-    need(k, "out", out, f32s(n * oc))?;
-    need(k, "bias", bias, f32s(oc))?;
-    if let Device::Cpu = dev {
-        let bias = host(k, bias)?.view::<f32>(oc);
-        let rows = host_mut(k, out)?.view_mut::<f32>(n * oc).chunks_mut(chunk_items(n, oc) * oc.max(1));
+    let cpu = |[out]: [&mut HostBytes; 1], [bias]: [&HostBytes; 1]| {
+        let bias = bias.view::<f32>(oc);
+        let rows = out.view_mut::<f32>(n * oc).chunks_mut(chunk_items(n, oc) * oc.max(1));
         run_parts(rows, |part| {
             for row in part.chunks_exact_mut(oc.max(1)) {
                 row.iter_mut().zip(bias).for_each(|(o, &b)| *o += b);
             }
         });
-        return Ok(());
-    }
-    let args = [A::Buf(out), A::Buf(bias), A::U64((n * oc) as u64), A::I32(as_i32(k, "oc", oc)?)];
-    dev.launch(k, stride_grid(n * oc), &args)
+    };
+    launch_op(dev, k, ([("out", out, f32s(n * oc))], [("bias", bias, f32s(oc))]), cpu, |[out], [bias]| {
+        let args = [A::Buf(out), A::Buf(bias), A::U64((n * oc) as u64), A::I32(as_i32(k, "oc", oc)?)];
+        dev.launch(k, stride_grid(n * oc), &args)
+    })
 }
 
 /// dbias (OC) += column sums of dout (N, OC). Reference: `cpu::linear::linear_backward`'s bias.
@@ -668,34 +660,32 @@ pub fn bias_backward(
     oc: usize,
 ) -> Result<()> {
     let k = "bias_backward_f32";
-    need(k, "dbias", dbias, f32s(oc))?;
-    need(k, "dout", dout, f32s(n * oc))?;
-    if let Device::Cpu = dev {
+    let cpu = |[dbias]: [&mut HostBytes; 1], [dout]: [&HostBytes; 1]| {
         // Columns split across the cores; each column adds its rows in order.
-        let dout = host(k, dout)?.view::<f32>(n * oc);
+        let dout = dout.view::<f32>(n * oc);
         let per = chunk_items(oc, n);
-        run_parts(host_mut(k, dbias)?.view_mut::<f32>(oc).chunks_mut(per).enumerate(), |(i, part)| {
+        run_parts(dbias.view_mut::<f32>(oc).chunks_mut(per).enumerate(), |(i, part)| {
             for row in dout.chunks_exact(oc) {
                 part.iter_mut().zip(&row[i * per..]).for_each(|(g, &d)| *g += d);
             }
         });
-        return Ok(());
-    }
-    let dims = column_tiles(k, oc)?;
-    let args = [A::Buf(dbias), A::Buf(dout), A::I32(as_i32(k, "n", n)?), A::I32(as_i32(k, "oc", oc)?)];
-    dev.launch(k, dims, &args)
+    };
+    launch_op(dev, k, ([("dbias", dbias, f32s(oc))], [("dout", dout, f32s(n * oc))]), cpu, |[dbias], [dout]| {
+        let args = [A::Buf(dbias), A::Buf(dout), A::I32(as_i32(k, "n", n)?), A::I32(as_i32(k, "oc", oc)?)];
+        dev.launch(k, column_tiles(k, oc)?, &args)
+    })
 }
 
 /// buf (N) f32 = 0.
 pub fn fill_zero(dev: &Device, buf: &mut DeviceBuffer, n: usize) -> Result<()> {
     let k = "fill_zero_f32";
-    need(k, "buf", buf, f32s(n))?;
-    if let Device::Cpu = dev {
-        let buf = host_mut(k, buf)?.view_mut::<f32>(n);
+    let cpu = |[buf]: [&mut HostBytes; 1], []: [&HostBytes; 0]| {
+        let buf = buf.view_mut::<f32>(n);
         run_parts(buf.chunks_mut(chunk_items(n, 1)), |part| part.fill(0.0));
-        return Ok(());
-    }
-    dev.launch(k, stride_grid(n), &[A::Buf(buf), A::U64(n as u64)])
+    };
+    launch_op(dev, k, ([("buf", buf, f32s(n))], []), cpu, |[buf], []| {
+        dev.launch(k, stride_grid(n), &[A::Buf(buf), A::U64(n as u64)])
+    })
 }
 
 /// Blocks of [`sum_squares`] (and the length of its partials buffer).

@@ -242,20 +242,24 @@ pub fn attention_forward(
     merge_heads(dev, out, &w.head_out, s, 1, false)
 }
 
+/// The buffers of [`attention_backward`].
+pub struct AttentionBackward<'a> {
+    /// Gradient of the qkv rows (B, T, (NH + 2 NKV) hs), accumulated.
+    pub dqkv: &'a mut DeviceBuffer,
+    /// Scratch (B, NH, T, T), overwritten.
+    pub dpre: &'a mut DeviceBuffer,
+    /// Output gradient (B, T, C).
+    pub dout: &'a DeviceBuffer,
+    /// The forward's qkv rows and attention weights.
+    pub qkv: &'a DeviceBuffer,
+    pub att: &'a DeviceBuffer,
+}
+
 /// dqkv (B, T, (NH + 2 NKV) hs) += the attention gradient from dout (B, T, C) and the forward's qkv and
 /// att; `dpre` is (B, NH, T, T) scratch, fully overwritten. Reference:
 /// `cpu::attention::attention_backward` (run as is on the CPU device).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_backward(
-    dev: &Device,
-    dqkv: &mut DeviceBuffer,
-    dpre: &mut DeviceBuffer,
-    dout: &DeviceBuffer,
-    qkv: &DeviceBuffer,
-    att: &DeviceBuffer,
-    w: &mut AttnWork,
-    s: AttnShape,
-) -> Result<()> {
+pub fn attention_backward(dev: &Device, bufs: AttentionBackward, w: &mut AttnWork, s: AttnShape) -> Result<()> {
+    let AttentionBackward { dqkv, dpre, dout, qkv, att } = bufs;
     let k = "attention_backward";
     s.check()?;
     let (btc, tt, nk) = (q_elems(s), s.b * s.nh * s.t * s.t, kv_elems(s));

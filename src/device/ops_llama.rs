@@ -9,126 +9,75 @@
 
 use super::cpu::rope as cpu_rope;
 use super::cpu::{rmsnorm, swiglu};
-use super::ops::{as_i32, as_u32, f32s, host, host_mut, need, stride_grid, THREADS};
-use super::{Device, DeviceBuffer, KernelArg as A, LaunchDims};
+use super::ops::{as_i32, f32s, launch_op, launch_rows, norm_dparams, stride_grid, NormParamGrads};
+use super::{Device, DeviceBuffer, HostBytes, KernelArg as A};
 use crate::error::{Error, Result};
 
 pub use super::cpu::rope::{rope_table, Llama3Scaling, RopeShape};
 
-/// Columns per block and row lanes of the weight-gradient kernel (`MT_COL_TILE`,
-/// `MT_ROW_LANES` in kernels/compat.h).
-const COL_TILE: u32 = 64;
-const ROW_LANES: u32 = 16;
+/// The buffers of [`rmsnorm_forward`].
+pub struct RmsNormForward<'a> {
+    /// Output (N, C).
+    pub out: &'a mut DeviceBuffer,
+    /// Per-row reciprocal RMS (N).
+    pub rstd: &'a mut DeviceBuffer,
+    /// Input (N, C).
+    pub inp: &'a DeviceBuffer,
+    /// Weight (C).
+    pub weight: &'a DeviceBuffer,
+}
 
 /// RMSNorm forward over `n` rows of `c`: out (N, C) = inp * rstd * weight, rstd (N) =
 /// 1/sqrt(mean(inp²) + eps). Reference: `cpu::rmsnorm::rmsnorm_forward`.
-#[allow(clippy::too_many_arguments)]
-pub fn rmsnorm_forward(
-    dev: &Device,
-    out: &mut DeviceBuffer,
-    rstd: &mut DeviceBuffer,
-    inp: &DeviceBuffer,
-    weight: &DeviceBuffer,
-    n: usize,
-    c: usize,
-    eps: f32,
-) -> Result<()> {
+pub fn rmsnorm_forward(dev: &Device, bufs: RmsNormForward, n: usize, c: usize, eps: f32) -> Result<()> {
+    let RmsNormForward { out, rstd, inp, weight } = bufs;
     let k = "rmsnorm_forward_f32";
     check_rows(k, n, c)?;
-    need(k, "out", out, f32s(n * c))?;
-    need(k, "inp", inp, f32s(n * c))?;
-    need(k, "rstd", rstd, f32s(n))?;
-    need(k, "weight", weight, f32s(c))?;
-    if let Device::Cpu = dev {
-        rmsnorm::rmsnorm_forward(
-            host_mut(k, out)?.view_mut::<f32>(n * c),
-            host_mut(k, rstd)?.view_mut::<f32>(n),
-            host(k, inp)?.view::<f32>(n * c),
-            host(k, weight)?.view::<f32>(c),
-            c,
-            eps,
-        );
-        return Ok(());
-    }
-    if n == 0 {
-        return Ok(());
-    }
-    let dims = LaunchDims::linear(as_u32(k, "rows", n)?, THREADS);
-    let args = [
-        A::Buf(out),
-        A::Buf(rstd),
-        A::Buf(inp),
-        A::Buf(weight),
-        A::I32(as_i32(k, "c", c)?),
-        A::F32(eps),
-    ];
-    dev.launch(k, dims, &args)
+    let outs = [("out", out, f32s(n * c)), ("rstd", rstd, f32s(n))];
+    let ins = [("inp", inp, f32s(n * c)), ("weight", weight, f32s(c))];
+    let cpu = |[out, rstd]: [&mut HostBytes; 2], [inp, w]: [&HostBytes; 2]| {
+        rmsnorm::rmsnorm_forward(out.view_mut::<f32>(n * c), rstd.view_mut::<f32>(n), inp.view::<f32>(n * c), w.view::<f32>(c), c, eps)
+    };
+    launch_op(dev, k, (outs, ins), cpu, |[out, rstd], [inp, weight]| {
+        let args = [A::Buf(out), A::Buf(rstd), A::Buf(inp), A::Buf(weight), A::I32(as_i32(k, "c", c)?), A::F32(eps)];
+        launch_rows(dev, k, n, &args)
+    })
+}
+
+/// The buffers of [`rmsnorm_backward`].
+pub struct RmsNormBackward<'a> {
+    /// Input gradient (N, C), accumulated.
+    pub dinp: &'a mut DeviceBuffer,
+    /// Weight gradient (C), accumulated.
+    pub dweight: &'a mut DeviceBuffer,
+    /// Output gradient (N, C).
+    pub dout: &'a DeviceBuffer,
+    /// The forward's input (N, C).
+    pub inp: &'a DeviceBuffer,
+    /// Weight (C).
+    pub weight: &'a DeviceBuffer,
+    /// The forward's per-row reciprocal RMS (N).
+    pub rstd: &'a DeviceBuffer,
 }
 
 /// RMSNorm backward, accumulating: dinp (N, C) +=, dweight (C) +=, from dout (N, C) and the
 /// forward's inp, weight and rstd. Reference: `cpu::rmsnorm::rmsnorm_backward`.
-#[allow(clippy::too_many_arguments)]
-pub fn rmsnorm_backward(
-    dev: &Device,
-    dinp: &mut DeviceBuffer,
-    dweight: &mut DeviceBuffer,
-    dout: &DeviceBuffer,
-    inp: &DeviceBuffer,
-    weight: &DeviceBuffer,
-    rstd: &DeviceBuffer,
-    n: usize,
-    c: usize,
-) -> Result<()> {
+pub fn rmsnorm_backward(dev: &Device, bufs: RmsNormBackward, n: usize, c: usize) -> Result<()> {
+    let RmsNormBackward { dinp, dweight, dout, inp, weight, rstd } = bufs;
     let k = "rmsnorm_backward_dinp_f32";
     check_rows(k, n, c)?;
-    for (what, buf) in [("dinp", &*dinp), ("dout", dout), ("inp", inp)] {
-        need(k, what, buf, f32s(n * c))?;
-    }
-    need(k, "dweight", dweight, f32s(c))?;
-    need(k, "weight", weight, f32s(c))?;
-    need(k, "rstd", rstd, f32s(n))?;
-    if let Device::Cpu = dev {
-        rmsnorm::rmsnorm_backward(
-            host_mut(k, dinp)?.view_mut::<f32>(n * c),
-            host_mut(k, dweight)?.view_mut::<f32>(c),
-            host(k, dout)?.view::<f32>(n * c),
-            host(k, inp)?.view::<f32>(n * c),
-            host(k, weight)?.view::<f32>(c),
-            host(k, rstd)?.view::<f32>(n),
-            c,
-        );
-        return Ok(());
-    }
-    if n == 0 {
-        return Ok(());
-    }
-    let ci = as_i32(k, "c", c)?;
-    let rows = LaunchDims::linear(as_u32(k, "rows", n)?, THREADS);
-    let args = [
-        A::Buf(dinp),
-        A::Buf(dout),
-        A::Buf(inp),
-        A::Buf(weight),
-        A::Buf(rstd),
-        A::I32(ci),
-    ];
-    dev.launch(k, rows, &args)?;
-    let k = "rmsnorm_backward_dweight_f32";
-    let blocks = as_u32(k, "columns", c.div_ceil(COL_TILE as usize))?;
-    let cols = LaunchDims {
-        grid: (blocks, 1, 1),
-        block: (COL_TILE, ROW_LANES, 1),
-        shared_bytes: 0,
+    let outs = [("dinp", dinp, f32s(n * c)), ("dweight", dweight, f32s(c))];
+    let ins = [("dout", dout, f32s(n * c)), ("inp", inp, f32s(n * c)), ("weight", weight, f32s(c)), ("rstd", rstd, f32s(n))];
+    let cpu = |[dinp, dw]: [&mut HostBytes; 2], [dout, inp, w, rstd]: [&HostBytes; 4]| {
+        let (dout, inp) = (dout.view::<f32>(n * c), inp.view::<f32>(n * c));
+        rmsnorm::rmsnorm_backward(dinp.view_mut::<f32>(n * c), dw.view_mut::<f32>(c), dout, inp, w.view::<f32>(c), rstd.view::<f32>(n), c)
     };
-    let args = [
-        A::Buf(dweight),
-        A::Buf(dout),
-        A::Buf(inp),
-        A::Buf(rstd),
-        A::I32(as_i32(k, "n", n)?),
-        A::I32(ci),
-    ];
-    dev.launch(k, cols, &args)
+    launch_op(dev, k, (outs, ins), cpu, |[dinp, dweight], [dout, inp, weight, rstd]| {
+        let ci = as_i32(k, "c", c)?;
+        let args = [A::Buf(dinp), A::Buf(dout), A::Buf(inp), A::Buf(weight), A::Buf(rstd), A::I32(ci)];
+        launch_rows(dev, k, n, &args)?;
+        norm_dparams(dev, NormParamGrads { dweight, dbias: None, dout, inp, mean: None, rstd }, n, c)
+    })
 }
 
 /// A row width of zero has no RMS (the mean of no squares); any row count is fine.
@@ -149,20 +98,14 @@ pub fn swiglu_forward(
     f: usize,
 ) -> Result<()> {
     let k = "swiglu_forward_f32";
-    need(k, "out", out, f32s(n * f))?;
-    need(k, "inp", inp, f32s(2 * n * f))?;
-    if let Device::Cpu = dev {
-        let x = host(k, inp)?.view::<f32>(2 * n * f);
-        swiglu::swiglu_forward(host_mut(k, out)?.view_mut::<f32>(n * f), x, f);
-        return Ok(());
-    }
-    let args = [
-        A::Buf(out),
-        A::Buf(inp),
-        A::U64(f as u64),
-        A::U64((n * f) as u64),
-    ];
-    dev.launch(k, stride_grid(n * f), &args)
+    let bufs = ([("out", out, f32s(n * f))], [("inp", inp, f32s(2 * n * f))]);
+    let cpu = |[out]: [&mut HostBytes; 1], [inp]: [&HostBytes; 1]| {
+        swiglu::swiglu_forward(out.view_mut::<f32>(n * f), inp.view::<f32>(2 * n * f), f)
+    };
+    launch_op(dev, k, bufs, cpu, |[out], [inp]| {
+        let args = [A::Buf(out), A::Buf(inp), A::U64(f as u64), A::U64((n * f) as u64)];
+        dev.launch(k, stride_grid(n * f), &args)
+    })
 }
 
 /// dinp (N, 2F) = [d gate | d up] (OVERWRITTEN) from dout (N, F) and the forward's inp (N, 2F).
@@ -176,25 +119,14 @@ pub fn swiglu_backward(
     f: usize,
 ) -> Result<()> {
     let k = "swiglu_backward_f32";
-    need(k, "dinp", dinp, f32s(2 * n * f))?;
-    need(k, "dout", dout, f32s(n * f))?;
-    need(k, "inp", inp, f32s(2 * n * f))?;
-    if let Device::Cpu = dev {
-        let (dy, x) = (
-            host(k, dout)?.view::<f32>(n * f),
-            host(k, inp)?.view::<f32>(2 * n * f),
-        );
-        swiglu::swiglu_backward(host_mut(k, dinp)?.view_mut::<f32>(2 * n * f), dy, x, f);
-        return Ok(());
-    }
-    let args = [
-        A::Buf(dinp),
-        A::Buf(dout),
-        A::Buf(inp),
-        A::U64(f as u64),
-        A::U64((n * f) as u64),
-    ];
-    dev.launch(k, stride_grid(n * f), &args)
+    let bufs = ([("dinp", dinp, f32s(2 * n * f))], [("dout", dout, f32s(n * f)), ("inp", inp, f32s(2 * n * f))]);
+    let cpu = |[dinp]: [&mut HostBytes; 1], [dout, inp]: [&HostBytes; 2]| {
+        swiglu::swiglu_backward(dinp.view_mut::<f32>(2 * n * f), dout.view::<f32>(n * f), inp.view::<f32>(2 * n * f), f)
+    };
+    launch_op(dev, k, bufs, cpu, |[dinp], [dout, inp]| {
+        let args = [A::Buf(dinp), A::Buf(dout), A::Buf(inp), A::U64(f as u64), A::U64((n * f) as u64)];
+        dev.launch(k, stride_grid(n * f), &args)
+    })
 }
 
 /// Rotates the q and k heads of qkv (B, T, (NH + 2*NKV)*hd) in place by the tables cos, sin
@@ -237,35 +169,30 @@ fn rope(
         )));
     }
     let (n, half) = (s.b * s.t * s.row(), s.t * s.hd / 2);
-    need(k, "qkv", x, f32s(n))?;
-    need(k, "cos", cos, f32s(half))?;
-    need(k, "sin", sin, f32s(half))?;
-    if let Device::Cpu = dev {
-        let (c, sn) = (
-            host(k, cos)?.view::<f32>(half),
-            host(k, sin)?.view::<f32>(half),
-        );
-        let x = host_mut(k, x)?.view_mut::<f32>(n);
+    let bufs = ([("qkv", x, f32s(n))], [("cos", cos, f32s(half)), ("sin", sin, f32s(half))]);
+    let cpu = |[x]: [&mut HostBytes; 1], [cos, sin]: [&HostBytes; 2]| {
+        let (x, c, sn) = (x.view_mut::<f32>(n), cos.view::<f32>(half), sin.view::<f32>(half));
         if inverse {
             cpu_rope::rope_backward(x, c, sn, s)
         } else {
             cpu_rope::rope_forward(x, c, sn, s)
         }
-        return Ok(());
-    }
-    let pairs = s.b * s.t * (s.nh + s.nkv) * (s.hd / 2);
-    let args = [
-        A::Buf(x),
-        A::Buf(cos),
-        A::Buf(sin),
-        A::I32(as_i32(k, "t", s.t)?),
-        A::I32(as_i32(k, "nh", s.nh)?),
-        A::I32(as_i32(k, "nkv", s.nkv)?),
-        A::I32(as_i32(k, "hd", s.hd)?),
-        A::I32(inverse as i32),
-        A::U64(pairs as u64),
-    ];
-    dev.launch(k, stride_grid(pairs), &args)
+    };
+    launch_op(dev, k, bufs, cpu, |[x], [cos, sin]| {
+        let pairs = s.b * s.t * (s.nh + s.nkv) * (s.hd / 2);
+        let args = [
+            A::Buf(x),
+            A::Buf(cos),
+            A::Buf(sin),
+            A::I32(as_i32(k, "t", s.t)?),
+            A::I32(as_i32(k, "nh", s.nh)?),
+            A::I32(as_i32(k, "nkv", s.nkv)?),
+            A::I32(as_i32(k, "hd", s.hd)?),
+            A::I32(inverse as i32),
+            A::U64(pairs as u64),
+        ];
+        dev.launch(k, stride_grid(pairs), &args)
+    })
 }
 
 #[cfg(test)]
@@ -279,13 +206,13 @@ mod tests {
         let dev = Device::Cpu;
         let up = |n: usize| dev.upload(&vec![1f32; n]).unwrap();
         let (mut out, mut rstd, inp, w) = (up(12), up(3), up(11), up(4));
-        let err = rmsnorm_forward(&dev, &mut out, &mut rstd, &inp, &w, 3, 4, 1e-5).unwrap_err();
+        let err = rmsnorm_forward(&dev, RmsNormForward { out: &mut out, rstd: &mut rstd, inp: &inp, weight: &w }, 3, 4, 1e-5).unwrap_err();
         assert!(
             err.to_string()
                 .contains("rmsnorm_forward_f32: `inp` holds 44 bytes"),
             "{err}"
         );
-        let err = rmsnorm_forward(&dev, &mut out, &mut rstd, &inp, &w, 3, 0, 1e-5).unwrap_err();
+        let err = rmsnorm_forward(&dev, RmsNormForward { out: &mut out, rstd: &mut rstd, inp: &inp, weight: &w }, 3, 0, 1e-5).unwrap_err();
         assert!(err.to_string().contains("0 channels"), "{err}");
         let err = swiglu_forward(&dev, &mut out, &up(23), 3, 4).unwrap_err();
         assert!(

@@ -7,6 +7,8 @@
 //! As in [`super::ops`], every launcher checks each buffer against the elements the kernel
 //! touches, and on the CPU device runs the reference of `cpu::vocab_parallel` instead.
 
+use std::ops::Range;
+
 use super::ops::{as_i32, as_u32, f32s, host, host_mut, need, stride_grid, THREADS};
 use super::{Device, DeviceBuffer, KernelArg as A, LaunchDims};
 use crate::device::cpu::vocab_parallel;
@@ -105,18 +107,11 @@ pub fn embedding_shard_backward(
     dev.launch(k, stride_grid(n * c), &args)
 }
 
-/// out (rows, C) += wpe (>= T, C) row `(row0 + i) % t` of each row `i` (the rows are global rows
-/// `row0..` of the batch). Reference: `vocab_parallel::position_forward`.
-#[allow(clippy::too_many_arguments)]
-pub fn position_forward(
-    dev: &Device,
-    out: &mut DeviceBuffer,
-    wpe: &DeviceBuffer,
-    rows: usize,
-    row0: usize,
-    t: usize,
-    c: usize,
-) -> Result<()> {
+/// out (R, C) += wpe (>= T, C) row `r % t` for each global row `r` of the batch in `global`
+/// (R = its length; out's row `i` is global row `global.start + i`). Reference:
+/// `vocab_parallel::position_forward`.
+pub fn position_forward(dev: &Device, out: &mut DeviceBuffer, wpe: &DeviceBuffer, global: Range<usize>, (t, c): (usize, usize)) -> Result<()> {
+    let (rows, row0) = (global.len(), global.start);
     let k = "position_forward_f32";
     need(k, "out", out, f32s(rows * c))?;
     need(k, "wpe", wpe, f32s(t * c))?;
@@ -130,18 +125,11 @@ pub fn position_forward(
     dev.launch(k, stride_grid(rows * c), &args)
 }
 
-/// dwpe (>= T, C) += dout (rows, C) summed at each position (the rows are global rows `row0..` of
-/// the batch; the wpe half of `encoder_backward`). Reference: `vocab_parallel::position_backward`.
-#[allow(clippy::too_many_arguments)]
-pub fn position_backward(
-    dev: &Device,
-    dwpe: &mut DeviceBuffer,
-    dout: &DeviceBuffer,
-    rows: usize,
-    row0: usize,
-    t: usize,
-    c: usize,
-) -> Result<()> {
+/// dwpe (>= T, C) += dout (R, C) summed at each position, dout's rows being the global rows
+/// `global` of the batch (the wpe half of `encoder_backward`). Reference:
+/// `vocab_parallel::position_backward`.
+pub fn position_backward(dev: &Device, dwpe: &mut DeviceBuffer, dout: &DeviceBuffer, global: Range<usize>, (t, c): (usize, usize)) -> Result<()> {
+    let (rows, row0) = (global.len(), global.start);
     let k = "encoder_backward_wpe_f32";
     need(k, "dwpe", dwpe, f32s(t * c))?;
     need(k, "dout", dout, f32s(rows * c))?;
@@ -241,22 +229,25 @@ pub fn cross_entropy_combine(
     dev.launch(k, stride_grid(n), &args)
 }
 
+/// The buffers of [`cross_entropy_backward`].
+pub struct CrossEntropyBackward<'a> {
+    /// Logit gradient (N, vl), accumulated.
+    pub dlogits: &'a mut DeviceBuffer,
+    /// Logits (N, vl).
+    pub logits: &'a DeviceBuffer,
+    /// Global log-sum-exp per row (N).
+    pub lse: &'a DeviceBuffer,
+    /// Target token ids (N, u32).
+    pub targets: &'a DeviceBuffer,
+}
+
 /// dlogits (N, vl) += (softmax - onehot(targets)) * dloss over the real columns, padding
 /// untouched, with the global log-sum-exp `lse` (N); the whole vocabulary is the shard
 /// `{ start: 0, vl: Vp, real: V }`. Targets must be < V (the kernel trusts them, as the CPU
 /// reference does). Reference: `vocab_parallel::cross_entropy_shard_backward` (with one shard,
 /// the arithmetic of `cpu::cross_entropy::cross_entropy_backward`).
-#[allow(clippy::too_many_arguments)]
-pub fn cross_entropy_backward(
-    dev: &Device,
-    dlogits: &mut DeviceBuffer,
-    logits: &DeviceBuffer,
-    lse: &DeviceBuffer,
-    targets: &DeviceBuffer,
-    dloss: f32,
-    n: usize,
-    v: VocabShard,
-) -> Result<()> {
+pub fn cross_entropy_backward(dev: &Device, bufs: CrossEntropyBackward, dloss: f32, n: usize, v: VocabShard) -> Result<()> {
+    let CrossEntropyBackward { dlogits, logits, lse, targets } = bufs;
     let k = "cross_entropy_backward_f32";
     v.check(k)?;
     need(k, "dlogits", dlogits, f32s(n * v.vl))?;

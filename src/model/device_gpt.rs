@@ -682,15 +682,10 @@ impl DeviceGpt {
     }
 
     /// Entry indices of block `l`'s tensors: ln1 w, b; qkv w, b; attn.proj w, b; ln2 w, b;
-    /// fc w, b; mlp.proj w, b. Llama: the first eight are its block's tensors in layout order
-    /// (attn_norm, q, k, v, o, mlp_norm, gate_up, down), the rest unused.
+    /// fc w, b; mlp.proj w, b (Llama: [`DeviceGpt::llama_block_entries`]).
     fn block_entries(&self, l: usize) -> [usize; 12] {
         if self.llama.is_some() {
-            let mut e = [usize::MAX; 12];
-            for (i, r) in self.layout.block_ranges(l).iter().enumerate() {
-                e[i] = self.entry(r);
-            }
-            return e;
+            return self.llama_block_entries(l);
         }
         let r = self.layout.block(l);
         [
@@ -791,13 +786,6 @@ fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
         return Err(Error::InvalidArgument(format!("{what} has {got} elements, expected {want}")));
     }
     Ok(())
-}
-
-/// Two distinct entries of `bufs`, both mutable (`i < j`, as layout order always gives here).
-fn pair(bufs: &mut [DeviceBuffer], i: usize, j: usize) -> (&mut DeviceBuffer, &mut DeviceBuffer) {
-    assert!(i < j, "pair: entry {i} must precede entry {j}");
-    let (lo, hi) = bufs.split_at_mut(j);
-    (&mut lo[i], &mut hi[0])
 }
 
 /// The 16-bit copy `p16` of `n` f32 parameters in the type `linear` reads (bf16 or fp16).

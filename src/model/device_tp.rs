@@ -103,7 +103,7 @@ pub(super) fn embed_forward(
     let bt = b * t;
     ops_vocab::embedding_shard_forward(dev, out, e.tokens, e.wte, (bt, c), shard)?;
     tp.sum(dev, out, bt * c)?;
-    ops_vocab::position_forward(dev, out, e.wpe, bt, 0, t, c)
+    ops_vocab::position_forward(dev, out, e.wpe, 0..bt, (t, c))
 }
 
 /// dwte_shard += the rows of dout (B*T, C, identical on every rank) of in-shard tokens;
@@ -118,7 +118,7 @@ pub(super) fn embed_backward(
     (b, t, c): (usize, usize, usize),
     shard: VocabShard,
 ) -> Result<()> {
-    ops_vocab::position_backward(dev, dwpe, dout, b * t, 0, t, c)?;
+    ops_vocab::position_backward(dev, dwpe, dout, 0..b * t, (t, c))?;
     ops_vocab::embedding_shard_backward(dev, dwte, dout, tokens, (b * t, c), shard)
 }
 

@@ -80,14 +80,19 @@ fn summary_leaves_out_warmup_and_uses_the_median_step() {
 
 #[test]
 fn summary_rejects_short_or_malformed_metrics_naming_file_and_line() {
-    let short = summarize(meta(Mode::Weak, 1, 64), &lines(&[1.0, 1.0], 0.0, 0.0, None), Path::new("a.jsonl"), 2);
-    let msg = short.unwrap_err().to_string();
-    assert!(msg.contains("a.jsonl") && msg.contains("2 steps"), "{msg}");
-    let text = "{\"step\":1,\"step_s\":1.0,\"compute_s\":1.0}\n{\"step\":2,\"compute_s\":1.0}\n";
-    let msg = summarize(meta(Mode::Weak, 1, 64), text, Path::new("b.jsonl"), 0).unwrap_err().to_string();
-    assert!(msg.contains("b.jsonl") && msg.contains("line 2") && msg.contains("step_s"), "{msg}");
-    let msg = summarize(meta(Mode::Weak, 1, 64), "{oops\n", Path::new("c.jsonl"), 0).unwrap_err().to_string();
-    assert!(msg.contains("c.jsonl") && msg.contains("line 1"), "{msg}");
+    // (file, metrics text, warm-up steps, fragments the error must name).
+    let short = lines(&[1.0, 1.0], 0.0, 0.0, None);
+    let cases: [(&str, &str, usize, &[&str]); 3] = [
+        ("a.jsonl", &short, 2, &["2 steps"]),
+        ("b.jsonl", "{\"step\":1,\"step_s\":1.0,\"compute_s\":1.0}\n{\"step\":2,\"compute_s\":1.0}\n", 0, &["line 2", "step_s"]),
+        ("c.jsonl", "{oops\n", 0, &["line 1"]),
+    ];
+    for (file, text, warmup, fragments) in cases {
+        let msg = summarize(meta(Mode::Weak, 1, 64), text, Path::new(file), warmup).unwrap_err().to_string();
+        for want in [file].iter().chain(fragments) {
+            assert!(msg.contains(want), "{file}: `{want}` not in: {msg}");
+        }
+    }
 }
 
 #[test]

@@ -1,7 +1,8 @@
 //! The AdamW element update on the CPU: the hyper-parameters and the per-element expression that
 //! the host optimizer ([`crate::optim::AdamW`]) and the device arms' CPU path both run. The GPU
 //! kernel `adamw_f32` computes the same expression in the same order, so the CPU arm is its
-//! reference.
+//! reference. Invariant: the expression ([`update_one`]) and the per-step constants
+//! ([`Coefficients`], which the GPU launch passes too) exist only here.
 
 use super::float::Float;
 
@@ -120,5 +121,12 @@ impl<F: Float> Coefficients<F> {
             eps: F::from_f64(c.eps),
             grad_scale: F::from_f64(s.grad_scale),
         }
+    }
+
+    /// The constants in the order the GPU kernel `adamw_f32` takes them: beta1, beta2,
+    /// 1 - beta1, 1 - beta2, 1 / (1 - beta1^t), 1 / (1 - beta2^t), lr, eps, grad_scale (the
+    /// weight decay, which depends on the element, goes between eps and grad_scale).
+    pub fn in_kernel_order(&self) -> [F; 9] {
+        [self.b1, self.b2, self.one_b1, self.one_b2, self.inv_bc1, self.inv_bc2, self.lr, self.eps, self.grad_scale]
     }
 }

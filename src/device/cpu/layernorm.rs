@@ -3,10 +3,12 @@
 //! The forward saves the per-row mean and reciprocal standard deviation; the backward uses them
 //! instead of recomputing. Rows are independent, so the forward and the backward's input
 //! gradient split rows across the cores; the weight and bias gradients are sums over rows, so
-//! they split columns instead, each column still summing its rows in order. Either way every
-//! element is computed exactly as on one thread (bitwise independent of the thread count).
+//! they split columns instead, each column still summing its rows in order (`norm_params`, shared
+//! with RMSNorm). Either way every element is computed exactly as on one thread (bitwise
+//! independent of the thread count).
 
 use super::float::Float;
+use super::norm_params::{norm_dparams, NormRows};
 use super::parallel::{chunk_items, run_parts};
 
 /// GPT-2's LayerNorm epsilon.
@@ -88,14 +90,8 @@ pub fn layernorm_backward<F: Float>(
             &saved.rows(i * per..i * per + di.len() / c.max(1)),
         )
     });
-    let per_col = chunk_items(c, mean.len()).max(1);
-    let cols = dweight
-        .chunks_mut(per_col)
-        .zip(dbias.chunks_mut(per_col))
-        .enumerate();
-    run_parts(cols, |(i, (dw, db))| {
-        dparams_columns(dw, db, i * per_col, &saved)
-    });
+    let rows = NormRows { dout, inp, mean: Some(mean), rstd, c };
+    norm_dparams(dweight, Some(dbias), &rows);
 }
 
 /// What the backward reads besides the weight: dout, inp (rows of C) and the forward's mean and
@@ -143,21 +139,6 @@ fn dinp_rows<F: Float>(dinp: &mut [F], weight: &[F], saved: &Saved<F>) {
         for (((dxi, &dyi), &xi), &w) in di.iter_mut().zip(dy).zip(x).zip(weight) {
             let xhat = (xi - mu) * s;
             *dxi += s * (dyi * w - dnorm_mean - xhat * dnorm_xhat_mean);
-        }
-    }
-}
-
-/// dweight, dbias += the sums over all rows of `saved`, for the columns `first..` that `dweight`
-/// and `dbias` hold; each column adds its rows in order.
-fn dparams_columns<F: Float>(dweight: &mut [F], dbias: &mut [F], first: usize, saved: &Saved<F>) {
-    let c = saved.c;
-    let rows = saved.dout.chunks_exact(c).zip(saved.inp.chunks_exact(c));
-    for ((dy, x), (&mu, &s)) in rows.zip(saved.mean.iter().zip(saved.rstd)) {
-        let cols = dy[first..].iter().zip(&x[first..]);
-        for ((dw, db), (&dyi, &xi)) in dweight.iter_mut().zip(dbias.iter_mut()).zip(cols) {
-            let xhat = (xi - mu) * s;
-            *db += dyi;
-            *dw += xhat * dyi;
         }
     }
 }

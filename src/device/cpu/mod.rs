@@ -20,6 +20,7 @@ pub mod gelu;
 pub mod layernorm;
 pub mod linear;
 pub mod matmul;
+pub mod norm_params;
 pub mod parallel;
 pub mod residual;
 pub mod rmsnorm;

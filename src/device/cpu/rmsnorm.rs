@@ -4,10 +4,12 @@
 //! Face's `LlamaRMSNorm` normalises first and multiplies by the weight last, so the f32 results
 //! round the same way. The forward saves `rstd` per row for the backward. Rows are independent,
 //! so the forward and the input gradient split rows across the cores; the weight gradient is a
-//! sum over rows, so it splits columns, each column still adding its rows in order. Either way
-//! every element is computed exactly as on one thread (bitwise independent of the thread count).
+//! sum over rows, so it splits columns, each column still adding its rows in order (`norm_params`,
+//! shared with LayerNorm). Either way every element is computed exactly as on one thread (bitwise
+//! independent of the thread count).
 
 use super::float::Float;
+use super::norm_params::{norm_dparams, NormRows};
 use super::parallel::{chunk_items, run_parts};
 
 /// out (N, C) = inp * rstd * weight; rstd (N) = 1/sqrt(mean(inp²) + eps); inp (N, C); weight (C).
@@ -69,10 +71,7 @@ pub fn rmsnorm_backward<F: Float>(
             c,
         )
     });
-    let per_col = chunk_items(c, n).max(1);
-    run_parts(dweight.chunks_mut(per_col).enumerate(), |(i, dw)| {
-        dweight_columns(dw, i * per_col, dout, inp, rstd, c)
-    });
+    norm_dparams(dweight, None, &NormRows { dout, inp, mean: None, rstd, c });
 }
 
 /// dinp += s * (dnorm - xhat * mean(dnorm * xhat)) with dnorm = dout * weight, xhat = x * s, for
@@ -91,24 +90,6 @@ fn dinp_rows<F: Float>(dinp: &mut [F], weight: &[F], dout: &[F], inp: &[F], rstd
         m *= inv_c;
         for (((dxi, &dyi), &xi), &w) in di.iter_mut().zip(dy).zip(x).zip(weight) {
             *dxi += s * (dyi * w - xi * s * m);
-        }
-    }
-}
-
-/// dweight += Σ_rows dout * inp * rstd for the columns `first..` that `dweight` holds; each
-/// column adds its rows in order.
-fn dweight_columns<F: Float>(
-    dweight: &mut [F],
-    first: usize,
-    dout: &[F],
-    inp: &[F],
-    rstd: &[F],
-    c: usize,
-) {
-    let rows = dout.chunks_exact(c).zip(inp.chunks_exact(c)).zip(rstd);
-    for ((dy, x), &s) in rows {
-        for (dw, (&dyi, &xi)) in dweight.iter_mut().zip(dy[first..].iter().zip(&x[first..])) {
-            *dw += xi * s * dyi;
         }
     }
 }
@@ -153,26 +134,21 @@ mod tests {
         let (d0, dw0) = (data(n * c, 3, 7, 1.0), data(c, 5, 11, 1.0));
         let (mut dinp, mut dw) = (d0.clone(), dw0.clone());
         rmsnorm_backward(&mut dinp, &mut dw, &g, &inp, &w, &rstd, c);
+        // dinp against d loss / d inp, then dweight against d loss / d weight.
+        check_fd("dinp", &inp, &dinp, &d0, |x: &[f64]| loss(x, &w));
+        check_fd("dweight", &w, &dw, &dw0, |x: &[f64]| loss(&inp, x));
+    }
+
+    /// Asserts that `got - start` (a gradient accumulated onto `start`) matches the central
+    /// difference of `loss` at `at`, element by element.
+    fn check_fd(what: &str, at: &[f64], got: &[f64], start: &[f64], loss: impl Fn(&[f64]) -> f64) {
         let h = 1e-6;
-        for i in 0..n * c {
-            let (mut p, mut m) = (inp.clone(), inp.clone());
+        for i in 0..at.len() {
+            let (mut p, mut m) = (at.to_vec(), at.to_vec());
             (p[i], m[i]) = (p[i] + h, m[i] - h);
-            let fd = (loss(&p, &w) - loss(&m, &w)) / (2.0 * h);
-            assert!(
-                (dinp[i] - d0[i] - fd).abs() < 1e-7,
-                "dinp[{i}]: {} vs {fd}",
-                dinp[i] - d0[i]
-            );
-        }
-        for i in 0..c {
-            let (mut p, mut m) = (w.clone(), w.clone());
-            (p[i], m[i]) = (p[i] + h, m[i] - h);
-            let fd = (loss(&inp, &p) - loss(&inp, &m)) / (2.0 * h);
-            assert!(
-                (dw[i] - dw0[i] - fd).abs() < 1e-7,
-                "dweight[{i}]: {} vs {fd}",
-                dw[i] - dw0[i]
-            );
+            let fd = (loss(&p) - loss(&m)) / (2.0 * h);
+            let d = got[i] - start[i];
+            assert!((d - fd).abs() < 1e-7, "{what}[{i}]: {d} vs {fd}");
         }
     }
 
@@ -193,7 +169,12 @@ mod tests {
         let (mut d2, mut dw2) = (d1.clone(), dw1.clone());
         rmsnorm_backward(&mut d1, &mut dw1, &dout, &inp, &w, &rstd, c);
         dinp_rows(&mut d2, &w, &dout, &inp, &rstd, c);
-        dweight_columns(&mut dw2, 0, &dout, &inp, &rstd, c);
+        // The weight gradient written out directly: Σ_rows inp * rstd * dout, rows in order.
+        for ((dy, x), &s) in dout.chunks_exact(c).zip(inp.chunks_exact(c)).zip(&rstd) {
+            for ((dw, &dyi), &xi) in dw2.iter_mut().zip(dy).zip(x) {
+                *dw += xi * s * dyi;
+            }
+        }
         assert_eq!((d1, dw1), (d2, dw2));
     }
 }

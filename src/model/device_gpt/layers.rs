@@ -12,8 +12,9 @@
 //! summed over TP in one all-reduce and only then added to the accumulated gradients (summing the
 //! accumulated buffer would multiply earlier micro-batches by tp).
 
-use super::{pair, DeviceGpt, Widths};
+use super::{DeviceGpt, Widths};
 use crate::device::{ops_attention, ops_vocab};
+use crate::device::ops::{CrossEntropyForward, EncoderBackward, EncoderForward, LayerNormBackward, LayerNormForward};
 use crate::device::{ops, Device, DeviceBuffer};
 use crate::error::Result;
 use crate::device::cpu::attention::AttnShape;
@@ -56,9 +57,9 @@ fn norm_gathered(
     c: usize,
 ) -> Result<()> {
     if !rows.sp {
-        return ops::layernorm_forward(dev, full, mean, rstd, x, w, b, rows.rows, c);
+        return ops::layernorm_forward(dev, LayerNormForward { out: full, mean, rstd, inp: x, weight: w, bias: b }, rows.rows, c);
     }
-    ops::layernorm_forward(dev, &mut s.ln, mean, rstd, x, w, b, rows.rows, c)?;
+    ops::layernorm_forward(dev, LayerNormForward { out: &mut s.ln, mean, rstd, inp: x, weight: w, bias: b }, rows.rows, c)?;
     group(tp).gather_rows(dev, &s.ln, full, rows.bt * c)
 }
 
@@ -130,12 +131,12 @@ impl DeviceGpt {
         let (wte, wpe) = (self.ends.wte.expect("a first stage"), self.ends.wpe.expect("a first stage"));
         let a = &mut self.chunks[ci].slots[si];
         match &mut self.tp {
-            None => ops::encoder_forward(dev, &mut a.input, &a.tokens, &p[wte], &p[wpe], b * t, t, c),
+            None => ops::encoder_forward(dev, EncoderForward { out: &mut a.input, tokens: &a.tokens, wte: &p[wte], wpe: &p[wpe] }, b * t, t, c),
             Some(g) if rows.sp => {
                 let s = &mut self.s;
                 ops_vocab::embedding_shard_forward(dev, &mut s.partial, &a.tokens, &p[wte], (b * t, c), vocab)?;
                 g.scatter_rows(dev, &s.partial, &mut a.input, b * t * c)?;
-                ops_vocab::position_forward(dev, &mut a.input, &p[wpe], rows.rows, rows.row0, t, c)
+                ops_vocab::position_forward(dev, &mut a.input, &p[wpe], rows.row0..rows.row0 + rows.rows, (t, c))
             }
             Some(g) => {
                 let e = Embed { tokens: &a.tokens, wte: &p[wte], wpe: &p[wpe] };
@@ -213,7 +214,10 @@ impl DeviceGpt {
         let w = Weight { f32: &p[wte], bf16: self.params16[wte].as_ref() };
         self.linear.forward(dev, &mut h.logits, &h.lnf, w, None, bt, c, vocab.vl)?;
         match &mut self.tp {
-            None => ops::cross_entropy_forward(dev, &mut h.losses, &mut h.lse, &h.logits, &h.targets, bt, v, vocab.vl)?,
+            None => {
+                let bufs = CrossEntropyForward { losses: &mut h.losses, lse: &mut h.lse, logits: &h.logits, targets: &h.targets };
+                ops::cross_entropy_forward(dev, bufs, bt, v, vocab.vl)?
+            }
             Some(g) => {
                 let l = LossBufs {
                     logits: &h.logits,
@@ -247,7 +251,8 @@ impl DeviceGpt {
             true => f32::NAN,
             false => (self.loss_scale / bt as f64) as f32,
         };
-        ops_vocab::cross_entropy_backward(dev, &mut s.dlogits, &h.logits, &h.lse, &h.targets, dloss, bt, vocab)?;
+        let bufs = ops_vocab::CrossEntropyBackward { dlogits: &mut s.dlogits, logits: &h.logits, lse: &h.lse, targets: &h.targets };
+        ops_vocab::cross_entropy_backward(dev, bufs, dloss, bt, vocab)?;
         let w = Weight { f32: &p[wte], bf16: self.params16[wte].as_ref() };
         let dinp = if rows.sp { &mut s.partial } else { &mut s.dln };
         self.linear.backward(dev, dinp, &mut g[wte], None, &s.dlogits, &h.lnf, w, (bt, c, vocab.vl))?;
@@ -263,12 +268,14 @@ impl DeviceGpt {
         let (mean, rstd) = (&h.lnf_mean, &h.lnf_rstd);
         if !rows.sp {
             let (gw, gb) = pair(g, lnf_w, lnf_b);
-            return ops::layernorm_backward(dev, &mut s.dres, gw, gb, &s.dln, x, &p[lnf_w], mean, rstd, rows.rows, c);
+            let bufs = LayerNormBackward { dinp: &mut s.dres, dweight: gw, dbias: gb, dout: &s.dln, inp: x, weight: &p[lnf_w], mean, rstd };
+            return ops::layernorm_backward(dev, bufs, rows.rows, c);
         }
         let [gw, gb] = &mut s.parts[..2] else { unreachable!("two parts") };
         ops::fill_zero(dev, gw, c)?;
         ops::fill_zero(dev, gb, c)?;
-        ops::layernorm_backward(dev, &mut s.dres, gw, gb, &s.dln, x, &p[lnf_w], mean, rstd, rows.rows, c)?;
+        let bufs = LayerNormBackward { dinp: &mut s.dres, dweight: gw, dbias: gb, dout: &s.dln, inp: x, weight: &p[lnf_w], mean, rstd };
+        ops::layernorm_backward(dev, bufs, rows.rows, c)?;
         add_replicated(dev, tp, s, g, &[lnf_w, lnf_b], c)
     }
 
@@ -310,7 +317,7 @@ impl DeviceGpt {
         let (dev, s, g, a) = (&self.dev, &mut self.s, &mut self.grads, &self.chunks[ci].slots[si]);
         if rows.sp {
             ops::fill_zero(dev, &mut s.repl, t * c)?;
-            ops_vocab::position_backward(dev, &mut s.repl, &s.dres, rows.rows, rows.row0, t, c)?;
+            ops_vocab::position_backward(dev, &mut s.repl, &s.dres, rows.row0..rows.row0 + rows.rows, (t, c))?;
             let tp = group(&mut self.tp);
             tp.sum(dev, &mut s.repl, t * c)?;
             ops::bias_add(dev, &mut g[wpe], &s.repl, 1, t * c)?;
@@ -319,7 +326,7 @@ impl DeviceGpt {
         }
         let (gte, gpe) = pair(g, wte, wpe);
         match self.tp {
-            None => ops::encoder_backward(dev, gte, gpe, &s.dres, &a.tokens, b, t, c),
+            None => ops::encoder_backward(dev, EncoderBackward { dwte: gte, dwpe: gpe, dout: &s.dres, tokens: &a.tokens }, b, t, c),
             Some(_) => device_tp::embed_backward(dev, gte, gpe, &s.dres, &a.tokens, (b, t, c), self.w.vocab),
         }
     }
@@ -427,7 +434,8 @@ fn block_backward(cx: &mut BlockCtx<'_>, x: &DeviceBuffer, a: &BlockActs, att: &
         linear.backward(dev, &mut s.datty, gw, Some(gb), &s.dres, &a.atty, w(ap_w), (bt, cl, c))?;
     }
     ops::fill_zero(dev, &mut s.dqkv, bt * 3 * cl)?;
-    ops_attention::attention_backward(dev, &mut s.dqkv, &mut s.dpre, &s.datty, &a.qkv, att, attn, shape)?;
+    let bufs = ops_attention::AttentionBackward { dqkv: &mut s.dqkv, dpre: &mut s.dpre, dout: &s.datty, qkv: &a.qkv, att };
+    ops_attention::attention_backward(dev, bufs, attn, shape)?;
     let (gw, gb) = pair(g, qkv_w, qkv_b);
     let dinp = if rows.sp { &mut s.partial } else { &mut s.dln };
     linear.backward(dev, dinp, gw, Some(gb), &s.dqkv, &a.ln1, w(qkv_w), (bt, c, 3 * cl))?;
@@ -462,5 +470,13 @@ fn ln_backward(
         }
         false => pair(grads, w, b),
     };
-    ops::layernorm_backward(dev, &mut s.dres, gw, gb, &s.dln, x, weight, mean, rstd, rows.rows, c)
+    let bufs = LayerNormBackward { dinp: &mut s.dres, dweight: gw, dbias: gb, dout: &s.dln, inp: x, weight, mean, rstd };
+    ops::layernorm_backward(dev, bufs, rows.rows, c)
+}
+
+/// Two distinct entries of `bufs`, both mutable (`i < j`, as layout order always gives here).
+pub(super) fn pair(bufs: &mut [DeviceBuffer], i: usize, j: usize) -> (&mut DeviceBuffer, &mut DeviceBuffer) {
+    assert!(i < j, "pair: entry {i} must precede entry {j}");
+    let (lo, hi) = bufs.split_at_mut(j);
+    (&mut lo[i], &mut hi[0])
 }

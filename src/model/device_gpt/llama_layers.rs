@@ -15,12 +15,12 @@
 //! to the gradients, so every sharing rank holds the exact gradient, as a replicated tensor does.
 //! The input gradient needs nothing extra: it is summed over TP like any column-parallel one.
 
-use super::layers::{add_replicated, group, row_parallel_forward, sum_input_grad, BlockCtx, Rows};
-use super::{pair, DeviceGpt, Widths};
+use super::layers::{add_replicated, group, pair, row_parallel_forward, sum_input_grad, BlockCtx, Rows};
+use super::{DeviceGpt, Widths};
 use crate::device::cpu::attention::AttnShape;
 use crate::device::cpu::rope::RopeShape;
 use crate::device::ipc::alloc_shareable;
-use crate::device::ops_llama::{self, rope_table, Llama3Scaling};
+use crate::device::ops_llama::{self, rope_table, Llama3Scaling, RmsNormBackward, RmsNormForward};
 use crate::device::{ops, ops_attention, ops_vocab, Device, DeviceBuffer};
 use crate::error::Result;
 use crate::model::device_acts::{ActDims, BlockActs, Scratch};
@@ -106,9 +106,9 @@ pub(super) fn rms_gathered(
     (c, eps): (usize, f32),
 ) -> Result<()> {
     if !rows.sp {
-        return ops_llama::rmsnorm_forward(dev, full, rstd, x, w, rows.rows, c, eps);
+        return ops_llama::rmsnorm_forward(dev, RmsNormForward { out: full, rstd, inp: x, weight: w }, rows.rows, c, eps);
     }
-    ops_llama::rmsnorm_forward(dev, &mut s.ln, rstd, x, w, rows.rows, c, eps)?;
+    ops_llama::rmsnorm_forward(dev, RmsNormForward { out: &mut s.ln, rstd, inp: x, weight: w }, rows.rows, c, eps)?;
     group(tp).gather_rows(dev, &s.ln, full, rows.bt * c)
 }
 
@@ -127,7 +127,8 @@ pub(super) fn rms_backward(
     c: usize,
 ) -> Result<()> {
     let dw = if rows.sp { &mut s.parts[part] } else { &mut g[entry] };
-    ops_llama::rmsnorm_backward(dev, &mut s.dres, dw, &s.dln, x, weight, rstd, rows.rows, c)
+    let bufs = RmsNormBackward { dinp: &mut s.dres, dweight: dw, dout: &s.dln, inp: x, weight, rstd };
+    ops_llama::rmsnorm_backward(dev, bufs, rows.rows, c)
 }
 
 /// Parts per KV width of this rank's q (its query heads per KV head held) and the staging's
@@ -194,7 +195,8 @@ pub(super) fn block_backward(cx: &mut BlockCtx<'_>, x: &DeviceBuffer, a: &BlockA
     // Attention: d(block input) = d(residual2) + d through the attention norm.
     row_parallel_backward(dev, tp, linear, rows, s, (&mut g[o], w(o)), &a.atty, (cl, c), Dst::Attn)?;
     ops::fill_zero(dev, &mut s.dqkv, bt * (cl + 2 * cx.w.nkvl * shape.hs))?;
-    ops_attention::attention_backward(dev, &mut s.dqkv, &mut s.dpre, &s.datty, &a.qkv, att, attn, shape)?;
+    let bufs = ops_attention::AttentionBackward { dqkv: &mut s.dqkv, dpre: &mut s.dpre, dout: &s.datty, qkv: &a.qkv, att };
+    ops_attention::attention_backward(dev, bufs, attn, shape)?;
     ops_llama::rope_backward(dev, &mut s.dqkv, &lw.cos, &lw.sin, rope_shape(shape))?;
     let (qp, kvw, st) = stage_shape(cx.w, shape.hs, bt);
     ops_attention::split_heads(dev, &mut lw.stage, &s.dqkv, st, qp + 2)?;
@@ -273,6 +275,16 @@ fn sum_shared_kv(dev: &Device, tp: &mut Option<DeviceTp>, sh: &mut KvShare, g: &
 }
 
 impl DeviceGpt {
+    /// Entry indices of Llama block `l`'s tensors in layout order (attn_norm, q, k, v, o,
+    /// mlp_norm, gate_up, down), the last four of the twelve GPT-2 slots unused.
+    pub(super) fn llama_block_entries(&self, l: usize) -> [usize; 12] {
+        let mut e = [usize::MAX; 12];
+        for (i, r) in self.layout.block_ranges(l).iter().enumerate() {
+            e[i] = self.entry(r);
+        }
+        e
+    }
+
     /// Llama's embedding of `slot.tokens` into `slot.input` (R, C): the token rows only.
     pub(super) fn llama_embed_forward(&mut self, ci: usize, si: usize) -> Result<()> {
         let (bt, c) = (self.b * self.t, self.config.n_embd);

@@ -108,10 +108,10 @@ pub const KEYS: &[Key] = &[
     key("checkpoint.keep", "integer", Code, "checkpoints kept, oldest deleted first; 0 = all"),
     key("checkpoint.resume", "string", Text("none"), "`latest` (newest in `dir`) or a checkpoint path"),
     key("metrics.peak_tflops", "float", Text("none (CPU: measured sgemm rate)"), "peak TFLOP/s of one device, for MFU"),
-    key("ps.servers", "integer", Code, "parameter-server ranks after the tp x pp x dp workers (`dp_sync = \"ps\"`)"),
+    key("ps.servers", "integer", Code, "parameter-server ranks after the tp x pp x dp workers (`dp_sync = \"ps\"`; ignored with `ps.colocate`)"),
     key("ps.mode", "string", Code, "`sync` (one update per step from every worker) or `async` (stale synchronous parallel)"),
     key("ps.staleness", "integer", Code, "async: versions a worker's parameters may lag its step count; 0 = sync"),
-    key("ps.colocate", "bool", Code, "servers inside the worker processes instead of extra ranks (not implemented yet)"),
+    key("ps.colocate", "bool", Code, "a server thread in every worker process (one per worker, no extra ranks; leave `ps.servers` unset)"),
 ];
 
 /// The built-in defaults as dotted key -> TOML text (a tiny model stands in for the required one).

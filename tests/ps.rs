@@ -434,41 +434,57 @@ fn colocated_servers_give_the_separate_servers_run() {
 }
 
 #[test]
-fn sigusr1_checkpoints_through_the_servers_and_the_job_resumes() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    let ckpt = d.join("ckpt");
-    let extra = format!(
-        "[parallel]\ndp = 2\ndp_sync = \"ps\"\n[checkpoint]\ndir = {:?}",
-        ckpt.display().to_string()
-    );
-    let job = tiny_job(d, "job.toml", &extra);
-    let text = std::fs::read_to_string(&job)
-        .unwrap()
-        .replace("\nsteps = 20", "\nsteps = 100000");
-    std::fs::write(&job, text).unwrap();
-    let metrics = d.join("m.jsonl");
-    let mut cmd = common::mpirun(3);
-    cmd.arg("train").arg(&job).arg("--metrics").arg(&metrics);
-    let child = common::spawn_then_signal(cmd, &metrics, 3, "USR1", |launcher| launcher);
-    let limit = Duration::from_secs(60);
-    let out = common::wait(child, limit);
-    assert!(out.success(), "{}\n{}", out.stdout, out.stderr);
-    assert!(out.stdout.contains("stopped by SIGUSR1"), "{}", out.stdout);
-    let last = common::losses(&metrics).last().unwrap().0;
-    let saved = ckpt.join(format!("step_{last:08}"));
-    assert!(
-        saved.join("checkpoint.h5").exists(),
-        "no complete checkpoint at step {last}: {}",
-        out.stdout
-    );
-    // The job resumes from it, through the servers again.
-    let resumed = d.join("r.jsonl");
-    let sets = vec![
-        format!("train.steps={}", last + 3),
-        "checkpoint.resume=latest".to_string(),
-    ];
-    common::train(3, &job, &resumed, &sets);
-    let steps: Vec<u64> = common::losses(&resumed).iter().map(|s| s.0).collect();
-    assert_eq!(steps, vec![last + 1, last + 2, last + 3]);
+fn stop_signals_checkpoint_through_the_servers_and_the_job_resumes() {
+    // Slurm's `--signal=USR1@120` to one rank, and SIGTERM to every rank (servers included) as at
+    // the time limit: the workers stop together, checkpoint through the servers, and all exit 0.
+    for (signal, all) in [("USR1", false), ("TERM", true)] {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let ckpt = d.join("ckpt");
+        let extra = format!(
+            "[parallel]\ndp = 2\ndp_sync = \"ps\"\n[checkpoint]\ndir = {:?}",
+            ckpt.display().to_string()
+        );
+        let job = tiny_job(d, "job.toml", &extra);
+        let text = std::fs::read_to_string(&job)
+            .unwrap()
+            .replace("\nsteps = 20", "\nsteps = 100000");
+        std::fs::write(&job, text).unwrap();
+        let metrics = d.join("m.jsonl");
+        let mut cmd = common::mpirun(3);
+        cmd.arg("train").arg(&job).arg("--metrics").arg(&metrics);
+        let child = common::spawn_then_signal(cmd, &metrics, 3, signal, |launcher| {
+            if !all {
+                return launcher;
+            }
+            let ranks = common::rank_pids(launcher);
+            assert_eq!(ranks.len(), 3, "{ranks:?}");
+            for &(_, pid) in ranks.iter().filter(|(r, _)| *r != 0) {
+                let st = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap();
+                assert!(st.success(), "kill -TERM {pid}");
+            }
+            common::rank_pid(launcher, 0)
+        });
+        let limit = Duration::from_secs(60);
+        let out = common::wait(child, limit);
+        assert!(out.success(), "SIG{signal}: {}\n{}", out.stdout, out.stderr);
+        let said = format!("stopped by SIG{signal}");
+        assert!(out.stdout.contains(&said) || out.stderr.contains(&said), "{}\n{}", out.stdout, out.stderr);
+        let last = common::losses(&metrics).last().unwrap().0;
+        let saved = ckpt.join(format!("step_{last:08}"));
+        assert!(
+            saved.join("checkpoint.h5").exists(),
+            "SIG{signal}: no complete checkpoint at step {last}: {}",
+            out.stdout
+        );
+        // The job resumes from it, through the servers again.
+        let resumed = d.join("r.jsonl");
+        let sets = vec![
+            format!("train.steps={}", last + 3),
+            "checkpoint.resume=latest".to_string(),
+        ];
+        common::train(3, &job, &resumed, &sets);
+        let steps: Vec<u64> = common::losses(&resumed).iter().map(|s| s.0).collect();
+        assert_eq!(steps, vec![last + 1, last + 2, last + 3], "SIG{signal}");
+    }
 }

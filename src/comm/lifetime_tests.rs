@@ -28,9 +28,18 @@ fn connectors(k: usize, tcp: bool, tag: &str) -> Vec<Arc<NetConnector>> {
     cfg.force_tcp = tcp;
     let aborts: Vec<Arc<AbortState>> = (0..k).map(|_| Arc::default()).collect();
     for (r, a) in aborts.iter().enumerate() {
-        let others: Vec<Weak<AbortState>> =
-            aborts.iter().enumerate().filter(|&(o, _)| o != r).map(|(_, o)| Arc::downgrade(o)).collect();
-        a.set_notify(Box::new(move |reason| others.iter().filter_map(Weak::upgrade).for_each(|o| o.set_local(reason))));
+        let others: Vec<Weak<AbortState>> = aborts
+            .iter()
+            .enumerate()
+            .filter(|&(o, _)| o != r)
+            .map(|(_, o)| Arc::downgrade(o))
+            .collect();
+        a.set_notify(Box::new(move |reason| {
+            others
+                .iter()
+                .filter_map(Weak::upgrade)
+                .for_each(|o| o.set_local(reason))
+        }));
     }
     let conns: Vec<_> = aborts
         .into_iter()
@@ -38,7 +47,14 @@ fn connectors(k: usize, tcp: bool, tag: &str) -> Vec<Arc<NetConnector>> {
         .map(|(r, abort)| Arc::new(NetConnector::new(r, k, SECRET, cfg.clone(), abort).expect("connector")))
         .collect();
     let pid = std::process::id();
-    let peers: Vec<_> = conns.iter().map(|c| PeerInfo { addr: c.local_addr(), node: 0, pid }).collect();
+    let peers: Vec<_> = conns
+        .iter()
+        .map(|c| PeerInfo {
+            addr: c.local_addr(),
+            node: 0,
+            pid,
+        })
+        .collect();
     for c in &conns {
         c.set_peers(peers.clone()).expect("set_peers");
     }
@@ -46,15 +62,30 @@ fn connectors(k: usize, tcp: bool, tag: &str) -> Vec<Arc<NetConnector>> {
 }
 
 fn comm_config() -> CommConfig {
-    CommConfig { timeout: TIMEOUT, tuning: None, chunk_bytes: 256 << 10, ..CommConfig::default() }
+    CommConfig {
+        timeout: TIMEOUT,
+        tuning: None,
+        chunk_bytes: 256 << 10,
+        ..CommConfig::default()
+    }
 }
 
 /// Runs `f(rank, connector)` on one thread per rank; results in rank order.
-fn on_ranks<R: Send>(conns: &[Arc<NetConnector>], f: impl Fn(usize, &Arc<NetConnector>) -> R + Sync) -> Vec<R> {
+fn on_ranks<R: Send>(
+    conns: &[Arc<NetConnector>],
+    f: impl Fn(usize, &Arc<NetConnector>) -> R + Sync,
+) -> Vec<R> {
     std::thread::scope(|s| {
         let f = &f;
-        let handles: Vec<_> = conns.iter().enumerate().map(|(r, c)| s.spawn(move || f(r, c))).collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        let handles: Vec<_> = conns
+            .iter()
+            .enumerate()
+            .map(|(r, c)| s.spawn(move || f(r, c)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
     })
 }
 
@@ -147,7 +178,9 @@ fn use_after_drop(k: usize, tcp: bool, delay: Duration) {
     let start = Instant::now();
     let results = on_ranks(&conns, |rank, c| -> Result<()> {
         let parent = world(c)?;
-        let child = parent.split(Some(0), rank as i64)?.expect("every member has color 0");
+        let child = parent
+            .split(Some(0), rank as i64)?
+            .expect("every member has color 0");
         if rank == 0 {
             std::thread::sleep(delay);
             drop(child);
@@ -161,12 +194,22 @@ fn use_after_drop(k: usize, tcp: bool, delay: Duration) {
     for (rank, r) in results.into_iter().enumerate().skip(1) {
         let e = match r {
             Err(e) => e.to_string(),
-            Ok(()) => panic!("{} k={k}: rank {rank}: barrier after rank 0 left succeeded", label(tcp)),
+            Ok(()) => panic!(
+                "{} k={k}: rank {rank}: barrier after rank 0 left succeeded",
+                label(tcp)
+            ),
         };
-        assert!(!e.contains("shm_open") && !e.contains("No such file"), "rank {rank}: {e}");
+        assert!(
+            !e.contains("shm_open") && !e.contains("No such file"),
+            "rank {rank}: {e}"
+        );
         assert!(e.contains("peer rank"), "rank {rank}: {e}");
         if rank == 1 || rank == k - 1 {
-            assert!(e.contains("peer rank 0"), "{} k={k}: rank {rank}: {e}", label(tcp));
+            assert!(
+                e.contains("peer rank 0"),
+                "{} k={k}: rank {rank}: {e}",
+                label(tcp)
+            );
         }
     }
     assert_eq!(shm_left(conns[0].shm_prefix()), Vec::<String>::new(), "k={k}");
@@ -200,7 +243,10 @@ fn a_drop_after_an_abort_does_not_wait_and_the_late_peer_is_told_why() {
         world(c).map(|_| Duration::ZERO)
     });
     let took = results[0].as_ref().expect("rank 0");
-    assert!(*took < Duration::from_millis(250), "rank 0's drop waited {took:?}");
+    assert!(
+        *took < Duration::from_millis(250),
+        "rank 0's drop waited {took:?}"
+    );
     match &results[1] {
         Err(e @ Error::Comm { peer: 0, rank: 1, .. }) => {
             let e = e.to_string();
@@ -209,4 +255,50 @@ fn a_drop_after_an_abort_does_not_wait_and_the_late_peer_is_told_why() {
         other => panic!("expected a Comm error naming rank 0, got {other:?}"),
     }
     assert_eq!(shm_left(conns[0].shm_prefix()), Vec::<String>::new());
+}
+
+/// One link, below the communicator: rank 0 opens it, posts three chunks and drops it before
+/// rank 1 connected (a point-to-point send, then the communicator dropped). Rank 0's drop waits
+/// for rank 1 to map the segment (shm); rank 1, connecting 200 ms later, receives every chunk as
+/// over TCP, then an error naming rank 0; no name is left in /dev/shm.
+fn link_dropped_before_the_peer_connected(tcp: bool) {
+    let conns = connectors(2, tcp, &format!("link{}", label(tcp)));
+    let waiter =
+        |rank| crate::transport::Waiter::new(rank, "test", 0, 0, TIMEOUT, Arc::new(AbortState::default()));
+    let chunks: [&[u8]; 3] = [b"first", b"", &[7u8; 4000]];
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let w = waiter(0);
+            let mut link = conns[0].connect(9, 1, &w).expect("rank 0 connects");
+            for c in chunks {
+                link.send
+                    .reserve(c.len(), &w)
+                    .expect("reserve")
+                    .copy_from_slice(c);
+                link.send.post(c.len(), &w).expect("post");
+            }
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        let w = waiter(1);
+        let mut link = conns[1].connect(9, 0, &w).expect("rank 1 connects late");
+        for c in chunks {
+            assert_eq!(link.recv.wait(&w).expect("posted chunk"), c, "{}", label(tcp));
+            link.recv.release(&w).expect("release");
+        }
+        match link.recv.wait(&w) {
+            Err(Error::Comm { peer: 0, rank: 1, .. }) => {}
+            other => panic!(
+                "{}: expected a Comm error naming rank 0, got {:?}",
+                label(tcp),
+                other.map(|b| b.len())
+            ),
+        }
+    });
+    assert_eq!(shm_left(conns[0].shm_prefix()), Vec::<String>::new());
+}
+
+#[test]
+fn a_link_dropped_before_the_peer_connected_still_delivers() {
+    link_dropped_before_the_peer_connected(false);
+    link_dropped_before_the_peer_connected(true);
 }

@@ -11,7 +11,10 @@
 //!
 //! Invariants: a lower rank's `connect` never waits for the higher rank's application thread (only
 //! for its accept thread), and a higher rank waits only for lower ranks, so no call order of
-//! `connect` among ranks can deadlock. Every incoming handshake runs on its own thread with a deadline;
+//! `connect` among ranks can deadlock (libfabric links excepted: their address exchange waits for
+//! the peer). A lower rank may drop a shared-memory link before the higher rank mapped it: its drop
+//! then waits for the attach ([`super::shm`], lifetime), so the name never disappears under a
+//! connecting peer. Every incoming handshake runs on its own thread with a deadline;
 //! a stream is delivered once per (comm_id, from_rank, tag) and duplicates are rejected. The n-th
 //! `connect(comm, peer)` on one rank pairs with the n-th on the peer (the tag counts them).
 

@@ -19,6 +19,15 @@
 //! stream the link was set up over (EOF when the peer process dies, even on SIGKILL) plus
 //! `kill(pid, 0)`. The segment name is unlinked as soon as both sides mapped it, so a crash leaves
 //! nothing in /dev/shm; the mapping is removed when both halves of the link are dropped.
+//!
+//! Lifetime: the creator (the lower rank) returns from link setup without waiting for the peer, so
+//! it may drop the link before the peer has even opened the segment (a communicator dropped right
+//! after its creation, a point-to-point send followed by a drop). The opener sets an attach flag
+//! in the header (and wakes it as a futex) once mapped; the creator's drop of its last half waits
+//! for that flag before removing the name, giving up only when the peer process is gone (setup
+//! stream at EOF, pid gone), the job aborted, or the operation timeout passed since the drop
+//! ([`Lingering`]). So a peer attaching late still maps the segment, reads whatever was posted,
+//! then sees the creator's end closed; one that finds the name gone is told the creator removed it.
 
 use std::ffi::CString;
 use std::io;
@@ -157,7 +166,8 @@ struct Linger {
     limit: Duration,
 }
 
-/// How often a lingering drop looks at the attach flag, the peer and the abort.
+/// Longest futex sleep of a lingering drop between looks at the peer and the abort (the opener's
+/// wake ends it at once).
 const ATTACH_POLL: Duration = Duration::from_millis(1);
 
 // SAFETY: the mapping is plain shared memory; all cross-thread access goes through the atomics of the
@@ -255,6 +265,7 @@ impl Segment {
         }
         seg.layout = layout;
         header.attached.store(1, Ordering::Release);
+        futex_wake(&header.attached);
         Ok(Some(seg))
     }
 
@@ -316,10 +327,15 @@ impl Segment {
 
     /// True once the opener mapped the segment.
     fn attached(&self) -> bool {
+        self.attach_word().load(Ordering::Acquire) != 0
+    }
+
+    /// The header's attach flag (a futex word the opener wakes).
+    fn attach_word(&self) -> &AtomicU32 {
         // SAFETY: the header is the mapping's first line, valid until drop; `attached` is only
         // accessed atomically.
         let header = unsafe { &*(self.base as *const SegmentHeader) };
-        header.attached.load(Ordering::Acquire) != 0
+        &header.attached
     }
 
     /// The creating side's drop: waits (see [`Lingering`]) until the peer mapped the segment, so
@@ -339,7 +355,7 @@ impl Segment {
             if Instant::now() >= give_up {
                 break format!("not attached {:.1} s after the link was dropped", l.limit.as_secs_f64());
             }
-            std::thread::sleep(ATTACH_POLL);
+            futex_wait(self.attach_word(), 0, ATTACH_POLL);
         };
         log::debug!(
             "transport: shm link to rank {} dropped before rank {} mapped it; removing it ({why})",

@@ -23,7 +23,14 @@
 //!   communicator's lock;
 //! - single-copy (read) schedules run only after a probe, made once per communicator by the
 //!   first call that wants them, showed on every member that every peer's memory can be read;
-//!   the probe's answer is agreed, so every member falls back to the FIFO schedules together.
+//!   the probe's answer is agreed, so every member falls back to the FIFO schedules together;
+//! - lifetime: a member may drop a communicator as soon as its own creation (or call) returned,
+//!   while peers are still connecting to it: the transport keeps what a peer still has to attach
+//!   (a shared-memory segment's name) until that peer attached, or died, or the job aborted, or
+//!   the timeout passed (so the drop may wait that long, never longer); TCP delivers what was sent
+//!   before the close. A member that later uses the communicator gets an error naming the member
+//!   that left (closed link), or the job's abort raised by one that did, not a hang; dropping
+//!   after an abort never waits.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -166,6 +166,8 @@ mod collective_tests;
 #[cfg(test)]
 mod hier_tests;
 #[cfg(test)]
+mod lifetime_tests;
+#[cfg(test)]
 pub(crate) mod testing;
 
 use std::ops::Range;

@@ -11,7 +11,10 @@
 //!
 //! Invariants: a lower rank's `connect` never waits for the higher rank's application thread (only
 //! for its accept thread), and a higher rank waits only for lower ranks, so no call order of
-//! `connect` among ranks can deadlock. Every incoming handshake runs on its own thread with a deadline;
+//! `connect` among ranks can deadlock (libfabric links excepted: their address exchange waits for
+//! the peer). A lower rank may drop a shared-memory link before the higher rank mapped it: its drop
+//! then waits for the attach ([`super::shm`], lifetime), so the name never disappears under a
+//! connecting peer. Every incoming handshake runs on its own thread with a deadline;
 //! a stream is delivered once per (comm_id, from_rank, tag) and duplicates are rejected. The n-th
 //! `connect(comm, peer)` on one rank pairs with the n-th on the peer (the tag counts them).
 
@@ -29,7 +32,7 @@ use super::accept::Acceptor;
 #[cfg(test)]
 use super::accept::MAX_HANDSHAKES;
 use super::handshake::{self, Request};
-use super::shm::{self, PeerWatch, Segment};
+use super::shm::{self, Lingering, PeerWatch, Segment};
 use super::ofi::{OfiNet, OfiUse};
 use super::select::{self, GpuDirect};
 use super::tcp::{self, tcp_link};
@@ -327,7 +330,9 @@ impl NetConnector {
             let seg = Segment::create(&name, self.cfg.shm_chunk, self.cfg.shm_depth)?;
             send_setup(&mut stream, SETUP_SHM, self.cfg.shm_chunk, self.cfg.shm_depth)
                 .map_err(|e| w.fail(peer, format!("sending shm link setup: {e}")))?;
-            let (send, recv) = shm::shm_link(seg, true, peer, PeerWatch::new(stream, pid));
+            // Dropping this side keeps the name until the peer mapped it (see `shm::Lingering`).
+            let linger = Lingering { abort: self.abort.clone(), limit: w.deadline.saturating_duration_since(w.start) };
+            let (send, recv) = shm::shm_link(seg, true, peer, PeerWatch::new(stream, pid), Some(linger));
             return Ok(Link {
                 peer,
                 kind: LinkKind::Shm,
@@ -383,12 +388,16 @@ impl NetConnector {
         match msg[0] {
             SETUP_SHM => {
                 let name = self.shm_name(comm_id, peer, self.rank, tag);
-                let seg = Segment::open(&name).map_err(|e| w.fail(peer, format!("mapping shm link: {e}")))?;
+                let seg = match Segment::try_open(&name) {
+                    Ok(Some(seg)) => seg,
+                    Ok(None) => return Err(w.fail(peer, format!("rank {peer} removed its shm link segment before this rank mapped it (rank {peer} dropped the link after the job aborted, or waited in vain for this rank to attach)"))),
+                    Err(e) => return Err(w.fail(peer, format!("mapping shm link: {e}"))),
+                };
                 seg.unlink();
                 if seg.chunk() != chunk || seg.depth() != depth {
                     return Err(w.fail(peer, format!("shm segment {name} does not match the link setup")));
                 }
-                let (send, recv) = shm::shm_link(seg, false, peer, PeerWatch::new(stream, pid));
+                let (send, recv) = shm::shm_link(seg, false, peer, PeerWatch::new(stream, pid), None);
                 Ok(Link {
                     peer,
                     kind: LinkKind::Shm,

@@ -19,6 +19,15 @@
 //! stream the link was set up over (EOF when the peer process dies, even on SIGKILL) plus
 //! `kill(pid, 0)`. The segment name is unlinked as soon as both sides mapped it, so a crash leaves
 //! nothing in /dev/shm; the mapping is removed when both halves of the link are dropped.
+//!
+//! Lifetime: the creator (the lower rank) returns from link setup without waiting for the peer, so
+//! it may drop the link before the peer has even opened the segment (a communicator dropped right
+//! after its creation, a point-to-point send followed by a drop). The opener sets an attach flag
+//! in the header (and wakes it as a futex) once mapped; the creator's drop of its last half waits
+//! for that flag before removing the name, giving up only when the peer process is gone (setup
+//! stream at EOF, pid gone), the job aborted, or the operation timeout passed since the drop
+//! ([`Lingering`]). So a peer attaching late still maps the segment, reads whatever was posted,
+//! then sees the creator's end closed; one that finds the name gone is told the creator removed it.
 
 use std::ffi::CString;
 use std::io;
@@ -28,7 +37,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{RecvLink, SendLink, Waiter};
+use super::{AbortState, RecvLink, SendLink, Waiter};
 use crate::error::{Error, Result};
 
 /// Default slot size of a shared-memory FIFO.
@@ -41,7 +50,7 @@ pub const MAX_SHM_CHUNK: usize = 1 << 30;
 pub const MAX_SHM_DEPTH: usize = 1024;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"MTSHMSEG");
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 const LINE: usize = 64;
 const PAGE: usize = 4096;
 /// Busy polls before yielding the CPU (a few microseconds).
@@ -62,6 +71,8 @@ struct SegmentHeader {
     version: u32,
     depth: u32,
     chunk: u64,
+    /// Set to 1 by the opener once it mapped the segment (zero from ftruncate until then).
+    attached: AtomicU32,
 }
 
 /// A FIFO counter on its own cache line, with the 32-bit futex word sleepers wait on.
@@ -124,7 +135,8 @@ fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
 }
 
-/// A mapped shm segment. Unmapped (and unlinked, if not done yet) on drop.
+/// A mapped shm segment. Unmapped (and unlinked, if not done yet) on drop; the creating side's
+/// drop first waits for the opener to attach ([`Linger`]).
 pub(crate) struct Segment {
     base: *mut u8,
     /// Bytes mapped at `base`.
@@ -132,7 +144,31 @@ pub(crate) struct Segment {
     layout: Layout,
     name: CString,
     unlinked: AtomicBool,
+    /// Set on the creating side by [`shm_link`]: what its drop waits for.
+    linger: Option<Linger>,
 }
+
+/// How long the creating side of a link keeps the segment's name for a peer that has not mapped it
+/// yet: until the peer attached, or its process is gone (setup stream at EOF, pid gone), or the job
+/// aborts, or `limit` (the operation timeout) passed since the drop.
+pub(crate) struct Lingering {
+    /// The job-wide abort: once raised, nobody is waited for.
+    pub abort: Arc<AbortState>,
+    /// Longest wait, counted from the drop.
+    pub limit: Duration,
+}
+
+/// [`Lingering`] with the peer it is about.
+struct Linger {
+    peer: usize,
+    watch: Arc<PeerWatch>,
+    abort: Arc<AbortState>,
+    limit: Duration,
+}
+
+/// Longest futex sleep of a lingering drop between looks at the peer and the abort (the opener's
+/// wake ends it at once).
+const ATTACH_POLL: Duration = Duration::from_millis(1);
 
 // SAFETY: the mapping is plain shared memory; all cross-thread access goes through the atomics of the
 // FIFO protocol, and `base` stays valid until drop.
@@ -171,13 +207,27 @@ impl Segment {
         seg
     }
 
-    /// Maps the existing segment `name` and checks its header.
+    /// Maps the existing segment `name`, checks its header and marks it attached (which ends the
+    /// creator's [`Linger`]).
+    #[cfg(test)]
     pub(crate) fn open(name: &str) -> Result<Segment> {
+        Self::try_open(name)?.ok_or_else(|| {
+            Error::io(format!("shm_open {name}"), io::Error::from_raw_os_error(libc::ENOENT))
+        })
+    }
+
+    /// As [`Segment::open`]; `None` when no segment has that name (its creator removed it, or
+    /// never made it).
+    pub(crate) fn try_open(name: &str) -> Result<Option<Segment>> {
         let cname = shm_name(name)?;
         // SAFETY: valid NUL-terminated name.
         let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_RDWR, 0) };
         if fd < 0 {
-            return Err(Error::io(format!("shm_open {name}"), io::Error::last_os_error()));
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENOENT) {
+                return Ok(None);
+            }
+            return Err(Error::io(format!("shm_open {name}"), e));
         }
         // SAFETY: `fd` is open; `st` is a plain struct filled by fstat.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -214,7 +264,9 @@ impl Segment {
             )));
         }
         seg.layout = layout;
-        Ok(seg)
+        header.attached.store(1, Ordering::Release);
+        futex_wake(&header.attached);
+        Ok(Some(seg))
     }
 
     fn map_fd(
@@ -261,6 +313,7 @@ impl Segment {
             layout,
             name: cname,
             unlinked: AtomicBool::new(false),
+            linger: None,
         })
     }
 
@@ -270,6 +323,45 @@ impl Segment {
             // SAFETY: valid NUL-terminated name; ENOENT (the peer unlinked first) is fine.
             unsafe { libc::shm_unlink(self.name.as_ptr()) };
         }
+    }
+
+    /// True once the opener mapped the segment.
+    fn attached(&self) -> bool {
+        self.attach_word().load(Ordering::Acquire) != 0
+    }
+
+    /// The header's attach flag (a futex word the opener wakes).
+    fn attach_word(&self) -> &AtomicU32 {
+        // SAFETY: the header is the mapping's first line, valid until drop; `attached` is only
+        // accessed atomically.
+        let header = unsafe { &*(self.base as *const SegmentHeader) };
+        &header.attached
+    }
+
+    /// The creating side's drop: waits (see [`Lingering`]) until the peer mapped the segment, so
+    /// that removing the name never races the peer's `shm_open`.
+    fn await_attach(&self, l: &Linger) {
+        let give_up = Instant::now() + l.limit;
+        let why = loop {
+            if self.attached() {
+                return;
+            }
+            if l.abort.is_set() {
+                break "the job is aborting".to_string();
+            }
+            if let Err(cause) = l.watch.check() {
+                break cause;
+            }
+            if Instant::now() >= give_up {
+                break format!("not attached {:.1} s after the link was dropped", l.limit.as_secs_f64());
+            }
+            futex_wait(self.attach_word(), 0, ATTACH_POLL);
+        };
+        log::debug!(
+            "transport: shm link to rank {} dropped before rank {} mapped it; removing it ({why})",
+            l.peer,
+            l.peer
+        );
     }
 
     /// Slot size of the FIFOs in this segment.
@@ -303,6 +395,9 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
+        if let Some(l) = self.linger.take() {
+            self.await_attach(&l);
+        }
         self.unlink();
         // SAFETY: unmapping exactly the region mapped in `map_fd`; no references outlive `self`
         // because every user holds an `Arc<Segment>`.
@@ -440,10 +535,18 @@ fn futex_wake(word: &AtomicU32) {
 }
 
 /// Builds the two halves of a shared-memory link over `seg`. The lower rank of the pair sends on FIFO
-/// 0; the higher rank sends on FIFO 1.
-pub(crate) fn shm_link(seg: Segment, is_lower: bool, peer: usize, watch: PeerWatch) -> (ShmSend, ShmRecv) {
-    let seg = Arc::new(seg);
+/// 0; the higher rank sends on FIFO 1. The side that created the segment passes `linger`: dropping
+/// its last half then waits for the peer to have mapped the segment before removing its name.
+pub(crate) fn shm_link(
+    mut seg: Segment,
+    is_lower: bool,
+    peer: usize,
+    watch: PeerWatch,
+    linger: Option<Lingering>,
+) -> (ShmSend, ShmRecv) {
     let watch = Arc::new(watch);
+    seg.linger = linger.map(|l| Linger { peer, watch: watch.clone(), abort: l.abort, limit: l.limit });
+    let seg = Arc::new(seg);
     let (tx, rx) = if is_lower { (0, 1) } else { (1, 0) };
     let live = || Liveness {
         peer,
@@ -599,8 +702,8 @@ mod tests {
         let (a, b) = stream_pair();
         let me = std::process::id();
         (
-            shm_link(lower, true, 1, PeerWatch::new(a, me)),
-            shm_link(higher, false, 0, PeerWatch::new(b, me)),
+            shm_link(lower, true, 1, PeerWatch::new(a, me), None),
+            shm_link(higher, false, 0, PeerWatch::new(b, me), None),
         )
     }
 

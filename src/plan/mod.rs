@@ -38,6 +38,9 @@ pub mod scaling;
 pub mod search;
 pub mod tune;
 
+#[cfg(test)]
+mod llama_tests;
+
 use serde::Serialize;
 
 use crate::error::{Error, Result};

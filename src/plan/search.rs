@@ -87,14 +87,15 @@ fn divisors(n: usize) -> Vec<usize> {
     (1..=n).filter(|d| n % d == 0).collect()
 }
 
-/// Why `tp` cannot split the model's heads or padded vocabulary, if it cannot.
+/// Why `tp` cannot split the model, if it cannot: the executor's own rule
+/// (`model::tp_layout::check_tp`: the heads, the padded vocabulary; Llama also `ffn_dim`, and
+/// `n_kv_head` divisible by `tp` or dividing it, when ranks share a KV head), naming the field.
 fn tp_misfit(job: &Job, tp: usize) -> Option<String> {
-    let model = &job.model;
-    if model.n_head % tp != 0 {
-        return Some(format!("tp {tp} does not divide n_head {}", model.n_head));
+    match crate::model::tp_layout::check_tp(&job.model, 0, tp) {
+        Ok(()) => None,
+        Err(Error::Config { key, msg }) => Some(format!("{key} = {tp}: {msg}")),
+        Err(e) => Some(e.to_string()),
     }
-    (job.vocab() % tp != 0)
-        .then(|| format!("tp {tp} does not divide the padded vocabulary {}", job.vocab()))
 }
 
 /// Why `pp` stages or `dp` replicas cannot hold the job, if they cannot.

@@ -68,7 +68,8 @@ enum PlanAction {
 
 #[derive(Args, Debug)]
 struct Query {
-    /// Model size (`d12` ... `175b`, `1t`).
+    /// Model: a named size (`d12` ... `175b`, `1t`, `llama-tiny` ... `llama-70b`) or a job file
+    /// whose `[model]` shape is planned (`job.toml`).
     #[arg(long)]
     model: Option<String>,
     /// Machine profile: a shipped name (`frontier`, `dgx-a100`, `h100-ib`) or a profile TOML.
@@ -223,11 +224,8 @@ fn plan(q: &Query) -> Result<()> {
             (_, None) => return Err(Error::config("--gpus", "takes one count without --scaling")),
             ([first, ..], Some(_)) => *first,
         };
-    let named = crate::model::GptConfig::named(&model).map_err(|e| match e {
-        Error::Config { msg, .. } => Error::config("--model", msg),
-        other => other,
-    })?;
-    let job = Job::named(&model, gpus, batch, q.seq_len.unwrap_or(named.max_seq_len))?;
+    let shape = super::model_of(&model)?;
+    let job = Job::new(&model, &shape, gpus, batch, q.seq_len.unwrap_or(shape.max_seq_len))?;
     let precision = q.precision.clone().unwrap_or_else(|| {
         if profile.device == "cpu" {
             "fp32".into()

@@ -64,13 +64,10 @@ pub struct Job {
 }
 
 impl Job {
-    /// A job of meshtrain's named size `model` (`175b`).
+    /// A job of `model`: a meshtrain named size (`175b`, `llama-70b`) or a job file whose
+    /// `[model]` shape it takes (see [`model_of`]).
     pub fn named(model: &str, gpus: usize, global_batch: usize, seq_len: usize) -> Result<Job> {
-        let c = GptConfig::named(model).map_err(|e| match e {
-            Error::Config { msg, .. } => Error::config("--model", msg),
-            other => other,
-        })?;
-        Job::new(model, &c, gpus, global_batch, seq_len)
+        Job::new(model, &model_of(model)?, gpus, global_batch, seq_len)
     }
 
     /// A job of shape `c`.
@@ -120,6 +117,19 @@ impl Job {
         let tokens = (self.global_batch * self.seq_len) as f64;
         crate::metrics::train_flops_per_token(&self.model, self.seq_len) * tokens
     }
+}
+
+/// The shape `model` names: a meshtrain named size, or, for a path ending in `.toml` or holding a
+/// `/`, the `[model]` table of that job file (any shape meshtrain trains, e.g. a custom Llama).
+/// Errors name `--model` (or the job file's key).
+pub fn model_of(model: &str) -> Result<GptConfig> {
+    if model.ends_with(".toml") || model.contains('/') {
+        return Ok(crate::config::JobConfig::load(std::path::Path::new(model), &[])?.model);
+    }
+    GptConfig::named(model).map_err(|e| match e {
+        Error::Config { msg, .. } => Error::config("--model", msg),
+        other => other,
+    })
 }
 
 /// Which implementation's memory and communication the model describes.

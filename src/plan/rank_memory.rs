@@ -271,7 +271,8 @@ fn meshtrain(
         dp: l.dp,
         buckets: &buckets,
         units: &units,
-        wte: if holds_wte { Some(0..wte_len) } else { None },
+        // The tied `wte` only (as `train::Replica::wte`): an untied one is an ordinary unit.
+        wte: if holds_wte && z.tied { Some(0..wte_len) } else { None },
         releases_grads: l.zero >= 2 && l.pp == 1,
         host_reduce,
         device_overlap: !host_reduce && l.dp > 1,

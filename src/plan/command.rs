@@ -31,7 +31,8 @@ pub struct PlanArgs {
 #[derive(Subcommand, Debug)]
 enum PlanAction {
     /// Predict the published Megatron-LM runs (Narayanan et al. SC21, Korthikanti et al. 2022)
-    /// with the DGX A100 profile and print every error.
+    /// with the DGX A100 profile, and Llama 3 405B (Dubey et al. 2024) with the H100 one, and
+    /// print every error.
     Validate {
         /// Print JSON instead of the table.
         #[arg(long)]
@@ -126,7 +127,8 @@ struct Query {
 pub fn main(args: &PlanArgs) -> Result<()> {
     match &args.action {
         Some(PlanAction::Validate { json }) => {
-            let checks = published::check_all(&Profile::load("dgx-a100")?)?;
+            let mut checks = published::check_all(&Profile::load("dgx-a100")?)?;
+            checks.extend(published::check_llama(&Profile::load("h100-ib")?)?);
             if *json {
                 println!(
                     "{}",

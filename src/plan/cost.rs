@@ -3,13 +3,16 @@
 //! Per pipeline rank and micro-batch, a forward and a backward through the rank's chunks cost:
 //! - GEMMs by shape (`(B*T, 3C/t, C)`, `(B*T, C, C/t)`, `(B*T, 4C/t, C)`, `(B*T, C, 4C/t)` per
 //!   block, the attention core as `B * NH/t` `(T, T, C/NH)` and `(T, C/NH, T)` products, the
-//!   head's `(B*T, Vp/t, C)`), each at the profile's efficiency for its shape; a backward is the two
+//!   head's `(B*T, Vp/t, C)`; Llama's q, k, v `(B*T, (NH + 2 NKV) hd / t, C)` and SwiGLU's
+//!   `(B*T, 2F/t, C)`, `(B*T, C, F/t)`: the executor's widths, `model::ActDims`), each at the
+//!   profile's efficiency for its shape; a backward is the two
 //!   products of each forward one (`dX`, `dW`) at their own shapes;
 //! - memory-bound kernels (LayerNorm, GELU, softmax, residual adds) as twice the bytes of the
 //!   activations they write, at the memory bandwidth; the backward twice the forward;
 //! - tensor-parallel collectives on the critical path (two all-reduces per block and direction, or
 //!   under sequence parallelism two all-gathers and two reduce-scatters), as ring collectives in the
-//!   alpha-beta model of the link tier the group spans;
+//!   alpha-beta model of the link tier the group spans; a Llama KV head shared by TP ranks adds
+//!   the backward's all-reduce of its k and v weight gradients per block;
 //! - pipeline point-to-point: one message per chunk and direction;
 //! - recomputation: full repeats the block's forward in the backward, selective the attention core.
 //!

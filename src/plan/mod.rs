@@ -22,6 +22,14 @@
 //!   best predicted layouts, predicted vs measured;
 //!   [`command`]: the subcommand.
 //!
+//! Models of either architecture meshtrain trains (`model.arch`): GPT-2 and Llama (RMSNorm,
+//! SwiGLU, RoPE, grouped-query attention, untied head). Nothing here has a formula of its own
+//! for an architecture where the executor has one: parameters per rank are the executor's shard
+//! layout ([`rank_memory::ShardSizes`], checked against `model::ShardLayout`), activations its
+//! allocations (`model::ActDims`), GEMM shapes its widths, model FLOPs `metrics`', TP rules
+//! `model::tp_layout::check_tp` (`llama_tests` checks each against the executor). `--model`
+//! takes a named size or a job file's `[model]`.
+//!
 //! Invariants: planning is a pure function of (job, profile, stack): no measurement, no I/O
 //! except reading the profile; a layout is either ranked (it fits memory and every divisibility
 //! rule meshtrain's config validation applies) or rejected with a reason, never silently dropped.

@@ -3,11 +3,13 @@
 //!
 //! meshtrain: the parameter, gradient, AdamW and staging terms are [`MemoryEstimate`] itself (the
 //! formula `meshtrain train` prints before step 0 and the README compares with measured peak RSS),
-//! fed with the rank's parameter count, a synthetic unit list (embedding, one block, final
-//! LayerNorm: the formula only reads the largest units and the embedding's) and the largest gradient
-//! buckets; the activations are the executor's own counts (`model::ActDims`: one slot per
-//! micro-batch in flight and chunk, the shared scratch) plus the GEMM operands' bf16 staging and at bf16 the
-//! weights' bf16 copies are added. Everything is fp32 except those copies.
+//! fed with the rank's parameter count, a synthetic unit list (`wte`, GPT-2's `wpe`, one block,
+//! the final unit: GPT-2's LayerNorm, Llama's RMSNorm and untied `lm_head`; the formula only reads
+//! the largest units and the tied embedding's; an untied `wte` is an ordinary unit) and the largest
+//! gradient buckets; the activations are the executor's own counts (`model::ActDims`: one slot per
+//! micro-batch in flight and chunk, the shared scratch, Llama's RoPE tables, q/k/v staging and
+//! shared-KV gradient sums) plus the GEMM operands' bf16 staging and at bf16 the weights' bf16
+//! copies are added. Everything is fp32 except those copies.
 //!
 //! Megatron-LM (the stack of the published runs): 18 bytes per parameter (bf16 weights, fp32 main
 //! gradients, fp32 master weights and two moments; the distributed optimizer at ZeRO >= 1 shards
@@ -15,7 +17,9 @@
 //! activations per block and micro-batch of Korthikanti et al. 2022 (`s b h (34 + 5 a s / h)` bytes
 //! without parallelism, divided by TP where it splits them: `10 + 24/t` without and `34/t` with
 //! sequence parallelism; selective recomputation drops the `5 a s / h` attention-core term, full
-//! recomputation keeps only the block input, `2 s b h`), plus the logits.
+//! recomputation keeps only the block input, `2 s b h`), plus the logits. A Llama block saves `8`
+//! (no dropout masks), `(2 (h + 2 NKV hd) + 2 h + 6 F) / h` and `2 a s / h` in those places
+//! (`megatron_block_bytes`).
 
 use std::ops::Range;
 

@@ -5,9 +5,10 @@
 //! interleaved schedule's virtual stages, ZeRO 0-3 (only 0 without data parallelism), sequence
 //! parallelism where TP > 1, and the stack's recomputation modes. A layout is rejected, with the
 //! reason, where meshtrain's config validation would refuse it (TP not dividing the heads or the
-//! padded vocabulary, more stages than blocks, an interleaved step whose micro-batches are not a
-//! multiple of `pp`, a sequence not divisible by TP under SP; the Megatron stack also needs equal
-//! stages), where the global batch does not divide over the replicas, or where the fullest rank
+//! padded vocabulary, Llama's `ffn_dim`, or neither dividing nor a multiple of `n_kv_head`:
+//! `model::tp_layout::check_tp`, whose field the reason names; more stages than blocks, an
+//! interleaved step whose micro-batches are not a multiple of `pp`, a sequence not divisible by TP
+//! under SP; the Megatron stack also needs equal stages), where the global batch does not divide over the replicas, or where the fullest rank
 //! does not fit the device's usable memory. Rejections that hold for a whole `tp` (or `tp`, `pp`)
 //! are recorded once for it, not once per layout below it.
 //!

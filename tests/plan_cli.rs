@@ -175,3 +175,40 @@ fn calibrate_fits_bench_csv_per_schedule_and_writes_a_loadable_profile() {
     assert_eq!(err.matches("bad.csv: not `meshtrain bench --csv` output: no `bytes` column").count(), 2, "{err}");
     assert!(!none.exists());
 }
+
+/// A Llama plan as the user runs it: the table, `--json` with one object per layout, `--write`
+/// giving a job file of the same Llama shape; a job file as `--model`; impossible TP named.
+#[test]
+fn llama_7b_on_frontier_ranks_writes_and_names_impossible_tp() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = ["--model", "llama-7b", "--machine", "frontier", "--gpus", "64", "--global-batch", "512", "--seq-len", "4096"];
+    let job = dir.path().join("llama.toml");
+    let (code, out, err) = plan(&[&base[..], &["--write", job.to_str().unwrap()]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("# llama-7b on 64 GPUs of frontier") && out.lines().any(|l| l.trim_start().starts_with("1 ")), "{out}");
+    assert!(out.contains("tp 64: parallel.tp = 64: n_head 32 is not divisible by tp 64"), "{out}");
+    let cfg = meshtrain::config::JobConfig::load(&job, &[]).unwrap();
+    cfg.validate_world(64).unwrap();
+    assert_eq!(cfg.model, meshtrain::model::GptConfig::named("llama-7b").unwrap());
+    let (code, json, err) = plan(&[&base[..], &["--json"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["job"]["model"]["arch"], "llama");
+    let first = &v["layouts"][0];
+    let (tp, pp, dp) = (first["tp"].as_u64().unwrap(), first["pp"].as_u64().unwrap(), first["dp"].as_u64().unwrap());
+    assert_eq!(tp * pp * dp, 64);
+    // Memory per GCD (with the profile's reserve) within the MI250X GCD's 64 GB.
+    assert!(first["mem_per_gpu_gb"].as_f64().unwrap() <= 64.0, "{first}");
+    // The written job file's [model] plans the same shape (`--model FILE`).
+    let (code, again, err) = plan(&["--model", job.to_str().unwrap(), "--machine", "frontier", "--gpus", "64", "--global-batch", "512", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let w: serde_json::Value = serde_json::from_str(&again).unwrap();
+    assert_eq!(w["layouts"][0]["step_s"], first["step_s"]);
+    // 3 GPUs: TP 3 cannot split 32 heads; 70B on 3 GPUs fits no layout and names --gpus.
+    let (code, _, err) = plan(&["--model", "llama-70b", "--machine", "frontier", "--gpus", "3", "--global-batch", "3"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--gpus"), "{err}");
+    let (code, _, err) = plan(&["--model", "llama-70b", "--machine", "frontier", "--gpus", "8", "--global-batch", "8", "--seq-len", "8192"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--seq-len") && err.contains("4096"), "{err}");
+}

@@ -31,7 +31,8 @@ pub struct PlanArgs {
 #[derive(Subcommand, Debug)]
 enum PlanAction {
     /// Predict the published Megatron-LM runs (Narayanan et al. SC21, Korthikanti et al. 2022)
-    /// with the DGX A100 profile and print every error.
+    /// with the DGX A100 profile, and Llama 3 405B (Dubey et al. 2024) with the H100 one, and
+    /// print every error.
     Validate {
         /// Print JSON instead of the table.
         #[arg(long)]
@@ -68,7 +69,8 @@ enum PlanAction {
 
 #[derive(Args, Debug)]
 struct Query {
-    /// Model size (`d12` ... `175b`, `1t`).
+    /// Model: a named size (`d12` ... `175b`, `1t`, `llama-tiny` ... `llama-70b`) or a job file
+    /// whose `[model]` shape is planned (`job.toml`).
     #[arg(long)]
     model: Option<String>,
     /// Machine profile: a shipped name (`frontier`, `dgx-a100`, `h100-ib`) or a profile TOML.
@@ -125,7 +127,8 @@ struct Query {
 pub fn main(args: &PlanArgs) -> Result<()> {
     match &args.action {
         Some(PlanAction::Validate { json }) => {
-            let checks = published::check_all(&Profile::load("dgx-a100")?)?;
+            let mut checks = published::check_all(&Profile::load("dgx-a100")?)?;
+            checks.extend(published::check_llama(&Profile::load("h100-ib")?)?);
             if *json {
                 println!(
                     "{}",
@@ -223,11 +226,8 @@ fn plan(q: &Query) -> Result<()> {
             (_, None) => return Err(Error::config("--gpus", "takes one count without --scaling")),
             ([first, ..], Some(_)) => *first,
         };
-    let named = crate::model::GptConfig::named(&model).map_err(|e| match e {
-        Error::Config { msg, .. } => Error::config("--model", msg),
-        other => other,
-    })?;
-    let job = Job::named(&model, gpus, batch, q.seq_len.unwrap_or(named.max_seq_len))?;
+    let shape = super::model_of(&model)?;
+    let job = Job::new(&model, &shape, gpus, batch, q.seq_len.unwrap_or(shape.max_seq_len))?;
     let precision = q.precision.clone().unwrap_or_else(|| {
         if profile.device == "cpu" {
             "fp32".into()

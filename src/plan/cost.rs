@@ -3,13 +3,16 @@
 //! Per pipeline rank and micro-batch, a forward and a backward through the rank's chunks cost:
 //! - GEMMs by shape (`(B*T, 3C/t, C)`, `(B*T, C, C/t)`, `(B*T, 4C/t, C)`, `(B*T, C, 4C/t)` per
 //!   block, the attention core as `B * NH/t` `(T, T, C/NH)` and `(T, C/NH, T)` products, the
-//!   head's `(B*T, Vp/t, C)`), each at the profile's efficiency for its shape; a backward is the two
+//!   head's `(B*T, Vp/t, C)`; Llama's q, k, v `(B*T, (NH + 2 NKV) hd / t, C)` and SwiGLU's
+//!   `(B*T, 2F/t, C)`, `(B*T, C, F/t)`: the executor's widths, `model::ActDims`), each at the
+//!   profile's efficiency for its shape; a backward is the two
 //!   products of each forward one (`dX`, `dW`) at their own shapes;
 //! - memory-bound kernels (LayerNorm, GELU, softmax, residual adds) as twice the bytes of the
 //!   activations they write, at the memory bandwidth; the backward twice the forward;
 //! - tensor-parallel collectives on the critical path (two all-reduces per block and direction, or
 //!   under sequence parallelism two all-gathers and two reduce-scatters), as ring collectives in the
-//!   alpha-beta model of the link tier the group spans;
+//!   alpha-beta model of the link tier the group spans; a Llama KV head shared by TP ranks adds
+//!   the backward's all-reduce of its k and v weight gradients per block;
 //! - pipeline point-to-point: one message per chunk and direction;
 //! - recomputation: full repeats the block's forward in the backward, selective the attention core.
 //!
@@ -40,6 +43,7 @@ use super::profile::{Link, Profile};
 use super::rank_memory::{self as memory, RankMemory, RankShare};
 use super::{Job, Layout, Recompute, Stack};
 use crate::error::Result;
+use crate::model::ActDims;
 use crate::parallel::schedule::{simulate_ranks, Delivery, Schedule};
 
 /// The machine and implementation a layout is costed on.
@@ -235,14 +239,17 @@ impl Part {
     }
 }
 
-/// One block, one micro-batch.
+/// One block, one micro-batch. The GEMM shapes are the executor's widths (`model::ActDims`):
+/// GPT-2 `qkv = 3C/t`, `fc = hl = 4C/t`; Llama `qkv = (NH + 2 NKV) hd / t` (a KV head shared
+/// by ranks counted whole: each computes it), `fc = 2F/t` (gate and up), `hl = F/t`.
 fn block(job: &Job, l: &Layout, mach: &Machine) -> Part {
-    let (t, s, c) = (l.tp as f64, job.seq_len as f64, job.model.n_embd as f64);
-    let bt = l.micro_batch as f64 * s;
-    let (cl, hl) = (c / t, 4.0 * c / t);
+    let (s, c) = (job.seq_len as f64, job.model.n_embd as f64);
+    let d = ActDims::of_rank(&job.model, l.micro_batch, job.seq_len, l.tp, l.sp);
+    let bt = d.bt as f64;
+    let (cl, qkv, fc, hl) = (d.cl as f64, d.qkv as f64, d.fc as f64, d.hl as f64);
     let mut fwd = 0.0;
     let mut bwd = 0.0;
-    for (m, n, k) in [(bt, 3.0 * cl, c), (bt, c, cl), (bt, hl, c), (bt, c, hl)] {
+    for (m, n, k) in block_gemms(&d) {
         let (f, b) = mach.gemm_fb(m, n, k, 1.0);
         fwd += f;
         bwd += b;
@@ -252,12 +259,16 @@ fn block(job: &Job, l: &Layout, mach: &Machine) -> Part {
     let (qk_f, qk_b) = mach.gemm_fb(s, s, hd, heads);
     let (pv_f, pv_b) = mach.gemm_fb(s, hd, s, heads);
     let (core_f, core_b) = (qk_f + pv_f, qk_b + pv_b);
-    // Memory-bound kernels: twice the activation bytes written (scores and probabilities count).
+    // Memory-bound kernels: twice the activation bytes written (scores and probabilities count);
+    // the norms' outputs, qkv, the attention output, the MLP's up and activation outputs, four
+    // residual-stream writes, and Llama's RoPE rewriting q and k in place.
     let att_elems = heads * s * s;
     let core_bytes = 2.0 * 2.0 * att_elems * mach.act_bytes();
-    let rows = if l.sp { bt / t } else { bt };
-    let other_bytes =
-        2.0 * mach.act_bytes() * (bt * (2.0 * c + 4.0 * cl + 2.0 * hl) + rows * 4.0 * c);
+    let rows = d.rows as f64;
+    let rope = if job.model.llama.is_some() { qkv } else { 0.0 };
+    let other_bytes = 2.0
+        * mach.act_bytes()
+        * (bt * (2.0 * c + qkv + cl + fc + hl + rope) + rows * 4.0 * c);
     let (elem_core, elem_other) = (mach.stream(core_bytes), mach.stream(other_bytes));
     let comm = tp_block_comm(job, l, mach);
     let fwd_compute = fwd + core_f + elem_core + elem_other;
@@ -271,7 +282,27 @@ fn block(job: &Job, l: &Layout, mach: &Machine) -> Part {
         fwd: fwd_compute,
         bwd: bwd_compute + re_compute,
         fwd_comm: comm,
-        bwd_comm: comm + re_comm,
+        bwd_comm: comm + re_comm + kv_share_comm(job, l, mach),
+    }
+}
+
+/// One block's forward products on one rank, (rows, output width, input width): qkv (Llama: q,
+/// k and v, stacked), the attention projection, the MLP's up (Llama: gate and up) and down.
+pub(super) fn block_gemms(d: &ActDims) -> [(f64, f64, f64); 4] {
+    let (bt, c) = (d.bt as f64, d.c as f64);
+    let (cl, qkv, fc, hl) = (d.cl as f64, d.qkv as f64, d.fc as f64, d.hl as f64);
+    [(bt, qkv, c), (bt, c, cl), (bt, fc, c), (bt, c, hl)]
+}
+
+/// Llama with fewer KV heads than TP ranks: the backward's all-reduce over TP, per block and
+/// micro-batch, of the shared KV heads' k and v weight gradients (NKV slots of 2 hd C, fp32).
+fn kv_share_comm(job: &Job, l: &Layout, mach: &Machine) -> f64 {
+    match &job.model.llama {
+        Some(m) if m.n_kv_head < l.tp => {
+            let bytes = 4.0 * (m.n_kv_head * 2 * job.model.head_dim() * job.model.n_embd) as f64;
+            mach.coll("all_reduce", l.tp, 1, bytes)
+        }
+        _ => 0.0,
     }
 }
 

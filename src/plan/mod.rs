@@ -22,6 +22,14 @@
 //!   best predicted layouts, predicted vs measured;
 //!   [`command`]: the subcommand.
 //!
+//! Models of either architecture meshtrain trains (`model.arch`): GPT-2 and Llama (RMSNorm,
+//! SwiGLU, RoPE, grouped-query attention, untied head). Nothing here has a formula of its own
+//! for an architecture where the executor has one: parameters per rank are the executor's shard
+//! layout ([`rank_memory::ShardSizes`], checked against `model::ShardLayout`), activations its
+//! allocations (`model::ActDims`), GEMM shapes its widths, model FLOPs `metrics`', TP rules
+//! `model::tp_layout::check_tp` (`llama_tests` checks each against the executor). `--model`
+//! takes a named size or a job file's `[model]`.
+//!
 //! Invariants: planning is a pure function of (job, profile, stack): no measurement, no I/O
 //! except reading the profile; a layout is either ranked (it fits memory and every divisibility
 //! rule meshtrain's config validation applies) or rejected with a reason, never silently dropped.
@@ -37,6 +45,9 @@ pub mod report;
 pub mod scaling;
 pub mod search;
 pub mod tune;
+
+#[cfg(test)]
+mod llama_tests;
 
 use serde::Serialize;
 
@@ -61,13 +72,10 @@ pub struct Job {
 }
 
 impl Job {
-    /// A job of meshtrain's named size `model` (`175b`).
+    /// A job of `model`: a meshtrain named size (`175b`, `llama-70b`) or a job file whose
+    /// `[model]` shape it takes (see [`model_of`]).
     pub fn named(model: &str, gpus: usize, global_batch: usize, seq_len: usize) -> Result<Job> {
-        let c = GptConfig::named(model).map_err(|e| match e {
-            Error::Config { msg, .. } => Error::config("--model", msg),
-            other => other,
-        })?;
-        Job::new(model, &c, gpus, global_batch, seq_len)
+        Job::new(model, &model_of(model)?, gpus, global_batch, seq_len)
     }
 
     /// A job of shape `c`.
@@ -117,6 +125,19 @@ impl Job {
         let tokens = (self.global_batch * self.seq_len) as f64;
         crate::metrics::train_flops_per_token(&self.model, self.seq_len) * tokens
     }
+}
+
+/// The shape `model` names: a meshtrain named size, or, for a path ending in `.toml` or holding a
+/// `/`, the `[model]` table of that job file (any shape meshtrain trains, e.g. a custom Llama).
+/// Errors name `--model` (or the job file's key).
+pub fn model_of(model: &str) -> Result<GptConfig> {
+    if model.ends_with(".toml") || model.contains('/') {
+        return Ok(crate::config::JobConfig::load(std::path::Path::new(model), &[])?.model);
+    }
+    GptConfig::named(model).map_err(|e| match e {
+        Error::Config { msg, .. } => Error::config("--model", msg),
+        other => other,
+    })
 }
 
 /// Which implementation's memory and communication the model describes.

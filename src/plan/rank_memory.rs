@@ -3,11 +3,13 @@
 //!
 //! meshtrain: the parameter, gradient, AdamW and staging terms are [`MemoryEstimate`] itself (the
 //! formula `meshtrain train` prints before step 0 and the README compares with measured peak RSS),
-//! fed with the rank's parameter count, a synthetic unit list (embedding, one block, final
-//! LayerNorm: the formula only reads the largest units and the embedding's) and the largest gradient
-//! buckets; the activations are the executor's own counts (`model::ActDims`: one slot per
-//! micro-batch in flight and chunk, the shared scratch) plus the GEMM operands' bf16 staging and at bf16 the
-//! weights' bf16 copies are added. Everything is fp32 except those copies.
+//! fed with the rank's parameter count, a synthetic unit list (`wte`, GPT-2's `wpe`, one block,
+//! the final unit: GPT-2's LayerNorm, Llama's RMSNorm and untied `lm_head`; the formula only reads
+//! the largest units and the tied embedding's; an untied `wte` is an ordinary unit) and the largest
+//! gradient buckets; the activations are the executor's own counts (`model::ActDims`: one slot per
+//! micro-batch in flight and chunk, the shared scratch, Llama's RoPE tables, q/k/v staging and
+//! shared-KV gradient sums) plus the GEMM operands' bf16 staging and at bf16 the weights' bf16
+//! copies are added. Everything is fp32 except those copies.
 //!
 //! Megatron-LM (the stack of the published runs): 18 bytes per parameter (bf16 weights, fp32 main
 //! gradients, fp32 master weights and two moments; the distributed optimizer at ZeRO >= 1 shards
@@ -15,12 +17,14 @@
 //! activations per block and micro-batch of Korthikanti et al. 2022 (`s b h (34 + 5 a s / h)` bytes
 //! without parallelism, divided by TP where it splits them: `10 + 24/t` without and `34/t` with
 //! sequence parallelism; selective recomputation drops the `5 a s / h` attention-core term, full
-//! recomputation keeps only the block input, `2 s b h`), plus the logits.
+//! recomputation keeps only the block input, `2 s b h`), plus the logits. A Llama block saves `8`
+//! (no dropout masks), `(2 (h + 2 NKV hd) + 2 h + 6 F) / h` and `2 a s / h` in those places
+//! (`megatron_block_bytes`).
 
 use std::ops::Range;
 
 use super::{Job, Layout, Recompute, Stack};
-use crate::model::ActDims;
+use crate::model::{ActDims, GptConfig};
 use crate::train::{MemoryEstimate, MemoryInputs};
 
 /// Micro-batches of one chunk whose activations a pipeline rank holds at once (its forwards not
@@ -90,20 +94,65 @@ impl RankShare {
 
     /// Parameters on this rank (its TP shard).
     pub fn params(&self, job: &Job, tp: usize) -> f64 {
-        let (h, t) = (job.model.n_embd as f64, tp as f64);
-        let block = 12.0 * h * h / t + 7.0 * h / t + 6.0 * h;
-        let wte = job.vocab() as f64 * h / t;
-        let embed = if self.embeds {
-            wte + (job.model.max_seq_len as f64) * h
+        let z = ShardSizes::of(&job.model, tp);
+        let embed = if self.embeds { z.wte + z.wpe } else { 0 };
+        let head = if !self.ends {
+            0
+        } else if z.tied && !self.embeds {
+            z.fin + z.wte
         } else {
-            0.0
+            z.fin
         };
-        let head = if self.ends {
-            2.0 * h + if self.embeds { 0.0 } else { wte }
-        } else {
-            0.0
-        };
-        self.blocks as f64 * block + embed + head
+        (self.blocks * z.block + embed + head) as f64
+    }
+}
+
+/// Elements of one TP rank's shard of each parameter unit, as `model::ShardLayout` lays them out
+/// (checked against it in the tests): one block, the token embedding `wte`, the position
+/// embedding `wpe` (GPT-2 only; Llama rotates q and k instead), and the final unit (GPT-2: the
+/// final LayerNorm; Llama: the final RMSNorm and, untied, `lm_head`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardSizes {
+    /// One block.
+    pub block: usize,
+    /// The `wte` shard (Vp/tp rows).
+    pub wte: usize,
+    /// `wpe` (replicated; 0 for Llama).
+    pub wpe: usize,
+    /// The tensors after the blocks.
+    pub fin: usize,
+    /// The head reads `wte` (the last stage then holds it too).
+    pub tied: bool,
+}
+
+impl ShardSizes {
+    /// The sizes on one of `tp` ranks (a `tp` that `model::tp_layout::check_tp` accepts).
+    pub fn of(model: &GptConfig, tp: usize) -> ShardSizes {
+        let (c, t) = (model.n_embd, tp.max(1));
+        let wte = model.padded_vocab_size() * c / t;
+        match &model.llama {
+            None => ShardSizes {
+                // qkv (3C, C) + 3C bias, fc (4C, C) + 4C bias split; proj weights split by
+                // column; ln1, ln2 (w, b) and the two proj biases replicated.
+                block: 12 * c * c / t + 7 * c / t + 6 * c,
+                wte,
+                wpe: model.max_seq_len * c,
+                fin: 2 * c,
+                tied: true,
+            },
+            Some(l) => {
+                // q and o split by head, k and v by KV head (a shared one whole), gate/up and
+                // down by F, the two RMSNorm weights replicated.
+                let kv = (l.n_kv_head / t).max(1) * model.head_dim();
+                ShardSizes {
+                    block: 2 * c * c / t + 2 * kv * c + 3 * l.ffn_dim * c / t + 2 * c,
+                    wte,
+                    wpe: 0,
+                    fin: c + if l.tie_embeddings { 0 } else { wte },
+                    tied: l.tie_embeddings,
+                }
+            }
+        }
     }
 }
 
@@ -131,23 +180,36 @@ pub fn peak(
 }
 
 /// The GEMMs' bf16 operand staging and the attention views of a GPU arm, in f32 elements (the
-/// sizes `DeviceGpt::new` gives its linear and attention work buffers).
-fn gemm_staging(d: &ActDims, head: bool, heads_elems: usize) -> f64 {
+/// sizes `DeviceGpt::new` gives its linear and attention work buffers: `AttnWork` holds three
+/// query-sized and four key/value-sized views, `kv` elements each).
+fn gemm_staging(d: &ActDims, head: bool, kv: usize) -> f64 {
     let vl = if head { d.vl } else { 0 };
-    let x = d.bt * d.c.max(3 * d.cl).max(d.hl).max(vl);
+    let x = d.bt * d.c.max(d.qkv).max(d.fc).max(vl);
     let y = d.bt * d.c.max(d.hl);
-    (x + y) as f64 / 2.0 + 7.0 * heads_elems as f64
+    (x + y) as f64 / 2.0 + (3 * d.bt * d.cl + 4 * kv) as f64
 }
 
-fn meshtrain(
+/// f32 elements of Llama's per-model work (`LlamaWork`): the RoPE tables (T, hd/2) twice, the
+/// q/k/v staging (B*T, qkv) and, with fewer KV heads than TP ranks, the shared KV gradients'
+/// sum (NKV, 2, hd*C) and one micro-batch's k and v gradients; 0 for GPT-2.
+fn llama_work(model: &GptConfig, d: &ActDims, t: usize, tp: usize) -> usize {
+    let Some(l) = &model.llama else { return 0 };
+    let (hd, c) = (model.head_dim(), model.n_embd);
+    let share = if l.n_kv_head < tp { (l.n_kv_head * 2 + 2) * hd * c } else { 0 };
+    t * hd + d.bt * d.qkv + share
+}
+
+/// f32 elements of the activations, scratch and work buffers pipeline rank `share.rank` holds
+/// (what the executor's `DeviceGpt::activation_elements` counts on a GPU arm; the CPU arm has no
+/// attention views): one slot per micro-batch in flight and chunk, the recomputation work, the
+/// shared scratch, Llama's work, and at bf16 the GEMM operands' staging.
+pub fn activation_elements(
     job: &Job,
     l: &Layout,
     share: &RankShare,
-    bf16: bool,
-    host_reduce: bool,
     stage_blocks: &[usize],
-) -> RankMemory {
-    let n = share.params(job, l.tp);
+    bf16: bool,
+) -> f64 {
     let d = ActDims { recompute: l.recompute, ..ActDims::of_rank(&job.model, l.micro_batch, job.seq_len, l.tp, l.sp) };
     let slots = in_flight(l, share.rank) as f64;
     // Chunks of this rank: the embedding's is chunk 0, the head's the last one.
@@ -161,31 +223,41 @@ fn meshtrain(
         );
         acts += slots * d.slot_elements(blocks, embeds, ends) as f64;
     }
-    let heads = d.bt * d.cl;
-    acts += (d.recompute_elements() + d.scratch_elements(share.ends, job.seq_len)) as f64
+    let kv = d.bt * (job.model.n_kv_head() / l.tp).max(1) * job.model.head_dim();
+    acts += (d.recompute_elements()
+        + d.scratch_elements(share.ends, job.seq_len)
+        + llama_work(&job.model, &d, job.seq_len, l.tp)) as f64
         + if bf16 {
-            gemm_staging(&d, share.ends, heads)
+            gemm_staging(&d, share.ends, kv)
         } else {
             0.0
         };
-    let h = job.model.n_embd;
-    let (wte_len, wpe_len, lnf_len) = (
-        (job.vocab() * h).div_ceil(l.tp),
-        job.model.max_seq_len * h,
-        2 * h,
-    );
-    let block_len = (n / share.blocks.max(1) as f64) as usize;
+    acts
+}
+
+fn meshtrain(
+    job: &Job,
+    l: &Layout,
+    share: &RankShare,
+    bf16: bool,
+    host_reduce: bool,
+    stage_blocks: &[usize],
+) -> RankMemory {
+    let n = share.params(job, l.tp);
+    let acts = activation_elements(job, l, share, stage_blocks, bf16);
+    let z = ShardSizes::of(&job.model, l.tp);
+    let (wte_len, wpe_len, lnf_len, block_len) = (z.wte, z.wpe, z.fin, z.block);
     let mut units: Vec<Range<usize>> = Vec::new();
     let mut at = 0;
     let mut push = |len: usize, units: &mut Vec<Range<usize>>| {
         units.push(at..at + len);
         at += len;
     };
-    let holds_wte = share.embeds || share.ends;
+    let holds_wte = share.embeds || (share.ends && z.tied);
     if holds_wte {
         push(wte_len, &mut units);
     }
-    if share.embeds {
+    if share.embeds && wpe_len > 0 {
         push(wpe_len, &mut units);
     }
     push(block_len, &mut units);
@@ -203,7 +275,8 @@ fn meshtrain(
         dp: l.dp,
         buckets: &buckets,
         units: &units,
-        wte: if holds_wte { Some(0..wte_len) } else { None },
+        // The tied `wte` only (as `train::Replica::wte`): an untied one is an ordinary unit.
+        wte: if holds_wte && z.tied { Some(0..wte_len) } else { None },
         releases_grads: l.zero >= 2 && l.pp == 1,
         host_reduce,
         device_overlap: !host_reduce && l.dp > 1,
@@ -220,6 +293,26 @@ fn meshtrain(
     }
 }
 
+/// Bytes per `s b h` of one block's saved activations in Megatron-LM's 16-bit convention (Korthikanti
+/// et al. 2022, section 4.1), by how TP splits them: (the norms' inputs and outputs and the
+/// dropout masks, which only sequence parallelism splits; what TP splits; the attention core's
+/// coefficient of `a s / h`). GPT-2: `10`, `24` (q, k, v, the projection's input, GELU's input
+/// and output), `5` (softmax output, its dropout mask and output). Llama has no dropout: `8` (two
+/// RMSNorm inputs and outputs); q, k (after RoPE), v of `h + 2 NKV hd` columns, the projection's
+/// input, SwiGLU's gate and up and their product (`3 F`): `(2 (h + 2 NKV hd) + 2 h + 6 F) / h`;
+/// the softmax output, `2`.
+fn megatron_block_bytes(model: &GptConfig) -> (f64, f64, f64) {
+    let h = model.n_embd as f64;
+    match &model.llama {
+        None => (10.0, 24.0, 5.0),
+        Some(l) => {
+            let kv = (l.n_kv_head * model.head_dim()) as f64;
+            let f = l.ffn_dim as f64;
+            (8.0, (2.0 * (h + 2.0 * kv) + 2.0 * h + 6.0 * f) / h, 2.0)
+        }
+    }
+}
+
 fn megatron(job: &Job, l: &Layout, share: &RankShare) -> RankMemory {
     let n = share.params(job, l.tp);
     let dp = l.dp as f64;
@@ -232,17 +325,18 @@ fn megatron(job: &Job, l: &Layout, share: &RankShare) -> RankMemory {
         l.tp as f64,
     );
     let sbh = s * b * h;
-    let attn_core = 5.0 * a * s / (h * t);
+    let (norms, split, core) = megatron_block_bytes(&job.model);
+    let attn_core = core * a * s / (h * t);
     let per_block = match (l.recompute, l.sp) {
         (Recompute::Full, sp) => 2.0 * sbh / if sp { t } else { 1.0 },
-        (Recompute::Selective, true) => sbh * 34.0 / t,
-        (Recompute::Selective, false) => sbh * (10.0 + 24.0 / t),
-        (Recompute::None, true) => sbh * (34.0 / t + attn_core),
-        (Recompute::None, false) => sbh * (10.0 + 24.0 / t + attn_core),
+        (Recompute::Selective, true) => sbh * (norms + split) / t,
+        (Recompute::Selective, false) => sbh * (norms + split / t),
+        (Recompute::None, true) => sbh * ((norms + split) / t + attn_core),
+        (Recompute::None, false) => sbh * (norms + split / t + attn_core),
     };
     // Full recomputation rebuilds one block's activations at a time during its backward.
     let rebuilt = if l.recompute == Recompute::Full {
-        sbh * (10.0 + 24.0 / t + attn_core)
+        sbh * (norms + split / t + attn_core)
     } else {
         0.0
     };

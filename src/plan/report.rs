@@ -162,7 +162,7 @@ pub fn job_toml(job: &Job, mach: &Machine, l: &Layout, step_s: f64) -> Result<St
         "# Written by `meshtrain plan`: {name} on {gpus} GPUs of {machine}, predicted {step:.3} s per step.\n\
          # Point data.source at token shards (`meshtrain tokenize`) for real training.\n\
          device = \"{device}\"\nprecision = \"{precision}\"\n\n[model]\nn_layer = {nl}\nn_head = {nh}\nn_embd = {ne}\n\
-         vocab_size = {vs}\nmax_seq_len = {ms}\n\n[data]\nsource = \"synthetic\"\n\n[train]\nsteps = 100\n\
+         vocab_size = {vs}\nmax_seq_len = {ms}\n{arch}\n[data]\nsource = \"synthetic\"\n\n[train]\nsteps = 100\n\
          micro_batch = {mb}\nseq_len = {seq}\ngrad_accum = {accum}\nrecompute = \"{recompute}\"\nlog_every = 1\n\n[parallel]\ntp = {tp}\npp = {pp}\n\
          dp = {dp}\nzero = {zero}\nsequence_parallel = {sp}\nschedule = \"{sched}\"\nmicrobatches = {microbatches}\n\
          virtual_stages = {v}\n",
@@ -177,6 +177,7 @@ pub fn job_toml(job: &Job, mach: &Machine, l: &Layout, step_s: f64) -> Result<St
         ne = c.n_embd,
         vs = c.vocab_size,
         ms = c.max_seq_len,
+        arch = llama_keys(c),
         mb = l.micro_batch,
         seq = job.seq_len,
         recompute = l.recompute.name(),
@@ -191,6 +192,30 @@ pub fn job_toml(job: &Job, mach: &Machine, l: &Layout, step_s: f64) -> Result<St
     let cfg = JobConfig::from_str(&text, &[])?;
     cfg.validate_world(job.gpus)?;
     Ok(text)
+}
+
+/// The `[model]` keys of a Llama shape (`arch = "llama"` and the rest, one per line), empty for
+/// GPT-2.
+fn llama_keys(c: &crate::model::GptConfig) -> String {
+    let Some(l) = &c.llama else { return String::new() };
+    let mut text = format!(
+        "arch = \"llama\"\nn_kv_head = {}\nffn_dim = {}\nrope_theta = {:?}\nnorm_eps = {:?}\ntie_embeddings = {}\n",
+        l.n_kv_head, l.ffn_dim, l.rope_theta, l.norm_eps, l.tie_embeddings
+    );
+    let scaling = [
+        ("rope_scaling_factor", l.rope_scaling_factor),
+        ("rope_low_freq_factor", l.rope_low_freq_factor),
+        ("rope_high_freq_factor", l.rope_high_freq_factor),
+    ];
+    for (key, v) in scaling {
+        if let Some(v) = v {
+            text += &format!("{key} = {v:?}\n");
+        }
+    }
+    if let Some(n) = l.rope_original_max_seq_len {
+        text += &format!("rope_original_max_seq_len = {n}\n");
+    }
+    text
 }
 
 /// An sbatch script running `job_file` on the nodes `gpus` ranks need.

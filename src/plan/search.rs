@@ -5,9 +5,10 @@
 //! interleaved schedule's virtual stages, ZeRO 0-3 (only 0 without data parallelism), sequence
 //! parallelism where TP > 1, and the stack's recomputation modes. A layout is rejected, with the
 //! reason, where meshtrain's config validation would refuse it (TP not dividing the heads or the
-//! padded vocabulary, more stages than blocks, an interleaved step whose micro-batches are not a
-//! multiple of `pp`, a sequence not divisible by TP under SP; the Megatron stack also needs equal
-//! stages), where the global batch does not divide over the replicas, or where the fullest rank
+//! padded vocabulary, Llama's `ffn_dim`, or neither dividing nor a multiple of `n_kv_head`:
+//! `model::tp_layout::check_tp`, whose field the reason names; more stages than blocks, an
+//! interleaved step whose micro-batches are not a multiple of `pp`, a sequence not divisible by TP
+//! under SP; the Megatron stack also needs equal stages), where the global batch does not divide over the replicas, or where the fullest rank
 //! does not fit the device's usable memory. Rejections that hold for a whole `tp` (or `tp`, `pp`)
 //! are recorded once for it, not once per layout below it.
 //!
@@ -87,14 +88,15 @@ fn divisors(n: usize) -> Vec<usize> {
     (1..=n).filter(|d| n % d == 0).collect()
 }
 
-/// Why `tp` cannot split the model's heads or padded vocabulary, if it cannot.
+/// Why `tp` cannot split the model, if it cannot: the executor's own rule
+/// (`model::tp_layout::check_tp`: the heads, the padded vocabulary; Llama also `ffn_dim`, and
+/// `n_kv_head` divisible by `tp` or dividing it, when ranks share a KV head), naming the field.
 fn tp_misfit(job: &Job, tp: usize) -> Option<String> {
-    let model = &job.model;
-    if model.n_head % tp != 0 {
-        return Some(format!("tp {tp} does not divide n_head {}", model.n_head));
+    match crate::model::tp_layout::check_tp(&job.model, 0, tp) {
+        Ok(()) => None,
+        Err(Error::Config { key, msg }) => Some(format!("{key} = {tp}: {msg}")),
+        Err(e) => Some(e.to_string()),
     }
-    (job.vocab() % tp != 0)
-        .then(|| format!("tp {tp} does not divide the padded vocabulary {}", job.vocab()))
 }
 
 /// Why `pp` stages or `dp` replicas cannot hold the job, if they cannot.

@@ -216,7 +216,8 @@ impl<'a> Session<'a> {
             dp: dp.size(),
             buckets: sync.bucket_ranges(),
             units: &units,
-            wte: model.wte(),
+            // An untied `wte` (Llama's own `lm_head`) is an ordinary unit of the formula.
+            wte: model.wte().filter(|_| cfg.model.llama.is_none_or(|l| l.tie_embeddings)),
             releases_grads: zero >= 2 && model.model().is_whole(),
             host_reduce,
             device_overlap,

@@ -504,6 +504,32 @@ fn llama_layouts_follow_the_single_rank_trajectory() {
 }
 
 
+/// Llama with tied embeddings (`model.tie_embeddings = true`: the head reads the embedding
+/// table, whose gradient sums both uses) follows its single-rank trajectory where the tie crosses
+/// ranks: the vocabulary split over TP, the embedding and the head on different pipeline stages,
+/// and the tied table sharded by ZeRO.
+#[test]
+fn tied_llama_layouts_follow_the_single_rank_trajectory() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let single = job(d, "single.toml", "");
+    let llama = ["model.size=\"llama-tiny\"".to_string(), "model.n_layer=4".into(), "model.tie_embeddings=true".into()];
+    let with = |accum: usize| [&llama[..], &[format!("train.grad_accum={accum}")]].concat();
+    let reference2 = trajectory_of(d, "tied_ref2", 1, &single, &with(2), 30);
+    assert!(reference2.params.iter().all(|t| t.0 != "model/lm_head.weight"), "a tied model has no head tensor");
+    // (tp, pp, dp, zero, sp): the reference accumulates 2 micro-batches.
+    for (tp, pp, dp, zero, sp) in [(1, 1, 2, 3, false), (2, 1, 1, 0, true), (1, 2, 1, 0, false), (2, 2, 2, 1, false)] {
+        let m = 2 / dp;
+        let name = format!("tied_tp{tp}pp{pp}dp{dp}z{zero}sp{sp}");
+        let parallel = format!(
+            "[parallel]\ntp = {tp}\npp = {pp}\ndp = {dp}\nzero = {zero}\nsequence_parallel = {sp}\nmicrobatches = {m}\nbucket_mb = 0.05"
+        );
+        let path = job(d, &format!("{name}.toml"), &parallel);
+        let got = trajectory_of(d, &name, tp * pp * dp, &path, &llama, 30);
+        assert_follows(&got, &reference2, &name);
+    }
+}
+
 /// A Llama checkpoint never loads into a GPT-2 job (nor the reverse): `init_from` with the
 /// other architecture's weights is refused naming `model.arch`, before any step.
 #[test]

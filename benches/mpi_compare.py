@@ -28,6 +28,19 @@ def mpirun(ranks):
     return cmd
 
 
+# The MCA settings meshtrain's bootstrap makes on one node (src/bootstrap/mpi_defaults.rs) unless
+# the user set them: the standalone program runs under the same ones, so that both MPI columns
+# time the same MPI configuration (without them the standalone program also opens the TCP BTL).
+SAME_MCA = {"OMPI_MCA_btl": "self,vader", "OMPI_MCA_pml": "ob1"}
+
+
+def standalone_env():
+    env = dict(os.environ)
+    for k, v in SAME_MCA.items():
+        env.setdefault(k, v)
+    return env
+
+
 def run_csv(cmd, env=None):
     """Runs cmd, returns its CSV rows (lines after the header that starts with `coll,`)."""
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -77,7 +90,8 @@ def main():
             order = [("mt", mt_cmd), ("sa", sa_cmd)]
             if rnd % 2:
                 order.reverse()
-            got = {name: run_csv(cmd) for name, cmd in order}
+            env = {"mt": None, "sa": standalone_env()}
+            got = {name: run_csv(cmd, env[name]) for name, cmd in order}
             sa = {(r["coll"], int(r["bytes"])): float(r["mpi_time_us"]) for r in got["sa"]}
             for r in got["mt"]:
                 key = (r["coll"], int(r["bytes"]))

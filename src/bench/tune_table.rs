@@ -53,10 +53,12 @@ pub struct SizeResult {
 /// The candidates for `coll` on a communicator whose chunk is `chunk` bytes (`hier`: it can run the
 /// hierarchical schedules).
 fn candidates(coll: &str, chunk: usize, reads: bool, hier: bool) -> Vec<(Family, usize)> {
-    let mut out: Vec<(Family, usize)> =
-        RING_CHUNKS.iter().filter(|&&c| c <= chunk).map(|&c| (Family::Ring, c)).collect();
-    if !RING_CHUNKS.contains(&chunk) {
-        out.push((Family::Ring, chunk));
+    let mut out: Vec<(Family, usize)> = Vec::new();
+    if Family::Ring.serves(coll) {
+        out.extend(RING_CHUNKS.iter().filter(|&&c| c <= chunk).map(|&c| (Family::Ring, c)));
+        if !RING_CHUNKS.contains(&chunk) {
+            out.push((Family::Ring, chunk));
+        }
     }
     out.push((Family::Direct, chunk));
     if reads && Family::Read.serves(coll) {

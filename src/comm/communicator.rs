@@ -41,7 +41,7 @@ use crate::comm::algo::read;
 use crate::comm::algo::ring::{self, RingShape};
 use crate::comm::block_range;
 use crate::comm::nodes::NodeMap;
-use crate::comm::tuner::{LinkKind, Tuning};
+use crate::comm::tuner::{Family, LinkKind, Tuning};
 use crate::comm::tuning::CommConfig;
 use crate::dtype::{DType, Element, ReduceOp, Reducer};
 use crate::comm::fingerprint::{self, LinkPrints, OpKind, OpPrint};
@@ -696,13 +696,21 @@ impl Communicator {
             count: send.len() as u64,
             seq: 0,
         });
-        self.run("all_to_all", input.len(), Sched::Direct, print, |st, _, w| {
+        // The tuner picks reads or the direct exchange (all-to-all has no ring; a ring it is
+        // forced to, or a read the probe turns down, runs the direct exchange).
+        let choice = self.planned_schedule("all_to_all", input.len());
+        let want = if choice.family == Family::Read { Sched::Read } else { Sched::Direct };
+        self.run("all_to_all", input.len(), want, print, |st, sched, w| {
             if self.size() == 1 {
                 out.copy_from_slice(input);
                 return Ok(());
             }
-            let shape = self.direct_shape(T::DTYPE, self.cfg.chunk_bytes);
-            direct::all_to_all(&mut LinkTable(&mut st.links), &shape, input, out, w)
+            let shape = self.direct_shape(T::DTYPE, choice.chunk_bytes);
+            let links = &mut LinkTable(&mut st.links);
+            match sched {
+                Sched::Read => read::all_to_all(links, &shape, input, out, w),
+                _ => direct::all_to_all(links, &shape, input, out, w),
+            }
         })
     }
 

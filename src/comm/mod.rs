@@ -29,17 +29,18 @@
 //!   (k-1+S-1)·N/(S·B) instead of (k-1)·N/B. The ring orders ranks by (node, rank), is checked to be a
 //!   permutation and logged once (`ring 0: 0 1 2 3`).
 //! - **Direct** (latency, all-to-all): each rank posts its piece to every peer before waiting for any,
-//!   and reduces contributions in rank order. `auto` uses it up to 64 KiB; all-to-all always.
+//!   and reduces contributions in rank order. `auto` uses it up to 64 KiB; all-to-all where the table does not read.
 //! - **Single copy** (Cross Memory Attach): a rank publishes (address, length) of its buffer over the
 //!   link and its peers copy straight out of it with `process_vm_readv`, then answer; the owner
 //!   returns only once every live reader answered, also after an error (a reader that fails answers
 //!   "gave up"), so no peer reads a buffer that went back to its caller. All-gather reads every other
 //!   block into the output; all-reduce runs the ring's reduce-scatter, then reads; broadcast reads the
-//!   root. A probe at the first large call checks that every member can read every other (a random
+//!   root; all-to-all reads this rank's block of every peer's input. A probe at the first large call
+//!   checks that every member can read every other (a random
 //!   token exposed and read back; `prctl(PR_SET_PTRACER_ANY)` for Yama) and times one kernel copy
 //!   against two FIFO copies; the members agree on its answer. `MESHTRAIN_CMA=auto` (default) reads
 //!   for all-gather and all-reduce above 64 KiB only where reads work *and* pay, `on` reads for all
-//!   three at every size wherever they work (an error where they do not), `off` never; member 0 logs
+//!   four at every size wherever they work (an error where they do not), `off` never; member 0 logs
 //!   the probe's answer once. On this VM reads work but do not pay (see "where the time goes").
 //! - **Hierarchical** (members on several nodes, the same number >= 2 on each; `MESHTRAIN_HIER=auto`,
 //!   the default; `off` keeps the flat schedules): all-reduce, reduce-scatter, all-gather and

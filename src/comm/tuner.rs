@@ -30,18 +30,19 @@ use crate::error::{Error, Result};
 /// The table compiled into the binary (`meshtrain bench --tune` on the development machine).
 const BUILTIN: &str = include_str!("tuning_default.toml");
 
-/// The collectives the tuner chooses for (all-to-all has only the direct schedule).
-pub const TUNED: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"];
+/// The collectives the tuner chooses for.
+pub const TUNED: [&str; 6] = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all"];
 
 /// Schedule families a rule may name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Family {
-    /// Pipelined ring.
+    /// Pipelined ring (every collective but all-to-all).
     Ring,
     /// All pairs through the FIFOs.
     Direct,
-    /// Single copy: peers read each other's buffers (all-reduce, all-gather, broadcast).
+    /// Single copy: peers read each other's buffers (all-reduce, all-gather, broadcast,
+    /// all-to-all).
     Read,
     /// Hierarchical (communicators spanning nodes, all-reduce, reduce-scatter, all-gather,
     /// broadcast): a stage within each node, one between nodes per place, a stage within each node
@@ -63,8 +64,9 @@ impl Family {
     /// Whether `coll` has a schedule of this family.
     pub fn serves(self, coll: &str) -> bool {
         match self {
-            Family::Ring | Family::Direct => true,
-            Family::Read => matches!(coll, "all_reduce" | "all_gather" | "broadcast"),
+            Family::Ring => coll != "all_to_all",
+            Family::Direct => true,
+            Family::Read => matches!(coll, "all_reduce" | "all_gather" | "broadcast" | "all_to_all"),
             Family::Hier => matches!(coll, "all_reduce" | "reduce_scatter" | "all_gather" | "broadcast"),
         }
     }
@@ -291,7 +293,7 @@ fn validate(r: &Rule) -> std::result::Result<(), (&'static str, String)> {
         return Err(("max_bytes", "0 (leave it out for no bound)".to_string()));
     }
     if !r.algo.serves(&r.coll) {
-        return Err(("algo", format!("`{}` has no {} schedule (ring or direct)", r.coll, r.algo.name())));
+        return Err(("algo", format!("`{}` has no {} schedule", r.coll, r.algo.name())));
     }
     if r.algo == Family::Hier && r.link != LinkKind::Net {
         return Err(("algo", "`hier` needs link = \"net\" (members on several nodes)".to_string()));

@@ -88,7 +88,9 @@ fn bad_tables_name_the_file_the_rule_and_the_field() {
     };
     let cases = [
         (rule("algo = \"tree\""), "rule[0].algo"),
-        (rule("coll = \"all_to_all\""), "rule[0].coll"),
+        (rule("coll = \"alltoall\""), "rule[0].coll"),
+        // All-to-all has no ring.
+        (rule("coll = \"all_to_all\""), "rule[0].algo"),
         (rule("algo = \"read\"\ncoll = \"reduce\""), "rule[0].algo"),
         (rule("chunk_bytes = 100"), "rule[0].chunk_bytes"),
         (rule("ranks = 1"), "rule[0].ranks"),

@@ -113,6 +113,40 @@ pub fn all_gather<P: Peers>(
     })
 }
 
+/// All-to-all (the layout of [`crate::comm::algo::direct::all_to_all`]): every rank exposes its
+/// input once per peer, each peer reads its own block of it straight into its slot of `out`.
+pub fn all_to_all<P: Peers>(
+    peers: &mut P,
+    s: &DirectShape,
+    input: &[u8],
+    out: &mut [u8],
+    w: &Waiter,
+) -> Result<()> {
+    let n = input.len() / s.esize;
+    let len = block_bytes(s, n, s.me).len();
+    out[s.me * len..(s.me + 1) * len].copy_from_slice(&input[block_bytes(s, n, s.me)]);
+    Pending::settled(peers, s, w, |peers, pending| {
+        for to in s.peers() {
+            let block = &input[block_bytes(s, n, to)];
+            peers.tx(to).expose(block, w)?;
+            pending.exposed[to] = block.len();
+        }
+        for from in s.peers() {
+            pending.unanswered[from] = len;
+        }
+        for from in s.peers() {
+            peers.rx(from).read_exposed(&mut out[from * len..(from + 1) * len], w)?;
+            peers.tx(from).done_reading(len, w)?;
+            pending.unanswered[from] = 0;
+        }
+        for to in s.peers() {
+            peers.rx(to).wait_done_reading(pending.exposed[to], w)?;
+            pending.exposed[to] = 0;
+        }
+        Ok(())
+    })
+}
+
 /// Broadcast of `buf` from `root`: every other rank reads the root's buffer directly.
 pub fn broadcast<P: Peers>(
     peers: &mut P,

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use crate::comm::{CommConfig, Communicator};
 use crate::error::{Error, Result};
-use crate::transport::net::{NetConfig, NetConnector, PeerInfo};
+use crate::transport::net::{NetConfig, NetConnector};
 use crate::transport::{AbortState, Connector};
 
 const SECRET: [u8; 16] = *b"lifetime-secret!";
@@ -41,24 +41,11 @@ fn connectors(k: usize, tcp: bool, tag: &str) -> Vec<Arc<NetConnector>> {
                 .for_each(|o| o.set_local(reason))
         }));
     }
-    let conns: Vec<_> = aborts
+    NetConnector::local_group(SECRET, &cfg, aborts)
+        .expect("connectors")
         .into_iter()
-        .enumerate()
-        .map(|(r, abort)| Arc::new(NetConnector::new(r, k, SECRET, cfg.clone(), abort).expect("connector")))
-        .collect();
-    let pid = std::process::id();
-    let peers: Vec<_> = conns
-        .iter()
-        .map(|c| PeerInfo {
-            addr: c.local_addr(),
-            node: 0,
-            pid,
-        })
-        .collect();
-    for c in &conns {
-        c.set_peers(peers.clone()).expect("set_peers");
-    }
-    conns
+        .map(Arc::new)
+        .collect()
 }
 
 fn comm_config() -> CommConfig {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use meshtrain::comm::{CommConfig, Communicator};
-use meshtrain::transport::net::{NetConfig, NetConnector, PeerInfo};
+use meshtrain::transport::net::{NetConfig, NetConnector};
 use meshtrain::transport::AbortState;
 
 const ROUNDS: usize = 300;
@@ -18,25 +18,12 @@ const ROUNDS: usize = 300;
 fn connectors(k: usize, tcp: bool) -> Vec<Arc<NetConnector>> {
     let mut cfg = NetConfig::new(IpAddr::V4(Ipv4Addr::LOCALHOST), "bench");
     cfg.force_tcp = tcp;
-    let conns: Vec<_> = (0..k)
-        .map(|r| {
-            let abort = Arc::new(AbortState::default());
-            Arc::new(NetConnector::new(r, k, *b"bench-comm-maker", cfg.clone(), abort).expect("connector"))
-        })
-        .collect();
-    let pid = std::process::id();
-    let peers: Vec<_> = conns
-        .iter()
-        .map(|c| PeerInfo {
-            addr: c.local_addr(),
-            node: 0,
-            pid,
-        })
-        .collect();
-    conns
-        .iter()
-        .for_each(|c| c.set_peers(peers.clone()).expect("peers"));
-    conns
+    let aborts = (0..k).map(|_| Arc::new(AbortState::default())).collect();
+    NetConnector::local_group(*b"bench-comm-maker", &cfg, aborts)
+        .expect("connectors")
+        .into_iter()
+        .map(Arc::new)
+        .collect()
 }
 
 /// Per rank, per round: (split, drop) durations.

@@ -339,9 +339,12 @@ impl Communicator {
         comm.log_schedules();
         if k > 1 {
             let (prev, next) = comm.ring_neighbours();
-            let mut st = comm.lock();
             let w = comm.waiter("connect", 0, 0);
-            comm.open_links(&mut st, &[prev, next], &w)?;
+            let opened = comm.open_links(&mut comm.lock(), &[prev, next], &w);
+            // The peers wait for the links this member will no longer open, and a link it did
+            // open may wait in its drop for the peer: the job-wide abort releases them all now
+            // rather than after the timeout (as a failed call's does).
+            opened.map_err(|e| comm.job_failure(e, &w))?;
         }
         Ok(comm)
     }
@@ -495,21 +498,26 @@ impl Communicator {
         self.stats.record(op, bytes, start.elapsed());
         // The failed operation stays "in progress" in the flight record until the verdict is in,
         // so that the liveness check does not take this rank for one that stopped communicating.
-        let result = match result {
-            Err(e @ (Error::Timeout { .. } | Error::Comm { .. })) if !fingerprint::is_mismatch(&e) => {
-                Err(self.blame(e, &w))
-            }
-            Err(e) if !matches!(e, Error::Aborted { .. }) => {
-                self.connector.abort().raise(&e.to_string());
-                Err(e)
-            }
-            other => other,
-        };
+        let result = result.map_err(|e| self.job_failure(e, &w));
         flight::end(ticket, result.as_ref().err().map(|e| e.to_string()));
         if result.is_err() {
             flight::dump_once(self.connector.rank());
         }
         result
+    }
+
+    /// Makes this rank's failure the job's: one involving a peer goes to [`Self::blame`] (so an
+    /// abort already under way is reported as such); any other, but an abort, raises the
+    /// job-wide abort itself.
+    fn job_failure(&self, e: Error, w: &Waiter) -> Error {
+        match e {
+            Error::Timeout { .. } | Error::Comm { .. } if !fingerprint::is_mismatch(&e) => self.blame(e, w),
+            Error::Aborted { .. } => e,
+            e => {
+                self.connector.abort().raise(&e.to_string());
+                e
+            }
+        }
     }
 
     /// A failure that involves a peer: asks the job (rank 0's liveness check) which rank actually

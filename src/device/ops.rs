@@ -144,16 +144,17 @@ pub fn reduce(
 ) -> Result<()> {
     let k = reduce_kernel(dtype, op);
     let bytes = n * dtype.size();
-    for (what, buf) in [("out", &*out), ("a", a), ("b", b)] {
-        need(&k, what, buf, bytes)?;
-    }
-    if let Device::Cpu = dev {
-        let (a, b) = (&host(&k, a)?.bytes()[..bytes], &host(&k, b)?.bytes()[..bytes]);
-        Reducer::new(dtype, op).reduce_out(&mut host_mut(&k, out)?.bytes_mut()[..bytes], a, b);
-        return Ok(());
-    }
-    let dims = stride_grid(n.div_ceil(16 / dtype.size()));
-    dev.launch(&k, dims, &[A::Buf(out), A::Buf(a), A::Buf(b), A::U64(n as u64)])
+    let cpu = |[out]: [&mut HostBytes; 1], [a, b]: [&HostBytes; 2]| {
+        Reducer::new(dtype, op).reduce_out(&mut out.bytes_mut()[..bytes], &a.bytes()[..bytes], &b.bytes()[..bytes])
+    };
+    launch_op(dev, &k, ([("out", out, bytes)], [("a", a, bytes), ("b", b, bytes)]), cpu, |[out], [a, b]| {
+        dev.launch(&k, reduce_grid(dtype, n), &[A::Buf(out), A::Buf(a), A::Buf(b), A::U64(n as u64)])
+    })
+}
+
+/// The grid of the reduce kernels: one thread per 16-byte vector of `n` elements of `dtype`.
+fn reduce_grid(dtype: DType, n: usize) -> LaunchDims {
+    stride_grid(n.div_ceil(16 / dtype.size()))
 }
 
 /// `acc = acc (op) x` over `n` elements. Reference: `Reducer::reduce_into`.
@@ -167,15 +168,12 @@ pub fn reduce_into(
 ) -> Result<()> {
     let k = reduce_kernel(dtype, op);
     let bytes = n * dtype.size();
-    need(&k, "acc", acc, bytes)?;
-    need(&k, "x", x, bytes)?;
-    if let Device::Cpu = dev {
-        let x = &host(&k, x)?.bytes()[..bytes];
-        Reducer::new(dtype, op).reduce_into(&mut host_mut(&k, acc)?.bytes_mut()[..bytes], x);
-        return Ok(());
-    }
-    let dims = stride_grid(n.div_ceil(16 / dtype.size()));
-    dev.launch(&k, dims, &[A::Buf(acc), A::Buf(acc), A::Buf(x), A::U64(n as u64)])
+    let cpu = |[acc]: [&mut HostBytes; 1], [x]: [&HostBytes; 1]| {
+        Reducer::new(dtype, op).reduce_into(&mut acc.bytes_mut()[..bytes], &x.bytes()[..bytes])
+    };
+    launch_op(dev, &k, ([("acc", acc, bytes)], [("x", x, bytes)]), cpu, |[acc], [x]| {
+        dev.launch(&k, reduce_grid(dtype, n), &[A::Buf(acc), A::Buf(acc), A::Buf(x), A::U64(n as u64)])
+    })
 }
 
 /// Divides `n` summed elements by `ranks` (the end of `Avg`). Reference: `Reducer::finalize`.
@@ -743,48 +741,43 @@ pub fn sum_squares_parts(
 /// reads and clears it. No host synchronization.
 pub fn mark_nonfinite(dev: &Device, flag: &mut DeviceBuffer, x: &DeviceBuffer, start: usize, n: usize) -> Result<()> {
     let k = "nonfinite_mark_f32";
-    need(k, "x", x, f32s(start + n))?;
-    need(k, "flag", flag, 4)?;
-    if let Device::Cpu = dev {
-        let x = &host(k, x)?.view::<f32>(start + n)[start..];
-        let per = chunk_items(n, 1);
+    let cpu = |[flag]: [&mut HostBytes; 1], [x]: [&HostBytes; 1]| {
+        let x = &x.view::<f32>(start + n)[start..];
         let bad = std::sync::atomic::AtomicBool::new(false);
-        run_parts(x.chunks(per), |part| {
+        run_parts(x.chunks(chunk_items(n, 1)), |part| {
             if part.iter().any(|v| !v.is_finite()) {
                 bad.store(true, std::sync::atomic::Ordering::Relaxed);
             }
         });
         if bad.into_inner() {
-            host_mut(k, flag)?.view_mut::<u32>(1)[0] = 1;
+            flag.view_mut::<u32>(1)[0] = 1;
         }
-        return Ok(());
-    }
-    dev.launch(k, stride_grid(n), &[A::BufAt(x, f32s(start)), A::U64(n as u64), A::Buf(flag)])
+    };
+    launch_op(dev, k, ([("flag", flag, 4)], [("x", x, f32s(start + n))]), cpu, |[flag], [x]| {
+        dev.launch(k, stride_grid(n), &[A::BufAt(x, f32s(start)), A::U64(n as u64), A::Buf(flag)])
+    })
 }
 
 /// g[start..start + n] *= s (f32). Reference: `cpu::clip::scale_grads`.
 pub fn scale(dev: &Device, g: &mut DeviceBuffer, start: usize, n: usize, s: f32) -> Result<()> {
     let k = "scale_f32";
-    need(k, "g", g, f32s(start + n))?;
-    if let Device::Cpu = dev {
-        let g = &mut host_mut(k, g)?.view_mut::<f32>(start + n)[start..];
-        let per = chunk_items(n, 1);
-        run_parts(g.chunks_mut(per), |part| part.iter_mut().for_each(|x| *x *= s));
-        return Ok(());
-    }
-    dev.launch(k, stride_grid(n), &[A::BufAt(g, f32s(start)), A::F32(s), A::U64(n as u64)])
+    let cpu = |[g]: [&mut HostBytes; 1], []: [&HostBytes; 0]| {
+        let g = &mut g.view_mut::<f32>(start + n)[start..];
+        run_parts(g.chunks_mut(chunk_items(n, 1)), |part| part.iter_mut().for_each(|x| *x *= s));
+    };
+    launch_op(dev, k, ([("g", g, f32s(start + n))], []), cpu, |[g], []| {
+        dev.launch(k, stride_grid(n), &[A::BufAt(g, f32s(start)), A::F32(s), A::U64(n as u64)])
+    })
 }
 
 /// dst[dst_start..][..n] = src[src_start..][..n] (f32 elements, distinct buffers).
 pub fn copy(dev: &Device, dst: &mut DeviceBuffer, dst_start: usize, src: &DeviceBuffer, src_start: usize, n: usize) -> Result<()> {
     let k = "copy_f32";
-    need(k, "dst", dst, f32s(dst_start + n))?;
-    need(k, "src", src, f32s(src_start + n))?;
-    if let Device::Cpu = dev {
-        let s = &host(k, src)?.view::<f32>(src_start + n)[src_start..];
-        host_mut(k, dst)?.view_mut::<f32>(dst_start + n)[dst_start..].copy_from_slice(s);
-        return Ok(());
-    }
-    let args = [A::BufAt(dst, f32s(dst_start)), A::BufAt(src, f32s(src_start)), A::U64(n as u64)];
-    dev.launch(k, stride_grid(n), &args)
+    let cpu = |[dst]: [&mut HostBytes; 1], [src]: [&HostBytes; 1]| {
+        dst.view_mut::<f32>(dst_start + n)[dst_start..].copy_from_slice(&src.view::<f32>(src_start + n)[src_start..])
+    };
+    launch_op(dev, k, ([("dst", dst, f32s(dst_start + n))], [("src", src, f32s(src_start + n))]), cpu, |[dst], [src]| {
+        let args = [A::BufAt(dst, f32s(dst_start)), A::BufAt(src, f32s(src_start)), A::U64(n as u64)];
+        dev.launch(k, stride_grid(n), &args)
+    })
 }

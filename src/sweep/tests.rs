@@ -85,7 +85,7 @@ fn summary_rejects_short_or_malformed_metrics_naming_file_and_line() {
     let cases: [(&str, &str, usize, &[&str]); 3] = [
         ("a.jsonl", &short, 2, &["2 steps"]),
         ("b.jsonl", "{\"step\":1,\"step_s\":1.0,\"compute_s\":1.0}\n{\"step\":2,\"compute_s\":1.0}\n", 0, &["line 2", "step_s"]),
-        ("c.jsonl", "{oops\n", 0, &["line 1"]),
+        ("c.jsonl", "{oops}\n", 0, &["line 1"]),
     ];
     for (file, text, warmup, fragments) in cases {
         let msg = summarize(meta(Mode::Weak, 1, 64), text, Path::new(file), warmup).unwrap_err().to_string();

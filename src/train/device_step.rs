@@ -59,10 +59,12 @@ use crate::model::DeviceGpt;
 use crate::optim::clip_scale;
 use crate::optim::AdamWConfig;
 
-/// The device optimizer state: whole flat buffers (ZeRO 0) or this rank's shard (ZeRO 1/2).
+/// The device optimizer state: whole flat buffers (ZeRO 0) or this rank's shard (ZeRO 1/2);
+/// none on a parameter-server worker (the servers hold the moments and run AdamW).
 enum State {
     Whole(WholeState),
     Sharded(DeviceShards),
+    Servers,
 }
 
 /// The reduction overlapping the backward: on host memory or on device memory, or the pushes
@@ -128,6 +130,7 @@ impl DeviceStep {
     ) -> Result<Self> {
         let dev = model.device();
         let cfg = GpuCommConfig::from_env()?;
+        let servers = ps.is_some();
         // One data-parallel rank has nothing to reduce: no thread, no staging of every bucket.
         let overlap = if let Some(client) = ps {
             let stats = client.stats();
@@ -146,6 +149,7 @@ impl DeviceStep {
             None
         };
         let state = match sync.zero {
+            _ if servers => State::Servers,
             0 => State::Whole(WholeState::new(model, sync, (decay, norm), overlap.is_none())?),
             1..=3 => State::Sharded(DeviceShards::new(model, sync, decay, norm)?),
             z => return Err(Error::config("parallel.zero", format!("the device step runs ZeRO 0-3, not {z}"))),
@@ -217,6 +221,7 @@ impl DeviceStep {
             + match &self.state {
                 State::Whole(w) => w.device_bytes(),
                 State::Sharded(s) => s.device_bytes(),
+                State::Servers => 0,
             }
     }
 
@@ -232,6 +237,7 @@ impl DeviceStep {
         self.step = match &mut self.state {
             State::Sharded(s) => s.load(model, sync)?,
             State::Whole(w) => w.load(model, sync)?,
+            State::Servers => sync.states().first().map_or(0, |s| s.step),
         };
         model.release_host_params()?;
         sync.release_states();
@@ -249,6 +255,7 @@ impl DeviceStep {
         match &self.state {
             State::Sharded(s) => s.store(model, sync, self.step),
             State::Whole(w) => w.store(model, sync, self.step),
+            State::Servers => Err(Error::Check("a parameter-server worker stores what the servers send".into())),
         }
     }
 
@@ -282,7 +289,7 @@ impl DeviceStep {
         }
         match &mut self.state {
             State::Sharded(s) => s.after_backward(model, dp, &mut self.coll, batches),
-            State::Whole(_) => Ok(()),
+            State::Whole(_) | State::Servers => Ok(()),
         }
     }
 
@@ -328,7 +335,9 @@ impl DeviceStep {
     /// rank's own gradients held a NaN or an infinity before the reduction.
     fn reduce(&mut self, model: &mut DeviceGpt, dp: &Communicator, micro_batches: usize) -> Result<(f64, ReduceTiming, bool)> {
         Ok(match (&mut self.overlap, &mut self.state) {
-            (Some((Overlap::Ps(_), _)), _) => return Err(Error::Check("parameter-server steps end in PsClient::finish_step".into())),
+            (Some((Overlap::Ps(_), _)), _) | (_, State::Servers) => {
+                return Err(Error::Check("parameter-server steps end in PsClient::finish_step".into()))
+            }
             (Some((Overlap::Host(r), _)), State::Whole(w)) => {
                 let timing = w.take_reduced(model, r)?;
                 (w.square(), timing, r.local_nonfinite())
@@ -421,6 +430,7 @@ impl DeviceStep {
         match &mut self.state {
             State::Whole(w) => w.update(model, &update)?,
             State::Sharded(s) => s.update(model, dp, &mut self.coll, &update)?,
+            State::Servers => return Err(Error::Check("a parameter-server worker's update is the servers'".into())),
         }
         Ok(StepOutcome { grad_norm, timing })
     }
@@ -431,7 +441,7 @@ impl DeviceStep {
 fn shard_sink<'a>(dev: &'a Device, state: &'a mut State) -> impl FnMut(usize, Range<usize>, &DeviceBuffer, bool) -> Result<()> + 'a {
     move |k, _, block, first| match state {
         State::Sharded(s) => s.add_block(dev, k, block, first),
-        State::Whole(_) => Err(Error::Check("an all-reduced bucket was handed over before the step".into())),
+        State::Whole(_) | State::Servers => Err(Error::Check("an all-reduced bucket was handed over before the step".into())),
     }
 }
 
@@ -439,6 +449,6 @@ fn shard_sink<'a>(dev: &'a Device, state: &'a mut State) -> impl FnMut(usize, Ra
 fn host_sink<'a>(dev: &'a Device, state: &'a mut State) -> impl FnMut(usize, Range<usize>, &[f32], bool) -> Result<()> + 'a {
     move |k, _, block, first| match state {
         State::Sharded(s) => s.add_host_block(dev, k, block, first),
-        State::Whole(_) => Err(Error::Check("an all-reduced bucket was handed over before the step".into())),
+        State::Whole(_) | State::Servers => Err(Error::Check("an all-reduced bucket was handed over before the step".into())),
     }
 }

@@ -206,6 +206,32 @@ impl NetConnector {
             .map_err(|_| Error::InvalidArgument("set_peers called twice".into()))
     }
 
+    /// One connector per entry of `aborts` (rank = index), all in this process on node 0, that
+    /// already know each other's listeners: an in-process world for tests and benchmarks, where
+    /// the bootstrap's address exchange has no part. `aborts` may repeat one state or give each
+    /// rank its own (as separate processes would have).
+    pub fn local_group(secret: [u8; 16], cfg: &NetConfig, aborts: Vec<Arc<AbortState>>) -> Result<Vec<Self>> {
+        let size = aborts.len();
+        let conns = aborts
+            .into_iter()
+            .enumerate()
+            .map(|(r, abort)| NetConnector::new(r, size, secret, cfg.clone(), abort))
+            .collect::<Result<Vec<_>>>()?;
+        let pid = std::process::id();
+        let peers: Vec<_> = conns
+            .iter()
+            .map(|c| PeerInfo {
+                addr: c.local_addr(),
+                node: 0,
+                pid,
+            })
+            .collect();
+        for c in &conns {
+            c.set_peers(peers.clone())?;
+        }
+        Ok(conns)
+    }
+
     /// File-name prefix of this job's shm segments (as listed in /dev/shm).
     pub fn shm_prefix(&self) -> &str {
         &self.shm_prefix
@@ -525,22 +551,7 @@ mod tests {
         cfg.force_tcp = force_tcp;
         cfg.handshake_timeout = Duration::from_millis(400);
         let abort = Arc::new(AbortState::default());
-        let conns: Vec<_> = (0..size)
-            .map(|r| NetConnector::new(r, size, SECRET, cfg.clone(), abort.clone()).expect("connector"))
-            .collect();
-        let pid = std::process::id();
-        let peers: Vec<_> = conns
-            .iter()
-            .map(|c| PeerInfo {
-                addr: c.local_addr(),
-                node: 0,
-                pid,
-            })
-            .collect();
-        for c in &conns {
-            c.set_peers(peers.clone()).expect("set_peers");
-        }
-        conns
+        NetConnector::local_group(SECRET, &cfg, vec![abort; size]).expect("connectors")
     }
 
     fn shm_files(prefix: &str) -> Vec<String> {

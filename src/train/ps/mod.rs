@@ -18,7 +18,8 @@
 //! Devices: the gradients reach the push as host slices: the CPU arm's without a copy, a device
 //! arm's (emu, CUDA, HIP: one code path) copied device -> host entry by entry as the backward
 //! hands each unit over; the pulled parameters are copied host -> device (and the 16-bit copies
-//! refreshed) before the next step.
+//! refreshed) before the next step. A worker holds no optimizer state on its device (no AdamW
+//! moments): the servers hold it.
 //!
 //! Pieces: the flat parameter buffer cut as the ZeRO-0 buckets are ([`super::buckets::plan_buckets`]),
 //! with buckets of `min(parallel.bucket_mb, 4 MiB)`, each owned by one server: in readiness

@@ -82,11 +82,28 @@ impl Stages {
         let (node, place) = (map.node[me], map.place(me));
         let local: Vec<usize> = map.members[node].iter().map(|&m| comm.members[m]).collect();
         let parts = (child_id(comm.id, u64::MAX, node as u64), local, place);
-        let local = Communicator::with_counter(comm.connector.clone(), parts, comm.cfg.clone(), comm.net_sent.clone())?;
+        let local = Communicator::with_counter(
+            comm.connector.clone(),
+            parts,
+            comm.cfg.clone(),
+            comm.net_sent.clone(),
+        )?;
         let per = map.uniform().ok().map(|(_, l)| l);
-        let world_order = per.is_some() && (0..comm.size()).all(|m| map.place(m) * nodes + map.node[m] == m);
+        let world_order =
+            per.is_some() && (0..comm.size()).all(|m| map.place(m) * nodes + map.node[m] == m);
         let (carriers, scratch) = (Mutex::default(), Mutex::default());
-        Ok(Stages { local, carriers, k: comm.size(), me, node, place, per, world_order, scratch, map })
+        Ok(Stages {
+            local,
+            carriers,
+            k: comm.size(),
+            me,
+            node,
+            place,
+            per,
+            world_order,
+            scratch,
+            map,
+        })
     }
 
     pub(super) fn nodes(&self) -> usize {
@@ -117,7 +134,9 @@ impl Stages {
         cuts.dedup();
         let piece = |w: &[usize]| Piece {
             range: w[0]..w[1],
-            owners: (0..self.nodes()).map(|a| self.map.member(a, block_of(count, self.len(a), w[0]))).collect(),
+            owners: (0..self.nodes())
+                .map(|a| self.map.member(a, block_of(count, self.len(a), w[0])))
+                .collect(),
             block: block_of(count, self.k, w[0]),
         };
         cuts.windows(2).filter(|w| w[0] < w[1]).map(piece).collect()
@@ -139,12 +158,20 @@ impl Stages {
     ) -> Result<()> {
         let mut made = self.carriers.lock().unwrap_or_else(|e| e.into_inner());
         if !made.contains_key(owners) {
-            let key = owners.iter().flat_map(|&m| (m as u64).to_le_bytes()).fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-            });
+            let key = owners
+                .iter()
+                .flat_map(|&m| (m as u64).to_le_bytes())
+                .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                    (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+                });
             let world = owners.iter().map(|&m| parent.members[m]).collect();
             let parts = (child_id(parent.id, u64::MAX - 1, key), world, self.node);
-            let c = Communicator::with_counter(parent.connector.clone(), parts, parent.cfg.clone(), parent.net_sent.clone())?;
+            let c = Communicator::with_counter(
+                parent.connector.clone(),
+                parts,
+                parent.cfg.clone(),
+                parent.net_sent.clone(),
+            )?;
             made.insert(owners.to_vec(), c);
         }
         f(&made[owners])
@@ -155,34 +182,79 @@ impl Stages {
         block_range(count, self.len(self.node), self.place)
     }
 
-    fn all_reduce(&self, p: &Communicator, dtype: DType, input: Option<&[u8]>, out: &mut [u8], red: &Reducer) -> Result<()> {
+    fn all_reduce(
+        &self,
+        p: &Communicator,
+        dtype: DType,
+        input: Option<&[u8]>,
+        out: &mut [u8],
+        red: &Reducer,
+    ) -> Result<()> {
         let (es, sum) = (dtype.size(), stage_reducer(red));
         let n = out.len() / es;
         if let Some(i) = input {
             out.copy_from_slice(i);
         }
-        self.local.collective(dtype, Call::ReduceScatter { input: None, out: &mut *out, n, red: sum })?;
+        self.local.collective(
+            dtype,
+            Call::ReduceScatter {
+                input: None,
+                out: &mut *out,
+                n,
+                red: sum,
+            },
+        )?;
         for s in self.mine(n, false) {
             let part = &mut out[s.range.start * es..s.range.end * es];
-            self.carrier(p, &s.owners, |c| c.collective(dtype, Call::AllReduce { input: None, out: part, red: sum }))?;
+            self.carrier(p, &s.owners, |c| {
+                c.collective(
+                    dtype,
+                    Call::AllReduce {
+                        input: None,
+                        out: part,
+                        red: sum,
+                    },
+                )
+            })?;
         }
         let r = self.local_block(n);
         red.finalize(&mut out[r.start * es..r.end * es], self.k);
-        self.local.collective(dtype, Call::AllGather { input: None, out })
+        self.local
+            .collective(dtype, Call::AllGather { input: None, out })
     }
 
     fn broadcast(&self, p: &Communicator, dtype: DType, root: usize, buf: &mut [u8]) -> Result<()> {
         let (es, n) = (dtype.size(), buf.len() / dtype.size());
         let root_node = self.map.node[root];
         if self.node == root_node {
-            self.local.collective(dtype, Call::Broadcast { root: self.map.place(root), buf: &mut *buf })?;
+            self.local.collective(
+                dtype,
+                Call::Broadcast {
+                    root: self.map.place(root),
+                    buf: &mut *buf,
+                },
+            )?;
         }
         for s in self.mine(n, false) {
             let part = &mut buf[s.range.start * es..s.range.end * es];
-            self.carrier(p, &s.owners, |c| c.collective(dtype, Call::Broadcast { root: root_node, buf: part }))?;
+            self.carrier(p, &s.owners, |c| {
+                c.collective(
+                    dtype,
+                    Call::Broadcast {
+                        root: root_node,
+                        buf: part,
+                    },
+                )
+            })?;
         }
         if self.node != root_node {
-            self.local.collective(dtype, Call::AllGather { input: None, out: buf })?;
+            self.local.collective(
+                dtype,
+                Call::AllGather {
+                    input: None,
+                    out: buf,
+                },
+            )?;
         }
         Ok(())
     }
@@ -210,11 +282,28 @@ impl Stages {
             work
         };
         let sum = stage_reducer(red);
-        self.local.collective(dtype, Call::ReduceScatter { input: None, out: &mut *work, n, red: sum })?;
+        self.local.collective(
+            dtype,
+            Call::ReduceScatter {
+                input: None,
+                out: &mut *work,
+                n,
+                red: sum,
+            },
+        )?;
         let root_node = self.map.node[root];
         for s in self.mine(n, false) {
-            let (len, part) = (s.range.len(), &mut work[s.range.start * es..s.range.end * es]);
-            let call = Call::Reduce { root: root_node, input: None, out: part, n: len, red: sum };
+            let (len, part) = (
+                s.range.len(),
+                &mut work[s.range.start * es..s.range.end * es],
+            );
+            let call = Call::Reduce {
+                root: root_node,
+                input: None,
+                out: part,
+                n: len,
+                red: sum,
+            };
             self.carrier(p, &s.owners, |c| c.collective(dtype, call))?;
         }
         if self.node != root_node {
@@ -227,7 +316,8 @@ impl Stages {
         }
         for j in (0..l).filter(|&j| j != root_place) {
             let r = block_range(n, l, j);
-            self.local.recv_into(&mut work[r.start * es..r.end * es], j)?;
+            self.local
+                .recv_into(&mut work[r.start * es..r.end * es], j)?;
         }
         red.finalize(work, self.k);
         Ok(())
@@ -270,10 +360,18 @@ impl Communicator {
         let (start, name) = (std::time::Instant::now(), call.name());
         let result = self.stages().and_then(|s| match call {
             Call::AllReduce { input, out, red } => s.all_reduce(self, dtype, input, out, &red),
-            Call::ReduceScatter { input, out, n, red } => s.reduce_scatter(self, dtype, input, out, n, &red),
+            Call::ReduceScatter { input, out, n, red } => {
+                s.reduce_scatter(self, dtype, input, out, n, &red)
+            }
             Call::AllGather { input, out } => s.all_gather(self, dtype, input, out),
             Call::Broadcast { root, buf } => s.broadcast(self, dtype, root, buf),
-            Call::Reduce { root, input, out, n, red } => s.reduce(self, dtype, (root, n), input, out, &red),
+            Call::Reduce {
+                root,
+                input,
+                out,
+                n,
+                red,
+            } => s.reduce(self, dtype, (root, n), input, out, &red),
         });
         self.stats.record(name, bytes, start.elapsed());
         result
@@ -283,7 +381,8 @@ impl Communicator {
         if let Some(s) = self.hier.get() {
             return Ok(s);
         }
-        let made = Stages::new(self).inspect_err(|e| self.connector.abort().raise(&e.to_string()))?;
+        let made =
+            Stages::new(self).inspect_err(|e| self.connector.abort().raise(&e.to_string()))?;
         Ok(self.hier.get_or_init(|| Box::new(made)))
     }
 }
@@ -299,7 +398,11 @@ mod tests {
             for parts in 1..9 {
                 for b in 0..parts {
                     for x in block_range(count, parts, b) {
-                        assert_eq!(block_of(count, parts, x), b, "count {count} parts {parts} x {x}");
+                        assert_eq!(
+                            block_of(count, parts, x),
+                            b,
+                            "count {count} parts {parts} x {x}"
+                        );
                     }
                 }
             }

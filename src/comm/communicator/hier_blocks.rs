@@ -61,20 +61,35 @@ impl Stages {
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         match (way, input) {
             (Way::WorldOrder, None) => {
-                self.local.collective(dtype, Call::ReduceScatter { input: None, out: &mut *out, n, red: stage_reducer(red) })?;
+                self.local.collective(
+                    dtype,
+                    Call::ReduceScatter {
+                        input: None,
+                        out: &mut *out,
+                        n,
+                        red: stage_reducer(red),
+                    },
+                )?;
                 let r = self.local_block(n);
                 return self.rs_place(p, dtype, &mut out[r.start * es..r.end * es], red);
             }
             (Way::WorldOrder, Some(i)) => {
                 let region = sized(&mut scratch, self.local_block(n).len() * es);
-                let call = Call::ReduceScatter { input: Some(i), out: &mut *region, n, red: stage_reducer(red) };
+                let call = Call::ReduceScatter {
+                    input: Some(i),
+                    out: &mut *region,
+                    n,
+                    red: stage_reducer(red),
+                };
                 self.local.collective(dtype, call)?;
                 self.rs_place(p, dtype, region, red)?;
                 let b = n / self.k;
                 out.copy_from_slice(&region[self.node * b * es..(self.node + 1) * b * es]);
                 return Ok(());
             }
-            (Way::Packed, _) => return self.rs_packed(p, dtype, (input, out), n, (red, &mut *scratch)),
+            (Way::Packed, _) => {
+                return self.rs_packed(p, dtype, (input, out), n, (red, &mut *scratch))
+            }
             (Way::Pieces, None) => self.rs_pieces(p, dtype, out, n, red)?,
             (Way::Pieces, Some(i)) => {
                 let work = sized(&mut scratch, n * es);
@@ -89,14 +104,30 @@ impl Stages {
 
     /// Reduce-scatter of this member's local block over its place's carrier (world order): node
     /// `a` gets part `a`, this member's world block, finalized.
-    fn rs_place(&self, p: &Communicator, dtype: DType, region: &mut [u8], red: &Reducer) -> Result<()> {
+    fn rs_place(
+        &self,
+        p: &Communicator,
+        dtype: DType,
+        region: &mut [u8],
+        red: &Reducer,
+    ) -> Result<()> {
         let (es, nodes) = (dtype.size(), self.nodes());
         let count = region.len() / es;
         let sum = stage_reducer(red);
-        let call = Call::ReduceScatter { input: None, out: &mut *region, n: count, red: sum };
-        self.carrier(p, &self.place_owners(self.place), |c| c.collective(dtype, call))?;
+        let call = Call::ReduceScatter {
+            input: None,
+            out: &mut *region,
+            n: count,
+            red: sum,
+        };
+        self.carrier(p, &self.place_owners(self.place), |c| {
+            c.collective(dtype, call)
+        })?;
         let b = count / nodes;
-        red.finalize(&mut region[self.node * b * es..(self.node + 1) * b * es], self.k);
+        red.finalize(
+            &mut region[self.node * b * es..(self.node + 1) * b * es],
+            self.k,
+        );
         Ok(())
     }
 
@@ -113,37 +144,85 @@ impl Stages {
         n: usize,
         (red, scratch): (&Reducer, &mut Vec<u8>),
     ) -> Result<()> {
-        let (k, es, b, nodes) = (self.k, dtype.size(), block_range(n, self.k, 0).len(), self.nodes());
+        let (k, es, b, nodes) = (
+            self.k,
+            dtype.size(),
+            block_range(n, self.k, 0).len(),
+            self.nodes(),
+        );
         let slots = sized(scratch, k * b * es);
         let src = input.unwrap_or(out);
         for m in 0..k {
-            let (r, s) = (block_range(n, k, m), self.slot(self.map.node[m], self.map.place(m)) * b);
+            let (r, s) = (
+                block_range(n, k, m),
+                self.slot(self.map.node[m], self.map.place(m)) * b,
+            );
             slots[s * es..(s + r.len()) * es].copy_from_slice(&src[r.start * es..r.end * es]);
             slots[(s + r.len()) * es..(s + b) * es].fill(0);
         }
         let sum = stage_reducer(red);
-        self.local.collective(dtype, Call::ReduceScatter { input: None, out: &mut *slots, n: k * b, red: sum })?;
+        self.local.collective(
+            dtype,
+            Call::ReduceScatter {
+                input: None,
+                out: &mut *slots,
+                n: k * b,
+                red: sum,
+            },
+        )?;
         let region = &mut slots[self.place * nodes * b * es..(self.place + 1) * nodes * b * es];
-        let call = Call::ReduceScatter { input: None, out: &mut *region, n: nodes * b, red: sum };
-        self.carrier(p, &self.place_owners(self.place), |c| c.collective(dtype, call))?;
+        let call = Call::ReduceScatter {
+            input: None,
+            out: &mut *region,
+            n: nodes * b,
+            red: sum,
+        };
+        self.carrier(p, &self.place_owners(self.place), |c| {
+            c.collective(dtype, call)
+        })?;
         let r = block_range(n, k, self.me);
         let mine = &mut region[self.node * b * es..(self.node * b + r.len()) * es];
         red.finalize(mine, k);
-        let dst = if input.is_none() { &mut out[r.start * es..r.end * es] } else { out };
+        let dst = if input.is_none() {
+            &mut out[r.start * es..r.end * es]
+        } else {
+            out
+        };
         dst.copy_from_slice(mine);
         Ok(())
     }
 
     /// Reduce-scatter in pieces on the whole buffer `work`: this member's world block ends up
     /// reduced and finalized in place.
-    fn rs_pieces(&self, p: &Communicator, dtype: DType, work: &mut [u8], n: usize, red: &Reducer) -> Result<()> {
+    fn rs_pieces(
+        &self,
+        p: &Communicator,
+        dtype: DType,
+        work: &mut [u8],
+        n: usize,
+        red: &Reducer,
+    ) -> Result<()> {
         let (es, sum) = (dtype.size(), stage_reducer(red));
-        self.local.collective(dtype, Call::ReduceScatter { input: None, out: &mut *work, n, red: sum })?;
+        self.local.collective(
+            dtype,
+            Call::ReduceScatter {
+                input: None,
+                out: &mut *work,
+                n,
+                red: sum,
+            },
+        )?;
         let pieces = self.pieces(n, true);
         for s in pieces.iter().filter(|s| s.owners[self.node] == self.me) {
             let (root, len) = (self.map.node[s.block], s.range.len());
             let part = &mut work[s.range.start * es..s.range.end * es];
-            let call = Call::Reduce { root, input: None, out: part, n: len, red: sum };
+            let call = Call::Reduce {
+                root,
+                input: None,
+                out: part,
+                n: len,
+                red: sum,
+            };
             self.carrier(p, &s.owners, |c| c.collective(dtype, call))?;
         }
         self.hand_over(&pieces, work, es, true)?;
@@ -154,10 +233,23 @@ impl Stages {
 
     /// Within this node, moves every piece of a local member's world block between the piece's
     /// carrier and that member: to the member (`to_owner`) or to the carrier.
-    fn hand_over(&self, pieces: &[Piece], work: &mut [u8], es: usize, to_owner: bool) -> Result<()> {
-        for s in pieces.iter().filter(|s| self.map.node[s.block] == self.node) {
+    fn hand_over(
+        &self,
+        pieces: &[Piece],
+        work: &mut [u8],
+        es: usize,
+        to_owner: bool,
+    ) -> Result<()> {
+        for s in pieces
+            .iter()
+            .filter(|s| self.map.node[s.block] == self.node)
+        {
             let carrier = s.owners[self.node];
-            let (from, to) = if to_owner { (carrier, s.block) } else { (s.block, carrier) };
+            let (from, to) = if to_owner {
+                (carrier, s.block)
+            } else {
+                (s.block, carrier)
+            };
             let part = &mut work[s.range.start * es..s.range.end * es];
             if from == to {
                 continue;
@@ -171,14 +263,25 @@ impl Stages {
     }
 
     /// `out` is the whole buffer; this member's block comes from `input` or sits in `out`.
-    pub(super) fn all_gather(&self, p: &Communicator, dtype: DType, input: Option<&[u8]>, out: &mut [u8]) -> Result<()> {
+    pub(super) fn all_gather(
+        &self,
+        p: &Communicator,
+        dtype: DType,
+        input: Option<&[u8]>,
+        out: &mut [u8],
+    ) -> Result<()> {
         let es = dtype.size();
         let n = out.len() / es;
         match self.way(n) {
             Way::WorldOrder => {
                 let r = self.local_block(n);
-                let call = Call::AllGather { input, out: &mut out[r.start * es..r.end * es] };
-                self.carrier(p, &self.place_owners(self.place), |c| c.collective(dtype, call))?;
+                let call = Call::AllGather {
+                    input,
+                    out: &mut out[r.start * es..r.end * es],
+                };
+                self.carrier(p, &self.place_owners(self.place), |c| {
+                    c.collective(dtype, call)
+                })?;
             }
             Way::Packed => return self.ag_packed(p, dtype, input, out),
             Way::Pieces => {
@@ -189,15 +292,27 @@ impl Stages {
                 let pieces = self.pieces(n, true);
                 self.hand_over(&pieces, out, es, false)?;
                 for s in pieces.iter().filter(|s| s.owners[self.node] == self.me) {
-                    let (root, part) = (self.map.node[s.block], &mut out[s.range.start * es..s.range.end * es]);
-                    self.carrier(p, &s.owners, |c| c.collective(dtype, Call::Broadcast { root, buf: part }))?;
+                    let (root, part) = (
+                        self.map.node[s.block],
+                        &mut out[s.range.start * es..s.range.end * es],
+                    );
+                    self.carrier(p, &s.owners, |c| {
+                        c.collective(dtype, Call::Broadcast { root, buf: part })
+                    })?;
                 }
             }
         }
-        self.local.collective(dtype, Call::AllGather { input: None, out })
+        self.local
+            .collective(dtype, Call::AllGather { input: None, out })
     }
 
-    fn ag_packed(&self, p: &Communicator, dtype: DType, input: Option<&[u8]>, out: &mut [u8]) -> Result<()> {
+    fn ag_packed(
+        &self,
+        p: &Communicator,
+        dtype: DType,
+        input: Option<&[u8]>,
+        out: &mut [u8],
+    ) -> Result<()> {
         let (k, es, nodes) = (self.k, dtype.size(), self.nodes());
         let n = out.len() / es;
         let b = block_range(n, k, 0).len();
@@ -209,9 +324,20 @@ impl Stages {
         slots[s * es..(s + r.len()) * es].copy_from_slice(mine);
         slots[(s + r.len()) * es..(s + b) * es].fill(0);
         let region = self.place * nodes * b * es..(self.place + 1) * nodes * b * es;
-        let call = Call::AllGather { input: None, out: &mut slots[region] };
-        self.carrier(p, &self.place_owners(self.place), |c| c.collective(dtype, call))?;
-        self.local.collective(dtype, Call::AllGather { input: None, out: &mut *slots })?;
+        let call = Call::AllGather {
+            input: None,
+            out: &mut slots[region],
+        };
+        self.carrier(p, &self.place_owners(self.place), |c| {
+            c.collective(dtype, call)
+        })?;
+        self.local.collective(
+            dtype,
+            Call::AllGather {
+                input: None,
+                out: &mut *slots,
+            },
+        )?;
         for m in 0..k {
             let r = block_range(n, k, m);
             let s = self.slot(self.map.node[m], self.map.place(m)) * b;

@@ -199,12 +199,13 @@ hierarchical() {
   # 5 ranks round robin (bench rounds the count to 262140 f32): node 1 holds ranks 0 2 4 (local
   # blocks of 87380 f32, 349520 B), node 2 ranks 1 3 (131070 f32, 524280 B, two segments each).
   # Each rank sends its block once (an all-reduce over 2 nodes) plus a fingerprint per segment:
-  # mean (3 x 349520 + 2 x 524280 + 8 x 32) / 5 = 419475 B, the busiest 524280 + 64.
+  # mean (3 x 349520 + 2 x 524280 + 8 x 32) / 5 = 419475 B (the minimum 2 x 1048560 / 5 = 419424
+  # plus the fingerprints), the busiest 524280 + 64.
   name="hierarchical-uneven-$TRANSPORT"
   DEADLINE_OF_JOB=60 job "$name" 5 -x RUST_LOG=info "$BIN" bench all_reduce --min 1M --max 1M --warmup 1 --iters 2 --csv
   row=$(sed -n 's/^\[1,0\]<stdout>:\(all_reduce,.*\)/\1/p' "$LOG/$name")
   if grep -q "hierarchical host collectives over 2 nodes (3+2 ranks)" "$LOG/$name" &&
-    awk -F, '$2 == 1048560 && $8 == 0 && $9 == 419475 && $10 == 524280 + 64 {ok = 1} END {exit !ok}' <<<"$row"; then
+    awk -F, '$2 == 1048560 && $8 == 0 && $9 == 419475 && $10 == 524280 + 64 && $11 == 419424 {ok = 1} END {exit !ok}' <<<"$row"; then
     ok "$name ($(cut -d, -f5 <<<"$row") us, $(cut -d, -f10 <<<"$row") B most per rank between nodes)"
   else
     bad "$name" "no staged uneven all-reduce at the expected inter-node bytes (row: $row)" "$LOG/$name"

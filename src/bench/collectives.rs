@@ -90,7 +90,8 @@ pub struct NetBytes {
     pub mean: f64,
     /// The busiest rank.
     pub max: f64,
-    /// Theoretical minimum of the mean (`None` where nodes hold different numbers of ranks).
+    /// Theoretical minimum of the mean (`None` for all-to-all where nodes hold different numbers
+    /// of ranks).
     pub min: Option<f64>,
 }
 
@@ -103,6 +104,16 @@ pub fn net_minimum(coll: &str, bytes: usize, nodes: usize, per: usize) -> f64 {
         "all_to_all" => s * (n * l - l) / (n * l),
         _ => (n - 1.0) / n * s / l,
     }
+}
+
+/// The theoretical minimum of the mean bytes per rank sent between nodes on `nodes` nodes of any
+/// sizes, `ranks` ranks in all: every node must send `2(n-1)/n` of an all-reduce's buffer, so
+/// `2(n-1)` buffers cross in all; for reduce-scatter, all-gather, broadcast and reduce `n-1`
+/// buffers (each block reaches, or leaves for, each other node once); the mean is that over the
+/// ranks (equal to [`net_minimum`] on even layouts).
+pub fn net_minimum_uneven(coll: &str, bytes: usize, nodes: usize, ranks: usize) -> f64 {
+    let factor = if coll == "all_reduce" { 2.0 } else { 1.0 };
+    factor * (nodes as f64 - 1.0) * bytes as f64 / ranks as f64
 }
 
 impl Row {
@@ -381,7 +392,11 @@ fn net_bytes(c: &Communicator, coll: &str, bytes: usize, mine: f64) -> Result<Op
     let (mut sum, mut max) = ([mine], [mine]);
     c.all_reduce(&mut sum, ReduceOp::Sum)?;
     c.all_reduce(&mut max, ReduceOp::Max)?;
-    let min = c.node_map().uniform().ok().map(|(n, l)| net_minimum(coll, bytes, n, l));
+    let min = match c.node_map().uniform() {
+        Ok((n, l)) => Some(net_minimum(coll, bytes, n, l)),
+        Err(_) if coll != "all_to_all" => Some(net_minimum_uneven(coll, bytes, c.node_map().nodes(), c.size())),
+        Err(_) => None,
+    };
     Ok(Some(NetBytes { mean: sum[0] / c.size() as f64, max: max[0], min }))
 }
 
@@ -500,6 +515,11 @@ mod tests {
         assert_eq!(net_minimum("all_reduce", 1200, 3, 2), 800.0);
         assert_eq!(net_minimum("broadcast", 1200, 2, 4), 150.0);
         assert_eq!(net_minimum("all_to_all", 1200, 2, 2), 600.0);
+        // Uneven (3+2+1 ranks on 3 nodes): 2(n-1) buffers cross for an all-reduce, n-1 otherwise;
+        // on an even layout the same as the per-node formula.
+        assert_eq!(net_minimum_uneven("all_reduce", 1200, 3, 6), 800.0);
+        assert_eq!(net_minimum_uneven("reduce_scatter", 1200, 3, 6), 400.0);
+        assert_eq!(net_minimum_uneven("broadcast", 1200, 2, 8), net_minimum("broadcast", 1200, 2, 4));
         for hier in [true, false] {
             let cfg = CommConfig { hier, tuning: None, small_bytes: 0, ..CommConfig::default() };
             let rows = run_ranks_placed(vec![0, 1, 0, 1], cfg, |c| {

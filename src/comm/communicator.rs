@@ -17,9 +17,9 @@
 //!   ([`flight`]);
 //! - every call arms its fingerprint ([`fingerprint`]) on each link; a call numbered differently,
 //!   or another operation, count, element type, operator or root on a peer fails on both sides;
-//! - across nodes (the same number >= 2 of members on each), all-reduce, reduce-scatter,
-//!   all-gather and broadcast may run in stages over two stage communicators made from the node
-//!   map ([`hier`]); their calls are numbered, fingerprinted and recorded on those, under this
+//! - across nodes (some node holding >= 2 members), all-reduce, reduce-scatter, all-gather,
+//!   broadcast and reduce may run in stages over stage communicators made from the node map
+//!   ([`hier`]); their calls are numbered, fingerprinted and recorded on those, under this
 //!   communicator's lock;
 //! - single-copy (read) schedules run only after a probe, made once per communicator by the
 //!   first call that wants them, showed on every member that every peer's memory can be read;
@@ -55,6 +55,7 @@ use crate::transport::{Connector, Link, Waiter};
 #[cfg(feature = "ofi")]
 mod device_direct;
 mod hier;
+mod hier_blocks;
 mod schedule;
 
 /// A group of ranks that run collectives together.

@@ -1,7 +1,8 @@
 //! The hierarchical host schedules on in-process ranks placed on emulated nodes: every collective,
 //! element type, operator and count bit for bit (through [`super::selftest`]) on even layouts of
-//! 2..4 nodes (round robin, blocked and shuffled member orders), the flat fallback on uneven
-//! layouts, and the bytes each rank sends between nodes against the theoretical minimum.
+//! 2..4 nodes (round robin, blocked and shuffled member orders) and uneven ones (3+2, 2+1, 4+2+1,
+//! 1+1+3, ...), the flat fallback with one member per node or `MESHTRAIN_HIER=off`, and the bytes
+//! each rank sends between nodes against the theoretical minimum.
 
 use crate::comm::fingerprint::PRINT_LEN;
 use crate::comm::selftest::check_all;
@@ -19,7 +20,9 @@ fn cfg(algo: Algo) -> CommConfig {
 /// picked for a 4 KiB all-reduce on every rank.
 fn exact_on(nodes: Vec<usize>, cfg: CommConfig) -> Vec<Family> {
     run_ranks_placed(nodes.clone(), cfg, move |c| {
-        let fails = check_all(&c, &[0, 1, 2, 13, 97, 1000], &ReduceOp::ALL).unwrap();
+        // 840 divides by every world size up to 8 (the copy-free world-order schedules); the others
+        // by few or none.
+        let fails = check_all(&c, &[0, 1, 2, 13, 97, 840, 1001], &ReduceOp::ALL).unwrap();
         assert_eq!(fails, Vec::<String>::new(), "layout {nodes:?}");
         c.planned_schedule("all_reduce", 4096).family
     })
@@ -42,13 +45,33 @@ fn every_collective_exact_in_stages_on_even_layouts() {
 }
 
 #[test]
-fn uneven_or_single_rank_nodes_and_hier_off_run_flat_and_exact() {
-    for nodes in [vec![0, 0, 1, 2, 2], vec![0, 1, 2], vec![0, 1, 1, 1, 0, 0, 1]] {
+fn every_collective_exact_in_stages_on_uneven_layouts() {
+    let layouts: Vec<Vec<usize>> = vec![
+        vec![0, 0, 0, 1, 1],             // 3+2, blocked
+        vec![0, 1, 0, 1, 0],             // 3+2, round robin
+        vec![0, 0, 1],                   // 2+1
+        vec![1, 0, 0],                   // 2+1, the lone rank first
+        vec![0, 0, 0, 0, 1, 1, 2],       // 4+2+1
+        vec![2, 0, 1, 0, 0, 1, 0],       // 4+2+1, shuffled
+        vec![0, 1, 2, 2, 2],             // 1+1+3
+        vec![0, 1, 1, 1, 0, 0, 1],       // 3+4
+        vec![0, 1, 2, 0, 1, 0, 2, 0],    // 4+2+2
+    ];
+    for nodes in layouts {
+        let picked = exact_on(nodes.clone(), cfg(Algo::Auto));
+        assert!(picked.iter().all(|&f| f == Family::Hier), "{nodes:?}: {picked:?}");
+    }
+}
+
+#[test]
+fn single_rank_nodes_and_hier_off_run_flat_and_exact() {
+    for nodes in [vec![0, 1, 2], vec![1, 0]] {
         let picked = exact_on(nodes.clone(), cfg(Algo::Auto));
         assert!(picked.iter().all(|&f| f != Family::Hier), "{nodes:?}: {picked:?}");
     }
     let off = CommConfig { hier: false, ..cfg(Algo::Auto) };
-    assert!(exact_on(vec![0, 1, 0, 1], off).iter().all(|&f| f != Family::Hier));
+    assert!(exact_on(vec![0, 1, 0, 1], off.clone()).iter().all(|&f| f != Family::Hier));
+    assert!(exact_on(vec![0, 0, 1], off).iter().all(|&f| f != Family::Hier));
     // A forced flat schedule wins; every world size 1..8 on two nodes stays exact.
     assert!(exact_on(vec![0, 1, 0, 1], cfg(Algo::Ring)).iter().all(|&f| f == Family::Ring));
     for k in 1..=8 {
@@ -66,6 +89,7 @@ fn net_bytes(nodes: Vec<usize>, hier: bool, coll: &'static str, n: usize) -> Vec
             "all_reduce" => c.all_reduce(&mut buf, ReduceOp::Sum).unwrap(),
             "reduce_scatter" => c.reduce_scatter(&mut buf, ReduceOp::Sum).unwrap(),
             "all_gather" => c.all_gather(&mut buf).unwrap(),
+            "reduce" => c.reduce(&mut buf, ReduceOp::Sum, 0).unwrap(),
             _ => c.broadcast(&mut buf, 0).unwrap(),
         };
         // The second call: the first also makes the stage communicators.
@@ -103,5 +127,52 @@ fn bytes_between_nodes_meet_the_minimum_in_stages() {
         let per = (2.0 * (k - 1.0) / k * size as f64) as u64 + print;
         assert_eq!(flat.iter().filter(|&&b| b == per).count(), n, "flat {n}x{l}: {flat:?}");
         assert_eq!(flat.iter().filter(|&&b| b == 0).count(), n * (l - 1), "flat {n}x{l}: {flat:?}");
+    }
+}
+
+/// The bytes rank `r` must send between nodes (`want`) within its share of fingerprints: at most
+/// one per stage call, and a member makes fewer than `2k` of them.
+fn within(got: &[u64], want: impl Fn(usize) -> u64, what: &str) {
+    let slack = 2 * got.len() as u64 * PRINT_LEN as u64;
+    for (r, &g) in got.iter().enumerate() {
+        assert!(g >= want(r) && g <= want(r) + slack, "{what}: rank {r} sent {g}, want {} (+ prints): {got:?}", want(r));
+    }
+}
+
+#[test]
+fn bytes_between_nodes_meet_the_minimum_on_uneven_layouts() {
+    // 33600 f32 divide by every node and world size here. L(a): members of node a; S: buffer bytes.
+    let (count, print) = (33_600usize, PRINT_LEN as u64);
+    let size = count as u64 * 4;
+    for nodes in [vec![0, 0, 0, 1, 1], vec![0, 0, 0, 0, 1, 1, 2], vec![0, 1, 2, 2, 2], vec![0, 1, 1, 0]] {
+        let (k, n) = (nodes.len() as u64, *nodes.iter().max().unwrap() as u64 + 1);
+        let per = |a: usize| nodes.iter().filter(|&&x| x == a).count() as u64;
+        // Each member's local block: S / L(a).
+        let block = |r: usize| size / per(nodes[r]);
+        let what = |coll: &str| format!("{coll} on {nodes:?}");
+        // All-reduce: every node sends 2(n-1)/n S, each member that share of its local block.
+        let got = net_bytes(nodes.clone(), true, "all_reduce", count);
+        within(&got, |r| 2 * (n - 1) * block(r) / n, &what("all_reduce"));
+        // Reduce onto rank 0: every other node sends S once, each member its local block.
+        let got = net_bytes(nodes.clone(), true, "reduce", count);
+        within(&got, |r| if nodes[r] == nodes[0] { 0 } else { block(r) }, &what("reduce"));
+        // Reduce-scatter: node a sends the world blocks of the other nodes once, (k - L(a))/k S
+        // (the minimum); no member more than its local block.
+        let got = net_bytes(nodes.clone(), true, "reduce_scatter", count);
+        for a in 0..n as usize {
+            let on: Vec<usize> = (0..nodes.len()).filter(|&r| nodes[r] == a).collect();
+            let sent: u64 = on.iter().map(|&r| got[r]).sum();
+            let want = (k - per(a)) * size / k;
+            let slack = 2 * k * k * print;
+            assert!(sent >= want && sent <= want + slack, "{}: node {a} sent {sent}, want {want}: {got:?}", what("reduce_scatter"));
+            assert!(on.iter().all(|&r| got[r] <= block(r) + slack), "{}: {got:?}", what("reduce_scatter"));
+        }
+        // All-gather and broadcast: every piece reaches each other node once, (n-1) S in all.
+        for coll in ["all_gather", "broadcast"] {
+            let got = net_bytes(nodes.clone(), true, coll, count);
+            let total: u64 = got.iter().sum();
+            let want = (n - 1) * size;
+            assert!(total >= want && total <= want + 2 * k * k * print, "{}: {total} in all, want {want}: {got:?}", what(coll));
+        }
     }
 }

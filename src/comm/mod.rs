@@ -42,18 +42,19 @@
 //!   for all-gather and all-reduce above 64 KiB only where reads work *and* pay, `on` reads for all
 //!   four at every size wherever they work (an error where they do not), `off` never; member 0 logs
 //!   the probe's answer once. On this VM reads work but do not pay (see "where the time goes").
-//! - **Hierarchical** (members on several nodes, the same number >= 2 on each; `MESHTRAIN_HIER=auto`,
-//!   the default; `off` keeps the flat schedules): all-reduce, reduce-scatter, all-gather and
-//!   broadcast run in stages over two sub-communicators made from the node map (no messages): the
-//!   members of a node (shared memory, CMA) and, per place on a node, the members holding it on
-//!   every node (the network). All-reduce is a reduce-scatter within the node, an all-reduce of
-//!   each member's `1/L` between nodes, an all-gather within the node, so each rank sends
-//!   `2(n-1)/n` of its `1/L` between nodes: the minimum for its node, spread over all `L` ranks
-//!   (the flat ring sends `2(k-1)/k` of the whole buffer from the one rank at each node's end).
-//!   Each stage picks its own schedule; reduce and all-to-all stay flat; uneven layouts and one
-//!   rank per node stay flat, logged once with the reason. Summation order: within the node in its
-//!   ring order, then between nodes. `Communicator::net_bytes_sent` counts the bytes a rank posted
-//!   to other nodes; `meshtrain bench` prints them per call next to the minimum.
+//! - **Hierarchical** (members on several nodes, some node holding >= 2; `MESHTRAIN_HIER=auto`,
+//!   the default; `off` keeps the flat schedules): all-reduce, reduce-scatter, all-gather,
+//!   broadcast and reduce run in stages over sub-communicators made from the node map (no
+//!   messages): the members of a node (shared memory, CMA) and, per segment of the buffer, one
+//!   member of every node carrying it (the network; on even layouts a segment is a place). All-reduce
+//!   is a reduce-scatter within the node, an all-reduce of each member's local block between nodes,
+//!   an all-gather within the node, so each node sends `2(n-1)/n` of the buffer between nodes (the
+//!   minimum), spread over its ranks (the flat ring sends `2(k-1)/k` of the whole buffer from the
+//!   one rank at each node's end); uneven layouts (3+2, 4+2+1) run in stages too, a smaller node's
+//!   members carrying more. Each stage picks its own schedule; all-to-all stays flat, and so does
+//!   one rank per node, logged once with the reason. Summation order: within the node in its ring
+//!   order, then between nodes. `Communicator::net_bytes_sent` counts the bytes a rank posted to
+//!   other nodes; `meshtrain bench` prints them per call next to the minimum.
 //! - Reductions are deterministic: every rank ends with the same bits, and the same inputs give the
 //!   same bits run to run.
 //! - **Transports** (`src/transport/`): shared memory between ranks of one node (a segment per pair,

@@ -1,6 +1,7 @@
 //! Which members of a communicator share a node, as the hierarchical schedules (host and device)
 //! need it: node indices numbered in the order of their first member, each member's place among
-//! the members of its node, and whether every node holds the same number of members.
+//! the members of its node, whether every node holds the same number of members, and whether the
+//! members can run in stages at all.
 //!
 //! Why one place: the host collectives ([`crate::comm::communicator`]) and the device all-reduce
 //! ([`crate::comm::device`]) both cut a communicator into "the members of my node" and "the
@@ -80,6 +81,21 @@ impl NodeMap {
     }
 }
 
+impl NodeMap {
+    /// The number of nodes when the members span at least two nodes and some node holds `>= 2`
+    /// of them (where the hierarchical host schedules differ from a flat one, even or uneven);
+    /// otherwise why not, in words.
+    pub fn staged(&self) -> Result<usize, String> {
+        if self.nodes() < 2 {
+            return Err("all members are on one node".into());
+        }
+        if self.members.iter().all(|m| m.len() == 1) {
+            return Err("one member per node (the flat ring already crosses each link once)".into());
+        }
+        Ok(self.nodes())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::NodeMap;
@@ -103,5 +119,14 @@ mod tests {
         assert!(NodeMap::new(&[1, 2, 3]).uniform().unwrap_err().contains("one member per node"));
         let e = NodeMap::new(&[1, 1, 2, 2, 2, 3]).uniform().unwrap_err();
         assert!(e.contains("per node: 2 3 1"), "{e}");
+    }
+
+    #[test]
+    fn uneven_layouts_are_staged() {
+        assert_eq!(NodeMap::new(&[1, 1, 2, 2, 2, 3]).staged(), Ok(3));
+        assert_eq!(NodeMap::new(&[4, 4, 4, 9, 9]).staged(), Ok(2));
+        assert_eq!(NodeMap::new(&[1, 2, 3, 3, 3]).staged(), Ok(3));
+        assert!(NodeMap::new(&[5, 5, 5]).staged().unwrap_err().contains("one node"));
+        assert!(NodeMap::new(&[1, 2, 3]).staged().unwrap_err().contains("one member per node"));
     }
 }

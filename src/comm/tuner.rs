@@ -45,8 +45,8 @@ pub enum Family {
     /// all-to-all).
     Read,
     /// Hierarchical (communicators spanning nodes, all-reduce, reduce-scatter, all-gather,
-    /// broadcast): a stage within each node, one between nodes per place, a stage within each node
-    /// again; each stage picks its own schedule from this table. The chunk is unused.
+    /// broadcast, reduce): a stage within each node, one between nodes per segment, a stage within
+    /// each node again; each stage picks its own schedule from this table. The chunk is unused.
     Hier,
 }
 
@@ -67,7 +67,7 @@ impl Family {
             Family::Ring => coll != "all_to_all",
             Family::Direct => true,
             Family::Read => matches!(coll, "all_reduce" | "all_gather" | "broadcast" | "all_to_all"),
-            Family::Hier => matches!(coll, "all_reduce" | "reduce_scatter" | "all_gather" | "broadcast"),
+            Family::Hier => matches!(coll, "all_reduce" | "reduce_scatter" | "all_gather" | "broadcast" | "reduce"),
         }
     }
 }
@@ -236,7 +236,7 @@ impl Tuning {
 /// schedule, then `MESHTRAIN_ALGO=ring|direct`; both flat), then the table, then the fixed rule
 /// (hierarchical where `span.hier` says the communicator can run it, else direct up to
 /// `small_bytes`, reads above it for all-reduce and all-gather within a node, the ring otherwise).
-/// `span.hier`: the members span several nodes with the same number (>= 2) on each and
+/// `span.hier`: the members span several nodes, some node holds >= 2 of them and
 /// `MESHTRAIN_HIER` is not off; a table's `hier` without it is the ring. `MESHTRAIN_CMA=off` turns
 /// a read the table chose into the ring. The chunk never exceeds the communicator's, for which its
 /// links were sized.

@@ -4,11 +4,13 @@
 #   bash tests/testbed/ci.sh [target/release/meshtrain]
 # Checks, each a real mpirun job across the two nodes:
 #   selftest-NP   `meshtrain selftest` (every collective, dtype and op, bit-exact) on NP ranks,
-#                 ranks alternating between the nodes (with an even NP, all-reduce, reduce-scatter,
-#                 all-gather and broadcast run in stages: within each node, then between nodes);
+#                 ranks alternating between the nodes (with NP >= 3, all-reduce, reduce-scatter,
+#                 all-gather, broadcast and reduce run in stages: within each node, then between nodes);
 #   hierarchical  a 1 MiB all-reduce on 2 nodes x 2 ranks: the staged schedule is selected, the
 #                 result is right, and every rank sends exactly the minimum between nodes (half the
 #                 buffer: 2(n-1)/n of it over 2 ranks per node) plus one 32-byte call fingerprint;
+#                 then on 3+2 ranks (uneven): every rank sends its local block (1/3 or 1/2 of the
+#                 buffer: each node's minimum spread over its ranks) plus a fingerprint per segment;
 #   partition     node 2's data cable goes down mid all-reduce: every rank exits with an error that
 #                 names a peer rank, within the deadline (MESHTRAIN_TIMEOUT) plus the verdict wait
 #                 plus a margin;
@@ -188,11 +190,25 @@ hierarchical() {
   DEADLINE_OF_JOB=60 job "$name" 4 -x RUST_LOG=info "$BIN" bench all_reduce --min 1M --max 1M --warmup 1 --iters 2 --csv
   row=$(sed -n 's/^\[1,0\]<stdout>:\(all_reduce,.*\)/\1/p' "$LOG/$name")
   # coll,bytes,count,dtype,time_us,algbw_gbs,busbw_gbs,wrong,net_B_rank,net_B_max,net_B_min
-  if grep -q "hierarchical host collectives over 2 nodes x 2 ranks" "$LOG/$name" &&
+  if grep -q "hierarchical host collectives over 2 nodes (2+2 ranks)" "$LOG/$name" &&
     awk -F, '$2 == 1048576 && $8 == 0 && $11 == 524288 && $9 == $11 + 32 && $10 == $9 {ok = 1} END {exit !ok}' <<<"$row"; then
     ok "$name ($(cut -d, -f5 <<<"$row") us, $(cut -d, -f9 <<<"$row") B/rank between nodes)"
   else
     bad "$name" "no staged all-reduce at the minimum inter-node bytes (row: $row)" "$LOG/$name"
+  fi
+  # 5 ranks round robin (bench rounds the count to 262140 f32): node 1 holds ranks 0 2 4 (local
+  # blocks of 87380 f32, 349520 B), node 2 ranks 1 3 (131070 f32, 524280 B, two segments each).
+  # Each rank sends its block once (an all-reduce over 2 nodes) plus a fingerprint per segment:
+  # mean (3 x 349520 + 2 x 524280 + 8 x 32) / 5 = 419475 B (the minimum 2 x 1048560 / 5 = 419424
+  # plus the fingerprints), the busiest 524280 + 64.
+  name="hierarchical-uneven-$TRANSPORT"
+  DEADLINE_OF_JOB=60 job "$name" 5 -x RUST_LOG=info "$BIN" bench all_reduce --min 1M --max 1M --warmup 1 --iters 2 --csv
+  row=$(sed -n 's/^\[1,0\]<stdout>:\(all_reduce,.*\)/\1/p' "$LOG/$name")
+  if grep -q "hierarchical host collectives over 2 nodes (3+2 ranks)" "$LOG/$name" &&
+    awk -F, '$2 == 1048560 && $8 == 0 && $9 == 419475 && $10 == 524280 + 64 && $11 == 419424 {ok = 1} END {exit !ok}' <<<"$row"; then
+    ok "$name ($(cut -d, -f5 <<<"$row") us, $(cut -d, -f10 <<<"$row") B most per rank between nodes)"
+  else
+    bad "$name" "no staged uneven all-reduce at the expected inter-node bytes (row: $row)" "$LOG/$name"
   fi
 }
 

@@ -2,166 +2,341 @@
 //! memory (or CMA) within a node, the network between nodes, each crossed as few times as the
 //! collective allows.
 //!
-//! Why: a flat ring over `k = n·L` ranks (n nodes, L ranks each) sends `2(k-1)/k` of an
-//! all-reduce's buffer over each of the n links that leave a node, all of it through the one rank
-//! at the node's end of the ring. In stages, every rank sends only `2(n-1)/n` of its `1/L` share
-//! between nodes: the minimum for the node as a whole, spread over all L ranks.
+//! Why: a flat ring over `k` ranks on `n` nodes sends `2(k-1)/k` of an all-reduce's buffer over
+//! each of the n links that leave a node, all of it through the one rank at the node's end of the
+//! ring. In stages, every node sends `2(n-1)/n` of the buffer between nodes (the minimum for the
+//! node), spread over its members in proportion to their share of the node's work.
 //!
-//! Two stage communicators, made without messages from the node map every member holds (their
-//! links are opened by the first call that runs in stages, on every member at the same call):
-//! `local`, the members of this node (member order: local rank = place), and `cross`, the members
-//! holding this member's place on every node (node order: cross rank = node index).
-//! - all-reduce: local reduce-scatter (place `p` gets block `p` of `L`), cross all-reduce of that
-//!   block, local all-gather;
-//! - reduce-scatter: the world blocks are copied into a padded buffer of `k` slots of the largest
-//!   block, ordered by (place, node), so that place `p`'s slots are contiguous; local
-//!   reduce-scatter gives place `p` its `n` slots, cross reduce-scatter gives node `a` slot
-//!   `(p, a)`, which is this member's world block;
-//! - all-gather: the reverse (cross all-gather of the slots of place `p`, local all-gather of the
-//!   places, slots copied to their world blocks);
-//! - broadcast: the root's node broadcasts within itself, each place broadcasts its `1/L` part
-//!   from the root's node to the others, every other node all-gathers its parts.
+//! Two kinds of stage communicators, made without messages from the node map every member holds
+//! (their links are opened by the first call that uses them, on every member at the same call):
+//! `local`, the members of this node (local rank = place), and the *carriers*: one member per
+//! node (carrier rank = node index). Within a node of `L` members the buffer is cut into `L`
+//! local blocks (`block_range(count, L, place)`); cutting it at every node's local block ends
+//! gives the *segments*, each held by one member of every node, which form its carrier. On even
+//! layouts (the same `L` on every node) segment `p` is local block `p` everywhere and its carrier
+//! holds place `p` on every node; on uneven layouts (3+2, 4+2+1, a node with one member) a member
+//! carries every segment inside its local block, so a node with fewer members carries the places
+//! its missing members would hold.
+//! - all-reduce: local reduce-scatter, an all-reduce of every segment over its carrier, local
+//!   all-gather;
+//! - broadcast: the root's node broadcasts within itself, every segment is broadcast over its
+//!   carrier from the root's node, every other node all-gathers its local blocks;
+//! - reduce: local reduce-scatter (on a copy off the root: non-root buffers stay unchanged), a
+//!   reduce of every segment over its carrier onto the root's node, where each member sends its
+//!   local block to the root;
+//! - reduce-scatter and all-gather deliver world blocks (`block_range(count, k, rank)`), see
+//!   [`super::hier_blocks`].
 //!
 //! Invariants: decided identically on every member (the tuner's choice; see
-//! [`crate::comm::tuner::choose`]); `Avg` sums in every stage and divides once by the member count;
-//! summation order: within a node in the local ring's order, then between nodes in the cross
-//! ring's order (with exact inputs, the same bits as the flat schedules). The stage communicators'
-//! inter-node bytes count for this communicator; reduce and all-to-all stay flat.
+//! [`crate::comm::tuner::choose`]) and every member derives the same segments from the count and
+//! the node map, so the stage calls line up; carrier calls run in segment order on every member
+//! (the lowest unfinished segment always has all its members in it: no deadlock). `Avg` sums in
+//! every stage and divides once by the member count; summation order: within a node in the local
+//! ring's order, then between nodes in the carrier ring's order (with exact inputs, the same bits
+//! as the flat schedules). The stage communicators' inter-node bytes count for this communicator;
+//! all-to-all stays flat.
 
+use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Mutex;
 
 use super::{child_id, Call, Communicator};
 use crate::comm::block_range;
+use crate::comm::nodes::NodeMap;
 use crate::dtype::{DType, ReduceOp, Reducer};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// The stage communicators and this member's coordinates.
 pub(super) struct Stages {
-    local: Communicator,
-    cross: Communicator,
-    /// Nodes, ranks per node.
-    nodes: usize,
-    per: usize,
-    /// This member's rank, node and place.
-    me: usize,
-    node: usize,
-    place: usize,
-    /// (node, place) of every member.
-    coords: Vec<(usize, usize)>,
-    /// The padded slot buffer of reduce-scatter and all-gather (grows, never shrinks).
-    slots: Mutex<Vec<u8>>,
+    pub(super) local: Communicator,
+    /// Carrier communicators by their members (one per node, in node order), made on first use.
+    carriers: Mutex<HashMap<Vec<usize>, Communicator>>,
+    pub(super) map: NodeMap,
+    /// Members; this member's rank, node and place.
+    pub(super) k: usize,
+    pub(super) me: usize,
+    pub(super) node: usize,
+    pub(super) place: usize,
+    /// Ranks per node when every node holds the same number.
+    pub(super) per: Option<usize>,
+    /// Whether world rank order is place-major (member `m` at place `m / n` of node `m % n`).
+    pub(super) world_order: bool,
+    /// Working space of reduce, reduce-scatter and all-gather (grows, never shrinks).
+    pub(super) scratch: Mutex<Vec<u8>>,
+}
+
+/// One piece of a buffer: its element range, the member of every node that carries it, and (where
+/// pieces are cut at world blocks too) the member whose world block holds it.
+pub(super) struct Piece {
+    pub(super) range: Range<usize>,
+    pub(super) owners: Vec<usize>,
+    pub(super) block: usize,
 }
 
 impl Stages {
-    /// The stage communicators of `comm` (links to their ring neighbours opened here, so every
-    /// member must get here at the same call).
+    /// The stage communicators of `comm` (no messages: links open on first use).
     fn new(comm: &Communicator) -> Result<Stages> {
-        let (nodes, per) = comm.nodes.uniform().map_err(crate::error::Error::InvalidArgument)?;
-        let (me, map) = (comm.rank, &comm.nodes);
+        let map = comm.nodes.clone();
+        let nodes = map.staged().map_err(Error::InvalidArgument)?;
+        let me = comm.rank;
         let (node, place) = (map.node[me], map.place(me));
-        let world = |ms: Vec<usize>| ms.iter().map(|&m| comm.members[m]).collect::<Vec<_>>();
-        let local = world(map.members[node].clone());
-        let cross = world((0..nodes).map(|a| map.member(a, place)).collect());
-        let make = |id, members, rank| {
-            let parts = (id, members, rank);
-            Communicator::with_counter(comm.connector.clone(), parts, comm.cfg.clone(), comm.net_sent.clone())
-        };
-        let local = make(child_id(comm.id, u64::MAX, node as u64), local, place)?;
-        let cross = make(child_id(comm.id, u64::MAX - 1, place as u64), cross, node)?;
-        let coords = (0..comm.size()).map(|m| (map.node[m], map.place(m))).collect();
-        Ok(Stages { local, cross, nodes, per, me, node, place, coords, slots: Mutex::default() })
+        let local: Vec<usize> = map.members[node].iter().map(|&m| comm.members[m]).collect();
+        let parts = (child_id(comm.id, u64::MAX, node as u64), local, place);
+        let local = Communicator::with_counter(
+            comm.connector.clone(),
+            parts,
+            comm.cfg.clone(),
+            comm.net_sent.clone(),
+        )?;
+        let per = map.uniform().ok().map(|(_, l)| l);
+        let world_order =
+            per.is_some() && (0..comm.size()).all(|m| map.place(m) * nodes + map.node[m] == m);
+        let (carriers, scratch) = (Mutex::default(), Mutex::default());
+        Ok(Stages {
+            local,
+            carriers,
+            k: comm.size(),
+            me,
+            node,
+            place,
+            per,
+            world_order,
+            scratch,
+            map,
+        })
     }
 
-    /// The slot index of the member at (`node`, `place`): ordered by place, then node.
-    fn slot(&self, node: usize, place: usize) -> usize {
-        place * self.nodes + node
+    pub(super) fn nodes(&self) -> usize {
+        self.map.nodes()
     }
 
-    fn all_reduce(&self, dtype: DType, input: Option<&[u8]>, out: &mut [u8], red: &Reducer) -> Result<()> {
-        let (n, es, sum) = (out.len() / dtype.size(), dtype.size(), stage_reducer(red));
-        if let Some(i) = input {
-            out.copy_from_slice(i);
+    /// Members of node `a`.
+    fn len(&self, a: usize) -> usize {
+        self.map.members[a].len()
+    }
+
+    /// The carriers of place `p` on an even layout.
+    pub(super) fn place_owners(&self, p: usize) -> Vec<usize> {
+        (0..self.nodes()).map(|a| self.map.member(a, p)).collect()
+    }
+
+    /// The pieces of a `count`-element buffer in order: cut at every node's local block ends, and
+    /// at the world block ends too with `world_blocks`.
+    pub(super) fn pieces(&self, count: usize, world_blocks: bool) -> Vec<Piece> {
+        let mut cuts = vec![0, count];
+        for a in 0..self.nodes() {
+            cuts.extend((0..self.len(a)).map(|j| block_range(count, self.len(a), j).end));
         }
-        self.local.collective(dtype, Call::ReduceScatter { input: None, out: &mut *out, n, red: sum })?;
-        let mine = block_range(n, self.per, self.place);
-        let block = &mut out[mine.start * es..mine.end * es];
-        self.cross.collective(dtype, Call::AllReduce { input: None, out: &mut *block, red: sum })?;
-        red.finalize(block, self.nodes * self.per);
-        self.local.collective(dtype, Call::AllGather { input: None, out })
+        if world_blocks {
+            cuts.extend((0..self.k).map(|m| block_range(count, self.k, m).end));
+        }
+        cuts.sort_unstable();
+        cuts.dedup();
+        let piece = |w: &[usize]| Piece {
+            range: w[0]..w[1],
+            owners: (0..self.nodes())
+                .map(|a| self.map.member(a, block_of(count, self.len(a), w[0])))
+                .collect(),
+            block: block_of(count, self.k, w[0]),
+        };
+        cuts.windows(2).filter(|w| w[0] < w[1]).map(piece).collect()
     }
 
-    /// `out` is the whole buffer in place (`input: None`), this member's block otherwise.
-    fn reduce_scatter(
+    /// The pieces this member carries.
+    pub(super) fn mine(&self, count: usize, world_blocks: bool) -> Vec<Piece> {
+        let mut all = self.pieces(count, world_blocks);
+        all.retain(|s| s.owners[self.node] == self.me);
+        all
+    }
+
+    /// Runs `f` on the carrier of `owners` (made on first use; this member is one of them).
+    pub(super) fn carrier(
         &self,
+        parent: &Communicator,
+        owners: &[usize],
+        f: impl FnOnce(&Communicator) -> Result<()>,
+    ) -> Result<()> {
+        let mut made = self.carriers.lock().unwrap_or_else(|e| e.into_inner());
+        if !made.contains_key(owners) {
+            let key = owners
+                .iter()
+                .flat_map(|&m| (m as u64).to_le_bytes())
+                .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                    (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+                });
+            let world = owners.iter().map(|&m| parent.members[m]).collect();
+            let parts = (child_id(parent.id, u64::MAX - 1, key), world, self.node);
+            let c = Communicator::with_counter(
+                parent.connector.clone(),
+                parts,
+                parent.cfg.clone(),
+                parent.net_sent.clone(),
+            )?;
+            made.insert(owners.to_vec(), c);
+        }
+        f(&made[owners])
+    }
+
+    /// This member's local block of a `count`-element buffer.
+    pub(super) fn local_block(&self, count: usize) -> Range<usize> {
+        block_range(count, self.len(self.node), self.place)
+    }
+
+    fn all_reduce(
+        &self,
+        p: &Communicator,
         dtype: DType,
         input: Option<&[u8]>,
         out: &mut [u8],
-        n: usize,
         red: &Reducer,
     ) -> Result<()> {
-        let (k, es, b) = (self.nodes * self.per, dtype.size(), block_range(n, self.nodes * self.per, 0).len());
-        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        let slots = sized(&mut slots, k * b * es);
-        let src = input.unwrap_or(out);
-        for m in 0..k {
-            let (a, p) = self.coords[m];
-            let (r, s) = (block_range(n, k, m), self.slot(a, p) * b);
-            slots[s * es..(s + r.len()) * es].copy_from_slice(&src[r.start * es..r.end * es]);
-            slots[(s + r.len()) * es..(s + b) * es].fill(0);
-        }
-        let sum = stage_reducer(red);
-        self.local.collective(dtype, Call::ReduceScatter { input: None, out: &mut *slots, n: k * b, red: sum })?;
-        let region = &mut slots[self.place * self.nodes * b * es..(self.place + 1) * self.nodes * b * es];
-        self.cross
-            .collective(dtype, Call::ReduceScatter { input: None, out: &mut *region, n: self.nodes * b, red: sum })?;
-        let r = block_range(n, k, self.me);
-        let mine = &mut region[self.node * b * es..(self.node * b + r.len()) * es];
-        red.finalize(mine, k);
-        let dst = if input.is_none() { &mut out[r.start * es..r.end * es] } else { out };
-        dst.copy_from_slice(mine);
-        Ok(())
-    }
-
-    /// `out` is the whole buffer; this member's block comes from `input` or sits in `out`.
-    fn all_gather(&self, dtype: DType, input: Option<&[u8]>, out: &mut [u8]) -> Result<()> {
-        let (k, es) = (self.nodes * self.per, dtype.size());
+        let (es, sum) = (dtype.size(), stage_reducer(red));
         let n = out.len() / es;
-        let b = block_range(n, k, 0).len();
-        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        let slots = sized(&mut slots, k * b * es);
-        let r = block_range(n, k, self.me);
-        let s = self.slot(self.node, self.place) * b;
-        let mine = input.unwrap_or(&out[r.start * es..r.end * es]);
-        slots[s * es..(s + r.len()) * es].copy_from_slice(mine);
-        slots[(s + r.len()) * es..(s + b) * es].fill(0);
-        let region = self.place * self.nodes * b * es..(self.place + 1) * self.nodes * b * es;
-        self.cross.collective(dtype, Call::AllGather { input: None, out: &mut slots[region] })?;
-        self.local.collective(dtype, Call::AllGather { input: None, out: &mut *slots })?;
-        for m in 0..k {
-            let ((a, p), r) = (self.coords[m], block_range(n, k, m));
-            let s = self.slot(a, p) * b;
-            out[r.start * es..r.end * es].copy_from_slice(&slots[s * es..(s + r.len()) * es]);
+        if let Some(i) = input {
+            out.copy_from_slice(i);
+        }
+        self.local.collective(
+            dtype,
+            Call::ReduceScatter {
+                input: None,
+                out: &mut *out,
+                n,
+                red: sum,
+            },
+        )?;
+        for s in self.mine(n, false) {
+            let part = &mut out[s.range.start * es..s.range.end * es];
+            self.carrier(p, &s.owners, |c| {
+                c.collective(
+                    dtype,
+                    Call::AllReduce {
+                        input: None,
+                        out: part,
+                        red: sum,
+                    },
+                )
+            })?;
+        }
+        let r = self.local_block(n);
+        red.finalize(&mut out[r.start * es..r.end * es], self.k);
+        self.local
+            .collective(dtype, Call::AllGather { input: None, out })
+    }
+
+    fn broadcast(&self, p: &Communicator, dtype: DType, root: usize, buf: &mut [u8]) -> Result<()> {
+        let (es, n) = (dtype.size(), buf.len() / dtype.size());
+        let root_node = self.map.node[root];
+        if self.node == root_node {
+            self.local.collective(
+                dtype,
+                Call::Broadcast {
+                    root: self.map.place(root),
+                    buf: &mut *buf,
+                },
+            )?;
+        }
+        for s in self.mine(n, false) {
+            let part = &mut buf[s.range.start * es..s.range.end * es];
+            self.carrier(p, &s.owners, |c| {
+                c.collective(
+                    dtype,
+                    Call::Broadcast {
+                        root: root_node,
+                        buf: part,
+                    },
+                )
+            })?;
+        }
+        if self.node != root_node {
+            self.local.collective(
+                dtype,
+                Call::AllGather {
+                    input: None,
+                    out: buf,
+                },
+            )?;
         }
         Ok(())
     }
 
-    fn broadcast(&self, dtype: DType, root: (usize, usize), buf: &mut [u8]) -> Result<()> {
-        let (es, n) = (dtype.size(), buf.len() / dtype.size());
-        if self.node == root.0 {
-            self.local.collective(dtype, Call::Broadcast { root: root.1, buf: &mut *buf })?;
+    /// Reduce of `n` elements onto member `root`; `out` as in [`Call::Reduce`].
+    fn reduce(
+        &self,
+        p: &Communicator,
+        dtype: DType,
+        (root, n): (usize, usize),
+        input: Option<&[u8]>,
+        out: &mut [u8],
+        red: &Reducer,
+    ) -> Result<()> {
+        let es = dtype.size();
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let work: &mut [u8] = if self.me == root {
+            if let Some(i) = input {
+                out.copy_from_slice(i);
+            }
+            out
+        } else {
+            let work = sized(&mut scratch, n * es);
+            work.copy_from_slice(input.unwrap_or(out));
+            work
+        };
+        let sum = stage_reducer(red);
+        self.local.collective(
+            dtype,
+            Call::ReduceScatter {
+                input: None,
+                out: &mut *work,
+                n,
+                red: sum,
+            },
+        )?;
+        let root_node = self.map.node[root];
+        for s in self.mine(n, false) {
+            let (len, part) = (
+                s.range.len(),
+                &mut work[s.range.start * es..s.range.end * es],
+            );
+            let call = Call::Reduce {
+                root: root_node,
+                input: None,
+                out: part,
+                n: len,
+                red: sum,
+            };
+            self.carrier(p, &s.owners, |c| c.collective(dtype, call))?;
         }
-        let part = block_range(n, self.per, self.place);
-        let mine = &mut buf[part.start * es..part.end * es];
-        self.cross.collective(dtype, Call::Broadcast { root: root.0, buf: mine })?;
-        if self.node != root.0 {
-            self.local.collective(dtype, Call::AllGather { input: None, out: buf })?;
+        if self.node != root_node {
+            return Ok(());
         }
+        let (root_place, l) = (self.map.place(root), self.len(self.node));
+        if self.me != root {
+            let r = self.local_block(n);
+            return self.local.send(&work[r.start * es..r.end * es], root_place);
+        }
+        for j in (0..l).filter(|&j| j != root_place) {
+            let r = block_range(n, l, j);
+            self.local
+                .recv_into(&mut work[r.start * es..r.end * es], j)?;
+        }
+        red.finalize(work, self.k);
         Ok(())
+    }
+}
+
+/// The index of the block of `block_range(count, parts, _)` that holds element `x < count`.
+fn block_of(count: usize, parts: usize, x: usize) -> usize {
+    let (base, rem) = (count / parts, count % parts);
+    let big = rem * (base + 1);
+    if x < big {
+        x / (base + 1)
+    } else {
+        rem + (x - big) / base
     }
 }
 
 /// The reducer of a stage: `Avg` sums (the last stage divides once).
-fn stage_reducer(red: &Reducer) -> Reducer {
+pub(super) fn stage_reducer(red: &Reducer) -> Reducer {
     if red.op == ReduceOp::Avg {
         Reducer::new(red.dtype, ReduceOp::Sum)
     } else {
@@ -170,7 +345,7 @@ fn stage_reducer(red: &Reducer) -> Reducer {
 }
 
 /// `buf` grown to at least `len` bytes; its first `len` bytes.
-fn sized(buf: &mut Vec<u8>, len: usize) -> &mut [u8] {
+pub(super) fn sized(buf: &mut Vec<u8>, len: usize) -> &mut [u8] {
     if buf.len() < len {
         buf.resize(len, 0);
     }
@@ -184,11 +359,19 @@ impl Communicator {
         let _one_at_a_time = self.lock();
         let (start, name) = (std::time::Instant::now(), call.name());
         let result = self.stages().and_then(|s| match call {
-            Call::AllReduce { input, out, red } => s.all_reduce(dtype, input, out, &red),
-            Call::ReduceScatter { input, out, n, red } => s.reduce_scatter(dtype, input, out, n, &red),
-            Call::AllGather { input, out } => s.all_gather(dtype, input, out),
-            Call::Broadcast { root, buf } => s.broadcast(dtype, (self.nodes.node[root], self.nodes.place(root)), buf),
-            Call::Reduce { .. } => unreachable!("the tuner never picks hier for reduce"),
+            Call::AllReduce { input, out, red } => s.all_reduce(self, dtype, input, out, &red),
+            Call::ReduceScatter { input, out, n, red } => {
+                s.reduce_scatter(self, dtype, input, out, n, &red)
+            }
+            Call::AllGather { input, out } => s.all_gather(self, dtype, input, out),
+            Call::Broadcast { root, buf } => s.broadcast(self, dtype, root, buf),
+            Call::Reduce {
+                root,
+                input,
+                out,
+                n,
+                red,
+            } => s.reduce(self, dtype, (root, n), input, out, &red),
         });
         self.stats.record(name, bytes, start.elapsed());
         result
@@ -198,7 +381,31 @@ impl Communicator {
         if let Some(s) = self.hier.get() {
             return Ok(s);
         }
-        let made = Stages::new(self).inspect_err(|e| self.connector.abort().raise(&e.to_string()))?;
+        let made =
+            Stages::new(self).inspect_err(|e| self.connector.abort().raise(&e.to_string()))?;
         Ok(self.hier.get_or_init(|| Box::new(made)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::block_of;
+    use crate::comm::block_range;
+
+    #[test]
+    fn block_of_inverts_block_range() {
+        for count in 1..40 {
+            for parts in 1..9 {
+                for b in 0..parts {
+                    for x in block_range(count, parts, b) {
+                        assert_eq!(
+                            block_of(count, parts, x),
+                            b,
+                            "count {count} parts {parts} x {x}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }

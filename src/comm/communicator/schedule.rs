@@ -32,14 +32,14 @@ impl Communicator {
     }
 
     /// Whether this communicator can run the hierarchical schedules (members on several nodes,
-    /// the same number >= 2 on each, `MESHTRAIN_HIER` not off).
+    /// some node with >= 2 of them, `MESHTRAIN_HIER` not off).
     pub fn hierarchical(&self) -> bool {
         self.span().hier
     }
 
     /// What the tuner knows of this communicator.
     pub(super) fn span(&self) -> Span {
-        Span { ranks: self.size(), link: self.link_kind, hier: self.cfg.hier && self.nodes.uniform().is_ok() }
+        Span { ranks: self.size(), link: self.link_kind, hier: self.cfg.hier && self.nodes.staged().is_ok() }
     }
 
     /// Replaces the schedule table (`None`: the fixed rule). Every member must make the same
@@ -126,11 +126,13 @@ impl Communicator {
             );
         }
         if link == LinkKind::Net {
-            match (self.cfg.hier, self.nodes.uniform()) {
-                (true, Ok((n, per))) => log::info!(
-                    "comm {id:#x} ({k} ranks): hierarchical host collectives over {n} nodes x {per} ranks \
-                     (all-reduce, reduce-scatter, all-gather, broadcast: within each node, then one ring per \
-                     place between nodes)"
+            let per: Vec<String> = self.nodes.members.iter().map(|m| m.len().to_string()).collect();
+            match (self.cfg.hier, self.nodes.staged()) {
+                (true, Ok(n)) => log::info!(
+                    "comm {id:#x} ({k} ranks): hierarchical host collectives over {n} nodes ({} ranks) \
+                     (all-reduce, reduce-scatter, all-gather, broadcast, reduce: within each node, then one \
+                     ring per segment between nodes)",
+                    per.join("+")
                 ),
                 (false, _) => {
                     log::debug!("comm {id:#x} ({k} ranks): flat host collectives across nodes (MESHTRAIN_HIER=off)")

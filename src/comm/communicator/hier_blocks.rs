@@ -1,0 +1,348 @@
+//! The hierarchical reduce-scatter and all-gather ([`super::hier`]): the collectives whose result
+//! is cut into world blocks (`block_range(count, k, rank)`), which the node-local blocks of the
+//! stages do not line up with in general. Three ways, by layout:
+//! - *world order* (every node holds `L` members, member `m` sits at place `m / n` of node
+//!   `m % n`, the count divides by `k`): local block `p` is exactly the world blocks of place `p`
+//!   on nodes `0..n` in node order, so the stages run on the caller's buffer without copies: local
+//!   reduce-scatter, reduce-scatter over the place's carrier (the reverse for all-gather);
+//! - *packed* (other even layouts): the world blocks are copied into `k` slots of the largest
+//!   block ordered by (place, node), so that place `p`'s slots are its local block; the stages run
+//!   on the slots and this member's block is copied back (one copy of the buffer per call);
+//! - *pieces* (uneven layouts): the buffer is cut at every local block end and every world block
+//!   end; after the local reduce-scatter, each piece is reduced over its carrier onto the node that
+//!   owns its world block, and its carrier there hands it to the owner within the node (the
+//!   reverse for all-gather: owners hand their pieces to the carriers, pieces are broadcast over
+//!   their carriers, each node all-gathers its local blocks).
+//!
+//! Bytes between nodes: world order and packed send `(n-1)/n` of the buffer per node, `1/L` of it
+//! per member (the minimum, evenly spread); pieces send every piece once from each node that does
+//! not own its world block (reduce-scatter: `(k - L_a)/k` of the buffer from node `a`, the
+//! minimum) or once into each node that does not (all-gather: `(n-1)` buffers in all, the minimum
+//! total, forwarded along each carrier's chain).
+//!
+//! Invariants: the way is a function of the node map and the count only (the same on every
+//! member); hand-overs within a node run in piece order, so every send meets its receive.
+
+use super::hier::{sized, stage_reducer, Piece, Stages};
+use super::{Call, Communicator};
+use crate::comm::block_range;
+use crate::dtype::{DType, Reducer};
+use crate::error::Result;
+
+/// How a reduce-scatter or all-gather of a given count runs in stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Way {
+    WorldOrder,
+    Packed,
+    Pieces,
+}
+
+impl Stages {
+    fn way(&self, count: usize) -> Way {
+        match self.per {
+            None => Way::Pieces,
+            Some(_) if self.world_order && count % self.k == 0 => Way::WorldOrder,
+            Some(_) => Way::Packed,
+        }
+    }
+
+    /// `out` is the whole buffer in place (`input: None`), this member's block otherwise.
+    pub(super) fn reduce_scatter(
+        &self,
+        p: &Communicator,
+        dtype: DType,
+        input: Option<&[u8]>,
+        out: &mut [u8],
+        n: usize,
+        red: &Reducer,
+    ) -> Result<()> {
+        let es = dtype.size();
+        let way = self.way(n);
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        match (way, input) {
+            (Way::WorldOrder, None) => {
+                self.local.collective(
+                    dtype,
+                    Call::ReduceScatter {
+                        input: None,
+                        out: &mut *out,
+                        n,
+                        red: stage_reducer(red),
+                    },
+                )?;
+                let r = self.local_block(n);
+                return self.rs_place(p, dtype, &mut out[r.start * es..r.end * es], red);
+            }
+            (Way::WorldOrder, Some(i)) => {
+                let region = sized(&mut scratch, self.local_block(n).len() * es);
+                let call = Call::ReduceScatter {
+                    input: Some(i),
+                    out: &mut *region,
+                    n,
+                    red: stage_reducer(red),
+                };
+                self.local.collective(dtype, call)?;
+                self.rs_place(p, dtype, region, red)?;
+                let b = n / self.k;
+                out.copy_from_slice(&region[self.node * b * es..(self.node + 1) * b * es]);
+                return Ok(());
+            }
+            (Way::Packed, _) => {
+                return self.rs_packed(p, dtype, (input, out), n, (red, &mut *scratch))
+            }
+            (Way::Pieces, None) => self.rs_pieces(p, dtype, out, n, red)?,
+            (Way::Pieces, Some(i)) => {
+                let work = sized(&mut scratch, n * es);
+                work.copy_from_slice(i);
+                self.rs_pieces(p, dtype, work, n, red)?;
+                let r = block_range(n, self.k, self.me);
+                out.copy_from_slice(&work[r.start * es..r.end * es]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatter of this member's local block over its place's carrier (world order): node
+    /// `a` gets part `a`, this member's world block, finalized.
+    fn rs_place(
+        &self,
+        p: &Communicator,
+        dtype: DType,
+        region: &mut [u8],
+        red: &Reducer,
+    ) -> Result<()> {
+        let (es, nodes) = (dtype.size(), self.nodes());
+        let count = region.len() / es;
+        let sum = stage_reducer(red);
+        let call = Call::ReduceScatter {
+            input: None,
+            out: &mut *region,
+            n: count,
+            red: sum,
+        };
+        self.carrier(p, &self.place_owners(self.place), |c| {
+            c.collective(dtype, call)
+        })?;
+        let b = count / nodes;
+        red.finalize(
+            &mut region[self.node * b * es..(self.node + 1) * b * es],
+            self.k,
+        );
+        Ok(())
+    }
+
+    /// The slot index of the member at (`node`, `place`): ordered by place, then node.
+    fn slot(&self, node: usize, place: usize) -> usize {
+        place * self.nodes() + node
+    }
+
+    fn rs_packed(
+        &self,
+        p: &Communicator,
+        dtype: DType,
+        (input, out): (Option<&[u8]>, &mut [u8]),
+        n: usize,
+        (red, scratch): (&Reducer, &mut Vec<u8>),
+    ) -> Result<()> {
+        let (k, es, b, nodes) = (
+            self.k,
+            dtype.size(),
+            block_range(n, self.k, 0).len(),
+            self.nodes(),
+        );
+        let slots = sized(scratch, k * b * es);
+        let src = input.unwrap_or(out);
+        for m in 0..k {
+            let (r, s) = (
+                block_range(n, k, m),
+                self.slot(self.map.node[m], self.map.place(m)) * b,
+            );
+            slots[s * es..(s + r.len()) * es].copy_from_slice(&src[r.start * es..r.end * es]);
+            slots[(s + r.len()) * es..(s + b) * es].fill(0);
+        }
+        let sum = stage_reducer(red);
+        self.local.collective(
+            dtype,
+            Call::ReduceScatter {
+                input: None,
+                out: &mut *slots,
+                n: k * b,
+                red: sum,
+            },
+        )?;
+        let region = &mut slots[self.place * nodes * b * es..(self.place + 1) * nodes * b * es];
+        let call = Call::ReduceScatter {
+            input: None,
+            out: &mut *region,
+            n: nodes * b,
+            red: sum,
+        };
+        self.carrier(p, &self.place_owners(self.place), |c| {
+            c.collective(dtype, call)
+        })?;
+        let r = block_range(n, k, self.me);
+        let mine = &mut region[self.node * b * es..(self.node * b + r.len()) * es];
+        red.finalize(mine, k);
+        let dst = if input.is_none() {
+            &mut out[r.start * es..r.end * es]
+        } else {
+            out
+        };
+        dst.copy_from_slice(mine);
+        Ok(())
+    }
+
+    /// Reduce-scatter in pieces on the whole buffer `work`: this member's world block ends up
+    /// reduced and finalized in place.
+    fn rs_pieces(
+        &self,
+        p: &Communicator,
+        dtype: DType,
+        work: &mut [u8],
+        n: usize,
+        red: &Reducer,
+    ) -> Result<()> {
+        let (es, sum) = (dtype.size(), stage_reducer(red));
+        self.local.collective(
+            dtype,
+            Call::ReduceScatter {
+                input: None,
+                out: &mut *work,
+                n,
+                red: sum,
+            },
+        )?;
+        let pieces = self.pieces(n, true);
+        for s in pieces.iter().filter(|s| s.owners[self.node] == self.me) {
+            let (root, len) = (self.map.node[s.block], s.range.len());
+            let part = &mut work[s.range.start * es..s.range.end * es];
+            let call = Call::Reduce {
+                root,
+                input: None,
+                out: part,
+                n: len,
+                red: sum,
+            };
+            self.carrier(p, &s.owners, |c| c.collective(dtype, call))?;
+        }
+        self.hand_over(&pieces, work, es, true)?;
+        let r = block_range(n, self.k, self.me);
+        red.finalize(&mut work[r.start * es..r.end * es], self.k);
+        Ok(())
+    }
+
+    /// Within this node, moves every piece of a local member's world block between the piece's
+    /// carrier and that member: to the member (`to_owner`) or to the carrier.
+    fn hand_over(
+        &self,
+        pieces: &[Piece],
+        work: &mut [u8],
+        es: usize,
+        to_owner: bool,
+    ) -> Result<()> {
+        for s in pieces
+            .iter()
+            .filter(|s| self.map.node[s.block] == self.node)
+        {
+            let carrier = s.owners[self.node];
+            let (from, to) = if to_owner {
+                (carrier, s.block)
+            } else {
+                (s.block, carrier)
+            };
+            let part = &mut work[s.range.start * es..s.range.end * es];
+            if from == to {
+                continue;
+            } else if self.me == from {
+                self.local.send(&*part, self.map.place(to))?;
+            } else if self.me == to {
+                self.local.recv_into(part, self.map.place(from))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `out` is the whole buffer; this member's block comes from `input` or sits in `out`.
+    pub(super) fn all_gather(
+        &self,
+        p: &Communicator,
+        dtype: DType,
+        input: Option<&[u8]>,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let es = dtype.size();
+        let n = out.len() / es;
+        match self.way(n) {
+            Way::WorldOrder => {
+                let r = self.local_block(n);
+                let call = Call::AllGather {
+                    input,
+                    out: &mut out[r.start * es..r.end * es],
+                };
+                self.carrier(p, &self.place_owners(self.place), |c| {
+                    c.collective(dtype, call)
+                })?;
+            }
+            Way::Packed => return self.ag_packed(p, dtype, input, out),
+            Way::Pieces => {
+                let r = block_range(n, self.k, self.me);
+                if let Some(i) = input {
+                    out[r.start * es..r.end * es].copy_from_slice(i);
+                }
+                let pieces = self.pieces(n, true);
+                self.hand_over(&pieces, out, es, false)?;
+                for s in pieces.iter().filter(|s| s.owners[self.node] == self.me) {
+                    let (root, part) = (
+                        self.map.node[s.block],
+                        &mut out[s.range.start * es..s.range.end * es],
+                    );
+                    self.carrier(p, &s.owners, |c| {
+                        c.collective(dtype, Call::Broadcast { root, buf: part })
+                    })?;
+                }
+            }
+        }
+        self.local
+            .collective(dtype, Call::AllGather { input: None, out })
+    }
+
+    fn ag_packed(
+        &self,
+        p: &Communicator,
+        dtype: DType,
+        input: Option<&[u8]>,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let (k, es, nodes) = (self.k, dtype.size(), self.nodes());
+        let n = out.len() / es;
+        let b = block_range(n, k, 0).len();
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let slots = sized(&mut scratch, k * b * es);
+        let r = block_range(n, k, self.me);
+        let s = self.slot(self.node, self.place) * b;
+        let mine = input.unwrap_or(&out[r.start * es..r.end * es]);
+        slots[s * es..(s + r.len()) * es].copy_from_slice(mine);
+        slots[(s + r.len()) * es..(s + b) * es].fill(0);
+        let region = self.place * nodes * b * es..(self.place + 1) * nodes * b * es;
+        let call = Call::AllGather {
+            input: None,
+            out: &mut slots[region],
+        };
+        self.carrier(p, &self.place_owners(self.place), |c| {
+            c.collective(dtype, call)
+        })?;
+        self.local.collective(
+            dtype,
+            Call::AllGather {
+                input: None,
+                out: &mut *slots,
+            },
+        )?;
+        for m in 0..k {
+            let r = block_range(n, k, m);
+            let s = self.slot(self.map.node[m], self.map.place(m)) * b;
+            out[r.start * es..r.end * es].copy_from_slice(&slots[s * es..(s + r.len()) * es]);
+        }
+        Ok(())
+    }
+}

@@ -26,13 +26,22 @@ extern "C" __global__ void encoder_backward_wpe_f32(float *dwpe, const float *do
     }
 }
 
-// dwte (Vp, C) += dout (B*T, C) scattered to the rows of tokens (B*T). Rows repeat when a token
-// repeats, so the adds are atomic: the sum is exact up to the order of f32 additions.
+// dwte (Vp, C) += dout (B*T, C) scattered to the rows of the tokens, deterministically: `index` is
+// the token index the host builds (`ops::token_index`): tokens (B*T) | the rows ordered by token,
+// rows of one token in increasing order (B*T) | the number of distinct tokens S (1) | where each
+// token's rows start in that order (S + 1). One thread per (distinct token, column) adds that
+// token's rows in increasing row order onto the gradient: the same f32 additions in the same order
+// as the CPU reference, with no atomics, so every run and every arm gives the same bits.
 extern "C" __global__ void encoder_backward_wte_f32(float *dwte, const float *dout,
-                                                    const unsigned int *tokens, mt_u64 n, int c) {
-    const mt_u64 stride = (mt_u64)gridDim.x * blockDim.x;
+                                                    const unsigned int *index, mt_u64 rows, int c) {
+    const unsigned int *order = index + rows, *starts = index + 2 * rows + 1;
+    const mt_u64 n = (mt_u64)index[2 * rows] * c, stride = (mt_u64)gridDim.x * blockDim.x;
     for (mt_u64 i = (mt_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const mt_u64 row = i / c, col = i % c;
-        atomicAdd(&dwte[(mt_u64)tokens[row] * c + col], dout[i]);
+        const mt_u64 seg = i / c, col = i % c;
+        const unsigned int s0 = starts[seg], s1 = starts[seg + 1];
+        float *g = &dwte[(mt_u64)index[order[s0]] * c + col];
+        float acc = *g;
+        for (unsigned int k = s0; k < s1; k++) acc += dout[(mt_u64)order[k] * c + col];
+        *g = acc;
     }
 }

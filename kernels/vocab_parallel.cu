@@ -18,16 +18,23 @@ extern "C" __global__ void embedding_shard_forward_f32(float *out, const unsigne
     }
 }
 
-// dwte_shard (vl, C) += rows of dout (N, C) whose tokens lie in the shard. Tokens repeat, so the
-// adds are atomic (exact up to the order of f32 additions).
+// dwte_shard (vl, C) += rows of dout (N, C) whose tokens lie in the shard, deterministically:
+// `index` is the token index of encoder_backward_wte_f32 (encoder.cu), one thread per (distinct
+// token, column) adding its rows in increasing row order (the CPU reference's order, no atomics).
 extern "C" __global__ void embedding_shard_backward_f32(float *dwte, const float *dout,
-                                                        const unsigned int *tokens, mt_u64 n,
+                                                        const unsigned int *index, mt_u64 rows,
                                                         int c, mt_u64 start, int vl) {
-    const mt_u64 stride = (mt_u64)gridDim.x * blockDim.x;
+    const unsigned int *order = index + rows, *starts = index + 2 * rows + 1;
+    const mt_u64 n = (mt_u64)index[2 * rows] * c, stride = (mt_u64)gridDim.x * blockDim.x;
     for (mt_u64 i = (mt_u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const mt_u64 row = i / c, col = i % c;
-        const mt_u64 tok = tokens[row];
-        if (tok >= start && tok - start < (mt_u64)vl) atomicAdd(&dwte[(tok - start) * c + col], dout[i]);
+        const mt_u64 seg = i / c, col = i % c;
+        const unsigned int s0 = starts[seg], s1 = starts[seg + 1];
+        const mt_u64 tok = index[order[s0]];
+        if (tok < start || tok - start >= (mt_u64)vl) continue;
+        float *g = &dwte[(tok - start) * c + col];
+        float acc = *g;
+        for (unsigned int k = s0; k < s1; k++) acc += dout[(mt_u64)order[k] * c + col];
+        *g = acc;
     }
 }
 

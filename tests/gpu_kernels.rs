@@ -353,7 +353,8 @@ fn vocab_parallel_kernels_match_cpu(kind: DeviceKind) {
     vp::embedding_shard_forward(&mut emb, &tokens, &widen(&wte), start, c);
     // Rows starting at global row 5, as a sequence-parallel rank's block does.
     vp::position_forward(&mut emb, &widen(&wpe), 5, t, c);
-    let (g_tok, g_wte, g_wpe) = (dev.upload(&tokens).unwrap(), dev.upload(&wte).unwrap(), dev.upload(&wpe).unwrap());
+    let index = ops_vocab::token_index(&tokens);
+    let (g_tok, g_wte, g_wpe) = (dev.upload(&index).unwrap(), dev.upload(&wte).unwrap(), dev.upload(&wpe).unwrap());
     let mut g_emb = poisoned(&dev, 4 * n * c);
     ops_vocab::embedding_shard_forward(&dev, &mut g_emb, &g_tok, &g_wte, (n, c), shard).unwrap();
     ops_vocab::position_forward(&dev, &mut g_emb, &g_wpe, 5..5 + n, (t, c)).unwrap();

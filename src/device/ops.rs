@@ -593,20 +593,23 @@ pub struct EncoderBackward<'a> {
     pub dwpe: &'a mut DeviceBuffer,
     /// Output gradient (B*T, C).
     pub dout: &'a DeviceBuffer,
-    /// Token ids (B*T, u32).
+    /// The token index of the batch ([`super::ops_vocab::token_index`], u32): the ids (B*T) first.
     pub tokens: &'a DeviceBuffer,
 }
 
-/// dwte (Vp, C) += dout (B*T, C) scattered to the rows of `tokens`; dwpe (>= T, C) += the sum
-/// over the batch. Reference: `cpu::encoder::encoder_backward`.
+/// dwte (Vp, C) += dout (B*T, C) scattered to the rows of the tokens; dwpe (>= T, C) += the sum
+/// over the batch. Reference: `cpu::encoder::encoder_backward` (the same additions in the same
+/// order on every arm). `tokens` holds the batch's [`super::ops_vocab::token_index`] (the CPU arm
+/// reads its first
+/// B*T entries only).
 pub fn encoder_backward(dev: &Device, bufs: EncoderBackward, b: usize, t: usize, c: usize) -> Result<()> {
     let EncoderBackward { dwte, dwpe, dout, tokens } = bufs;
     let k = "encoder_backward_wte_f32";
     let bt = b * t;
     need(k, "dout", dout, f32s(bt * c))?;
-    need(k, "tokens", tokens, 4 * bt)?;
     need(k, "dwpe", dwpe, f32s(t * c))?;
     if let Device::Cpu = dev {
+        need(k, "tokens", tokens, 4 * bt)?;
         let vp = dwte.len() / f32s(c);
         encoder::encoder_backward(
             host_mut(k, dwte)?.view_mut::<f32>(vp * c),
@@ -621,7 +624,8 @@ pub fn encoder_backward(dev: &Device, bufs: EncoderBackward, b: usize, t: usize,
     let ci = A::I32(as_i32(k, "c", c)?);
     let wpe_args = [A::Buf(dwpe), A::Buf(dout), A::U64(bt as u64), A::U64(0), A::I32(as_i32(k, "t", t)?), ci];
     dev.launch("encoder_backward_wpe_f32", stride_grid(t * c), &wpe_args)?;
-    let args = [A::Buf(dwte), A::Buf(dout), A::Buf(tokens), A::U64((bt * c) as u64), ci];
+    need(k, "tokens", tokens, 4 * super::ops_vocab::token_index_len(bt))?;
+    let args = [A::Buf(dwte), A::Buf(dout), A::Buf(tokens), A::U64(bt as u64), ci];
     dev.launch(k, stride_grid(bt * c), &args)
 }
 

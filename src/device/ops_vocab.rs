@@ -71,8 +71,39 @@ pub fn embedding_shard_forward(
     dev.launch(k, stride_grid(n * c), &args)
 }
 
-/// dwte_shard (vl, C) += rows of dout (N, C) whose `tokens` (N) lie in the shard. Reference:
-/// `vocab_parallel::embedding_shard_backward`.
+/// Length of [`token_index`] for `rows` tokens.
+pub fn token_index_len(rows: usize) -> usize {
+    3 * rows + 2
+}
+
+/// The token index the embedding backward kernels read (u32): `tokens` (R) | the rows ordered by
+/// token, the rows of one token in increasing order (R) | the number S of distinct tokens (1) |
+/// where each token's rows start in that order (S + 1; the rest of the R + 1 entries are 0). With
+/// it one GPU thread per (distinct token, column) sums that token's rows in row order, so the
+/// scatter needs no atomics and gives the CPU reference's bits on every arm and every run.
+pub fn token_index(tokens: &[u32]) -> Vec<u32> {
+    let r = tokens.len();
+    let mut index = vec![0u32; token_index_len(r)];
+    index[..r].copy_from_slice(tokens);
+    let mut order: Vec<u32> = (0..r as u32).collect();
+    order.sort_by_key(|&row| tokens[row as usize]); // stable: rows of a token stay in order
+    let (head, starts) = index.split_at_mut(2 * r + 1);
+    let mut distinct = 0;
+    for (k, &row) in order.iter().enumerate() {
+        if k == 0 || tokens[row as usize] != tokens[order[k - 1] as usize] {
+            starts[distinct] = k as u32;
+            distinct += 1;
+        }
+    }
+    starts[distinct] = r as u32;
+    head[r..2 * r].copy_from_slice(&order);
+    head[2 * r] = distinct as u32;
+    index
+}
+
+/// dwte_shard (vl, C) += rows of dout (N, C) whose tokens lie in the shard; `tokens` holds the
+/// batch's [`token_index`] (the CPU arm reads its first N entries only). Reference:
+/// `vocab_parallel::embedding_shard_backward` (the same additions in the same order on every arm).
 pub fn embedding_shard_backward(
     dev: &Device,
     dwte: &mut DeviceBuffer,
@@ -84,8 +115,8 @@ pub fn embedding_shard_backward(
     let k = "embedding_shard_backward_f32";
     need(k, "dwte", dwte, f32s(v.vl * c))?;
     need(k, "dout", dout, f32s(n * c))?;
-    need(k, "tokens", tokens, 4 * n)?;
     if let Device::Cpu = dev {
+        need(k, "tokens", tokens, 4 * n)?;
         vocab_parallel::embedding_shard_backward(
             host_mut(k, dwte)?.view_mut::<f32>(v.vl * c),
             host(k, dout)?.view::<f32>(n * c),
@@ -95,11 +126,12 @@ pub fn embedding_shard_backward(
         );
         return Ok(());
     }
+    need(k, "tokens", tokens, 4 * token_index_len(n))?;
     let args = [
         A::Buf(dwte),
         A::Buf(dout),
         A::Buf(tokens),
-        A::U64((n * c) as u64),
+        A::U64(n as u64),
         A::I32(as_i32(k, "c", c)?),
         A::U64(v.start as u64),
         A::I32(as_i32(k, "vl", v.vl)?),
@@ -278,4 +310,21 @@ pub fn cross_entropy_backward(dev: &Device, bufs: CrossEntropyBackward, dloss: f
         A::I32(as_i32(k, "real", v.real)?),
     ];
     dev.launch(k, stride_grid(n * v.real), &args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows grouped by token in row order, the distinct count and where each group starts.
+    #[test]
+    fn token_index_groups_rows_by_token_in_row_order() {
+        let index = token_index(&[3, 1, 3, 0, 1, 3]);
+        assert_eq!(index.len(), token_index_len(6));
+        assert_eq!(&index[..6], &[3, 1, 3, 0, 1, 3]);
+        assert_eq!(&index[6..12], &[3, 1, 4, 0, 2, 5]);
+        assert_eq!(index[12], 3);
+        assert_eq!(&index[13..], &[0, 1, 3, 6, 0, 0, 0]);
+        assert_eq!(token_index(&[]), vec![0, 0]);
+    }
 }

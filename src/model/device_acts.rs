@@ -17,7 +17,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::device::ipc::alloc_shareable;
-use crate::device::{Device, DeviceBuffer};
+use crate::device::{ops_vocab, Device, DeviceBuffer};
 use crate::error::Result;
 use crate::model::GptConfig;
 
@@ -304,7 +304,8 @@ impl HeadActs {
 
 /// One micro-batch's activations through one chunk.
 pub(super) struct SlotActs {
-    /// Token ids (B*T) u32: read by the embedding's backward (embedding chunk; else empty).
+    /// The token index of the micro-batch (`ops_vocab::token_index`: the ids (B*T) first), u32: read by
+    /// the embedding forward and backward (embedding chunk; else empty).
     pub tokens: DeviceBuffer,
     /// Input of the chunk's first block (R, C): the embedding output or the received hidden.
     pub input: DeviceBuffer,
@@ -319,7 +320,7 @@ pub(super) struct SlotActs {
 impl SlotActs {
     pub(super) fn new(dev: &Device, d: &ActDims, blocks: usize, embeds: bool, ends: bool) -> Result<Self> {
         Ok(SlotActs {
-            tokens: dev.alloc(if embeds { d.bt * 4 } else { 0 })?,
+            tokens: dev.alloc(if embeds { 4 * ops_vocab::token_index_len(d.bt) } else { 0 })?,
             // Without SP the embedding's output is summed over TP in place.
             input: if embeds && !d.sp { d.reduced(dev, d.rows * d.c)? } else { ActDims::f32(dev, d.rows * d.c)? },
             blocks: (0..blocks).map(|_| BlockActs::new(dev, d)).collect::<Result<_>>()?,

@@ -53,7 +53,7 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::device::cpu::attention::AttnShape;
 use crate::device::cpu::vocab_parallel::real_columns;
 use crate::device::ops_attention::AttnWork;
-use crate::device::ops_vocab::VocabShard;
+use crate::device::ops_vocab::{self, VocabShard};
 pub use crate::device::Precision;
 use crate::device::gemm::GemmInput;
 use crate::device::{ops, Device, DeviceBuffer};
@@ -662,7 +662,7 @@ impl DeviceGpt {
         match input {
             StageInput::Hidden(h) => self.dev.copy_to_device(&mut a.input, h)?,
             StageInput::Tokens(tokens) => {
-                self.dev.copy_to_device(&mut a.tokens, tokens)?;
+                self.dev.copy_to_device(&mut a.tokens, &ops_vocab::token_index(tokens))?;
                 self.acquire(Use::Embedding)?;
                 self.embed_forward(ci, si)?;
             }

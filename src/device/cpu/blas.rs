@@ -12,10 +12,9 @@
 //! with meshtrain's own threaded layers, so the spinning workers took the cores those layers
 //! need (~245 CPU-ms per d12 step). The spin bound (`OPENBLAS_THREAD_TIMEOUT`, a power of two
 //! of cycles) is read once, when the library is loaded, before `main`; so before the first GEMM
-//! or thread-count change of the process, [`quiet_idle_workers`] sets it to the minimum (unless
-//! the user set it), has OpenBLAS re-read its environment and stops its workers; the next GEMM
-//! starts them again with the new bound, and from then on they sleep right after each GEMM and
-//! are woken by the next one (a condition-variable signal, microseconds per GEMM). Which thread
+//! or thread-count change of the process, [`quiet_idle_workers`] sets it to 2^16 cycles (unless
+//! the user set it), has OpenBLAS re-read its environment and restarts its workers with the new
+//! bound; from then on they sleep ~25 µs after each GEMM and are woken by the next one (a condition-variable signal, microseconds per GEMM). Which thread
 //! computes which block does not change, so the results stay bitwise the same.
 
 use std::os::raw::c_int;
@@ -61,15 +60,17 @@ extern "C" {
     fn openblas_set_num_threads(n: c_int);
     fn openblas_read_env();
     fn blas_thread_shutdown_() -> c_int;
+    fn blas_thread_init() -> c_int;
 }
 
 /// The environment variable bounding how long OpenBLAS's idle workers spin (log2 of cycles).
 const TIMEOUT_VAR: &str = "OPENBLAS_THREAD_TIMEOUT";
 
-/// The smallest bound OpenBLAS accepts (2^4 cycles): idle workers sleep at once.
-const QUIET_TIMEOUT: &str = "4";
+/// 2^16 cycles (~25 µs): long enough to cover the gap between back-to-back GEMMs of a small
+/// model (no wake-up per GEMM), short against the milliseconds of a large model's non-GEMM layers.
+const QUIET_TIMEOUT: &str = "16";
 
-/// Makes OpenBLAS's idle workers sleep right after each GEMM instead of spinning (see the
+/// Makes OpenBLAS's idle workers sleep soon after each GEMM instead of spinning ~0.1 s (see the
 /// module header), once per process, before any GEMM or thread-count change of this module.
 /// A user's own `OPENBLAS_THREAD_TIMEOUT` is left in force.
 pub fn quiet_idle_workers() {
@@ -83,12 +84,15 @@ pub fn quiet_idle_workers() {
         // is set before the model is built); the standard library serialises its own
         // environment accesses.
         std::env::set_var(TIMEOUT_VAR, QUIET_TIMEOUT);
-        // SAFETY: neither call takes arguments; `openblas_read_env` only re-reads environment
-        // variables into OpenBLAS's settings and `blas_thread_shutdown_` joins its idle workers
-        // (no GEMM is in flight, see above); the next GEMM starts them again.
+        // SAFETY: no call takes arguments; `openblas_read_env` only re-reads environment
+        // variables into OpenBLAS's settings, `blas_thread_shutdown_` joins its idle workers (no
+        // GEMM is in flight, see above) and `blas_thread_init` starts as many again with the new
+        // spin bound, at once rather than lazily at the next GEMM, so that a thread-count change
+        // never meets a stopped pool (it would then add workers the lazy start creates again).
         unsafe {
             openblas_read_env();
             blas_thread_shutdown_();
+            blas_thread_init();
         }
     });
 }

@@ -386,7 +386,7 @@ impl fmt::Display for StepBenchReport {
         )?;
         match self.gemms.is_empty() {
             true => writeln!(f, "  GEMM mix not timed (the CPU gemm is not this arm's)")?,
-            false => writeln!(f, "  GEMM mix {:.1} GFLOP/s -> step/GEMM = {:.2} (target >= 0.50)", self.gemm_gflops, self.step_vs_gemm)?,
+            false => writeln!(f, "  GEMM mix {:.1} GFLOP/s -> step/GEMM = {:.2} (target >= 0.80)", self.gemm_gflops, self.step_vs_gemm)?,
         }
         if let (Some(o), true) = (self.optimizer, self.step_vs_gemm > 0.0) {
             let gemm = self.step_seconds * self.step_vs_gemm;

@@ -4,8 +4,10 @@
  *
  * - sizes: from --min to --max bytes, multiplied by --factor; each size is rounded down to whole
  *   f32 elements and to a multiple of the world size (at least one element per rank);
- * - per size: --warmup untimed calls, a barrier, --iters timed calls; a rank's time is its
- *   average per call; the row's time is the slowest rank's (max over ranks);
+ * - per size: untimed calls, a barrier, timed calls; a rank's time is its average per call; the
+ *   row's time is the slowest rank's (max over ranks). Timed calls: --iters, or as many as move
+ *   --iter-bytes bytes (default 256M; 0: exactly --iters) when that is more, at most 1000;
+ *   untimed calls: --warmup, or a tenth of the timed calls when that is more;
  * - buffers: f32, allocated and first touched (filled) before the warm-up, the same inputs as
  *   meshtrain's exact inputs; out of place; reductions are MPI_SUM; roots are rank 0.
  *
@@ -46,6 +48,21 @@ static int one_call(const char *coll, const float *in, float *out, int n, int k,
     return -1;
 }
 
+/* Timed (and untimed) calls for a buffer of `bytes` bytes, the rule of `meshtrain bench`
+ * (CollBench::rounds_for in src/bench/collectives.rs). */
+enum { MAX_ITERS = 1000 };
+static void rounds_for(size_t bytes, long warmup, long iters, size_t iter_bytes, int *w, int *t) {
+    long it = iters;
+    if (iter_bytes > 0) {
+        size_t by = iter_bytes / (bytes ? bytes : 1);
+        if (by > MAX_ITERS) by = MAX_ITERS;
+        if ((long)by > it) it = (long)by;
+    }
+    if (it < 1) it = 1;
+    *t = (int)it;
+    *w = (int)(iter_bytes > 0 && it / 10 > warmup ? it / 10 : warmup);
+}
+
 /* Slowest rank's microseconds per call of `coll` on n elements. */
 static double time_size(const char *coll, int n, int warmup, int iters, int k, int me) {
     float *in = malloc((size_t)n * sizeof(float)), *out = malloc((size_t)n * sizeof(float));
@@ -70,7 +87,7 @@ static double time_size(const char *coll, int n, int warmup, int iters, int k, i
 
 static void usage(const char *why) {
     fprintf(stderr,
-            "mpi_coll: %s\nusage: mpi_coll [COLL|all] [--min 4K] [--max 64M] [--factor 2] [--warmup 5] [--iters 20]\n"
+            "mpi_coll: %s\nusage: mpi_coll [COLL|all] [--min 4K] [--max 64M] [--factor 2] [--warmup 5] [--iters 20] [--iter-bytes 256M]\n"
             "  COLL: all_reduce all_gather reduce_scatter all_to_all broadcast reduce\n",
             why);
 }
@@ -81,7 +98,8 @@ int main(int argc, char **argv) {
     MPI_Comm_size(MPI_COMM_WORLD, &k);
     MPI_Comm_rank(MPI_COMM_WORLD, &me);
     const char *what = "all";
-    size_t min = 4 << 10, max = 64 << 20, factor = 2;
+    size_t min = 4 << 10, max = 64 << 20, factor = 2, iter_bytes = (size_t)256 << 20;
+    int iter_bytes_ok = 1;
     long warmup = 5, iters = 20;
     for (int a = 1; a < argc; a++) {
         const char *arg = argv[a], *val = a + 1 < argc ? argv[a + 1] : NULL;
@@ -93,12 +111,13 @@ int main(int argc, char **argv) {
         else if (!strcmp(arg, "--factor")) factor = parse_size(val);
         else if (!strcmp(arg, "--warmup")) warmup = strtol(val, NULL, 10);
         else if (!strcmp(arg, "--iters")) iters = strtol(val, NULL, 10);
+        else if (!strcmp(arg, "--iter-bytes")) { iter_bytes = parse_size(val); iter_bytes_ok = iter_bytes > 0 || !strcmp(val, "0"); }
         else { if (me == 0) usage("unknown option"); MPI_Finalize(); return 2; }
     }
     int known = !strcmp(what, "all");
     for (int c = 0; c < NCOLL; c++) known |= !strcmp(what, ALL[c]);
-    if (!known || min == 0 || max < min || factor < 2 || warmup < 0 || iters < 1 || max / sizeof(float) > 0x7fffffff) {
-        if (me == 0) usage(!known ? "unknown collective" : "need 0 < --min <= --max < 8G, --factor >= 2, --iters >= 1");
+    if (!known || min == 0 || max < min || factor < 2 || warmup < 0 || iters < 1 || !iter_bytes_ok || max / sizeof(float) > 0x7fffffff) {
+        if (me == 0) usage(!known ? "unknown collective" : "need 0 < --min <= --max < 8G, --factor >= 2, --iters >= 1, --iter-bytes a size");
         MPI_Finalize();
         return 2;
     }
@@ -111,7 +130,9 @@ int main(int argc, char **argv) {
             int n = (int)((per ? per : 1) * (size_t)k);
             if (n == last) continue;
             last = n;
-            double us = time_size(ALL[c], n, (int)warmup, (int)iters, k, me);
+            int w, t;
+            rounds_for((size_t)n * sizeof(float), warmup, iters, iter_bytes, &w, &t);
+            double us = time_size(ALL[c], n, w, t, k, me);
             if (me == 0) {
                 printf("%s,%zu,%d,%.2f\n", ALL[c], (size_t)n * sizeof(float), n, us);
                 fflush(stdout);

@@ -3,7 +3,10 @@
 alternation, several rounds per world size, and prints per collective and size the median and
 spread (min-max) of: meshtrain's time, MPI's time measured inside meshtrain, MPI's time from the
 standalone program, the agreement of the two MPI columns (inside / standalone) and meshtrain's
-speedup over the standalone program (the honest baseline).
+speedup over the standalone program (the honest baseline). For the collectives that only move
+data (all-gather, broadcast, all-to-all) also meshtrain's copy floor (every rank copying the bytes
+the collective brings it, at once, in the same run) and the fraction of it meshtrain reaches
+(floor / meshtrain time; 1.00 = as fast as a plain copy of the same bytes).
 
 Why alternate: the machine may be shared; alternating rounds spreads any load over both programs
 rather than over one. Ratios are of medians over the same rounds.
@@ -73,6 +76,7 @@ def main():
     ap.add_argument("--factor", default="4")
     ap.add_argument("--iters", default="20")
     ap.add_argument("--warmup", default="5")
+    ap.add_argument("--iter-bytes", default="256M", help="more timed calls for small sizes (both programs' rule)")
     ap.add_argument("--colls", default="all")
     ap.add_argument("--meshtrain", default="target/release/meshtrain")
     ap.add_argument("--baseline", default="target/bench/mpi_coll")
@@ -81,8 +85,8 @@ def main():
     a = ap.parse_args()
     if a.rounds < 1:
         sys.exit("mpi_compare: --rounds must be >= 1")
-    sweep = ["--min", a.min, "--max", a.max, "--factor", a.factor, "--iters", a.iters, "--warmup", a.warmup]
-    raw = []  # (ranks, round, coll, bytes, meshtrain_us, inside_us, standalone_us)
+    sweep = ["--min", a.min, "--max", a.max, "--factor", a.factor, "--iters", a.iters, "--warmup", a.warmup, "--iter-bytes", a.iter_bytes]
+    raw = []  # (ranks, round, coll, bytes, meshtrain_us, inside_us, standalone_us, copy_us)
     for ranks in [int(r) for r in a.ranks.split(",")]:
         for rnd in range(a.rounds):
             mt_cmd = mpirun(ranks) + [a.meshtrain, "bench", a.colls, "--vs-mpi", "--csv"] + sweep
@@ -98,12 +102,13 @@ def main():
                 if r["wrong"] != "0":
                     sys.exit(f"mpi_compare: meshtrain reported {r['wrong']} wrong elements at {key}")
                 inside = float(r["mpi_time_us"]) if r["mpi_time_us"] else float("nan")
-                raw.append((ranks, rnd, key[0], key[1], float(r["time_us"]), inside, sa.get(key, float("nan"))))
+                copy = float(r["copy_us"]) if r.get("copy_us") else float("nan")
+                raw.append((ranks, rnd, key[0], key[1], float(r["time_us"]), inside, sa.get(key, float("nan")), copy))
             print(f"# {ranks} ranks: round {rnd + 1}/{a.rounds} done", file=sys.stderr)
     if a.csv:
         with open(a.csv, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["ranks", "round", "coll", "bytes", "meshtrain_us", "mpi_inside_us", "mpi_standalone_us"])
+            w.writerow(["ranks", "round", "coll", "bytes", "meshtrain_us", "mpi_inside_us", "mpi_standalone_us", "copy_floor_us"])
             w.writerows(raw)
     report(raw, a.markdown)
 
@@ -113,15 +118,16 @@ def report(raw, markdown):
     for r in raw:
         if (r[0], r[2], r[3]) not in keys:
             keys.append((r[0], r[2], r[3]))
-    head = ["ranks", "coll", "size", "meshtrain us", "MPI inside us", "MPI standalone us", "inside/standalone", "speedup vs standalone"]
+    head = ["ranks", "coll", "size", "meshtrain us", "MPI inside us", "MPI standalone us", "inside/standalone", "speedup vs standalone", "copy floor us", "of copy floor"]
     print(("| " + " | ".join(head) + " |\n|" + "---|" * len(head)) if markdown else ",".join(head))
     for ranks, coll, size in keys:
         rows = [r for r in raw if (r[0], r[2], r[3]) == (ranks, coll, size)]
-        mt, ins, sa = (spread([r[i] for r in rows]) for i in (4, 5, 6))
+        mt, ins, sa, cp = (spread([r[i] for r in rows]) for i in (4, 5, 6, 7))
         cell = lambda s: f"{s[0]:.1f} ({s[1]:.1f}-{s[2]:.1f})"
         agree = ins[0] / sa[0] if sa[0] > 0 else float("nan")
         speed = sa[0] / mt[0] if mt[0] > 0 else float("nan")
-        cells = [str(ranks), coll, fmt_size(size), cell(mt), cell(ins), cell(sa), f"{agree:.2f}", f"{speed:.2f}x"]
+        floor = ["", ""] if cp[0] != cp[0] else [cell(cp), f"{cp[0] / mt[0]:.2f}"]
+        cells = [str(ranks), coll, fmt_size(size), cell(mt), cell(ins), cell(sa), f"{agree:.2f}", f"{speed:.2f}x"] + floor
         print(("| " + " | ".join(cells) + " |") if markdown else ",".join(cells))
 
 

@@ -211,12 +211,16 @@ struct BenchArgs {
     /// Reduction: sum, prod, min, max, avg.
     #[arg(long, default_value = "sum")]
     op: String,
-    /// Untimed calls per size.
+    /// Untimed calls per size (collectives: at least; a tenth of the timed calls when more).
     #[arg(long, default_value_t = 5)]
     warmup: usize,
-    /// Timed calls per size.
+    /// Timed calls per size (collectives: at least; see --iter-bytes).
     #[arg(long, default_value_t = 20)]
     iters: usize,
+    /// Collectives: more timed calls for small sizes, as many as move this many bytes per size (at
+    /// most 1000); 0 times exactly --iters. benches/mpi_coll.c has the same rule.
+    #[arg(long, default_value = "256M", value_parser = parse_size)]
+    iter_bytes: usize,
     /// Use the in-place variants.
     #[arg(long)]
     inplace: bool,
@@ -278,6 +282,7 @@ impl BenchArgs {
             op,
             warmup: self.warmup,
             iters: self.iters,
+            iter_bytes: self.iter_bytes,
             inplace: self.inplace,
             vs_mpi: self.vs_mpi,
             csv: self.csv,
@@ -332,7 +337,7 @@ fn bench_tune(world: &World, args: &BenchArgs, b: &CollBench) -> Result<()> {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
         let header = [
             format!("meshtrain bench --tune: {} ranks, {} links, host {}", comm.size(), comm.link_kind().name(), host.trim()),
-            format!("sizes {}..{} bytes x{}, warm-up {}, {} timed calls, best of {} rounds, f32", b.min_bytes, b.max_bytes, b.factor, b.warmup, b.iters, args.tune_rounds),
+            format!("sizes {}..{} bytes x{}, {}, best of {} rounds, f32", b.min_bytes, b.max_bytes, b.factor, b.rounds_text(), args.tune_rounds),
         ];
         let table = tune::write_table(&args.tune_out, rules, &header)?;
         println!("# wrote {} ({} rules); load it with MESHTRAIN_TUNING={}", args.tune_out.display(), table.rules().len(), args.tune_out.display());
@@ -351,19 +356,20 @@ fn bench(world: &World, args: &BenchArgs) -> Result<()> {
     if leader {
         if !b.csv {
             println!(
-                "# meshtrain bench: {} ranks on {} node(s), dtype {}, op {}, {}",
+                "# meshtrain bench: {} ranks on {} node(s), dtype {}, op {}, {}, {}",
                 world.size,
                 world.nodes.iter().max().map_or(1, |m| m + 1),
                 b.dtype.name(),
                 b.op.name(),
-                if b.inplace { "in place" } else { "out of place" }
+                if b.inplace { "in place" } else { "out of place" },
+                b.rounds_text()
             );
         }
-        println!("{}", collectives::header(b.csv, b.vs_mpi, comm.link_kind() == meshtrain::comm::tuner::LinkKind::Net));
+        println!("{}", collectives::header(&b, comm.link_kind() == meshtrain::comm::tuner::LinkKind::Net));
     }
     let rows = collectives::run(&comm, mpi, &b, |row| {
         if leader {
-            println!("{}", collectives::format_row(row, b.csv, b.vs_mpi));
+            println!("{}", collectives::format_row(row, &b));
             let _ = std::io::stdout().flush();
         }
     })?;

@@ -11,6 +11,18 @@
 //! usual factors: all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n; broadcast
 //! and reduce 1.
 //!
+//! Timed calls per size ([`CollBench::rounds_for`]): at least `--iters`, and for small buffers
+//! as many as move `--iter-bytes` (at most [`MAX_ITERS`]), with a tenth as many warm-up calls. A
+//! 4 KiB call takes 1-20 us here, so 20 calls after a barrier time mostly the ranks' skew leaving
+//! the barrier and the first cold call; the standalone program uses the same rule.
+//!
+//! The copy floor: all-gather, broadcast and all-to-all only move data, and each byte a rank
+//! receives must be written into its output at least once. Every rank therefore also times, all
+//! ranks at once and under the same rule, a plain copy of as many bytes as the collective brings
+//! it (from a private buffer into another), and the row reports it as `copy_us`: a single-copy
+//! schedule cannot be much faster than that, and `copy_us / time_us` says how close the
+//! collective comes to the memory system's limit.
+//!
 //! Across nodes (a communicator whose members span several), each row also says how many bytes a
 //! rank sent to other nodes per call (the mean over ranks and the busiest rank, counted on the
 //! links: [`crate::comm::stats`]) next to the theoretical minimum of the mean: with `n` nodes of
@@ -50,14 +62,58 @@ pub struct CollBench {
     pub op: ReduceOp,
     /// Untimed calls per size.
     pub warmup: usize,
-    /// Timed calls per size.
+    /// Timed calls per size (at least).
     pub iters: usize,
+    /// More timed calls for small sizes: as many as move this many bytes (0: exactly `iters`).
+    pub iter_bytes: usize,
     /// In-place variants instead of separate output buffers.
     pub inplace: bool,
     /// Also time the system MPI's collective.
     pub vs_mpi: bool,
     /// Print CSV instead of a table.
     pub csv: bool,
+}
+
+/// Most timed calls per size under the `iter_bytes` rule.
+pub const MAX_ITERS: usize = 1000;
+
+impl CollBench {
+    /// Untimed and timed calls for a buffer of `bytes` bytes: `iters` timed calls, or as many as
+    /// move `iter_bytes` when that is more (at most [`MAX_ITERS`]), and `warmup` untimed calls, or
+    /// a tenth of the timed ones when that is more. The same in benches/mpi_coll.c.
+    pub fn rounds_for(&self, bytes: usize) -> Rounds {
+        if self.iter_bytes == 0 {
+            return Rounds { warmup: self.warmup, iters: self.iters.max(1) };
+        }
+        let iters = (self.iter_bytes / bytes.max(1)).min(MAX_ITERS).max(self.iters).max(1);
+        Rounds { warmup: self.warmup.max(iters / 10), iters }
+    }
+
+    /// The rule of [`CollBench::rounds_for`] in words, for headers.
+    pub fn rounds_text(&self) -> String {
+        if self.iter_bytes == 0 {
+            return format!("warm-up {}, {} timed calls per size", self.warmup, self.iters);
+        }
+        format!(
+            "timed calls per size: {} or as many as move {} bytes (at most {MAX_ITERS}), warm-up {} or a tenth of them",
+            self.iters, self.iter_bytes, self.warmup
+        )
+    }
+
+    /// Whether the rows carry the copy floor column (some collective timed only moves data).
+    pub fn has_copy_floor(&self) -> bool {
+        self.colls.iter().any(|c| copy_floor_bytes(c, 2, 1, 1).is_some())
+    }
+}
+
+/// Bytes that `coll` on an `n`-element buffer of `esize`-byte elements brings member `me` of `k`
+/// (root 0), for the collectives that only move data; `None` for the others.
+fn copy_floor_bytes(coll: &str, k: usize, me: usize, n: usize) -> Option<usize> {
+    match coll {
+        "all_gather" | "all_to_all" => Some(n - block_range(n, k, me).len()),
+        "broadcast" => Some(if me == 0 { 0 } else { n }),
+        _ => None,
+    }
 }
 
 /// One result row.
@@ -81,6 +137,9 @@ pub struct Row {
     pub ranks: usize,
     /// Bytes per call sent to other nodes, when the members span nodes.
     pub net: Option<NetBytes>,
+    /// The copy floor: microseconds for every rank to copy the bytes the collective brings it
+    /// (slowest rank), for the collectives that only move data.
+    pub copy_us: Option<f64>,
 }
 
 /// Bytes per call that ranks sent to other nodes.
@@ -139,26 +198,30 @@ impl Row {
 const HEADER: [&str; 8] = ["coll", "bytes", "count", "dtype", "time_us", "algbw_gbs", "busbw_gbs", "wrong"];
 const MPI_HEADER: [&str; 3] = ["mpi_time_us", "mpi_busbw_gbs", "speedup"];
 const NET_HEADER: [&str; 3] = ["net_B_rank", "net_B_max", "net_B_min"];
+const COPY_HEADER: [&str; 2] = ["copy_us", "of_copy"];
 
-/// The header line (CSV or table); `net`: with the inter-node byte columns (members on several
-/// nodes).
-pub fn header(csv: bool, vs_mpi: bool, net: bool) -> String {
+/// The header line (CSV or table) of `b`'s rows; `net`: with the inter-node byte columns (members
+/// on several nodes). The copy floor's columns come last.
+pub fn header(b: &CollBench, net: bool) -> String {
     let mut cols: Vec<&str> = HEADER.to_vec();
-    if vs_mpi {
+    if b.vs_mpi {
         cols.extend(MPI_HEADER);
     }
     if net {
         cols.extend(NET_HEADER);
     }
-    if csv {
+    if b.has_copy_floor() {
+        cols.extend(COPY_HEADER);
+    }
+    if b.csv {
         cols.join(",")
     } else {
         cols.iter().map(|c| format!("{c:>14}")).collect::<Vec<_>>().join("")
     }
 }
 
-/// One row as CSV or a table line.
-pub fn format_row(r: &Row, csv: bool, vs_mpi: bool) -> String {
+/// One row of `b` as CSV or a table line (`of_copy`: the copy floor's time over the row's).
+pub fn format_row(r: &Row, b: &CollBench) -> String {
     let mut cells = vec![
         r.coll.clone(),
         r.bytes.to_string(),
@@ -169,7 +232,7 @@ pub fn format_row(r: &Row, csv: bool, vs_mpi: bool) -> String {
         format!("{:.3}", r.busbw_gbs()),
         r.wrong.to_string(),
     ];
-    if vs_mpi {
+    if b.vs_mpi {
         match r.mpi_time_us {
             Some(t) => {
                 let busbw = r.algbw(t) * bus_factor(&r.coll, r.ranks);
@@ -182,7 +245,13 @@ pub fn format_row(r: &Row, csv: bool, vs_mpi: bool) -> String {
         let min = net.min.map_or(String::new(), |m| format!("{m:.0}"));
         cells.extend([format!("{:.0}", net.mean), format!("{:.0}", net.max), min]);
     }
-    if csv {
+    if b.has_copy_floor() {
+        match r.copy_us {
+            Some(t) => cells.extend([format!("{t:.2}"), format!("{:.2}", t / r.time_us)]),
+            None => cells.extend([String::new(), String::new()]),
+        }
+    }
+    if b.csv {
         cells.join(",")
     } else {
         cells.iter().fold(String::new(), |mut s, c| {
@@ -369,19 +438,46 @@ pub fn time_calls<T: Element>(c: &Communicator, b: &CollBench, coll: &str, n: us
 
 /// [`time_calls`] and the bytes per timed call this rank sent to other nodes.
 fn time_and_count<T: Element>(c: &Communicator, b: &CollBench, coll: &str, n: usize) -> Result<(f64, f64)> {
+    let rounds = b.rounds_for(n * T::DTYPE.size());
     let mut case = build::<T>(c, coll, b.op, n, b.inplace);
-    for _ in 0..b.warmup {
+    for _ in 0..rounds.warmup {
         run_once(c, coll, b.op, b.inplace, &mut case)?;
     }
     c.barrier()?;
     let (t0, sent) = (Instant::now(), c.net_bytes_sent());
-    for _ in 0..b.iters {
+    for _ in 0..rounds.iters {
         run_once(c, coll, b.op, b.inplace, &mut case)?;
     }
-    let per_call = (c.net_bytes_sent() - sent) as f64 / b.iters.max(1) as f64;
-    let mut time = [t0.elapsed().as_secs_f64() * 1e6 / b.iters.max(1) as f64];
+    let per_call = (c.net_bytes_sent() - sent) as f64 / rounds.iters as f64;
+    let mut time = [t0.elapsed().as_secs_f64() * 1e6 / rounds.iters as f64];
     c.all_reduce(&mut time, ReduceOp::Max)?;
     Ok((time[0], per_call))
+}
+
+/// The copy floor of `coll` on `n` elements of `esize` bytes (see the module header): every rank
+/// copies the bytes the collective brings it, all at once, under the benchmark's rule; the slowest
+/// rank's microseconds per copy. `None` for collectives that reduce, and on one rank.
+fn copy_floor_us(c: &Communicator, b: &CollBench, coll: &str, n: usize, esize: usize) -> Result<Option<f64>> {
+    let Some(elems) = copy_floor_bytes(coll, c.size(), c.rank(), n) else { return Ok(None) };
+    if c.size() < 2 {
+        return Ok(None);
+    }
+    let rounds = b.rounds_for(n * esize);
+    // Both buffers written before timing, as the collective's are.
+    let src: Vec<u8> = (0..elems * esize).map(|i| (i % 251) as u8).collect();
+    let mut dst: Vec<u8> = (0..elems * esize).map(|i| (i % 13) as u8).collect();
+    for _ in 0..rounds.warmup {
+        dst.copy_from_slice(std::hint::black_box(&src));
+    }
+    c.barrier()?;
+    let t0 = Instant::now();
+    for _ in 0..rounds.iters {
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+    }
+    let mut time = [t0.elapsed().as_secs_f64() * 1e6 / rounds.iters as f64];
+    c.all_reduce(&mut time, ReduceOp::Max)?;
+    Ok(Some(time[0]))
 }
 
 /// Mean and largest bytes per call sent between nodes, over ranks, and the minimum.
@@ -418,14 +514,15 @@ fn bench_size<T: BenchElement>(
 
     let mpi_time_us = match mpi {
         Some(m) => {
-            let t = T::mpi_time(m, coll, b.op, n, Rounds { warmup: b.warmup, iters: b.iters.max(1) });
+            let t = T::mpi_time(m, coll, b.op, n, b.rounds_for(n * T::DTYPE.size()));
             let mut t = [t.unwrap_or(f64::NAN)];
             c.all_reduce(&mut t, ReduceOp::Max)?;
             Some(t[0]).filter(|t| t.is_finite())
         }
         None => None,
     };
-    Ok(Row { coll: coll.to_string(), bytes: n * T::DTYPE.size(), count: n, dtype: T::DTYPE, time_us: time[0], wrong: wrong[0] as u64, mpi_time_us, ranks: c.size(), net })
+    let copy_us = copy_floor_us(c, b, coll, n, T::DTYPE.size())?;
+    Ok(Row { coll: coll.to_string(), bytes: n * T::DTYPE.size(), count: n, dtype: T::DTYPE, time_us: time[0], wrong: wrong[0] as u64, mpi_time_us, ranks: c.size(), net, copy_us })
 }
 
 /// Element counts of the size sweep: each size rounded down to whole elements and to a multiple
@@ -497,6 +594,7 @@ mod tests {
                 op: ReduceOp::Avg,
                 warmup: 1,
                 iters: 2,
+                iter_bytes: 0,
                 inplace: c.size() == 3,
                 vs_mpi: false,
                 csv: true,
@@ -505,6 +603,74 @@ mod tests {
         });
         assert_eq!(rows[0].len(), 6 * 4);
         assert!(rows.iter().flatten().all(|r| r.wrong == 0 && r.count % 3 == 0 && r.net.is_none()));
+        // The copy floor: measured for the collectives that only move data, not for reductions.
+        for r in rows.iter().flatten() {
+            let moves = matches!(r.coll.as_str(), "all_gather" | "broadcast" | "all_to_all");
+            assert_eq!(r.copy_us.is_some(), moves, "{}", r.coll);
+            assert!(r.copy_us.is_none_or(|t| t.is_finite() && t >= 0.0));
+        }
+    }
+
+    fn sweep(colls: &[&str], iters: usize, iter_bytes: usize) -> CollBench {
+        CollBench {
+            colls: colls.iter().map(|s| s.to_string()).collect(),
+            min_bytes: 4096,
+            max_bytes: 1 << 26,
+            factor: 4,
+            dtype: DType::F32,
+            op: ReduceOp::Sum,
+            warmup: 5,
+            iters,
+            iter_bytes,
+            inplace: false,
+            vs_mpi: true,
+            csv: true,
+        }
+    }
+
+    #[test]
+    fn small_sizes_get_more_calls_up_to_the_cap() {
+        let b = sweep(&["all_reduce"], 20, 256 << 20);
+        let r = |bytes| b.rounds_for(bytes);
+        assert_eq!((r(4096).warmup, r(4096).iters), (100, MAX_ITERS));
+        assert_eq!((r(1 << 20).warmup, r(1 << 20).iters), (25, 256));
+        assert_eq!((r(16 << 20).warmup, r(16 << 20).iters), (5, 20));
+        assert_eq!((r(1 << 30).warmup, r(1 << 30).iters), (5, 20));
+        // --iters stays the minimum; 0 bytes means exactly --iters.
+        assert_eq!(sweep(&["all_reduce"], 500, 256 << 20).rounds_for(64 << 20).iters, 500);
+        let fixed = sweep(&["all_reduce"], 7, 0);
+        assert_eq!((fixed.rounds_for(4096).warmup, fixed.rounds_for(4096).iters), (5, 7));
+    }
+
+    #[test]
+    fn copy_floor_columns_come_last_and_only_with_data_moving_collectives() {
+        assert_eq!(copy_floor_bytes("all_gather", 3, 1, 10), Some(7));
+        assert_eq!(copy_floor_bytes("all_to_all", 4, 0, 8), Some(6));
+        assert_eq!(copy_floor_bytes("broadcast", 3, 0, 10), Some(0));
+        assert_eq!(copy_floor_bytes("broadcast", 3, 2, 10), Some(10));
+        assert_eq!(copy_floor_bytes("reduce", 3, 2, 10), None);
+        let reductions = sweep(&["all_reduce", "reduce"], 20, 0);
+        assert!(!reductions.has_copy_floor() && !header(&reductions, false).contains("copy_us"));
+        let b = sweep(&["all_reduce", "all_gather"], 20, 0);
+        assert!(header(&b, true).ends_with("net_B_min,copy_us,of_copy"));
+        let row = |coll: &str, copy_us| Row {
+            coll: coll.into(),
+            bytes: 4096,
+            count: 1024,
+            dtype: DType::F32,
+            time_us: 4.0,
+            wrong: 0,
+            mpi_time_us: Some(6.0),
+            ranks: 2,
+            net: None,
+            copy_us,
+        };
+        let cells = |line: String| line.split(',').count();
+        let h = cells(header(&b, false));
+        assert_eq!(cells(format_row(&row("all_reduce", None), &b)), h);
+        let line = format_row(&row("all_gather", Some(3.0)), &b);
+        assert_eq!(cells(line.clone()), h);
+        assert!(line.ends_with(",6.00,0.341,1.50,3.00,0.75"), "{line}");
     }
 
     #[test]
@@ -522,22 +688,9 @@ mod tests {
         assert_eq!(net_minimum_uneven("broadcast", 1200, 2, 8), net_minimum("broadcast", 1200, 2, 4));
         for hier in [true, false] {
             let cfg = CommConfig { hier, tuning: None, small_bytes: 0, ..CommConfig::default() };
-            let rows = run_ranks_placed(vec![0, 1, 0, 1], cfg, |c| {
-                let b = CollBench {
-                    colls: vec!["all_reduce".into()],
-                    min_bytes: 1 << 16,
-                    max_bytes: 1 << 16,
-                    factor: 4,
-                    dtype: DType::F32,
-                    op: ReduceOp::Sum,
-                    warmup: 1,
-                    iters: 3,
-                    inplace: true,
-                    vs_mpi: false,
-                    csv: true,
-                };
-                run(&c, None, &b, |_| {}).unwrap()
-            });
+            let (bytes, all_reduce) = (1 << 16, sweep(&["all_reduce"], 3, 0));
+            let b = CollBench { min_bytes: bytes, max_bytes: bytes, warmup: 1, inplace: true, vs_mpi: false, ..all_reduce };
+            let rows = run_ranks_placed(vec![0, 1, 0, 1], cfg, { let b = b.clone(); move |c| run(&c, None, &b, |_| {}).unwrap() });
             let net = rows[0][0].net.expect("the members span two nodes");
             // 2 nodes x 2 ranks, 64 KiB: the minimum is 32 KiB per rank; in stages every rank sends
             // exactly that (and one fingerprint per call); the flat ring sends 2(k-1)/k = 96 KiB
@@ -549,7 +702,7 @@ mod tests {
             } else {
                 assert_eq!((net.mean, net.max), ((98304.0 + print) / 2.0, 98304.0 + print));
             }
-            let line = format_row(&rows[0][0], true, false);
+            let line = format_row(&rows[0][0], &b);
             assert!(line.ends_with(&format!(",{:.0},{:.0},32768", net.mean, net.max)), "{line}");
         }
     }

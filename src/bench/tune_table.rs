@@ -73,7 +73,7 @@ fn candidates(coll: &str, chunk: usize, reads: bool, hier: bool) -> Vec<(Family,
 /// Whether single-copy reads work on `c` (one forced read call probes, as a job would).
 fn reads_work(c: &Communicator, b: &CollBench, chunk: usize) -> Result<bool> {
     force(c, "all_reduce", Family::Read, chunk)?;
-    collectives::time_calls::<f32>(c, &CollBench { warmup: 0, iters: 1, ..b.clone() }, "all_reduce", c.size())?;
+    collectives::time_calls::<f32>(c, &CollBench { warmup: 0, iters: 1, iter_bytes: 0, ..b.clone() }, "all_reduce", c.size())?;
     Ok(matches!(c.single_copy_reads(), Some(Reads::Pay | Reads::Slow(_))))
 }
 
@@ -222,6 +222,7 @@ mod tests {
             op: ReduceOp::Sum,
             warmup: 1,
             iters: 2,
+            iter_bytes: 0,
             inplace: false,
             vs_mpi: false,
             csv: true,

@@ -286,6 +286,7 @@ fn bench_all(comm: &Communicator, name: &str, max_bytes: usize) -> Result<Vec<Sa
         op: ReduceOp::Sum,
         warmup: 2,
         iters: 5,
+        iter_bytes: 0,
         inplace: true,
         vs_mpi: false,
         csv: true,

@@ -38,6 +38,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::comm::algo::direct::{self, DirectShape, Peers};
 use crate::comm::algo::read;
+use crate::comm::algo::split::{self, Halves};
 use crate::comm::algo::ring::{self, RingShape};
 use crate::comm::block_range;
 use crate::comm::nodes::NodeMap;
@@ -115,6 +116,9 @@ enum Sched {
     Pair,
     /// In stages over the node and cross-node communicators ([`hier`]).
     Hier,
+    /// All-reduce as a reduce-scatter then an all-gather, each half with its own flat schedule
+    /// ([`split`]).
+    Split,
 }
 
 /// One collective call and its byte buffers, as the dispatcher sees it. `input: None` is in place.
@@ -244,6 +248,29 @@ fn ring_pipe(links: &mut [Option<MemberLink>], prev: usize, next: usize) -> Pipe
     let [p, n] = links.get_disjoint_mut([prev, next]).expect("prev != next, both in range");
     let (p, n) = (p.as_mut().expect("ring link opened"), n.as_mut().expect("ring link opened"));
     Pipe { rx: p.rx(), tx: n.tx() }
+}
+
+/// The halves of one split all-reduce, run under its call (one number, one fingerprint).
+struct SplitRun<'a> {
+    comm: &'a Communicator,
+    st: &'a mut State,
+    dtype: DType,
+    red: Reducer,
+    /// (schedule, chunk bytes) of the reduce-scatter and of the all-gather.
+    halves: [(Sched, usize); 2],
+    w: &'a Waiter,
+}
+
+impl Halves for SplitRun<'_> {
+    fn reduce_scatter(&mut self, input: Option<&[u8]>, out: &mut [u8], n: usize) -> Result<()> {
+        let (sched, chunk) = self.halves[0];
+        let call = Call::ReduceScatter { input, out, n, red: self.red };
+        self.comm.flat_call(self.st, sched, (self.dtype, chunk), call, self.w)
+    }
+    fn all_gather(&mut self, buf: &mut [u8]) -> Result<()> {
+        let (sched, chunk) = self.halves[1];
+        self.comm.flat_call(self.st, sched, (self.dtype, chunk), Call::AllGather { input: None, out: buf }, self.w)
+    }
 }
 
 /// How a call is fingerprinted and numbered (see [`crate::comm::fingerprint`]).
@@ -415,7 +442,7 @@ impl Communicator {
         let start = std::time::Instant::now();
         let result = (|| {
             let mut sched = want;
-            if matches!(sched, Sched::Direct | Sched::Read) && self.size() > 1 {
+            if matches!(sched, Sched::Direct | Sched::Read | Sched::Split) && self.size() > 1 {
                 let all: Vec<usize> = (0..self.size()).collect();
                 self.open_links(&mut st, &all, &w)?;
                 if sched == Sched::Read && !self.reads_work(&mut st, &w)? {
@@ -448,13 +475,35 @@ impl Communicator {
                 call.single_rank();
                 return Ok(());
             }
-            match sched {
-                Sched::Ring => self.ring_call(st, (dtype, chunk), call, w),
-                Sched::Direct => self.direct_call(st, (dtype, chunk), call, w),
-                Sched::Read => self.read_call(st, (dtype, chunk), call, w),
-                Sched::Pair | Sched::Hier => unreachable!("schedule() never picks Pair; Hier runs above"),
-            }
+            self.flat_call(st, sched, (dtype, chunk), call, w)
         })
+    }
+
+    /// Runs `call` with the flat schedule `sched` (its links open, its probe made).
+    fn flat_call(&self, st: &mut State, sched: Sched, dc: (DType, usize), call: Call, w: &Waiter) -> Result<()> {
+        match sched {
+            Sched::Ring => self.ring_call(st, dc, call, w),
+            Sched::Direct => self.direct_call(st, dc, call, w),
+            Sched::Read => self.read_call(st, dc, call, w),
+            Sched::Split => self.split_call(st, dc.0, call, w),
+            Sched::Pair | Sched::Hier => unreachable!("schedule() never picks Pair; Hier runs above"),
+        }
+    }
+
+    /// The composed all-reduce: each half with the schedule the tuner picks for it at this size
+    /// ([`Self::split_halves`]); a half that wants reads runs the ring where the probe says no.
+    fn split_call(&self, st: &mut State, dtype: DType, call: Call, w: &Waiter) -> Result<()> {
+        let Call::AllReduce { input, out, red } = call else {
+            unreachable!("the tuner picks split for all-reduce only")
+        };
+        let mut halves = self.split_halves(out.len());
+        for (sched, _) in &mut halves {
+            if *sched == Sched::Read && !self.reads_work(st, w)? {
+                *sched = Sched::Ring;
+            }
+        }
+        let shape = self.direct_shape(dtype, dtype.size());
+        split::all_reduce(&mut SplitRun { comm: self, st, dtype, red, halves, w }, &shape, input, out)
     }
 
     fn ring_call(&self, st: &mut State, (dtype, chunk): (DType, usize), call: Call, w: &Waiter) -> Result<()> {

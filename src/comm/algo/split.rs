@@ -38,12 +38,21 @@ pub trait Halves {
 /// All-reduce of `input` (`None`: in place) into `out` (the whole buffer on every member) as a
 /// reduce-scatter followed by an all-gather; `shape` gives the member count, this member and the
 /// element size (its chunk is unused: each half has its own).
-pub fn all_reduce(h: &mut impl Halves, shape: &DirectShape, input: Option<&[u8]>, out: &mut [u8]) -> Result<()> {
+pub fn all_reduce(
+    h: &mut impl Halves,
+    shape: &DirectShape,
+    input: Option<&[u8]>,
+    out: &mut [u8],
+) -> Result<()> {
     let n = out.len() / shape.esize;
     match input {
         Some(input) => {
             let b = block_range(n, shape.k, shape.me);
-            h.reduce_scatter(Some(input), &mut out[b.start * shape.esize..b.end * shape.esize], n)?;
+            h.reduce_scatter(
+                Some(input),
+                &mut out[b.start * shape.esize..b.end * shape.esize],
+                n,
+            )?;
         }
         None => h.reduce_scatter(None, out, n)?,
     }
@@ -65,7 +74,11 @@ mod tests {
     impl Halves for Trace {
         fn reduce_scatter(&mut self, input: Option<&[u8]>, out: &mut [u8], n: usize) -> Result<()> {
             let b = block_range(n, self.k, self.me);
-            self.log.push(format!("rs n={n} in={} out={}", input.map_or(0, <[u8]>::len), out.len()));
+            self.log.push(format!(
+                "rs n={n} in={} out={}",
+                input.map_or(0, <[u8]>::len),
+                out.len()
+            ));
             if let Some(i) = input {
                 out.copy_from_slice(&i[b.start * 4..b.end * 4]);
             }
@@ -80,17 +93,38 @@ mod tests {
     #[test]
     fn out_of_place_reduces_into_the_own_block_then_gathers_the_whole_buffer() {
         for (n, k, me) in [(10usize, 3usize, 1usize), (2, 4, 3), (0, 2, 0), (7, 1, 0)] {
-            let shape = DirectShape { k, me, esize: 4, chunk: 16 };
+            let shape = DirectShape {
+                k,
+                me,
+                esize: 4,
+                chunk: 16,
+            };
             let input: Vec<u8> = (0..n * 4).map(|i| i as u8).collect();
             let mut out = vec![0xAAu8; n * 4];
             let mut t = Trace { k, me, log: vec![] };
             all_reduce(&mut t, &shape, Some(&input), &mut out).unwrap();
             let b = block_range(n, k, me);
-            assert_eq!(t.log, [format!("rs n={n} in={} out={}", n * 4, b.len() * 4), format!("ag {}", n * 4)]);
-            assert_eq!(out[b.start * 4..b.end * 4], input[b.start * 4..b.end * 4], "n={n} k={k} me={me}");
+            assert_eq!(
+                t.log,
+                [
+                    format!("rs n={n} in={} out={}", n * 4, b.len() * 4),
+                    format!("ag {}", n * 4)
+                ]
+            );
+            assert_eq!(
+                out[b.start * 4..b.end * 4],
+                input[b.start * 4..b.end * 4],
+                "n={n} k={k} me={me}"
+            );
             let mut t = Trace { k, me, log: vec![] };
             all_reduce(&mut t, &shape, None, &mut out).unwrap();
-            assert_eq!(t.log, [format!("rs n={n} in=0 out={}", n * 4), format!("ag {}", n * 4)]);
+            assert_eq!(
+                t.log,
+                [
+                    format!("rs n={n} in=0 out={}", n * 4),
+                    format!("ag {}", n * 4)
+                ]
+            );
         }
     }
 }

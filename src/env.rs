@@ -204,6 +204,9 @@ pub enum Algo {
     Ring,
     /// Always the direct all-pairs schedule.
     Direct,
+    /// All-reduce as a reduce-scatter then an all-gather, each half as the tuning table (or the
+    /// fixed rule) picks for that collective; the other collectives as under `Auto`.
+    Split,
 }
 
 /// Whether all-gather, all-reduce and broadcast may read peers' buffers directly (Cross Memory
@@ -252,8 +255,8 @@ pub fn timeout() -> Result<Option<Duration>> {
 /// `MESHTRAIN_ALGO`.
 pub fn algo() -> Result<Option<Algo>> {
     parsed("MESHTRAIN_ALGO", |v| {
-        choice(v, &[("auto", Algo::Auto), ("ring", Algo::Ring), ("direct", Algo::Direct)])
-            .ok_or_else(|| format!("`{v}` is not one of auto, ring, direct"))
+        choice(v, &[("auto", Algo::Auto), ("ring", Algo::Ring), ("direct", Algo::Direct), ("split", Algo::Split)])
+            .ok_or_else(|| format!("`{v}` is not one of auto, ring, direct, split"))
     })
 }
 

@@ -97,6 +97,13 @@ fn killed_rank_over_shared_memory() {
     kill_rank_mid("all_reduce", &[]);
 }
 
+/// The split all-reduce (a reduce-scatter, then an all-gather, each with its own schedule): the
+/// kill lands in either half.
+#[test]
+fn killed_rank_during_split_all_reduce() {
+    kill_rank_mid("all_reduce", &[("MESHTRAIN_ALGO", "split")]);
+}
+
 #[test]
 fn killed_rank_during_single_copy_all_gather() {
     if !common::cross_process_reads_allowed() {

@@ -12,7 +12,10 @@
 //! - a candidate is forced through a one-rule table ([`Communicator::set_tuning`]) that every rank
 //!   installs between the same calls; the communicator's own table is restored afterwards;
 //! - rules of the file for other world sizes or link kinds are kept, so runs at 2 and at 4 ranks
-//!   build one table; the rules for this (world size, link kind) are replaced.
+//!   build one table; the rules for this (world size, link kind) are replaced;
+//! - reduce-scatter and all-gather are measured before all-reduce: the split all-reduce candidate
+//!   runs under a table holding their rules measured in this run, so its halves are the winners
+//!   this table will hold.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -22,6 +25,9 @@ use crate::comm::probe::Reads;
 use crate::comm::tuner::{Family, Rule, Tuning, TUNED};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
+
+/// The order of measurement: the halves of the split all-reduce before it.
+const ORDER: [&str; 6] = ["reduce_scatter", "all_gather", "all_reduce", "broadcast", "reduce", "all_to_all"];
 
 /// Chunk sizes tried for the ring (each at most the communicator's chunk).
 const RING_CHUNKS: [usize; 3] = [64 << 10, 256 << 10, 1 << 20];
@@ -67,26 +73,36 @@ fn candidates(coll: &str, chunk: usize, reads: bool, hier: bool) -> Vec<(Family,
     if hier && Family::Hier.serves(coll) {
         out.push((Family::Hier, chunk));
     }
+    if Family::Split.serves(coll) {
+        out.push((Family::Split, chunk));
+    }
     out
 }
 
 /// Whether single-copy reads work on `c` (one forced read call probes, as a job would).
 fn reads_work(c: &Communicator, b: &CollBench, chunk: usize) -> Result<bool> {
-    force(c, "all_reduce", Family::Read, chunk)?;
+    force(c, "all_reduce", Family::Read, chunk, &[])?;
     collectives::time_calls::<f32>(c, &CollBench { warmup: 0, iters: 1, iter_bytes: 0, ..b.clone() }, "all_reduce", c.size())?;
     Ok(matches!(c.single_copy_reads(), Some(Reads::Pay | Reads::Slow(_))))
 }
 
-fn force(c: &Communicator, coll: &str, family: Family, chunk_bytes: usize) -> Result<()> {
-    let rule = Rule {
+/// Installs a table that makes `coll` run `family`; a split all-reduce's halves get the rules
+/// `measured` so far (the other collectives' winners of this run).
+fn force(c: &Communicator, coll: &str, family: Family, chunk_bytes: usize, measured: &[SizeResult]) -> Result<()> {
+    let mut rules = match family {
+        Family::Split => rules_from(measured, c.size(), c.link_kind()),
+        _ => Vec::new(),
+    };
+    rules.retain(|r| r.coll != coll);
+    rules.push(Rule {
         coll: coll.to_string(),
         ranks: c.size(),
         link: c.link_kind(),
         max_bytes: None,
         algo: family,
         chunk_bytes,
-    };
-    c.set_tuning(Some(Arc::new(Tuning::from_rules(vec![rule], "bench --tune candidate")?)));
+    });
+    c.set_tuning(Some(Arc::new(Tuning::from_rules(rules, "bench --tune candidate")?)));
     Ok(())
 }
 
@@ -105,14 +121,14 @@ pub fn measure(
     let own = c.tuning();
     let reads = reads_work(c, b, chunk)?;
     let mut out: Vec<SizeResult> = Vec::new();
-    for coll in TUNED {
+    for coll in ORDER {
         let mut prev: Option<(Family, usize)> = None;
         for n in collectives::counts(b, c.size()) {
             let cands = candidates(coll, chunk, reads, c.hierarchical());
             let mut best_times = vec![f64::INFINITY; cands.len()];
             for _ in 0..rounds.max(1) {
                 for (i, &(family, chunk_bytes)) in cands.iter().enumerate() {
-                    force(c, coll, family, chunk_bytes)?;
+                    force(c, coll, family, chunk_bytes, &out)?;
                     let t = collectives::time_calls::<f32>(c, b, coll, n)?;
                     best_times[i] = best_times[i].min(t);
                 }
@@ -248,6 +264,9 @@ mod tests {
         });
         assert!(results.iter().all(|r| *r == results[0]), "{results:?}");
         assert_eq!(results[0].len(), TUNED.len() * 3);
+        // Every all-reduce size timed the split candidate, after its halves were measured.
+        let pos = |coll: &str| results[0].iter().position(|r| r.0 == coll).unwrap();
+        assert!(pos("reduce_scatter") < pos("all_reduce") && pos("all_gather") < pos("all_reduce"));
         let fake: Vec<SizeResult> = results[0]
             .iter()
             .map(|&(coll, bytes, family, chunk_bytes)| SizeResult {
@@ -262,5 +281,36 @@ mod tests {
             let c = t.select(coll, 3, LinkKind::Shm, bytes).unwrap();
             assert_eq!((c.family, c.chunk_bytes), (family, chunk_bytes), "{coll} {bytes}");
         }
+    }
+
+    #[test]
+    fn every_collective_is_measured_once_and_the_halves_before_all_reduce() {
+        let mut order = ORDER.to_vec();
+        order.sort_unstable();
+        let mut tuned = TUNED.to_vec();
+        tuned.sort_unstable();
+        assert_eq!(order, tuned);
+        assert!(candidates("all_reduce", 1 << 20, false, false).contains(&(Family::Split, 1 << 20)));
+        assert!(!candidates("reduce_scatter", 1 << 20, true, true).iter().any(|c| c.0 == Family::Split));
+    }
+
+    #[test]
+    fn the_split_candidate_runs_under_the_halves_measured_in_this_run() {
+        let t = |family, chunk_bytes, time_us| Timed { family, chunk_bytes, time_us };
+        let measured = vec![
+            SizeResult { coll: "reduce_scatter", bytes: 1024, timed: vec![t(Family::Direct, 256, 1.0)], best: 0 },
+            SizeResult { coll: "all_gather", bytes: 1024, timed: vec![t(Family::Ring, 512, 2.0), t(Family::Direct, 64, 1.0)], best: 1 },
+        ];
+        let picks = run_ranks(2, CommConfig { chunk_bytes: 1024, ..CommConfig::default() }, move |c| {
+            force(&c, "all_reduce", Family::Split, 1024, &measured).unwrap();
+            let mut v = vec![1.0f32; 300];
+            c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            assert!(v.iter().all(|&x| x == 2.0));
+            ["all_reduce", "reduce_scatter", "all_gather"].map(|coll| {
+                let ch = c.planned_schedule(coll, 1 << 20);
+                (ch.family, ch.chunk_bytes)
+            })
+        });
+        assert_eq!(picks[0], [(Family::Split, 1024), (Family::Direct, 256), (Family::Direct, 64)]);
     }
 }

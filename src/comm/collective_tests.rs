@@ -2,12 +2,15 @@
 //! [`super::selftest`]; small chunks force multi-piece pipelining in the ring and direct schedules.
 //! The single-copy schedules run forced on (in-process ranks read each other's memory through the
 //! same system call as separate processes), and the fallback runs over links that cannot read.
+//! The split all-reduce leaves the same bits on every rank, and fails naming the member that left.
 
 use crate::dtype::{exact_input as value, exact_result as expected};
 use crate::comm::probe::Reads;
 use crate::comm::selftest::{check_all, check_type};
 use crate::comm::testing::{run_ranks, run_ranks_without_peer_memory};
+use crate::comm::tuner::{Family, LinkKind, Rule, Tuning};
 use crate::comm::{Algo, Cma, CommConfig, ReduceOp};
+use std::sync::Arc;
 use crate::transport::cma::PeerMemory;
 
 /// Whether this machine lets a process use `process_vm_readv` at all (some containers' seccomp
@@ -202,4 +205,59 @@ fn the_check_reports_wrong_results() {
         fails
     });
     assert!(fails.iter().all(|f| f.len() == 1 && f[0].contains("first difference")), "{fails:?}");
+}
+
+/// A table forcing the split all-reduce with a ring reduce-scatter and a direct all-gather (or
+/// `rs`/`ag` as given) on every world size.
+fn split_cfg(rs: Family, ag: Family) -> CommConfig {
+    let rule = |coll: &str, algo| Rule { coll: coll.into(), ranks: 2, link: LinkKind::Shm, max_bytes: None, algo, chunk_bytes: 128 };
+    let rules = vec![rule("all_reduce", Family::Split), rule("reduce_scatter", rs), rule("all_gather", ag)];
+    CommConfig { chunk_bytes: 128, tuning: Some(Arc::new(Tuning::from_rules(rules, "split").unwrap())), ..CommConfig::default() }
+}
+
+#[test]
+fn split_all_reduce_leaves_the_same_bits_on_every_rank() {
+    // Inexact sums (magnitudes 1e-8..1e8, signs mixed): the order of additions shows in the bits,
+    // so equal bits everywhere need each element reduced once and copied; sizes around k blocks.
+    for (k, rs, ag) in [(3, Family::Ring, Family::Direct), (4, Family::Direct, Family::Ring), (7, Family::Ring, Family::Ring)] {
+        let rows = run_ranks(k, split_cfg(rs, ag), |c| {
+            let n = 1001;
+            let input: Vec<f32> = (0..n)
+                .map(|i| {
+                    let x = ((c.rank() * 7919 + i * 104_729) % 1000) as f32 / 7.0 + 0.1;
+                    x * 10f32.powi((i % 17) as i32 - 8) * if (i + c.rank()) % 3 == 0 { -1.0 } else { 1.0 }
+                })
+                .collect();
+            let mut out = vec![0f32; n];
+            c.all_reduce_into(&input, &mut out, ReduceOp::Sum).unwrap();
+            let mut inplace = input.clone();
+            c.all_reduce(&mut inplace, ReduceOp::Sum).unwrap();
+            assert_eq!(out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), inplace.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+            out.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()
+        });
+        assert!(rows.iter().all(|r| *r == rows[0]), "k={k}: ranks differ");
+    }
+}
+
+#[test]
+fn a_member_leaving_fails_a_split_all_reduce_naming_it_without_a_hang() {
+    for (rs, ag) in [(Family::Ring, Family::Direct), (Family::Direct, Family::Ring)] {
+        let cfg = CommConfig { timeout: std::time::Duration::from_secs(60), ..split_cfg(rs, ag) };
+        let start = std::time::Instant::now();
+        let results = run_ranks(3, cfg, |c| {
+            let child = c.split(Some(0), c.rank() as i64).unwrap().unwrap();
+            if c.rank() == 0 {
+                drop(child);
+                return Ok(());
+            }
+            let mut v = vec![1.0f32; 4000];
+            child.all_reduce(&mut v, ReduceOp::Sum).map_err(|e| e.to_string())
+        });
+        assert!(start.elapsed() < std::time::Duration::from_secs(30), "took {:?}", start.elapsed());
+        for (r, res) in results.iter().enumerate().skip(1) {
+            let e = res.as_ref().expect_err("an all-reduce without member 0 succeeded");
+            assert!(e.contains("peer rank") && e.contains("all_reduce"), "rank {r}: {e}");
+        }
+        assert!(results.iter().skip(1).any(|e| e.as_ref().unwrap_err().contains("peer rank 0")), "{results:?}");
+    }
 }

@@ -38,6 +38,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::comm::algo::direct::{self, DirectShape, Peers};
 use crate::comm::algo::read;
+use crate::comm::algo::split::{self, Halves};
 use crate::comm::algo::ring::{self, RingShape};
 use crate::comm::block_range;
 use crate::comm::nodes::NodeMap;
@@ -52,6 +53,7 @@ use crate::comm::stats::{CommStats, CountedSend};
 use crate::error::{Error, Result};
 use crate::transport::{Connector, Link, Waiter};
 
+mod create;
 #[cfg(feature = "ofi")]
 mod device_direct;
 mod hier;
@@ -114,6 +116,9 @@ enum Sched {
     Pair,
     /// In stages over the node and cross-node communicators ([`hier`]).
     Hier,
+    /// All-reduce as a reduce-scatter then an all-gather, each half with its own flat schedule
+    /// ([`split`]).
+    Split,
 }
 
 /// One collective call and its byte buffers, as the dispatcher sees it. `input: None` is in place.
@@ -245,6 +250,29 @@ fn ring_pipe(links: &mut [Option<MemberLink>], prev: usize, next: usize) -> Pipe
     Pipe { rx: p.rx(), tx: n.tx() }
 }
 
+/// The halves of one split all-reduce, run under its call (one number, one fingerprint).
+struct SplitRun<'a> {
+    comm: &'a Communicator,
+    st: &'a mut State,
+    dtype: DType,
+    red: Reducer,
+    /// (schedule, chunk bytes) of the reduce-scatter and of the all-gather.
+    halves: [(Sched, usize); 2],
+    w: &'a Waiter,
+}
+
+impl Halves for SplitRun<'_> {
+    fn reduce_scatter(&mut self, input: Option<&[u8]>, out: &mut [u8], n: usize) -> Result<()> {
+        let (sched, chunk) = self.halves[0];
+        let call = Call::ReduceScatter { input, out, n, red: self.red };
+        self.comm.flat_call(self.st, sched, (self.dtype, chunk), call, self.w)
+    }
+    fn all_gather(&mut self, buf: &mut [u8]) -> Result<()> {
+        let (sched, chunk) = self.halves[1];
+        self.comm.flat_call(self.st, sched, (self.dtype, chunk), Call::AllGather { input: None, out: buf }, self.w)
+    }
+}
+
 /// How a call is fingerprinted and numbered (see [`crate::comm::fingerprint`]).
 enum Print {
     /// A collective: numbered among the communicator's collectives.
@@ -277,79 +305,6 @@ fn child_id(parent: u64, split: u64, color: u64) -> u64 {
 }
 
 impl Communicator {
-    /// The communicator of all ranks the connector knows (id 0). Every rank must call it.
-    pub fn world(connector: Arc<dyn Connector>, cfg: CommConfig) -> Result<Self> {
-        let members: Vec<usize> = (0..connector.size()).collect();
-        let rank = connector.rank();
-        Self::new(connector, 0, members, rank, cfg)
-    }
-
-    fn new(connector: Arc<dyn Connector>, id: u64, members: Vec<usize>, rank: usize, cfg: CommConfig) -> Result<Self> {
-        Self::with_counter(connector, (id, members, rank), cfg, Arc::default())
-    }
-
-    /// A communicator whose inter-node bytes add to `net_sent`.
-    fn with_counter(
-        connector: Arc<dyn Connector>,
-        (id, members, rank): (u64, Vec<usize>, usize),
-        cfg: CommConfig,
-        net_sent: Arc<AtomicU64>,
-    ) -> Result<Self> {
-        let k = members.len();
-        let mut ring: Vec<usize> = (0..k).collect();
-        ring.sort_by_key(|&r| (connector.node_of(members[r]), members[r]));
-        let mut seen = vec![false; k];
-        for &r in &ring {
-            assert!(r < k && !std::mem::replace(&mut seen[r], true), "ring is a permutation of the members");
-        }
-        let ring_pos = ring.iter().position(|&r| r == rank).expect("every member is on the ring");
-        if rank == 0 {
-            let text: Vec<String> = ring.iter().map(|r| r.to_string()).collect();
-            log::debug!("comm {id:#x} ({k} ranks) ring 0: {}", text.join(" "));
-        }
-        let links = (0..k).map(|_| None).collect();
-        let scratch = vec![0u8; cfg.chunk_bytes];
-        let nodes = NodeMap::new(&members.iter().map(|&m| connector.node_of(m)).collect::<Vec<_>>());
-        let link_kind = if nodes.nodes() == 1 { LinkKind::Shm } else { LinkKind::Net };
-        let comm = Communicator {
-            connector,
-            id,
-            rank,
-            members,
-            ring,
-            ring_pos,
-            tuning: std::sync::RwLock::new(cfg.tuning.clone()),
-            cfg,
-            link_kind,
-            nodes,
-            hier: OnceLock::new(),
-            state: Mutex::new(State {
-                links,
-                seq: 0,
-                collectives: 0,
-                sends: vec![0; k],
-                recvs: vec![0; k],
-                print: None,
-                splits: 0,
-                scratch,
-                reads: None,
-            }),
-            stats: CommStats::new(k),
-            net_sent,
-        };
-        comm.log_schedules();
-        if k > 1 {
-            let (prev, next) = comm.ring_neighbours();
-            let w = comm.waiter("connect", 0, 0);
-            let opened = comm.open_links(&mut comm.lock(), &[prev, next], &w);
-            // The peers wait for the links this member will no longer open, and a link it did
-            // open may wait in its drop for the peer: the job-wide abort releases them all now
-            // rather than after the timeout (as a failed call's does).
-            opened.map_err(|e| comm.job_failure(e, &w))?;
-        }
-        Ok(comm)
-    }
-
     /// This rank within the communicator.
     pub fn rank(&self) -> usize {
         self.rank
@@ -487,7 +442,7 @@ impl Communicator {
         let start = std::time::Instant::now();
         let result = (|| {
             let mut sched = want;
-            if matches!(sched, Sched::Direct | Sched::Read) && self.size() > 1 {
+            if matches!(sched, Sched::Direct | Sched::Read | Sched::Split) && self.size() > 1 {
                 let all: Vec<usize> = (0..self.size()).collect();
                 self.open_links(&mut st, &all, &w)?;
                 if sched == Sched::Read && !self.reads_work(&mut st, &w)? {
@@ -507,34 +462,6 @@ impl Communicator {
         result
     }
 
-    /// Makes this rank's failure the job's: one involving a peer goes to [`Self::blame`] (so an
-    /// abort already under way is reported as such); any other, but an abort, raises the
-    /// job-wide abort itself.
-    fn job_failure(&self, e: Error, w: &Waiter) -> Error {
-        match e {
-            Error::Timeout { .. } | Error::Comm { .. } if !fingerprint::is_mismatch(&e) => self.blame(e, w),
-            Error::Aborted { .. } => e,
-            e => {
-                self.connector.abort().raise(&e.to_string());
-                e
-            }
-        }
-    }
-
-    /// A failure that involves a peer: asks the job (rank 0's liveness check) which rank actually
-    /// failed before blaming the neighbour that noticed; the job's verdict becomes this rank's
-    /// error, or, without one, this rank's own finding is raised job-wide.
-    fn blame(&self, e: Error, w: &Waiter) -> Error {
-        let abort = self.connector.abort();
-        match abort.blame(&e.to_string()) {
-            Some(verdict) => Error::Aborted { rank: w.rank, op: w.op, seq: w.seq, reason: verdict },
-            None => {
-                abort.raise(&e.to_string());
-                e
-            }
-        }
-    }
-
     /// Runs one collective with the schedule chosen for it.
     fn collective(&self, dtype: DType, call: Call) -> Result<()> {
         let bytes = call.bytes(dtype.size());
@@ -548,13 +475,35 @@ impl Communicator {
                 call.single_rank();
                 return Ok(());
             }
-            match sched {
-                Sched::Ring => self.ring_call(st, (dtype, chunk), call, w),
-                Sched::Direct => self.direct_call(st, (dtype, chunk), call, w),
-                Sched::Read => self.read_call(st, (dtype, chunk), call, w),
-                Sched::Pair | Sched::Hier => unreachable!("schedule() never picks Pair; Hier runs above"),
-            }
+            self.flat_call(st, sched, (dtype, chunk), call, w)
         })
+    }
+
+    /// Runs `call` with the flat schedule `sched` (its links open, its probe made).
+    fn flat_call(&self, st: &mut State, sched: Sched, dc: (DType, usize), call: Call, w: &Waiter) -> Result<()> {
+        match sched {
+            Sched::Ring => self.ring_call(st, dc, call, w),
+            Sched::Direct => self.direct_call(st, dc, call, w),
+            Sched::Read => self.read_call(st, dc, call, w),
+            Sched::Split => self.split_call(st, dc.0, call, w),
+            Sched::Pair | Sched::Hier => unreachable!("schedule() never picks Pair; Hier runs above"),
+        }
+    }
+
+    /// The composed all-reduce: each half with the schedule the tuner picks for it at this size
+    /// ([`Self::split_halves`]); a half that wants reads runs the ring where the probe says no.
+    fn split_call(&self, st: &mut State, dtype: DType, call: Call, w: &Waiter) -> Result<()> {
+        let Call::AllReduce { input, out, red } = call else {
+            unreachable!("the tuner picks split for all-reduce only")
+        };
+        let mut halves = self.split_halves(out.len());
+        for (sched, _) in &mut halves {
+            if *sched == Sched::Read && !self.reads_work(st, w)? {
+                *sched = Sched::Ring;
+            }
+        }
+        let shape = self.direct_shape(dtype, dtype.size());
+        split::all_reduce(&mut SplitRun { comm: self, st, dtype, red, halves, w }, &shape, input, out)
     }
 
     fn ring_call(&self, st: &mut State, (dtype, chunk): (DType, usize), call: Call, w: &Waiter) -> Result<()> {

@@ -48,6 +48,10 @@ pub enum Family {
     /// broadcast, reduce): a stage within each node, one between nodes per segment, a stage within
     /// each node again; each stage picks its own schedule from this table. The chunk is unused.
     Hier,
+    /// All-reduce only: a reduce-scatter, then an all-gather, each half with the (flat) schedule
+    /// and chunk this table picks for that collective at the same byte size
+    /// ([`crate::comm::algo::split`]). The chunk is unused.
+    Split,
 }
 
 impl Family {
@@ -58,6 +62,7 @@ impl Family {
             Family::Direct => "direct",
             Family::Read => "read",
             Family::Hier => "hier",
+            Family::Split => "split",
         }
     }
 
@@ -68,6 +73,7 @@ impl Family {
             Family::Direct => true,
             Family::Read => matches!(coll, "all_reduce" | "all_gather" | "broadcast" | "all_to_all"),
             Family::Hier => matches!(coll, "all_reduce" | "reduce_scatter" | "all_gather" | "broadcast" | "reduce"),
+            Family::Split => coll == "all_reduce",
         }
     }
 }
@@ -210,30 +216,83 @@ impl Tuning {
 
     /// One line per tuned collective: the buckets that serve `ranks` members over `link` (what a
     /// communicator logs once).
+    /// A `split` bucket names the schedules of its halves over the bucket's sizes.
     pub fn describe(&self, ranks: usize, link: LinkKind) -> Vec<String> {
         TUNED
             .iter()
             .filter_map(|&coll| {
                 let n = self.measured_size(coll, ranks, link)?;
-                let mut rules: Vec<&Rule> =
-                    self.rules.iter().filter(|r| r.coll == coll && r.link == link && r.ranks == n).collect();
-                rules.sort_by_key(|r| r.max_bytes.unwrap_or(usize::MAX));
-                let buckets: Vec<String> = rules
+                let mut lo = 0;
+                let buckets: Vec<String> = self
+                    .bucket_rules(coll, n, link)
                     .iter()
-                    .map(|r| match r.max_bytes {
-                        Some(m) => format!("<={m} {} ({})", r.algo.name(), r.chunk_bytes),
-                        None => format!("rest {} ({})", r.algo.name(), r.chunk_bytes),
+                    .map(|r| {
+                        let family = match r.algo {
+                            Family::Split => format!("split [{}]", self.split_halves(ranks, link, lo, r.max_bytes)),
+                            f => f.name().to_string(),
+                        };
+                        lo = r.max_bytes.unwrap_or(usize::MAX);
+                        match r.max_bytes {
+                            Some(m) => format!("<={m} {family} ({})", r.chunk_bytes),
+                            None => format!("rest {family} ({})", r.chunk_bytes),
+                        }
                     })
                     .collect();
                 Some(format!("{coll} [as measured on {n} ranks]: {}", buckets.join(", ")))
             })
             .collect()
     }
+
+    /// The schedules of a split all-reduce's halves on `ranks` members over `link` for sizes above
+    /// `lo` up to `hi` bytes (`None`: no bound), as the log names them.
+    pub fn split_halves(&self, ranks: usize, link: LinkKind, lo: usize, hi: Option<usize>) -> String {
+        let span = Span { ranks, link, hier: false };
+        format!(
+            "reduce_scatter {} + all_gather {}",
+            self.halves_in(span, "reduce_scatter", lo, hi),
+            self.halves_in(span, "all_gather", lo, hi)
+        )
+    }
+
+    /// The rules of `coll` measured on `n` ranks over `link`, by bucket bound.
+    fn bucket_rules(&self, coll: &str, n: usize, link: LinkKind) -> Vec<&Rule> {
+        let mut rules: Vec<&Rule> =
+            self.rules.iter().filter(|r| r.coll == coll && r.link == link && r.ranks == n).collect();
+        rules.sort_by_key(|r| r.max_bytes.unwrap_or(usize::MAX));
+        rules
+    }
+
+    /// The schedules (family/chunk) the table gives `coll` for sizes above `lo` up to `hi` bytes
+    /// (`None`: no bound), in size order: what a split all-reduce's half runs there.
+    fn halves_in(&self, span: Span, coll: &str, lo: usize, hi: Option<usize>) -> String {
+        let Some(n) = self.measured_size(coll, span.ranks, span.link) else {
+            return "(fixed rule)".to_string();
+        };
+        let hi = hi.unwrap_or(usize::MAX);
+        let mut prev = 0;
+        let mut seen: Vec<String> = Vec::new();
+        for r in self.bucket_rules(coll, n, span.link) {
+            let max = r.max_bytes.unwrap_or(usize::MAX);
+            // A half runs flat: the communicator runs a `hier` half as the ring.
+            let family = if r.algo == Family::Hier { Family::Ring } else { r.algo };
+            let name = format!("{}/{}", family.name(), r.chunk_bytes);
+            if max > lo && prev < hi && seen.last() != Some(&name) {
+                seen.push(name);
+            }
+            prev = max;
+        }
+        if seen.is_empty() {
+            // Every bucket ends below `lo`: the last one serves the larger sizes.
+            return self.halves_in(span, coll, 0, None).rsplit(" then ").next().unwrap_or_default().to_string();
+        }
+        seen.join(" then ")
+    }
 }
 
 /// The schedule for one call of `coll` with `bytes` bytes on `span.ranks` members over
 /// `span.link`: a forced setting first (`MESHTRAIN_CMA=on` for the collectives with a read
-/// schedule, then `MESHTRAIN_ALGO=ring|direct`; both flat), then the table, then the fixed rule
+/// schedule, then `MESHTRAIN_ALGO=ring|direct`, or `split` for all-reduce; all flat), then the
+/// table, then the fixed rule
 /// (hierarchical where `span.hier` says the communicator can run it, else direct up to
 /// `small_bytes`, reads above it for all-reduce and all-gather within a node, the ring otherwise).
 /// `span.hier`: the members span several nodes, some node holds >= 2 of them and
@@ -246,6 +305,7 @@ pub fn choose(cfg: &CommConfig, table: Option<&Tuning>, coll: &str, span: Span, 
         (Cma::On, _) if Family::Read.serves(coll) => return full(Family::Read),
         (_, Algo::Ring) => return full(Family::Ring),
         (_, Algo::Direct) => return full(Family::Direct),
+        (_, Algo::Split) if Family::Split.serves(coll) => return full(Family::Split),
         _ => {}
     }
     if let Some(c) = table.and_then(|t| t.select(coll, span.ranks, span.link, bytes)) {

@@ -92,6 +92,8 @@ fn bad_tables_name_the_file_the_rule_and_the_field() {
         // All-to-all has no ring.
         (rule("coll = \"all_to_all\""), "rule[0].algo"),
         (rule("algo = \"read\"\ncoll = \"reduce\""), "rule[0].algo"),
+        // Split composes an all-reduce; no other collective has it.
+        (rule("algo = \"split\"\ncoll = \"reduce_scatter\""), "rule[0].algo"),
         (rule("chunk_bytes = 100"), "rule[0].chunk_bytes"),
         (rule("ranks = 1"), "rule[0].ranks"),
         (rule("max_bytes = 0"), "rule[0].max_bytes"),
@@ -162,6 +164,15 @@ fn hierarchical_where_the_members_span_nodes_unless_forced_flat_or_measured_slow
     assert!(Tuning::parse(&bad_text("reduce", "net"), "h.toml").is_ok());
 }
 
+/// Whether this process may read its own memory with `process_vm_readv` (the read schedules).
+fn reads_allowed() -> bool {
+    crate::transport::cma::PeerMemory::new(std::process::id()).is_some_and(|m| {
+        let src = [7u8; 8];
+        let mut dst = [0u8; 8];
+        m.read(src.as_ptr() as u64, &mut dst).is_ok() && dst == src
+    })
+}
+
 /// A one-rule-per-collective table forcing `family` with `chunk` bytes on every world size.
 fn forcing(family: Family, chunk: usize) -> Arc<Tuning> {
     let rules = TUNED
@@ -181,11 +192,7 @@ fn forcing(family: Family, chunk: usize) -> Arc<Tuning> {
 
 #[test]
 fn every_schedule_the_tuner_can_choose_is_exact_on_1_to_8_ranks() {
-    let reads = crate::transport::cma::PeerMemory::new(std::process::id()).is_some_and(|m| {
-        let src = [7u8; 8];
-        let mut dst = [0u8; 8];
-        m.read(src.as_ptr() as u64, &mut dst).is_ok() && dst == src
-    });
+    let reads = reads_allowed();
     let mut choices = vec![(Family::Ring, 64), (Family::Ring, 192), (Family::Direct, 64), (Family::Direct, 256)];
     if reads {
         choices.extend([(Family::Read, 64), (Family::Read, 256)]);
@@ -233,6 +240,88 @@ fn every_rank_selects_the_same_schedule_from_a_loaded_table() {
         for all in &picks {
             let row = all.len() / k;
             assert!(all.chunks(row).all(|r| r == &all[..row]), "k={k}: {all:?}");
+        }
+    }
+}
+
+/// A table: all-reduce split at every size, its reduce-scatter `rs` and its all-gather `ag`
+/// (family, chunk) on every world size.
+fn split_table(rs: (Family, usize), ag: (Family, usize)) -> Arc<Tuning> {
+    let rule = |coll: &str, (algo, chunk_bytes): (Family, usize)| Rule {
+        coll: coll.to_string(),
+        ranks: 2,
+        link: LinkKind::Shm,
+        max_bytes: None,
+        algo,
+        chunk_bytes,
+    };
+    let rules = vec![rule("all_reduce", (Family::Split, 64)), rule("reduce_scatter", rs), rule("all_gather", ag)];
+    Arc::new(Tuning::from_rules(rules, "split").unwrap())
+}
+
+#[test]
+fn split_is_forced_for_all_reduce_only_and_reads_forced_on_win() {
+    let t = Tuning::parse(TABLE, "t.toml").unwrap();
+    let split = CommConfig { algo: Algo::Split, ..CommConfig::default() };
+    assert_eq!(choose(&split, Some(&t), "all_reduce", shm(2), 16).family, Family::Split);
+    assert_eq!(choose(&split, None, "all_reduce", shm(4), 1 << 30).family, Family::Split);
+    // The other collectives (the halves among them) as under auto: the table, or the fixed rule.
+    assert_eq!(choose(&split, None, "reduce_scatter", shm(4), 16).family, Family::Direct);
+    assert_eq!(choose(&split, None, "reduce_scatter", shm(4), 1 << 20).family, Family::Ring);
+    assert_eq!(choose(&split, None, "all_gather", shm(4), 1 << 20).family, Family::Read);
+    assert_eq!(choose(&split, None, "all_to_all", shm(4), 16).family, Family::Direct);
+    let on = CommConfig { cma: Cma::On, ..split.clone() };
+    assert_eq!(choose(&on, None, "all_reduce", shm(2), 16).family, Family::Read);
+    // A table's split stays split whatever the link kind (its halves run flat).
+    let t = split_table((Family::Ring, 1024), (Family::Direct, 64));
+    assert_eq!(choose(&CommConfig::default(), Some(&t), "all_reduce", shm(3), 1 << 20).family, Family::Split);
+}
+
+#[test]
+fn the_log_line_of_a_split_bucket_names_its_halves() {
+    let text = "[[rule]]\ncoll = \"all_reduce\"\nranks = 4\nlink = \"shm\"\nmax_bytes = 4096\nalgo = \"direct\"\nchunk_bytes = 64\n\n\
+                [[rule]]\ncoll = \"all_reduce\"\nranks = 4\nlink = \"shm\"\nmax_bytes = 1048576\nalgo = \"split\"\nchunk_bytes = 64\n\n\
+                [[rule]]\ncoll = \"all_reduce\"\nranks = 4\nlink = \"shm\"\nalgo = \"ring\"\nchunk_bytes = 1024\n\n\
+                [[rule]]\ncoll = \"reduce_scatter\"\nranks = 4\nlink = \"shm\"\nmax_bytes = 65536\nalgo = \"direct\"\nchunk_bytes = 128\n\n\
+                [[rule]]\ncoll = \"reduce_scatter\"\nranks = 4\nlink = \"shm\"\nalgo = \"ring\"\nchunk_bytes = 256\n\n\
+                [[rule]]\ncoll = \"all_gather\"\nranks = 4\nlink = \"shm\"\nmax_bytes = 2048\nalgo = \"direct\"\nchunk_bytes = 64\n\n\
+                [[rule]]\ncoll = \"all_gather\"\nranks = 4\nlink = \"shm\"\nalgo = \"read\"\nchunk_bytes = 512\n";
+    let t = Tuning::parse(text, "t.toml").unwrap();
+    let lines = t.describe(4, LinkKind::Shm);
+    assert_eq!(
+        lines[0],
+        "all_reduce [as measured on 4 ranks]: <=4096 direct (64), <=1048576 split [reduce_scatter direct/128 \
+         then ring/256 + all_gather read/512] (64), rest ring (1024)"
+    );
+    // Without rules for the halves: the fixed rule.
+    let only = Tuning::parse("[[rule]]\ncoll = \"all_reduce\"\nranks = 2\nlink = \"shm\"\nalgo = \"split\"\nchunk_bytes = 64\n", "s")
+        .unwrap();
+    assert!(only.describe(2, LinkKind::Shm)[0].contains("split [reduce_scatter (fixed rule) + all_gather (fixed rule)]"));
+}
+
+#[test]
+fn split_all_reduce_is_exact_with_every_pair_of_halves_on_1_to_8_ranks() {
+    let reads = reads_allowed();
+    let ag_read = if reads { (Family::Read, 256) } else { (Family::Ring, 128) };
+    if !reads {
+        eprintln!("SKIP: process_vm_readv is forbidden here; the read all-gather half is not exercised");
+    }
+    // Every world size with the two families at opposite ends; the mixed pairs on a few sizes.
+    let pairs = [
+        ((Family::Ring, 64), ag_read, 1..=8),
+        ((Family::Direct, 256), (Family::Direct, 64), 1..=8),
+        ((Family::Direct, 64), (Family::Ring, 192), 3..=5),
+        ((Family::Ring, 192), (Family::Direct, 128), 3..=5),
+    ];
+    for (rs, ag, ks) in pairs {
+        for k in ks {
+            // Counts 0, 1, fewer than k, not divisible by k; chunks smaller than a block.
+            let cfg = CommConfig { chunk_bytes: 256, tuning: Some(split_table(rs, ag)), ..CommConfig::default() };
+            run_ranks(k, cfg, move |c| {
+                assert_eq!(c.planned_schedule("all_reduce", 4).family, Family::Split);
+                let got = crate::comm::selftest::check_all(&c, &[0, 1, 3, 7, 13, 97, 1001], &ReduceOp::ALL).unwrap();
+                assert_eq!(got, Vec::<String>::new(), "split {rs:?} + {ag:?} on {k} ranks");
+            });
         }
     }
 }

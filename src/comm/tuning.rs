@@ -18,7 +18,7 @@ use crate::error::Result;
 pub struct CommConfig {
     /// Deadline of one operation.
     pub timeout: Duration,
-    /// Algorithm override (`MESHTRAIN_ALGO=auto|ring|direct`).
+    /// Algorithm override (`MESHTRAIN_ALGO=auto|ring|direct|split`).
     pub algo: Algo,
     /// Largest message size, in bytes, for which `Auto` picks the direct schedule.
     pub small_bytes: usize,

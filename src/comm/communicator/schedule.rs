@@ -11,7 +11,7 @@ use std::sync::Arc;
 use super::{Call, Communicator, LinkTable, Sched, State};
 use crate::comm::probe::{self, Reads};
 use crate::comm::tuner::{self, Family, LinkKind, Span, Tuning};
-use crate::comm::tuning::Cma;
+use crate::comm::tuning::{Algo, Cma};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::transport::{cma, Waiter};
@@ -27,8 +27,24 @@ impl Communicator {
             Family::Direct => Sched::Direct,
             Family::Read => Sched::Read,
             Family::Hier => Sched::Hier,
+            Family::Split => Sched::Split,
         };
         (sched, c.chunk_bytes)
+    }
+
+    /// The (schedule, chunk) of a split all-reduce's reduce-scatter and all-gather of `bytes`
+    /// bytes: what the tuner picks for each collective at that size, run flat (a `hier` half, or
+    /// any other the communicator cannot nest, is the ring).
+    pub(super) fn split_halves(&self, bytes: usize) -> [(Sched, usize); 2] {
+        ["reduce_scatter", "all_gather"].map(|coll| {
+            let c = self.planned_schedule(coll, bytes);
+            let sched = match c.family {
+                Family::Direct => Sched::Direct,
+                Family::Read => Sched::Read,
+                Family::Ring | Family::Hier | Family::Split => Sched::Ring,
+            };
+            (sched, c.chunk_bytes)
+        })
     }
 
     /// Whether this communicator can run the hierarchical schedules (members on several nodes,
@@ -124,6 +140,13 @@ impl Communicator {
                 t.source,
                 t.describe(k, link).join("; ")
             );
+        }
+        if self.cfg.algo == Algo::Split && self.cfg.cma != Cma::On {
+            let halves = match &self.cfg.tuning {
+                Some(t) => t.split_halves(k, link, 0, None),
+                None => "reduce_scatter and all_gather by the fixed rule".to_string(),
+            };
+            log::debug!("comm {id:#x} ({k} ranks): all_reduce split (MESHTRAIN_ALGO=split): {halves}");
         }
         if link == LinkKind::Net {
             let per: Vec<String> = self.nodes.members.iter().map(|m| m.len().to_string()).collect();

@@ -42,7 +42,7 @@ pub const RUNTIME_VARS: &[(&str, &str)] = &[
     ("MESHTRAIN_SOCKET_IFNAME", "the name of an interface with an IPv4 address"),
     ("MESHTRAIN_TIMEOUT", "seconds > 0, at most 1e9"),
     ("MESHTRAIN_BOOTSTRAP_TIMEOUT", "seconds > 0, at most 1e9"),
-    ("MESHTRAIN_ALGO", "auto, ring or direct"),
+    ("MESHTRAIN_ALGO", "auto, ring, direct or split"),
     ("MESHTRAIN_CMA", "auto, on (1) or off (0)"),
     ("MESHTRAIN_HIER", "auto or off"),
     ("MESHTRAIN_SMALL_BYTES", "bytes > 0"),

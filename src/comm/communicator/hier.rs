@@ -177,6 +177,25 @@ impl Stages {
         f(&made[owners])
     }
 
+    /// The in-place reduce-scatter of the `n`-element `work` within this node, summing for `Avg`
+    /// (the last stage divides): this member's local block of `work` ends up holding the node's
+    /// partial result; the other blocks are left as the local schedule leaves them.
+    pub(super) fn local_reduce_scatter(
+        &self,
+        dtype: DType,
+        work: &mut [u8],
+        n: usize,
+        red: &Reducer,
+    ) -> Result<()> {
+        let call = Call::ReduceScatter {
+            input: None,
+            out: work,
+            n,
+            red: stage_reducer(red),
+        };
+        self.local.collective(dtype, call)
+    }
+
     /// This member's local block of a `count`-element buffer.
     pub(super) fn local_block(&self, count: usize) -> Range<usize> {
         block_range(count, self.len(self.node), self.place)
@@ -195,15 +214,7 @@ impl Stages {
         if let Some(i) = input {
             out.copy_from_slice(i);
         }
-        self.local.collective(
-            dtype,
-            Call::ReduceScatter {
-                input: None,
-                out: &mut *out,
-                n,
-                red: sum,
-            },
-        )?;
+        self.local_reduce_scatter(dtype, out, n, red)?;
         for s in self.mine(n, false) {
             let part = &mut out[s.range.start * es..s.range.end * es];
             self.carrier(p, &s.owners, |c| {
@@ -282,15 +293,7 @@ impl Stages {
             work
         };
         let sum = stage_reducer(red);
-        self.local.collective(
-            dtype,
-            Call::ReduceScatter {
-                input: None,
-                out: &mut *work,
-                n,
-                red: sum,
-            },
-        )?;
+        self.local_reduce_scatter(dtype, work, n, red)?;
         let root_node = self.map.node[root];
         for s in self.mine(n, false) {
             let (len, part) = (

@@ -61,15 +61,7 @@ impl Stages {
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         match (way, input) {
             (Way::WorldOrder, None) => {
-                self.local.collective(
-                    dtype,
-                    Call::ReduceScatter {
-                        input: None,
-                        out: &mut *out,
-                        n,
-                        red: stage_reducer(red),
-                    },
-                )?;
+                self.local_reduce_scatter(dtype, out, n, red)?;
                 let r = self.local_block(n);
                 return self.rs_place(p, dtype, &mut out[r.start * es..r.end * es], red);
             }
@@ -203,15 +195,7 @@ impl Stages {
         red: &Reducer,
     ) -> Result<()> {
         let (es, sum) = (dtype.size(), stage_reducer(red));
-        self.local.collective(
-            dtype,
-            Call::ReduceScatter {
-                input: None,
-                out: &mut *work,
-                n,
-                red: sum,
-            },
-        )?;
+        self.local_reduce_scatter(dtype, work, n, red)?;
         let pieces = self.pieces(n, true);
         for s in pieces.iter().filter(|s| s.owners[self.node] == self.me) {
             let (root, len) = (self.map.node[s.block], s.range.len());

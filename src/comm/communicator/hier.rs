@@ -21,9 +21,10 @@
 //!   all-gather;
 //! - broadcast: the root's node broadcasts within itself, every segment is broadcast over its
 //!   carrier from the root's node, every other node all-gathers its local blocks;
-//! - reduce: local reduce-scatter (on a copy off the root: non-root buffers stay unchanged), a
-//!   reduce of every segment over its carrier onto the root's node, where each member sends its
-//!   local block to the root;
+//! - reduce: local reduce-scatter (out of place into this member's local block: off the root
+//!   into the scratch, so that non-root buffers stay unchanged; on the root into its place in the
+//!   result; no copy of the whole buffer anywhere), a reduce of every segment over its carrier
+//!   onto the root's node, where each member sends its local block to the root;
 //! - reduce-scatter and all-gather deliver world blocks (`block_range(count, k, rank)`), see
 //!   [`super::hier_blocks`].
 //!
@@ -196,6 +197,24 @@ impl Stages {
         self.local.collective(dtype, call)
     }
 
+    /// The reduce-scatter of the whole buffer `input` within this node into `block`, this
+    /// member's local block of it (summing for `Avg`, as [`Self::local_reduce_scatter`]).
+    pub(super) fn local_reduce_scatter_into(
+        &self,
+        dtype: DType,
+        input: &[u8],
+        block: &mut [u8],
+        red: &Reducer,
+    ) -> Result<()> {
+        let call = Call::ReduceScatter {
+            input: Some(input),
+            n: input.len() / dtype.size(),
+            out: block,
+            red: stage_reducer(red),
+        };
+        self.local.collective(dtype, call)
+    }
+
     /// This member's local block of a `count`-element buffer.
     pub(super) fn local_block(&self, count: usize) -> Range<usize> {
         block_range(count, self.len(self.node), self.place)
@@ -280,49 +299,53 @@ impl Stages {
         out: &mut [u8],
         red: &Reducer,
     ) -> Result<()> {
-        let es = dtype.size();
-        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let work: &mut [u8] = if self.me == root {
-            if let Some(i) = input {
-                out.copy_from_slice(i);
-            }
-            out
-        } else {
-            let work = sized(&mut scratch, n * es);
-            work.copy_from_slice(input.unwrap_or(out));
-            work
-        };
-        let sum = stage_reducer(red);
-        self.local_reduce_scatter(dtype, work, n, red)?;
+        let (es, r) = (dtype.size(), self.local_block(n));
         let root_node = self.map.node[root];
-        for s in self.mine(n, false) {
-            let (len, part) = (
-                s.range.len(),
-                &mut work[s.range.start * es..s.range.end * es],
-            );
-            let call = Call::Reduce {
-                root: root_node,
-                input: None,
-                out: part,
-                n: len,
-                red: sum,
+        {
+            let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            // This member's local block of the node's partial sums: at its offset in the root's
+            // `out`, in the scratch elsewhere (the caller's buffer stays unchanged off the root).
+            let block: &mut [u8] = match (self.me == root, input) {
+                (true, None) => {
+                    self.local_reduce_scatter(dtype, out, n, red)?;
+                    &mut out[r.start * es..r.end * es]
+                }
+                (true, Some(i)) => {
+                    let block = &mut out[r.start * es..r.end * es];
+                    self.local_reduce_scatter_into(dtype, i, block, red)?;
+                    block
+                }
+                (false, i) => {
+                    let block = sized(&mut scratch, r.len() * es);
+                    self.local_reduce_scatter_into(dtype, i.unwrap_or(&*out), block, red)?;
+                    block
+                }
             };
-            self.carrier(p, &s.owners, |c| c.collective(dtype, call))?;
-        }
-        if self.node != root_node {
-            return Ok(());
+            let sum = stage_reducer(red);
+            for s in self.mine(n, false) {
+                let (len, at) = (s.range.len(), s.range.start - r.start);
+                let call = Call::Reduce {
+                    root: root_node,
+                    input: None,
+                    out: &mut block[at * es..(at + len) * es],
+                    n: len,
+                    red: sum,
+                };
+                self.carrier(p, &s.owners, |c| c.collective(dtype, call))?;
+            }
+            if self.me != root {
+                if self.node == root_node {
+                    self.local.send(block, self.map.place(root))?;
+                }
+                return Ok(());
+            }
         }
         let (root_place, l) = (self.map.place(root), self.len(self.node));
-        if self.me != root {
-            let r = self.local_block(n);
-            return self.local.send(&work[r.start * es..r.end * es], root_place);
-        }
         for j in (0..l).filter(|&j| j != root_place) {
             let r = block_range(n, l, j);
-            self.local
-                .recv_into(&mut work[r.start * es..r.end * es], j)?;
+            self.local.recv_into(&mut out[r.start * es..r.end * es], j)?;
         }
-        red.finalize(work, self.k);
+        red.finalize(out, self.k);
         Ok(())
     }
 }

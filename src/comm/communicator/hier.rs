@@ -21,10 +21,10 @@
 //!   all-gather;
 //! - broadcast: the root's node broadcasts within itself, every segment is broadcast over its
 //!   carrier from the root's node, every other node all-gathers its local blocks;
-//! - reduce: local reduce-scatter (out of place into this member's local block: off the root
-//!   into the scratch, so that non-root buffers stay unchanged; on the root into its place in the
-//!   result; no copy of the whole buffer anywhere), a reduce of every segment over its carrier
-//!   onto the root's node, where each member sends its local block to the root;
+//! - reduce: on every node but the root's, a local reduce-scatter (out of place into this member's
+//!   local block in the scratch: non-root buffers stay unchanged); the root's node reduces onto the
+//!   root within itself (a pipelined chain or direct sends, no block hand-over afterwards); then
+//!   every segment is reduced over its carrier, the root standing for its node in every carrier;
 //! - reduce-scatter and all-gather deliver world blocks (`block_range(count, k, rank)`), see
 //!   [`super::hier_blocks`].
 //!
@@ -299,54 +299,79 @@ impl Stages {
         out: &mut [u8],
         red: &Reducer,
     ) -> Result<()> {
-        let (es, r) = (dtype.size(), self.local_block(n));
+        let (es, r, sum) = (dtype.size(), self.local_block(n), stage_reducer(red));
         let root_node = self.map.node[root];
-        {
-            let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-            // This member's local block of the node's partial sums: at its offset in the root's
-            // `out`, in the scratch elsewhere (the caller's buffer stays unchanged off the root).
-            let block: &mut [u8] = match (self.me == root, input) {
-                (true, None) => {
-                    self.local_reduce_scatter(dtype, out, n, red)?;
-                    &mut out[r.start * es..r.end * es]
-                }
-                (true, Some(i)) => {
-                    let block = &mut out[r.start * es..r.end * es];
-                    self.local_reduce_scatter_into(dtype, i, block, red)?;
-                    block
-                }
-                (false, i) => {
-                    let block = sized(&mut scratch, r.len() * es);
-                    self.local_reduce_scatter_into(dtype, i.unwrap_or(&*out), block, red)?;
-                    block
-                }
-            };
-            let sum = stage_reducer(red);
-            for s in self.mine(n, false) {
-                let (len, at) = (s.range.len(), s.range.start - r.start);
-                let call = Call::Reduce {
-                    root: root_node,
-                    input: None,
-                    out: &mut block[at * es..(at + len) * es],
-                    n: len,
-                    red: sum,
-                };
-                self.carrier(p, &s.owners, |c| c.collective(dtype, call))?;
-            }
-            if self.me != root {
-                if self.node == root_node {
-                    self.local.send(block, self.map.place(root))?;
-                }
-                return Ok(());
-            }
+        if self.node == root_node {
+            return self.reduce_on_root_node(p, dtype, (root, n), input, out, red);
         }
-        let (root_place, l) = (self.map.place(root), self.len(self.node));
-        for j in (0..l).filter(|&j| j != root_place) {
-            let r = block_range(n, l, j);
-            self.local.recv_into(&mut out[r.start * es..r.end * es], j)?;
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        // The node's partial sums of this member's local block, in the scratch (the caller's
+        // buffer stays unchanged off the root).
+        let block = sized(&mut scratch, r.len() * es);
+        self.local_reduce_scatter_into(dtype, input.unwrap_or(&*out), block, red)?;
+        for s in self.mine(n, false) {
+            let (len, at) = (s.range.len(), s.range.start - r.start);
+            let call = Call::Reduce {
+                root: root_node,
+                input: None,
+                out: &mut block[at * es..(at + len) * es],
+                n: len,
+                red: sum,
+            };
+            self.carrier(p, &self.rooted(&s.owners, root), |c| c.collective(dtype, call))?;
+        }
+        Ok(())
+    }
+
+    /// The reduce on the root's node: a reduce within the node onto the root, then the root
+    /// receives every segment over its carrier (the root standing for its node in all of them).
+    fn reduce_on_root_node(
+        &self,
+        p: &Communicator,
+        dtype: DType,
+        (root, n): (usize, usize),
+        input: Option<&[u8]>,
+        out: &mut [u8],
+        red: &Reducer,
+    ) -> Result<()> {
+        let (es, sum, root_place) = (dtype.size(), stage_reducer(red), self.map.place(root));
+        if self.me != root {
+            let call = Call::Reduce {
+                root: root_place,
+                input: Some(input.unwrap_or(&*out)),
+                out: &mut [],
+                n,
+                red: sum,
+            };
+            return self.local.collective(dtype, call);
+        }
+        let call = Call::Reduce {
+            root: root_place,
+            input,
+            out: &mut *out,
+            n,
+            red: sum,
+        };
+        self.local.collective(dtype, call)?;
+        for s in self.pieces(n, false) {
+            let call = Call::Reduce {
+                root: self.node,
+                input: None,
+                out: &mut out[s.range.start * es..s.range.end * es],
+                n: s.range.len(),
+                red: sum,
+            };
+            self.carrier(p, &self.rooted(&s.owners, root), |c| c.collective(dtype, call))?;
         }
         red.finalize(out, self.k);
         Ok(())
+    }
+
+    /// A segment's carriers with the root standing for its node.
+    fn rooted(&self, owners: &[usize], root: usize) -> Vec<usize> {
+        let mut owners = owners.to_vec();
+        owners[self.map.node[root]] = root;
+        owners
     }
 }
 

@@ -1,6 +1,7 @@
 //! The hierarchical host schedules on in-process ranks placed on emulated nodes: every collective,
 //! element type, operator and count bit for bit (through [`super::selftest`]) on even layouts of
-//! 2..4 nodes (round robin, blocked and shuffled member orders) and uneven ones (3+2, 2+1, 4+2+1,
+//! 2..4 nodes (round robin, blocked and shuffled member orders: each of the reduce-scatter and
+//! all-gather ways, counts that divide by the world size and counts that do not) and uneven ones (3+2, 2+1, 4+2+1,
 //! 1+1+3, ...), the flat fallback with one member per node or `MESHTRAIN_HIER=off`, and the bytes
 //! each rank sends between nodes against the theoretical minimum.
 
@@ -35,8 +36,12 @@ fn every_collective_exact_in_stages_on_even_layouts() {
         vec![0, 0, 1, 1],             // 2 x 2, blocked
         vec![0, 1, 2, 0, 1, 2],       // 3 x 2
         vec![1, 0, 0, 1, 1, 0],       // 2 x 3, shuffled
-        vec![0, 0, 1, 1, 2, 2, 3, 3], // 4 x 2
+        vec![0, 0, 1, 1, 2, 2, 3, 3], // 4 x 2, blocked
         vec![0, 1, 0, 1, 0, 1, 0, 1], // 2 x 4
+        vec![0, 0, 0, 1, 1, 1],       // 2 x 3, blocked
+        vec![0, 0, 1, 1, 2, 2],       // 3 x 2, blocked
+        vec![0, 0, 0, 0, 1, 1, 1, 1], // 2 x 4, blocked
+        vec![0, 1, 1, 0],             // 2 x 2, neither round robin nor blocked (packed)
     ];
     for nodes in layouts {
         let picked = exact_on(nodes.clone(), cfg(Algo::Auto));
@@ -173,6 +178,31 @@ fn bytes_between_nodes_meet_the_minimum_on_uneven_layouts() {
             let total: u64 = got.iter().sum();
             let want = (n - 1) * size;
             assert!(total >= want && total <= want + 2 * k * k * print, "{}: {total} in all, want {want}: {got:?}", what(coll));
+        }
+    }
+}
+
+#[test]
+fn bytes_between_nodes_meet_the_minimum_on_blocked_layouts() {
+    // Node a holds ranks a L .. (a + 1) L; 24 000 f32 and 23 999 (blocks of unequal length): every
+    // rank sends (n-1)/n of the buffer over L for reduce-scatter and all-gather, its local block
+    // for a reduce off the root's node, within one fingerprint per stage call.
+    for (n, l) in [(2usize, 2usize), (3, 2), (2, 4)] {
+        let nodes: Vec<usize> = (0..n * l).map(|r| r / l).collect();
+        for count in [24_000usize, 23_999] {
+            let size = count as u64 * 4;
+            let (n64, l64, k) = (n as u64, l as u64, (n * l) as u64);
+            // The world blocks of one place on the other nodes: within a block's rounding.
+            let share = (n64 - 1) * size / (n64 * l64);
+            for coll in ["reduce_scatter", "all_gather"] {
+                let got = net_bytes(nodes.clone(), true, coll, count);
+                let what = format!("{coll} {n}x{l} blocked, {count} f32");
+                within(&got, |_| share.saturating_sub((n64 - 1) * 4), &what);
+                assert!(got.iter().all(|&g| g <= share + (n64 - 1) * 4 + 2 * k * PRINT_LEN as u64), "{what}: {got:?}");
+            }
+            let got = net_bytes(nodes.clone(), true, "reduce", count);
+            let block = |r: usize| (crate::comm::block_range(count, l, r % l).len() * 4) as u64;
+            within(&got, |r| if nodes[r] == 0 { 0 } else { block(r) }, &format!("reduce {n}x{l} blocked"));
         }
     }
 }

@@ -11,6 +11,8 @@
 #                 buffer: 2(n-1)/n of it over 2 ranks per node) plus one 32-byte call fingerprint;
 #                 then on 3+2 ranks (uneven): every rank sends its local block (1/3 or 1/2 of the
 #                 buffer: each node's minimum spread over its ranks) plus a fingerprint per segment;
+#   blocked       (tcp) a 1 MiB reduce-scatter on 2 nodes x 2 ranks placed blocked (0,1 | 2,3): staged
+#                 chunk by chunk, right, every rank at exactly its minimum share;
 #   partition     node 2's data cable goes down mid all-reduce: every rank exits with an error that
 #                 names a peer rank, within the deadline (MESHTRAIN_TIMEOUT) plus the verdict wait
 #                 plus a margin;
@@ -212,6 +214,27 @@ hierarchical() {
   fi
 }
 
+# hierarchical_blocked: reduce-scatter on 2 nodes x 2 ranks placed blocked (ranks 0,1 on node 1,
+# 2,3 on node 2: `--map-by ppr:2:node`), where every node's world blocks are one contiguous chunk and
+# the stages run chunk by chunk on the caller's buffer: the staged schedule runs, the result is right,
+# and every rank sends exactly its share between nodes, 1/4 of the buffer ((n-1)/n over L = 2), plus
+# a 32-byte fingerprint.
+# A one-rule table keeps the stages at this size (the built-in table picks the flat ring here).
+hierarchical_blocked() {
+  local name="hierarchical-blocked-$TRANSPORT" row
+  printf '[[rule]]\ncoll = "reduce_scatter"\nranks = 4\nlink = "net"\nalgo = "hier"\nchunk_bytes = 1048576\n' >"$LOG/hier.toml"
+  chmod 644 "$LOG/hier.toml"
+  DEADLINE_OF_JOB=60 MT_NETNS_MAP=ppr:2:node job "$name" 4 -x RUST_LOG=info -x MESHTRAIN_TUNING="$LOG/hier.toml" \
+    "$BIN" bench reduce_scatter --min 1M --max 1M --warmup 1 --iters 2 --csv
+  row=$(sed -n 's/^\[1,0\]<stdout>:\(reduce_scatter,.*\)/\1/p' "$LOG/$name")
+  if grep -q "hierarchical host collectives over 2 nodes (2+2 ranks)" "$LOG/$name" &&
+    awk -F, '$2 == 1048576 && $8 == 0 && $11 == 262144 && $9 == $11 + 32 && $10 == $9 {ok = 1} END {exit !ok}' <<<"$row"; then
+    ok "$name ($(cut -d, -f5 <<<"$row") us, $(cut -d, -f9 <<<"$row") B/rank between nodes)"
+  else
+    bad "$name" "no staged blocked reduce-scatter at the minimum inter-node bytes (row: $row)" "$LOG/$name"
+  fi
+}
+
 # device_hierarchical: the emu device selftest on 4 ranks (2 per node) over shm within a node and
 # libfabric's shm provider (FI_HMEM) between them: every non-empty all-reduce must run in three
 # stages (reduce-scatter over IPC within the node, all-reduce of each rank's half as an FI_HMEM
@@ -244,6 +267,7 @@ for TRANSPORT in ${MT_TESTBED_TRANSPORTS:-tcp ofi}; do
   [ "$TRANSPORT" = ofi ] && sizes="2 3 5 8" || sizes=4
   for np in ${MT_TESTBED_NP-$sizes}; do selftest "$np"; done
   hierarchical
+  [ "$TRANSPORT" = tcp ] && hierarchical_blocked
   partition
   sigkill
   strangers

@@ -21,9 +21,10 @@
 //!   all-gather;
 //! - broadcast: the root's node broadcasts within itself, every segment is broadcast over its
 //!   carrier from the root's node, every other node all-gathers its local blocks;
-//! - reduce: local reduce-scatter (on a copy off the root: non-root buffers stay unchanged), a
-//!   reduce of every segment over its carrier onto the root's node, where each member sends its
-//!   local block to the root;
+//! - reduce: on every node but the root's, a local reduce-scatter (out of place into this member's
+//!   local block in the scratch: non-root buffers stay unchanged); the root's node reduces onto the
+//!   root within itself (a pipelined chain or direct sends, no block hand-over afterwards); then
+//!   every segment is reduced over its carrier, the root standing for its node in every carrier;
 //! - reduce-scatter and all-gather deliver world blocks (`block_range(count, k, rank)`), see
 //!   [`super::hier_blocks`].
 //!
@@ -177,6 +178,43 @@ impl Stages {
         f(&made[owners])
     }
 
+    /// The in-place reduce-scatter of the `n`-element `work` within this node, summing for `Avg`
+    /// (the last stage divides): this member's local block of `work` ends up holding the node's
+    /// partial result; the other blocks are left as the local schedule leaves them.
+    pub(super) fn local_reduce_scatter(
+        &self,
+        dtype: DType,
+        work: &mut [u8],
+        n: usize,
+        red: &Reducer,
+    ) -> Result<()> {
+        let call = Call::ReduceScatter {
+            input: None,
+            out: work,
+            n,
+            red: stage_reducer(red),
+        };
+        self.local.collective(dtype, call)
+    }
+
+    /// The reduce-scatter of the whole buffer `input` within this node into `block`, this
+    /// member's local block of it (summing for `Avg`, as [`Self::local_reduce_scatter`]).
+    pub(super) fn local_reduce_scatter_into(
+        &self,
+        dtype: DType,
+        input: &[u8],
+        block: &mut [u8],
+        red: &Reducer,
+    ) -> Result<()> {
+        let call = Call::ReduceScatter {
+            input: Some(input),
+            n: input.len() / dtype.size(),
+            out: block,
+            red: stage_reducer(red),
+        };
+        self.local.collective(dtype, call)
+    }
+
     /// This member's local block of a `count`-element buffer.
     pub(super) fn local_block(&self, count: usize) -> Range<usize> {
         block_range(count, self.len(self.node), self.place)
@@ -195,15 +233,7 @@ impl Stages {
         if let Some(i) = input {
             out.copy_from_slice(i);
         }
-        self.local.collective(
-            dtype,
-            Call::ReduceScatter {
-                input: None,
-                out: &mut *out,
-                n,
-                red: sum,
-            },
-        )?;
+        self.local_reduce_scatter(dtype, out, n, red)?;
         for s in self.mine(n, false) {
             let part = &mut out[s.range.start * es..s.range.end * es];
             self.carrier(p, &s.owners, |c| {
@@ -269,58 +299,79 @@ impl Stages {
         out: &mut [u8],
         red: &Reducer,
     ) -> Result<()> {
-        let es = dtype.size();
-        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let work: &mut [u8] = if self.me == root {
-            if let Some(i) = input {
-                out.copy_from_slice(i);
-            }
-            out
-        } else {
-            let work = sized(&mut scratch, n * es);
-            work.copy_from_slice(input.unwrap_or(out));
-            work
-        };
-        let sum = stage_reducer(red);
-        self.local.collective(
-            dtype,
-            Call::ReduceScatter {
-                input: None,
-                out: &mut *work,
-                n,
-                red: sum,
-            },
-        )?;
+        let (es, r, sum) = (dtype.size(), self.local_block(n), stage_reducer(red));
         let root_node = self.map.node[root];
+        if self.node == root_node {
+            return self.reduce_on_root_node(p, dtype, (root, n), input, out, red);
+        }
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        // The node's partial sums of this member's local block, in the scratch (the caller's
+        // buffer stays unchanged off the root).
+        let block = sized(&mut scratch, r.len() * es);
+        self.local_reduce_scatter_into(dtype, input.unwrap_or(&*out), block, red)?;
         for s in self.mine(n, false) {
-            let (len, part) = (
-                s.range.len(),
-                &mut work[s.range.start * es..s.range.end * es],
-            );
+            let (len, at) = (s.range.len(), s.range.start - r.start);
             let call = Call::Reduce {
                 root: root_node,
                 input: None,
-                out: part,
+                out: &mut block[at * es..(at + len) * es],
                 n: len,
                 red: sum,
             };
-            self.carrier(p, &s.owners, |c| c.collective(dtype, call))?;
+            self.carrier(p, &self.rooted(&s.owners, root), |c| c.collective(dtype, call))?;
         }
-        if self.node != root_node {
-            return Ok(());
-        }
-        let (root_place, l) = (self.map.place(root), self.len(self.node));
-        if self.me != root {
-            let r = self.local_block(n);
-            return self.local.send(&work[r.start * es..r.end * es], root_place);
-        }
-        for j in (0..l).filter(|&j| j != root_place) {
-            let r = block_range(n, l, j);
-            self.local
-                .recv_into(&mut work[r.start * es..r.end * es], j)?;
-        }
-        red.finalize(work, self.k);
         Ok(())
+    }
+
+    /// The reduce on the root's node: a reduce within the node onto the root, then the root
+    /// receives every segment over its carrier (the root standing for its node in all of them).
+    fn reduce_on_root_node(
+        &self,
+        p: &Communicator,
+        dtype: DType,
+        (root, n): (usize, usize),
+        input: Option<&[u8]>,
+        out: &mut [u8],
+        red: &Reducer,
+    ) -> Result<()> {
+        let (es, sum, root_place) = (dtype.size(), stage_reducer(red), self.map.place(root));
+        if self.me != root {
+            let call = Call::Reduce {
+                root: root_place,
+                input: Some(input.unwrap_or(&*out)),
+                out: &mut [],
+                n,
+                red: sum,
+            };
+            return self.local.collective(dtype, call);
+        }
+        let call = Call::Reduce {
+            root: root_place,
+            input,
+            out: &mut *out,
+            n,
+            red: sum,
+        };
+        self.local.collective(dtype, call)?;
+        for s in self.pieces(n, false) {
+            let call = Call::Reduce {
+                root: self.node,
+                input: None,
+                out: &mut out[s.range.start * es..s.range.end * es],
+                n: s.range.len(),
+                red: sum,
+            };
+            self.carrier(p, &self.rooted(&s.owners, root), |c| c.collective(dtype, call))?;
+        }
+        red.finalize(out, self.k);
+        Ok(())
+    }
+
+    /// A segment's carriers with the root standing for its node.
+    fn rooted(&self, owners: &[usize], root: usize) -> Vec<usize> {
+        let mut owners = owners.to_vec();
+        owners[self.map.node[root]] = root;
+        owners
     }
 }
 

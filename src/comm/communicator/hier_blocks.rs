@@ -1,27 +1,44 @@
 //! The hierarchical reduce-scatter and all-gather ([`super::hier`]): the collectives whose result
 //! is cut into world blocks (`block_range(count, k, rank)`), which the node-local blocks of the
-//! stages do not line up with in general. Three ways, by layout:
+//! stages do not line up with in general. Four ways, by layout:
 //! - *world order* (every node holds `L` members, member `m` sits at place `m / n` of node
-//!   `m % n`, the count divides by `k`): local block `p` is exactly the world blocks of place `p`
-//!   on nodes `0..n` in node order, so the stages run on the caller's buffer without copies: local
-//!   reduce-scatter, reduce-scatter over the place's carrier (the reverse for all-gather);
-//! - *packed* (other even layouts): the world blocks are copied into `k` slots of the largest
-//!   block ordered by (place, node), so that place `p`'s slots are its local block; the stages run
-//!   on the slots and this member's block is copied back (one copy of the buffer per call);
-//! - *pieces* (uneven layouts): the buffer is cut at every local block end and every world block
-//!   end; after the local reduce-scatter, each piece is reduced over its carrier onto the node that
-//!   owns its world block, and its carrier there hands it to the owner within the node (the
-//!   reverse for all-gather: owners hand their pieces to the carriers, pieces are broadcast over
-//!   their carriers, each node all-gathers its local blocks).
+//!   `m % n`, as `mpirun --map-by node` places ranks; the count divides by `k`): local block `p` is
+//!   exactly the world blocks of place `p` on nodes `0..n` in node order, so the stages run on the
+//!   caller's buffer without copies: local reduce-scatter, reduce-scatter over the place's carrier
+//!   (the reverse for all-gather);
+//! - *blocked* (node `a` holds members `a L .. (a + 1) L`, as `--map-by slot` places them; any
+//!   count): node `a`'s world blocks form one contiguous *chunk* whose local block `p` is the world
+//!   block of its place `p`, so the stages run chunk by chunk on the caller's buffer: a local
+//!   reduce-scatter of every chunk, then a reduce of every node's place-`p` block over place `p`'s
+//!   carrier onto that node (all-gather: a broadcast of each from its node over the carrier, then
+//!   a local all-gather of every chunk); `2n` stage calls instead of 2, no copy;
+//! - *packed* (the other even layouts, where members of one node are interleaved with other
+//!   nodes' in another order): a place's world blocks are neither one contiguous range nor one per
+//!   contiguous chunk, and a local stage only cuts contiguous blocks in place order, so they are
+//!   copied into `k` slots of the largest block ordered by (place, node), so that place `p`'s slots
+//!   are its local block; the stages run on the slots and this member's block is copied back (one
+//!   copy of the buffer per call). The pieces below would avoid the copy but put all of a local
+//!   block's bytes between nodes on one member;
+//! - *pieces* (uneven layouts, and world order with a count that does not divide by `k`): the
+//!   buffer is cut at every local block end and every world block end; after the local
+//!   reduce-scatter, each piece is reduced over its carrier onto the node that owns its world
+//!   block, and its carrier there hands it to the owner within the node (the reverse for
+//!   all-gather: owners hand their pieces to the carriers, pieces are broadcast over their
+//!   carriers, each node all-gathers its local blocks). In world order the local blocks and the
+//!   place's world blocks differ by a few elements at their ends, so only those move within a node
+//!   and every member still sends its share between nodes. Out of place, reduce-scatter works on a
+//!   copy of the input (the local stage reduces in place).
 //!
-//! Bytes between nodes: world order and packed send `(n-1)/n` of the buffer per node, `1/L` of it
-//! per member (the minimum, evenly spread); pieces send every piece once from each node that does
-//! not own its world block (reduce-scatter: `(k - L_a)/k` of the buffer from node `a`, the
+//! Bytes between nodes: world order, blocked and packed send `(n-1)/n` of the buffer per node,
+//! `1/L` of it per member (the minimum, evenly spread); pieces send every piece once from each node
+//! that does not own its world block (reduce-scatter: `(k - L_a)/k` of the buffer from node `a`, the
 //! minimum) or once into each node that does not (all-gather: `(n-1)` buffers in all, the minimum
 //! total, forwarded along each carrier's chain).
 //!
 //! Invariants: the way is a function of the node map and the count only (the same on every
 //! member); hand-overs within a node run in piece order, so every send meets its receive.
+
+use std::ops::Range;
 
 use super::hier::{sized, stage_reducer, Piece, Stages};
 use super::{Call, Communicator};
@@ -33,6 +50,7 @@ use crate::error::Result;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Way {
     WorldOrder,
+    Blocked,
     Packed,
     Pieces,
 }
@@ -42,6 +60,8 @@ impl Stages {
         match self.per {
             None => Way::Pieces,
             Some(_) if self.world_order && count % self.k == 0 => Way::WorldOrder,
+            Some(_) if self.world_order => Way::Pieces,
+            Some(l) if (0..self.k).all(|m| self.map.node[m] == m / l) => Way::Blocked,
             Some(_) => Way::Packed,
         }
     }
@@ -61,32 +81,19 @@ impl Stages {
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         match (way, input) {
             (Way::WorldOrder, None) => {
-                self.local.collective(
-                    dtype,
-                    Call::ReduceScatter {
-                        input: None,
-                        out: &mut *out,
-                        n,
-                        red: stage_reducer(red),
-                    },
-                )?;
+                self.local_reduce_scatter(dtype, out, n, red)?;
                 let r = self.local_block(n);
                 return self.rs_place(p, dtype, &mut out[r.start * es..r.end * es], red);
             }
             (Way::WorldOrder, Some(i)) => {
                 let region = sized(&mut scratch, self.local_block(n).len() * es);
-                let call = Call::ReduceScatter {
-                    input: Some(i),
-                    out: &mut *region,
-                    n,
-                    red: stage_reducer(red),
-                };
-                self.local.collective(dtype, call)?;
+                self.local_reduce_scatter_into(dtype, i, region, red)?;
                 self.rs_place(p, dtype, region, red)?;
                 let b = n / self.k;
                 out.copy_from_slice(&region[self.node * b * es..(self.node + 1) * b * es]);
                 return Ok(());
             }
+            (Way::Blocked, _) => return self.rs_blocked(p, dtype, (input, out), n, (red, &mut *scratch)),
             (Way::Packed, _) => {
                 return self.rs_packed(p, dtype, (input, out), n, (red, &mut *scratch))
             }
@@ -203,15 +210,7 @@ impl Stages {
         red: &Reducer,
     ) -> Result<()> {
         let (es, sum) = (dtype.size(), stage_reducer(red));
-        self.local.collective(
-            dtype,
-            Call::ReduceScatter {
-                input: None,
-                out: &mut *work,
-                n,
-                red: sum,
-            },
-        )?;
+        self.local_reduce_scatter(dtype, work, n, red)?;
         let pieces = self.pieces(n, true);
         for s in pieces.iter().filter(|s| s.owners[self.node] == self.me) {
             let (root, len) = (self.map.node[s.block], s.range.len());
@@ -283,6 +282,7 @@ impl Stages {
                     c.collective(dtype, call)
                 })?;
             }
+            Way::Blocked => return self.ag_blocked(p, dtype, input, out),
             Way::Packed => return self.ag_packed(p, dtype, input, out),
             Way::Pieces => {
                 let r = block_range(n, self.k, self.me);
@@ -304,6 +304,88 @@ impl Stages {
         }
         self.local
             .collective(dtype, Call::AllGather { input: None, out })
+    }
+
+    /// The elements of chunk `c` of an `n`-element buffer on the blocked layout: the world blocks
+    /// of members `c L .. (c + 1) L` (node `c`), whose local block `p` is exactly the world block of
+    /// the chunk's place `p` (`block_range` makes the first `n mod k` world blocks one element
+    /// longer, and so the first blocks of a chunk, as it cuts the chunk into `L`).
+    fn chunk(&self, n: usize, c: usize, l: usize) -> Range<usize> {
+        block_range(n, self.k, c * l).start..block_range(n, self.k, (c + 1) * l - 1).end
+    }
+
+    /// Reduce-scatter on the blocked layout (node `a` holds members `a L .. (a + 1) L`, any count):
+    /// a local reduce-scatter of every node's chunk, then for every node a reduce of its place-`p`
+    /// world block over place `p`'s carrier onto that node. No copy: in place on the caller's
+    /// buffer; out of place the partial sums of the other nodes' blocks go to `n - 1` slots of the
+    /// scratch and this member's own straight into `out`.
+    fn rs_blocked(
+        &self,
+        p: &Communicator,
+        dtype: DType,
+        (input, out): (Option<&[u8]>, &mut [u8]),
+        n: usize,
+        (red, scratch): (&Reducer, &mut Vec<u8>),
+    ) -> Result<()> {
+        let (es, l, nodes) = (dtype.size(), self.k / self.nodes(), self.nodes());
+        let b = block_range(n, self.k, 0).len();
+        let slots = sized(scratch, if input.is_some() { nodes * b * es } else { 0 });
+        // Where chunk `c`'s place-`p` block sits: in `out` or in slot `c`.
+        let at = |c: usize| {
+            let r = block_range(n, self.k, c * l + self.place);
+            match input {
+                None => r.start * es..r.end * es,
+                Some(_) => c * b * es..(c * b + r.len()) * es,
+            }
+        };
+        for c in 0..nodes {
+            let r = self.chunk(n, c, l);
+            match input {
+                None => self.local_reduce_scatter(dtype, &mut out[r.start * es..r.end * es], r.len(), red)?,
+                Some(i) => {
+                    let dst = if c == self.node { &mut *out } else { &mut slots[at(c)] };
+                    self.local_reduce_scatter_into(dtype, &i[r.start * es..r.end * es], dst, red)?;
+                }
+            }
+        }
+        let sum = stage_reducer(red);
+        for c in 0..nodes {
+            let part = match input {
+                Some(_) if c == self.node => &mut *out,
+                Some(_) => &mut slots[at(c)],
+                None => &mut out[at(c)],
+            };
+            let call = Call::Reduce { root: c, input: None, n: part.len() / es, out: part, red: sum };
+            self.carrier(p, &self.place_owners(self.place), |cm| cm.collective(dtype, call))?;
+        }
+        let mine = if input.is_some() { 0..out.len() } else { at(self.node) };
+        red.finalize(&mut out[mine], self.k);
+        Ok(())
+    }
+
+    /// All-gather on the blocked layout: every node's place-`p` world block is broadcast over place
+    /// `p`'s carrier from that node, then every node's chunk is all-gathered within each node; all
+    /// on the caller's buffer (out of place, this member's block is the one copy: into `out`).
+    fn ag_blocked(&self, p: &Communicator, dtype: DType, input: Option<&[u8]>, out: &mut [u8]) -> Result<()> {
+        let (es, l, nodes) = (dtype.size(), self.k / self.nodes(), self.nodes());
+        let n = out.len() / es;
+        if let Some(i) = input {
+            let r = block_range(n, self.k, self.me);
+            out[r.start * es..r.end * es].copy_from_slice(i);
+        }
+        for c in 0..nodes {
+            let r = block_range(n, self.k, c * l + self.place);
+            let buf = &mut out[r.start * es..r.end * es];
+            self.carrier(p, &self.place_owners(self.place), |cm| {
+                cm.collective(dtype, Call::Broadcast { root: c, buf })
+            })?;
+        }
+        for c in 0..nodes {
+            let r = self.chunk(n, c, l);
+            let call = Call::AllGather { input: None, out: &mut out[r.start * es..r.end * es] };
+            self.local.collective(dtype, call)?;
+        }
+        Ok(())
     }
 
     fn ag_packed(

@@ -90,7 +90,7 @@ pub fn softmax_forward(dev: &Device, att: &mut DeviceBuffer, rows: usize, t: usi
         for (r, row) in host_mut(k, att)?.view_mut::<f32>(rows * t).chunks_mut(t.max(1)).enumerate() {
             let (keep, above) = row.split_at_mut(r % t + 1);
             let max = keep.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
-            keep.iter_mut().for_each(|x| *x = (*x * scale - max).exp());
+            keep.iter_mut().for_each(|x| *x = crate::device::cpu::exp::exp_f32(*x * scale - max));
             let inv = 1.0 / keep.iter().sum::<f32>();
             keep.iter_mut().for_each(|x| *x *= inv);
             above.fill(0.0);

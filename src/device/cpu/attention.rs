@@ -129,11 +129,8 @@ fn attention_forward_serial<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], s
                     *a *= scale;
                     max = max.max(*a);
                 }
-                let mut sum = F::zero();
-                for a in row[..=ti].iter_mut() {
-                    *a = (*a - max).exp();
-                    sum += *a;
-                }
+                row[..=ti].iter_mut().for_each(|a| *a = (*a - max).fast_exp());
+                let sum = row[..=ti].iter().fold(F::zero(), |s, &a| s + a);
                 let inv = F::one() / sum;
                 row[..=ti].iter_mut().for_each(|a| *a *= inv);
                 row[ti + 1..].iter_mut().for_each(|a| *a = F::zero());

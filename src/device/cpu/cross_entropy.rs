@@ -6,6 +6,7 @@
 //! `p = exp(logit - lse)`, which saves a (N, Vp) buffer. A vocab-parallel version would combine
 //! per-shard maxima and sums into the same `lse`. Rows are split across cores.
 
+use super::exp::{max_of, sum_exp};
 use super::float::Float;
 use super::parallel::{chunk_items, run_parts};
 
@@ -37,8 +38,8 @@ fn cross_entropy_forward_serial<F: Float>(
     let rows = logits.chunks_exact(vp).zip(targets);
     for ((loss, l), (row, &target)) in losses.iter_mut().zip(lse.iter_mut()).zip(rows) {
         let real = &row[..v]; // (V)
-        let max = real.iter().copied().fold(F::neg_infinity(), F::max);
-        let sum: F = real.iter().map(|&z| (z - max).exp()).sum();
+        let max = max_of(real);
+        let sum = sum_exp(real, max);
         *l = max + sum.ln();
         *loss = *l - row[target as usize];
     }
@@ -76,7 +77,7 @@ fn cross_entropy_backward_serial<F: Float>(
     let rows = dlogits.chunks_exact_mut(vp).zip(logits.chunks_exact(vp));
     for ((drow, row), (&l, &target)) in rows.zip(lse.iter().zip(targets)) {
         for (d, &z) in drow[..v].iter_mut().zip(&row[..v]) {
-            *d += (z - l).exp() * dloss;
+            *d += (z - l).fast_exp() * dloss;
         }
         drow[target as usize] -= dloss;
     }

@@ -23,6 +23,9 @@ pub trait Float:
     /// BLAS GEMM for this precision (row-major, see [`crate::device::cpu::blas`]); callers go through
     /// [`crate::device::cpu::matmul::matmul`], which checks shapes and bounds.
     const GEMM: blas::Gemm<Self>;
+    /// e^self for the softmaxes and sigmoids: [`super::exp::exp_f32`] (vectorisable, <= 2 ulp)
+    /// for `f32`, libm's `exp` for `f64`.
+    fn fast_exp(self) -> Self;
 }
 
 impl Float for f32 {
@@ -33,6 +36,10 @@ impl Float for f32 {
         self as f64
     }
     const GEMM: blas::Gemm<f32> = blas::sgemm;
+    #[inline(always)]
+    fn fast_exp(self) -> Self {
+        super::exp::exp_f32(self)
+    }
 }
 
 impl Float for f64 {
@@ -43,4 +50,8 @@ impl Float for f64 {
         self
     }
     const GEMM: blas::Gemm<f64> = blas::dgemm;
+    #[inline(always)]
+    fn fast_exp(self) -> Self {
+        self.exp()
+    }
 }

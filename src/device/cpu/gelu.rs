@@ -20,7 +20,7 @@ fn consts<F: Float>() -> (F, F) {
 /// sigmoid(2u) = 0.5 (1 + tanh(u)) for u = sqrt(2/pi) (x + k x³).
 fn half_one_plus_tanh<F: Float>(x: F, s: F, k: F) -> F {
     let two_u = (s + s) * (x + k * x * x * x);
-    F::one() / (F::one() + (-two_u).exp())
+    F::one() / (F::one() + (-two_u).fast_exp())
 }
 
 /// out (N) = gelu(inp (N)).

@@ -15,6 +15,7 @@ pub mod blas;
 pub mod clip;
 pub mod cross_entropy;
 pub mod encoder;
+pub mod exp;
 pub mod float;
 pub mod gelu;
 pub mod layernorm;

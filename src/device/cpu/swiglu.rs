@@ -11,7 +11,7 @@ use super::float::Float;
 use super::parallel::{chunk_items, run_parts};
 
 fn sigmoid<F: Float>(x: F) -> F {
-    F::one() / (F::one() + (-x).exp())
+    F::one() / (F::one() + (-x).fast_exp())
 }
 
 /// out (N, F) = silu(gate) * up for inp (N, 2F) rows `[gate | up]`.

@@ -13,6 +13,7 @@
 //! With one shard every function performs the arithmetic of `encoder.rs` / `cross_entropy.rs` in
 //! the same order, so a one-rank stage reproduces [`super::Gpt`] bitwise.
 
+use super::exp::{max_of, sum_exp};
 use super::float::Float;
 use super::parallel::{chunk_items, run_parts};
 
@@ -86,7 +87,7 @@ pub fn position_backward<F: Float>(
 pub fn shard_max<F: Float>(max: &mut [F], logits: &[F], real: usize) {
     let vl = logits.len() / max.len().max(1);
     for (m, row) in max.iter_mut().zip(logits.chunks_exact(vl)) {
-        *m = row[..real].iter().copied().fold(F::neg_infinity(), F::max);
+        *m = max_of(&row[..real]);
     }
 }
 
@@ -112,7 +113,7 @@ pub fn shard_sum_exp<F: Float>(
     run_parts(outs.zip(ins), |((s, zt), ((z, m), tg))| {
         let rows = z.chunks_exact(vl).zip(m).zip(tg);
         for ((s, zt), ((row, &m), &target)) in s.iter_mut().zip(zt).zip(rows) {
-            *s = row[..real].iter().map(|&z| (z - m).exp()).sum();
+            *s = sum_exp(&row[..real], m);
             *zt = match (target as usize).checked_sub(start).filter(|&i| i < real) {
                 Some(i) => row[i],
                 None => F::zero(),
@@ -155,7 +156,7 @@ pub fn cross_entropy_shard_backward<F: Float>(
             let rows = d.chunks_exact_mut(vl).zip(z.chunks_exact(vl));
             for ((drow, row), (&l, &target)) in rows.zip(l.iter().zip(tg)) {
                 for (d, &z) in drow[..real].iter_mut().zip(&row[..real]) {
-                    *d += (z - l).exp() * dloss;
+                    *d += (z - l).fast_exp() * dloss;
                 }
                 if let Some(i) = (target as usize).checked_sub(start).filter(|&i| i < real) {
                     drow[i] -= dloss;

@@ -19,6 +19,7 @@
 //! `0.0.0.0` allowed), else the IPv4 address of `MESHTRAIN_SOCKET_IFNAME`, else 127.0.0.1 when the
 //! whole job is on one node, else the first up, non-loopback IPv4 interface.
 
+pub mod binding;
 mod control;
 mod ifaddr;
 pub mod preflight;
@@ -208,6 +209,11 @@ impl World {
         }
         if rank == 0 && !profile.is_empty() {
             log::info!("bootstrap: MESHTRAIN_OFI_PROFILE set {}", profile.join(" "));
+        }
+        if mpi.local_rank == 0 {
+            if let Some(advice) = binding::advice(mpi.local_size) {
+                log::info!("{advice}");
+            }
         }
         Ok(World {
             rank,

@@ -281,6 +281,7 @@ fn meshtrain(
         host_reduce,
         device_overlap: !host_reduce && l.dp > 1,
         activations: 0,
+        adamw_state: true,
     });
     // bf16 copies of the 2D weights (all but biases and LayerNorms: ~ every parameter).
     let copies = if bf16 { 2.0 * n } else { 0.0 };

@@ -31,6 +31,8 @@
 //!   reducer keeps every bucket's staging (`n`), the reduction after the backward one bucket;
 //! - *bucket* and *block*: the device step's staging (largest bucket) and receive buffer (largest
 //!   block); ZeRO-3 gathers through one more bucket.
+//! - a parameter-server worker (`parallel.dp_sync = "ps"`) keeps no AdamW moments: the servers
+//!   hold them, so its AdamW term is 0.
 //!
 //! plus the activations and the runtime baseline (binary, libraries, communication buffers), which
 //! is measured, not modelled.
@@ -67,6 +69,9 @@ pub struct MemoryInputs<'a> {
     pub device_overlap: bool,
     /// Activation elements (all slots and scratch).
     pub activations: usize,
+    /// The rank keeps AdamW's moments for its shard (false on a parameter-server worker: the
+    /// servers keep them).
+    pub adamw_state: bool,
 }
 
 /// Estimated resident bytes of one rank, by term.
@@ -114,7 +119,7 @@ impl MemoryEstimate {
         MemoryEstimate {
             params: params * F32,
             grads: grads * F32,
-            optimizer: optimizer * F32,
+            optimizer: if i.adamw_state { optimizer * F32 } else { 0 },
             staging: staging * F32,
             activations: i.activations as u64 * F32,
         }
@@ -146,7 +151,7 @@ mod tests {
 
     fn inputs<'a>(zero: u8, buckets: &'a [Range<usize>], units: &'a [Range<usize>], host_reduce: bool) -> MemoryInputs<'a> {
         let releases_grads = zero >= 2;
-        MemoryInputs { zero, n: 1000, shard: 250, dp: 4, buckets, units, wte: Some(0..400), releases_grads, host_reduce, device_overlap: false, activations: 10 }
+        MemoryInputs { zero, n: 1000, shard: 250, dp: 4, buckets, units, wte: Some(0..400), releases_grads, host_reduce, device_overlap: false, activations: 10, adamw_state: true }
     }
 
     #[test]
@@ -175,5 +180,8 @@ mod tests {
         assert_eq!(e(3, false).params, (250 + 500) * 4);
         assert_eq!(e(3, false).staging, (200 + 25) * 4);
         assert_eq!(e(3, true).total(), e(3, true).params + e(3, true).grads + 2000 + (400 + 225) * 4 + 40);
+        // A parameter-server worker keeps no AdamW state; nothing else changes.
+        let worker = MemoryEstimate::new(&MemoryInputs { adamw_state: false, ..inputs(0, &buckets, &units, true) });
+        assert_eq!(worker, MemoryEstimate { optimizer: 0, ..e(0, true) });
     }
 }

@@ -201,6 +201,7 @@ impl<'a> Session<'a> {
         }
         let adamw = AdamWConfig { beta1: cfg.optim.beta1, beta2: cfg.optim.beta2, eps: cfg.optim.eps, weight_decay: cfg.optim.weight_decay };
         let (decay, norm) = (model.decay_spans(), model.norm_spans());
+        let ps_worker = ps.is_some();
         let step = match ps {
             None => DeviceStep::new(model.model(), &sync, &dp, (&decay, &norm), adamw)?,
             Some(links) => {
@@ -222,6 +223,7 @@ impl<'a> Session<'a> {
             host_reduce,
             device_overlap,
             activations: model.activation_elements(),
+            adamw_state: !ps_worker,
         });
         if world.rank == 0 {
             println!(

@@ -9,7 +9,11 @@
  *   --iter-bytes bytes (default 256M; 0: exactly --iters) when that is more, at most 1000;
  *   untimed calls: --warmup, or a tenth of the timed calls when that is more;
  * - buffers: f32, allocated and first touched (filled) before the warm-up, the same inputs as
- *   meshtrain's exact inputs; out of place; reductions are MPI_SUM; roots are rank 0.
+ *   meshtrain's exact inputs; out of place; reductions are MPI_SUM; roots are rank 0;
+ * - pages: with `--pages huge` (the default) a buffer of 2 MiB or more is a mapping of its own that
+ *   starts on a 2 MiB boundary and is advised MADV_HUGEPAGE, as the meshtrain binary allocates
+ *   every large buffer (src/mem.rs), so that both programs time the same memory; `--pages small`
+ *   uses malloc (4 KiB pages where the kernel's transparent huge pages are in `madvise` mode).
  *
  * Output: CSV `coll,bytes,count,mpi_time_us` on rank 0, one line per size.
  * Build: mpicc -O2 -o mpi_coll benches/mpi_coll.c (`make bench` does).
@@ -18,6 +22,28 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+
+static int huge_pages = 1;
+enum { HUGE = 2 << 20 };
+
+/* A buffer of `bytes`: see `--pages` in the header. NULL when out of memory. */
+static void *alloc_buf(size_t bytes) {
+    if (!huge_pages || bytes < HUGE) return malloc(bytes);
+    size_t len = (bytes + 4095) / 4096 * 4096;
+    char *raw = mmap(NULL, len + HUGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return NULL;
+    char *start = (char *)(((size_t)raw + HUGE - 1) / HUGE * HUGE);
+    if (start > raw) munmap(raw, (size_t)(start - raw));
+    munmap(start + len, HUGE - (size_t)(start - raw));
+    madvise(start, len, MADV_HUGEPAGE);
+    return start;
+}
+
+static void free_buf(void *p, size_t bytes) {
+    if (!huge_pages || bytes < HUGE) free(p);
+    else munmap(p, (bytes + 4095) / 4096 * 4096);
+}
 
 static const char *ALL[] = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce"};
 enum { NCOLL = 6 };
@@ -65,7 +91,8 @@ static void rounds_for(size_t bytes, long warmup, long iters, size_t iter_bytes,
 
 /* Slowest rank's microseconds per call of `coll` on n elements. */
 static double time_size(const char *coll, int n, int warmup, int iters, int k, int me) {
-    float *in = malloc((size_t)n * sizeof(float)), *out = malloc((size_t)n * sizeof(float));
+    size_t bytes = (size_t)n * sizeof(float);
+    float *in = alloc_buf(bytes), *out = alloc_buf(bytes);
     if (!in || !out) {
         fprintf(stderr, "mpi_coll: rank %d: cannot allocate 2 x %d floats\n", me, n);
         MPI_Abort(MPI_COMM_WORLD, 2);
@@ -80,14 +107,14 @@ static double time_size(const char *coll, int n, int warmup, int iters, int k, i
     for (int i = 0; i < iters; i++) one_call(coll, in, out, n, k, me);
     double mine = (MPI_Wtime() - t0) * 1e6 / iters, slowest = 0.0;
     MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    free(in);
-    free(out);
+    free_buf(in, bytes);
+    free_buf(out, bytes);
     return slowest;
 }
 
 static void usage(const char *why) {
     fprintf(stderr,
-            "mpi_coll: %s\nusage: mpi_coll [COLL|all] [--min 4K] [--max 64M] [--factor 2] [--warmup 5] [--iters 20] [--iter-bytes 256M]\n"
+            "mpi_coll: %s\nusage: mpi_coll [COLL|all] [--min 4K] [--max 64M] [--factor 2] [--warmup 5] [--iters 20] [--iter-bytes 256M] [--pages huge|small]\n"
             "  COLL: all_reduce all_gather reduce_scatter all_to_all broadcast reduce\n",
             why);
 }
@@ -112,7 +139,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(arg, "--warmup")) warmup = strtol(val, NULL, 10);
         else if (!strcmp(arg, "--iters")) iters = strtol(val, NULL, 10);
         else if (!strcmp(arg, "--iter-bytes")) { iter_bytes = parse_size(val); iter_bytes_ok = iter_bytes > 0 || !strcmp(val, "0"); }
-        else { if (me == 0) usage("unknown option"); MPI_Finalize(); return 2; }
+        else if (!strcmp(arg, "--pages") && (!strcmp(val, "huge") || !strcmp(val, "small"))) huge_pages = !strcmp(val, "huge");
+        else { if (me == 0) usage("unknown option or value"); MPI_Finalize(); return 2; }
     }
     int known = !strcmp(what, "all");
     for (int c = 0; c < NCOLL; c++) known |= !strcmp(what, ALL[c]);

@@ -8,12 +8,19 @@ data (all-gather, broadcast, all-to-all) also meshtrain's copy floor (every rank
 the collective brings it, at once, in the same run) and the fraction of it meshtrain reaches
 (floor / meshtrain time; 1.00 = as fast as a plain copy of the same bytes).
 
+Pages: the meshtrain binary puts every buffer of 2 MiB or more on transparent huge pages
+(src/mem.rs); the standalone program does the same by default, so that both time the same memory.
+`--pages both` also runs the standalone program on malloc'd buffers (`--pages small`: 4 KiB pages
+where the kernel's huge pages are in `madvise` mode) and reports meshtrain's speedup over that
+too: what a plain MPI program's buffers cost, not a difference between the collectives.
+
 Why alternate: the machine may be shared; alternating rounds spreads any load over both programs
 rather than over one. Ratios are of medians over the same rounds.
 
 usage: mpi_compare.py [--ranks 2,4] [--rounds 3] [--min 4K] [--max 64M] [--factor 4]
                       [--colls all] [--meshtrain target/release/meshtrain]
-                      [--baseline target/bench/mpi_coll] [--csv OUT.csv] [--markdown]
+                      [--baseline target/bench/mpi_coll] [--pages huge|both]
+                      [--csv OUT.csv] [--markdown]
 """
 import argparse
 import csv
@@ -87,35 +94,41 @@ def main():
     ap.add_argument("--colls", default="all")
     ap.add_argument("--meshtrain", default="target/release/meshtrain")
     ap.add_argument("--baseline", default="target/bench/mpi_coll")
+    ap.add_argument("--pages", choices=["huge", "both"], default="huge",
+                    help="both: also time the standalone program on malloc'd (small-page) buffers")
     ap.add_argument("--csv", help="also write every measurement here")
     ap.add_argument("--markdown", action="store_true", help="print markdown tables")
     a = ap.parse_args()
     if a.rounds < 1:
         sys.exit("mpi_compare: --rounds must be >= 1")
     sweep = ["--min", a.min, "--max", a.max, "--factor", a.factor, "--iters", a.iters, "--warmup", a.warmup, "--iter-bytes", a.iter_bytes]
-    raw = []  # (ranks, round, coll, bytes, meshtrain_us, inside_us, standalone_us, copy_us)
+    raw = []  # (ranks, round, coll, bytes, meshtrain_us, inside_us, standalone_us, copy_us, small_pages_us)
     for ranks in [int(r) for r in a.ranks.split(",")]:
         for rnd in range(a.rounds):
             mt_cmd = mpirun(ranks) + [a.meshtrain, "bench", a.colls, "--vs-mpi", "--csv"] + sweep
-            sa_cmd = mpirun(ranks) + [a.baseline, a.colls] + sweep
+            sa_cmd = mpirun(ranks) + [a.baseline, a.colls, "--pages", "huge"] + sweep
             order = [("mt", mt_cmd), ("sa", sa_cmd)]
+            if a.pages == "both":
+                order.append(("small", mpirun(ranks) + [a.baseline, a.colls, "--pages", "small"] + sweep))
             if rnd % 2:
                 order.reverse()
-            env = {"mt": None, "sa": standalone_env()}
+            env = {"mt": None, "sa": standalone_env(), "small": standalone_env()}
             got = {name: run_csv(cmd, env[name]) for name, cmd in order}
-            sa = {(r["coll"], int(r["bytes"])): float(r["mpi_time_us"]) for r in got["sa"]}
+            times = lambda rows: {(r["coll"], int(r["bytes"])): float(r["mpi_time_us"]) for r in rows}
+            sa, small = times(got["sa"]), times(got.get("small", []))
             for r in got["mt"]:
                 key = (r["coll"], int(r["bytes"]))
                 if r["wrong"] != "0":
                     sys.exit(f"mpi_compare: meshtrain reported {r['wrong']} wrong elements at {key}")
                 inside = float(r["mpi_time_us"]) if r["mpi_time_us"] else float("nan")
                 copy = float(r["copy_us"]) if r.get("copy_us") else float("nan")
-                raw.append((ranks, rnd, key[0], key[1], float(r["time_us"]), inside, sa.get(key, float("nan")), copy))
+                nan = float("nan")
+                raw.append((ranks, rnd, key[0], key[1], float(r["time_us"]), inside, sa.get(key, nan), copy, small.get(key, nan)))
             print(f"# {ranks} ranks: round {rnd + 1}/{a.rounds} done", file=sys.stderr)
     if a.csv:
         with open(a.csv, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["ranks", "round", "coll", "bytes", "meshtrain_us", "mpi_inside_us", "mpi_standalone_us", "copy_floor_us"])
+            w.writerow(["ranks", "round", "coll", "bytes", "meshtrain_us", "mpi_inside_us", "mpi_standalone_us", "copy_floor_us", "mpi_small_pages_us"])
             w.writerows(raw)
     report(raw, a.markdown)
 
@@ -125,16 +138,21 @@ def report(raw, markdown):
     for r in raw:
         if (r[0], r[2], r[3]) not in keys:
             keys.append((r[0], r[2], r[3]))
+    with_small = any(r[8] == r[8] for r in raw)
     head = ["ranks", "coll", "size", "meshtrain us", "MPI inside us", "MPI standalone us", "inside/standalone", "speedup vs standalone", "copy floor us", "of copy floor"]
+    if with_small:
+        head += ["MPI small pages us", "speedup vs small pages"]
     print(("| " + " | ".join(head) + " |\n|" + "---|" * len(head)) if markdown else ",".join(head))
     for ranks, coll, size in keys:
         rows = [r for r in raw if (r[0], r[2], r[3]) == (ranks, coll, size)]
-        mt, ins, sa, cp = (spread([r[i] for r in rows]) for i in (4, 5, 6, 7))
+        mt, ins, sa, cp, sm = (spread([r[i] for r in rows]) for i in (4, 5, 6, 7, 8))
         cell = lambda s: f"{s[0]:.1f} ({s[1]:.1f}-{s[2]:.1f})"
         agree = ins[0] / sa[0] if sa[0] > 0 else float("nan")
         speed = sa[0] / mt[0] if mt[0] > 0 else float("nan")
         floor = ["", ""] if cp[0] != cp[0] else [cell(cp), f"{cp[0] / mt[0]:.2f}"]
         cells = [str(ranks), coll, fmt_size(size), cell(mt), cell(ins), cell(sa), f"{agree:.2f}", f"{speed:.2f}x"] + floor
+        if with_small:
+            cells += [cell(sm), f"{sm[0] / mt[0]:.2f}x"]
         print(("| " + " | ".join(cells) + " |") if markdown else ",".join(cells))
 
 

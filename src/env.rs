@@ -45,6 +45,7 @@ pub const RUNTIME_VARS: &[(&str, &str)] = &[
     ("MESHTRAIN_ALGO", "auto, ring, direct or split"),
     ("MESHTRAIN_CMA", "auto, on (1) or off (0)"),
     ("MESHTRAIN_HIER", "auto or off"),
+    ("MESHTRAIN_HUGEPAGES", "on or off"),
     ("MESHTRAIN_SMALL_BYTES", "bytes > 0"),
     ("MESHTRAIN_CHUNK_BYTES", "a multiple of 64 bytes"),
     ("MESHTRAIN_TUNING", "the path of a tuning table (meshtrain bench --tune), or off"),
@@ -273,6 +274,14 @@ pub fn cma() -> Result<Option<Cma>> {
 pub fn hier() -> Result<Option<bool>> {
     parsed("MESHTRAIN_HIER", |v| {
         choice(v, &[("auto", true), ("off", false)]).ok_or_else(|| format!("`{v}` is not one of auto, off"))
+    })
+}
+
+/// `MESHTRAIN_HUGEPAGES`: whether large host buffers are advised onto transparent huge pages
+/// (`on`, the default, or `off`; see [`crate::mem`]).
+pub fn hugepages() -> Result<Option<bool>> {
+    parsed("MESHTRAIN_HUGEPAGES", |v| {
+        choice(v, &[("on", true), ("off", false)]).ok_or_else(|| format!("`{v}` is not one of on, off"))
     })
 }
 

@@ -41,6 +41,7 @@ pub mod dtype;
 pub mod env;
 pub mod error;
 pub mod logging;
+pub mod mem;
 pub mod memory;
 pub mod metrics;
 pub mod model;

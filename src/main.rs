@@ -338,6 +338,7 @@ fn bench_tune(world: &World, args: &BenchArgs, b: &CollBench) -> Result<()> {
         let header = [
             format!("meshtrain bench --tune: {} ranks, {} links, host {}", comm.size(), comm.link_kind().name(), host.trim()),
             format!("sizes {}..{} bytes x{}, {}, best of {} rounds, f32", b.min_bytes, b.max_bytes, b.factor, b.rounds_text(), args.tune_rounds),
+            meshtrain::mem::describe(),
         ];
         let table = tune::write_table(&args.tune_out, rules, &header)?;
         println!("# wrote {} ({} rules); load it with MESHTRAIN_TUNING={}", args.tune_out.display(), table.rules().len(), args.tune_out.display());
@@ -364,6 +365,7 @@ fn bench(world: &World, args: &BenchArgs) -> Result<()> {
                 if b.inplace { "in place" } else { "out of place" },
                 b.rounds_text()
             );
+            println!("# {}", meshtrain::mem::describe());
         }
         println!("{}", collectives::header(&b, comm.link_kind() == meshtrain::comm::tuner::LinkKind::Net));
     }
@@ -617,9 +619,17 @@ fn init_logging(verbose: u8) {
         .init();
 }
 
+/// Large buffers on transparent huge pages (see `meshtrain::mem`).
+#[global_allocator]
+static ALLOC: meshtrain::mem::HugePageAlloc = meshtrain::mem::HugePageAlloc;
+
 fn main() {
     let cli = Cli::parse();
     init_logging(cli.verbose);
+    match meshtrain::env::hugepages() {
+        Ok(on) => meshtrain::mem::set_advise(on.unwrap_or(true)),
+        Err(e) => fail(&e),
+    }
     let result = match &cli.command {
         Command::Bench(args) if args.what == "step" => with_world(|w| bench_step(w, args)),
         Command::Bench(args) if args.what == "checkpoint" => with_world(|w| {

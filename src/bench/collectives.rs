@@ -438,15 +438,21 @@ pub fn time_calls<T: Element>(c: &Communicator, b: &CollBench, coll: &str, n: us
 
 /// [`time_calls`] and the bytes per timed call this rank sent to other nodes.
 fn time_and_count<T: Element>(c: &Communicator, b: &CollBench, coll: &str, n: usize) -> Result<(f64, f64)> {
-    let rounds = b.rounds_for(n * T::DTYPE.size());
     let mut case = build::<T>(c, coll, b.op, n, b.inplace);
+    timed(c, b.rounds_for(n * T::DTYPE.size()), || run_once(c, coll, b.op, b.inplace, &mut case))
+}
+
+/// The benchmark's rule around `call`: untimed calls, a barrier, timed calls; the slowest rank's
+/// microseconds per call (the same on every rank) and the bytes per timed call this rank sent to
+/// other nodes (counted from after the barrier).
+fn timed(c: &Communicator, rounds: Rounds, mut call: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
     for _ in 0..rounds.warmup {
-        run_once(c, coll, b.op, b.inplace, &mut case)?;
+        call()?;
     }
     c.barrier()?;
     let (t0, sent) = (Instant::now(), c.net_bytes_sent());
     for _ in 0..rounds.iters {
-        run_once(c, coll, b.op, b.inplace, &mut case)?;
+        call()?;
     }
     let per_call = (c.net_bytes_sent() - sent) as f64 / rounds.iters as f64;
     let mut time = [t0.elapsed().as_secs_f64() * 1e6 / rounds.iters as f64];
@@ -462,22 +468,15 @@ fn copy_floor_us(c: &Communicator, b: &CollBench, coll: &str, n: usize, esize: u
     if c.size() < 2 {
         return Ok(None);
     }
-    let rounds = b.rounds_for(n * esize);
     // Both buffers written before timing, as the collective's are.
     let src: Vec<u8> = (0..elems * esize).map(|i| (i % 251) as u8).collect();
     let mut dst: Vec<u8> = (0..elems * esize).map(|i| (i % 13) as u8).collect();
-    for _ in 0..rounds.warmup {
-        dst.copy_from_slice(std::hint::black_box(&src));
-    }
-    c.barrier()?;
-    let t0 = Instant::now();
-    for _ in 0..rounds.iters {
+    let (us, _) = timed(c, b.rounds_for(n * esize), || {
         dst.copy_from_slice(std::hint::black_box(&src));
         std::hint::black_box(&mut dst);
-    }
-    let mut time = [t0.elapsed().as_secs_f64() * 1e6 / rounds.iters as f64];
-    c.all_reduce(&mut time, ReduceOp::Max)?;
-    Ok(Some(time[0]))
+        Ok(())
+    })?;
+    Ok(Some(us))
 }
 
 /// Mean and largest bytes per call sent between nodes, over ranks, and the minimum.

@@ -438,24 +438,29 @@ impl Communicator {
         let armed = LinkPrints::armed(st.print);
         st.links.iter_mut().flatten().for_each(|l| l.prints = armed);
         let w = self.waiter(op, st.seq, bytes);
-        let ticket = flight::begin(self.id, st.seq, op, bytes);
-        let start = std::time::Instant::now();
+        let start = w.started();
+        let ticket = flight::begin(self.id, st.seq, op, bytes, start);
         let result = (|| {
             let mut sched = want;
             if matches!(sched, Sched::Direct | Sched::Read | Sched::Split) && self.size() > 1 {
-                let all: Vec<usize> = (0..self.size()).collect();
-                self.open_links(&mut st, &all, &w)?;
+                // Checked first: once every link is open, no list of peers is built per call.
+                if st.links.iter().enumerate().any(|(p, l)| p != self.rank && l.is_none()) {
+                    let all: Vec<usize> = (0..self.size()).collect();
+                    self.open_links(&mut st, &all, &w)?;
+                }
                 if sched == Sched::Read && !self.reads_work(&mut st, &w)? {
                     sched = Sched::Ring;
                 }
             }
             f(&mut st, sched, &w)
         })();
-        self.stats.record(op, bytes, start.elapsed());
+        let done = std::time::Instant::now();
+        self.stats.record(op, bytes, done - start);
         // The failed operation stays "in progress" in the flight record until the verdict is in,
         // so that the liveness check does not take this rank for one that stopped communicating.
         let result = result.map_err(|e| self.job_failure(e, &w));
-        flight::end(ticket, result.as_ref().err().map(|e| e.to_string()));
+        let done = if result.is_err() { std::time::Instant::now() } else { done };
+        flight::end(ticket, result.as_ref().err().map(|e| e.to_string()), done);
         if result.is_err() {
             flight::dump_once(self.connector.rank());
         }

@@ -46,9 +46,9 @@ fn record() -> std::sync::MutexGuard<'static, Record> {
     RECORD.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Notes the start of operation `seq` of communicator `comm`; returns its ticket for [`end`].
-pub fn begin(comm: u64, seq: u64, op: &'static str, bytes: usize) -> u64 {
-    let start = Instant::now();
+/// Notes the start (at `start`, the caller's clock reading) of operation `seq` of communicator
+/// `comm`; returns its ticket for [`end`].
+pub fn begin(comm: u64, seq: u64, op: &'static str, bytes: usize, start: Instant) -> u64 {
     epoch();
     let mut r = record();
     if r.entries.len() == KEEP {
@@ -59,13 +59,13 @@ pub fn begin(comm: u64, seq: u64, op: &'static str, bytes: usize) -> u64 {
     r.written
 }
 
-/// Notes the end of the operation with `ticket` (`failed`: the error).
-pub fn end(ticket: u64, failed: Option<String>) {
+/// Notes the end (at `at`) of the operation with `ticket` (`failed`: the error).
+pub fn end(ticket: u64, failed: Option<String>, at: Instant) {
     let mut r = record();
     let oldest = r.written - r.entries.len() as u64 + 1;
     if ticket >= oldest {
         let e = &mut r.entries[(ticket - oldest) as usize];
-        e.end = Some(Instant::now());
+        e.end = Some(at);
         e.failed = failed;
     }
 }
@@ -117,15 +117,15 @@ mod tests {
         let comm = 0xf117_0000;
         let mut tickets = Vec::new();
         for seq in 0..(KEEP as u64 + 5) {
-            tickets.push(begin(comm, seq, "all_reduce", 4096));
+            tickets.push(begin(comm, seq, "all_reduce", 4096, Instant::now()));
         }
         for &t in &tickets[..tickets.len() - 1] {
-            end(t, None);
+            end(t, None, Instant::now());
         }
         let open = in_progress();
         let last = format!("comm {comm:#x} all_reduce #{} ", KEEP + 4);
         assert!(open.iter().any(|l| l.starts_with(&last) && l.contains("in progress")), "{open:?}");
-        end(*tickets.last().unwrap(), Some("peer rank 3 closed".into()));
+        end(*tickets.last().unwrap(), Some("peer rank 3 closed".into()), Instant::now());
         assert!(record().entries.len() <= KEEP);
         assert!(!in_progress().iter().any(|l| l.starts_with(&last)));
     }

@@ -12,7 +12,6 @@
 //! schedules, so `Communicator::net_bytes_sent` is what this rank put on the network on its
 //! behalf. Device-direct (FI_HMEM) sends bypass the host links and are not counted.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -45,7 +44,9 @@ pub struct OpTotals {
 #[derive(Debug, Default)]
 pub struct CommStats {
     ranks: usize,
-    ops: Mutex<BTreeMap<&'static str, OpTotals>>,
+    /// Per operation name, in first-call order (a handful; scanned, names compared by address
+    /// first: every call site passes a literal).
+    ops: Mutex<Vec<(&'static str, OpTotals)>>,
 }
 
 impl CommStats {
@@ -57,7 +58,13 @@ impl CommStats {
     /// Adds one call of `op`.
     pub fn record(&self, op: &'static str, bytes: usize, time: Duration) {
         let mut ops = self.ops.lock().unwrap_or_else(|e| e.into_inner());
-        let t = ops.entry(op).or_default();
+        let t = match ops.iter().position(|(k, _)| std::ptr::eq(*k, op) || *k == op) {
+            Some(i) => &mut ops[i].1,
+            None => {
+                ops.push((op, OpTotals::default()));
+                &mut ops.last_mut().expect("just pushed").1
+            }
+        };
         t.calls += 1;
         t.bytes += bytes as u64;
         t.time += time;

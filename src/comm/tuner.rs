@@ -146,6 +146,34 @@ pub struct Tuning {
     /// The file it was read from, or `built-in`.
     pub source: String,
     rules: Vec<Rule>,
+    /// The rules grouped for [`Tuning::select`], which runs on every call: no allocation, no
+    /// string comparison per rule.
+    groups: Vec<Group>,
+}
+
+/// The rules of one collective (index into [`TUNED`]) over one link kind measured on one world
+/// size, as (bound, choice) by bound (`usize::MAX`: no bound).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Group {
+    coll: usize,
+    link: LinkKind,
+    ranks: usize,
+    buckets: Vec<(usize, Choice)>,
+}
+
+fn group_rules(rules: &[Rule]) -> Vec<Group> {
+    let mut groups: Vec<Group> = Vec::new();
+    for r in rules {
+        let coll = TUNED.iter().position(|t| *t == r.coll).expect("validated: a tuned collective");
+        let bucket = (r.max_bytes.unwrap_or(usize::MAX), Choice { family: r.algo, chunk_bytes: r.chunk_bytes });
+        match groups.iter_mut().find(|g| (g.coll, g.link, g.ranks) == (coll, r.link, r.ranks)) {
+            Some(g) => g.buckets.push(bucket),
+            None => groups.push(Group { coll, link: r.link, ranks: r.ranks, buckets: vec![bucket] }),
+        }
+    }
+    // Stable: rules with the same bound keep table order, as the per-call filter and sort did.
+    groups.iter_mut().for_each(|g| g.buckets.sort_by_key(|b| b.0));
+    groups
 }
 
 impl Tuning {
@@ -166,7 +194,7 @@ impl Tuning {
         for (i, r) in rules.iter().enumerate() {
             validate(r).map_err(|(field, msg)| bad(source, &format!("rule[{i}].{field}"), msg))?;
         }
-        Ok(Tuning { source: source.to_string(), rules })
+        Ok(Tuning { source: source.to_string(), groups: group_rules(&rules), rules })
     }
 
     /// Parses and validates the text of a table; errors name `source`, the rule and the field.
@@ -206,12 +234,19 @@ impl Tuning {
     /// The schedule for a call of `coll` on `ranks` members over `link` with `bytes` bytes;
     /// `None` when the table has no rule for the collective and link kind.
     pub fn select(&self, coll: &str, ranks: usize, link: LinkKind, bytes: usize) -> Option<Choice> {
-        let n = self.measured_size(coll, ranks, link)?;
-        let mut rules: Vec<&Rule> =
-            self.rules.iter().filter(|r| r.coll == coll && r.link == link && r.ranks == n).collect();
-        rules.sort_by_key(|r| r.max_bytes.unwrap_or(usize::MAX));
-        let rule = rules.iter().find(|r| bytes <= r.max_bytes.unwrap_or(usize::MAX)).or(rules.last())?;
-        Some(Choice { family: rule.algo, chunk_bytes: rule.chunk_bytes })
+        let c = TUNED.iter().position(|t| *t == coll)?;
+        // The nearest measured world size at or below `ranks`, else the smallest (as `measured_size`).
+        let (mut below, mut smallest): (Option<&Group>, Option<&Group>) = (None, None);
+        for g in self.groups.iter().filter(|g| g.coll == c && g.link == link) {
+            if g.ranks <= ranks && below.is_none_or(|b| g.ranks > b.ranks) {
+                below = Some(g);
+            }
+            if smallest.is_none_or(|s| g.ranks < s.ranks) {
+                smallest = Some(g);
+            }
+        }
+        let g = below.or(smallest)?;
+        g.buckets.iter().find(|(max, _)| bytes <= *max).or(g.buckets.last()).map(|(_, choice)| *choice)
     }
 
     /// One line per tuned collective: the buckets that serve `ranks` members over `link` (what a

@@ -373,6 +373,11 @@ impl Waiter {
         Waiter { rank, op, seq, bytes, start, deadline: start + timeout, abort }
     }
 
+    /// When the operation started (the waiter's creation).
+    pub fn started(&self) -> Instant {
+        self.start
+    }
+
     /// Errors if the job was aborted or the deadline passed while waiting for `peer`; drives the
     /// libfabric endpoint's progress meanwhile ([`ENDPOINT_PROGRESS`]).
     pub fn check(&self, peer: usize) -> Result<()> {

@@ -55,7 +55,9 @@ impl Communicator {
 
     /// What the tuner knows of this communicator.
     pub(super) fn span(&self) -> Span {
-        Span { ranks: self.size(), link: self.link_kind, hier: self.cfg.hier && self.nodes.staged().is_ok() }
+        // One node never stages; asked first, it spares a per-call explanation string.
+        let hier = self.cfg.hier && self.nodes.nodes() > 1 && self.nodes.staged().is_ok();
+        Span { ranks: self.size(), link: self.link_kind, hier }
     }
 
     /// Replaces the schedule table (`None`: the fixed rule). Every member must make the same
@@ -72,7 +74,9 @@ impl Communicator {
     /// The schedule family (`ring`, `direct`, `read`, `hier`) and chunk bytes the table or configuration
     /// picks for `coll` with `bytes` bytes on this communicator (before the read probe).
     pub fn planned_schedule(&self, coll: &str, bytes: usize) -> tuner::Choice {
-        tuner::choose(&self.cfg, self.tuning().as_deref(), coll, self.span(), bytes)
+        // Read in place (no clone of the table's handle): this runs on every call.
+        let table = self.tuning.read().unwrap_or_else(|e| e.into_inner());
+        tuner::choose(&self.cfg, table.as_deref(), coll, self.span(), bytes)
     }
 
     /// Whether this call reads peers' buffers, probing on first use. Every member gets here on

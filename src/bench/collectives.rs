@@ -16,12 +16,13 @@
 //! 4 KiB call takes 1-20 us here, so 20 calls after a barrier time mostly the ranks' skew leaving
 //! the barrier and the first cold call; the standalone program uses the same rule.
 //!
-//! The copy floor: all-gather, broadcast and all-to-all only move data, and each byte a rank
-//! receives must be written into its output at least once. Every rank therefore also times, all
-//! ranks at once and under the same rule, a plain copy of as many bytes as the collective brings
-//! it (from a private buffer into another), and the row reports it as `copy_us`: a single-copy
-//! schedule cannot be much faster than that, and `copy_us / time_us` says how close the
-//! collective comes to the memory system's limit.
+//! The copy floor: all-gather, broadcast and all-to-all only move data, and each byte of a rank's
+//! output that the call fills must be written at least once: the blocks from peers, and out of
+//! place (all-to-all always) also the rank's own block, copied from its input. Every rank
+//! therefore also times, all ranks at once and under the same rule, a plain copy of that many
+//! bytes (from a private buffer into another), and the row reports it as `copy_us`: a
+//! single-copy schedule cannot be much faster than that, and `copy_us / time_us` says how close
+//! the collective comes to the memory system's limit.
 //!
 //! Across nodes (a communicator whose members span several), each row also says how many bytes a
 //! rank sent to other nodes per call (the mean over ranks and the busiest rank, counted on the
@@ -102,15 +103,18 @@ impl CollBench {
 
     /// Whether the rows carry the copy floor column (some collective timed only moves data).
     pub fn has_copy_floor(&self) -> bool {
-        self.colls.iter().any(|c| copy_floor_bytes(c, 2, 1, 1).is_some())
+        self.colls.iter().any(|c| copy_floor_elems(c, 2, 1, 1, false).is_some())
     }
 }
 
-/// Bytes that `coll` on an `n`-element buffer of `esize`-byte elements brings member `me` of `k`
-/// (root 0), for the collectives that only move data; `None` for the others.
-fn copy_floor_bytes(coll: &str, k: usize, me: usize, n: usize) -> Option<usize> {
+/// Elements of its output that `coll` on an `n`-element buffer fills on member `me` of `k` (root
+/// 0), for the collectives that only move data; `None` for the others. In place, an all-gather's
+/// own block is already there; out of place it is copied from the input like the rest.
+fn copy_floor_elems(coll: &str, k: usize, me: usize, n: usize, inplace: bool) -> Option<usize> {
     match coll {
-        "all_gather" | "all_to_all" => Some(n - block_range(n, k, me).len()),
+        "all_gather" if inplace => Some(n - block_range(n, k, me).len()),
+        "all_gather" => Some(n),
+        "all_to_all" => Some(block_range(n, k, me).len() * k),
         "broadcast" => Some(if me == 0 { 0 } else { n }),
         _ => None,
     }
@@ -464,7 +468,7 @@ fn timed(c: &Communicator, rounds: Rounds, mut call: impl FnMut() -> Result<()>)
 /// copies the bytes the collective brings it, all at once, under the benchmark's rule; the slowest
 /// rank's microseconds per copy. `None` for collectives that reduce, and on one rank.
 fn copy_floor_us(c: &Communicator, b: &CollBench, coll: &str, n: usize, esize: usize) -> Result<Option<f64>> {
-    let Some(elems) = copy_floor_bytes(coll, c.size(), c.rank(), n) else { return Ok(None) };
+    let Some(elems) = copy_floor_elems(coll, c.size(), c.rank(), n, b.inplace) else { return Ok(None) };
     if c.size() < 2 {
         return Ok(None);
     }
@@ -643,11 +647,12 @@ mod tests {
 
     #[test]
     fn copy_floor_columns_come_last_and_only_with_data_moving_collectives() {
-        assert_eq!(copy_floor_bytes("all_gather", 3, 1, 10), Some(7));
-        assert_eq!(copy_floor_bytes("all_to_all", 4, 0, 8), Some(6));
-        assert_eq!(copy_floor_bytes("broadcast", 3, 0, 10), Some(0));
-        assert_eq!(copy_floor_bytes("broadcast", 3, 2, 10), Some(10));
-        assert_eq!(copy_floor_bytes("reduce", 3, 2, 10), None);
+        assert_eq!(copy_floor_elems("all_gather", 3, 1, 10, true), Some(7));
+        assert_eq!(copy_floor_elems("all_gather", 3, 1, 10, false), Some(10));
+        assert_eq!(copy_floor_elems("all_to_all", 4, 0, 8, false), Some(8));
+        assert_eq!(copy_floor_elems("broadcast", 3, 0, 10, false), Some(0));
+        assert_eq!(copy_floor_elems("broadcast", 3, 2, 10, true), Some(10));
+        assert_eq!(copy_floor_elems("reduce", 3, 2, 10, false), None);
         let reductions = sweep(&["all_reduce", "reduce"], 20, 0);
         assert!(!reductions.has_copy_floor() && !header(&reductions, false).contains("copy_us"));
         let b = sweep(&["all_reduce", "all_gather"], 20, 0);

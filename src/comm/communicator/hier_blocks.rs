@@ -26,8 +26,11 @@
 //!   all-gather: owners hand their pieces to the carriers, pieces are broadcast over their
 //!   carriers, each node all-gathers its local blocks). In world order the local blocks and the
 //!   place's world blocks differ by a few elements at their ends, so only those move within a node
-//!   and every member still sends its share between nodes. Out of place, reduce-scatter works on a
-//!   copy of the input (the local stage reduces in place).
+//!   and every member still sends its share between nodes. Out of place, reduce-scatter copies no
+//!   input: the local stage reduces it into this member's local block in the scratch (what a
+//!   carrier holds), pieces go from there over their carriers and to their owners' outputs, and
+//!   only the pieces a member both carries and owns are copied from the scratch to its output
+//!   (at most its world block, as the out-of-place world-order way copies it).
 //!
 //! Bytes between nodes: world order, blocked and packed send `(n-1)/n` of the buffer per node,
 //! `1/L` of it per member (the minimum, evenly spread); pieces send every piece once from each node
@@ -97,13 +100,17 @@ impl Stages {
             (Way::Packed, _) => {
                 return self.rs_packed(p, dtype, (input, out), n, (red, &mut *scratch))
             }
-            (Way::Pieces, None) => self.rs_pieces(p, dtype, out, n, red)?,
+            (Way::Pieces, None) => {
+                self.local_reduce_scatter(dtype, out, n, red)?;
+                self.rs_pieces(p, dtype, Halves::Whole(out), n, red)?;
+            }
             (Way::Pieces, Some(i)) => {
-                let work = sized(&mut scratch, n * es);
-                work.copy_from_slice(i);
-                self.rs_pieces(p, dtype, work, n, red)?;
-                let r = block_range(n, self.k, self.me);
-                out.copy_from_slice(&work[r.start * es..r.end * es]);
+                let lb = self.local_block(n);
+                let held = sized(&mut scratch, lb.len() * es);
+                self.local_reduce_scatter_into(dtype, i, held, red)?;
+                let owned_at = block_range(n, self.k, self.me).start;
+                let halves = Halves::Split { held, held_at: lb.start, owned: out, owned_at };
+                self.rs_pieces(p, dtype, halves, n, red)?;
             }
         }
         Ok(())
@@ -199,43 +206,44 @@ impl Stages {
         Ok(())
     }
 
-    /// Reduce-scatter in pieces on the whole buffer `work`: this member's world block ends up
-    /// reduced and finalized in place.
+    /// Reduce-scatter in pieces after the local stage (the node's partial sums of this member's
+    /// local block are in `bufs`' held part): this member's world block ends up reduced and
+    /// finalized in `bufs`' owned part.
     fn rs_pieces(
         &self,
         p: &Communicator,
         dtype: DType,
-        work: &mut [u8],
+        mut bufs: Halves,
         n: usize,
         red: &Reducer,
     ) -> Result<()> {
         let (es, sum) = (dtype.size(), stage_reducer(red));
-        self.local_reduce_scatter(dtype, work, n, red)?;
         let pieces = self.pieces(n, true);
         for s in pieces.iter().filter(|s| s.owners[self.node] == self.me) {
             let (root, len) = (self.map.node[s.block], s.range.len());
-            let part = &mut work[s.range.start * es..s.range.end * es];
             let call = Call::Reduce {
                 root,
                 input: None,
-                out: part,
+                out: bufs.held(&s.range, es),
                 n: len,
                 red: sum,
             };
             self.carrier(p, &s.owners, |c| c.collective(dtype, call))?;
         }
-        self.hand_over(&pieces, work, es, true)?;
+        self.hand_over(&pieces, &mut bufs, es, true)?;
         let r = block_range(n, self.k, self.me);
-        red.finalize(&mut work[r.start * es..r.end * es], self.k);
+        red.finalize(bufs.owned(&r, es), self.k);
         Ok(())
     }
 
     /// Within this node, moves every piece of a local member's world block between the piece's
-    /// carrier and that member: to the member (`to_owner`) or to the carrier.
+    /// carrier (its held part of `bufs`) and that member (its owned part): to the member
+    /// (`to_owner`) or to the carrier. A piece carried by its own owner is copied from the held
+    /// part to the owned one when they are apart (out of place, `to_owner`).
     fn hand_over(
         &self,
         pieces: &[Piece],
-        work: &mut [u8],
+        bufs: &mut Halves,
         es: usize,
         to_owner: bool,
     ) -> Result<()> {
@@ -244,17 +252,22 @@ impl Stages {
             .filter(|s| self.map.node[s.block] == self.node)
         {
             let carrier = s.owners[self.node];
+            if carrier == s.block {
+                if self.me == carrier && to_owner {
+                    bufs.settle(&s.range, es);
+                }
+                continue;
+            }
             let (from, to) = if to_owner {
                 (carrier, s.block)
             } else {
                 (s.block, carrier)
             };
-            let part = &mut work[s.range.start * es..s.range.end * es];
-            if from == to {
-                continue;
-            } else if self.me == from {
+            if self.me == from {
+                let part = if to_owner { bufs.held(&s.range, es) } else { bufs.owned(&s.range, es) };
                 self.local.send(&*part, self.map.place(to))?;
             } else if self.me == to {
+                let part = if to_owner { bufs.owned(&s.range, es) } else { bufs.held(&s.range, es) };
                 self.local.recv_into(part, self.map.place(from))?;
             }
         }
@@ -290,7 +303,7 @@ impl Stages {
                     out[r.start * es..r.end * es].copy_from_slice(i);
                 }
                 let pieces = self.pieces(n, true);
-                self.hand_over(&pieces, out, es, false)?;
+                self.hand_over(&pieces, &mut Halves::Whole(out), es, false)?;
                 for s in pieces.iter().filter(|s| s.owners[self.node] == self.me) {
                     let (root, part) = (
                         self.map.node[s.block],
@@ -426,5 +439,46 @@ impl Stages {
             out[r.start * es..r.end * es].copy_from_slice(&slots[s * es..(s + r.len()) * es]);
         }
         Ok(())
+    }
+}
+
+/// The buffers of a pieces schedule: the elements a member holds as a carrier (its local block)
+/// and those it owns (its world block). In place both are views of the whole buffer; out of place
+/// (reduce-scatter) the held part is the local block in the scratch, starting at element `held_at`
+/// of the buffer, and the owned part the caller's output, starting at element `owned_at`.
+enum Halves<'a> {
+    Whole(&'a mut [u8]),
+    Split {
+        held: &'a mut [u8],
+        held_at: usize,
+        owned: &'a mut [u8],
+        owned_at: usize,
+    },
+}
+
+impl Halves<'_> {
+    /// The bytes of elements `r` (inside this member's local block) as held by the carrier.
+    fn held(&mut self, r: &Range<usize>, es: usize) -> &mut [u8] {
+        match self {
+            Halves::Whole(b) => &mut b[r.start * es..r.end * es],
+            Halves::Split { held, held_at, .. } => &mut held[(r.start - *held_at) * es..(r.end - *held_at) * es],
+        }
+    }
+
+    /// The bytes of elements `r` (inside this member's world block) as owned.
+    fn owned(&mut self, r: &Range<usize>, es: usize) -> &mut [u8] {
+        match self {
+            Halves::Whole(b) => &mut b[r.start * es..r.end * es],
+            Halves::Split { owned, owned_at, .. } => &mut owned[(r.start - *owned_at) * es..(r.end - *owned_at) * es],
+        }
+    }
+
+    /// Copies elements `r` (in both this member's local and world block) from the held part to
+    /// the owned one; nothing in place.
+    fn settle(&mut self, r: &Range<usize>, es: usize) {
+        if let Halves::Split { held, held_at, owned, owned_at } = self {
+            owned[(r.start - *owned_at) * es..(r.end - *owned_at) * es]
+                .copy_from_slice(&held[(r.start - *held_at) * es..(r.end - *held_at) * es]);
+        }
     }
 }

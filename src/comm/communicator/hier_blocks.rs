@@ -12,21 +12,26 @@
 //!   reduce-scatter of every chunk, then a reduce of every node's place-`p` block over place `p`'s
 //!   carrier onto that node (all-gather: a broadcast of each from its node over the carrier, then
 //!   a local all-gather of every chunk); `2n` stage calls instead of 2, no copy;
-//! - *packed* (the other even layouts, where members of one node are interleaved with other
-//!   nodes' in another order): a place's world blocks are neither one contiguous range nor one per
-//!   contiguous chunk, and a local stage only cuts contiguous blocks in place order, so they are
-//!   copied into `k` slots of the largest block ordered by (place, node), so that place `p`'s slots
-//!   are its local block; the stages run on the slots and this member's block is copied back (one
-//!   copy of the buffer per call). The pieces below would avoid the copy but put all of a local
-//!   block's bytes between nodes on one member;
-//! - *pieces* (uneven layouts, and world order with a count that does not divide by `k`): the
+//! - *packed* (the other even layouts that are not *spread*, see pieces): a place's world blocks
+//!   are neither one contiguous range nor one per contiguous chunk, and a local stage only cuts
+//!   contiguous blocks in place order, so they are copied into `k` slots of the largest block
+//!   ordered by (place, node), so that place `p`'s slots are its local block; the stages run on
+//!   the slots and this member's block is copied back (one copy of the buffer per call). Pieces
+//!   would avoid the copy but load the link between nodes unevenly there: a local block holding
+//!   world blocks of one node only (ranks 0,1,1,1,0,0 on 2 nodes: local block 1 holds the world
+//!   blocks of ranks 2 and 3, both on node 1) puts its carrier on that node at zero bytes and the
+//!   other node's at twice its share, and the busiest member sets the time;
+//! - *pieces* (uneven layouts, world order with a count that does not divide by `k`, and the
+//!   *spread* even layouts: every run of `n` consecutive ranks holds one member of every node,
+//!   e.g. 0,1,1,0, so every local block holds one world block of every node): the
 //!   buffer is cut at every local block end and every world block end; after the local
 //!   reduce-scatter, each piece is reduced over its carrier onto the node that owns its world
 //!   block, and its carrier there hands it to the owner within the node (the reverse for
 //!   all-gather: owners hand their pieces to the carriers, pieces are broadcast over their
-//!   carriers, each node all-gathers its local blocks). In world order the local blocks and the
-//!   place's world blocks differ by a few elements at their ends, so only those move within a node
-//!   and every member still sends its share between nodes. Out of place, reduce-scatter copies no
+//!   carriers, each node all-gathers its local blocks). On spread layouts every member sends its
+//!   share between nodes (in world order with other counts the local blocks and the place's world
+//!   blocks differ by a few elements at their ends, so only those move within a node); a member
+//!   makes `n` carrier calls (one per piece) where world order makes one. Out of place, reduce-scatter copies no
 //!   input: the local stage reduces it into this member's local block in the scratch (what a
 //!   carrier holds), pieces go from there over their carriers and to their owners' outputs, and
 //!   only the pieces a member both carries and owns are copied from the scratch to its output
@@ -63,10 +68,21 @@ impl Stages {
         match self.per {
             None => Way::Pieces,
             Some(_) if self.world_order && count % self.k == 0 => Way::WorldOrder,
-            Some(_) if self.world_order => Way::Pieces,
             Some(l) if (0..self.k).all(|m| self.map.node[m] == m / l) => Way::Blocked,
+            Some(_) if self.spread() => Way::Pieces,
             Some(_) => Way::Packed,
         }
+    }
+
+    /// Whether every run of `n` consecutive ranks (`n` nodes) holds one member of every node: then
+    /// every local block holds one world block of every node (within a block's rounding), so in
+    /// pieces every member sends its share between nodes. World order is one such layout.
+    fn spread(&self) -> bool {
+        let n = self.nodes();
+        (0..self.k).step_by(n).all(|g| {
+            let mut seen = vec![false; n];
+            (g..(g + n).min(self.k)).all(|m| !std::mem::replace(&mut seen[self.map.node[m]], true))
+        })
     }
 
     /// `out` is the whole buffer in place (`input: None`), this member's block otherwise.

@@ -69,20 +69,9 @@ impl Stages {
             None => Way::Pieces,
             Some(_) if self.world_order && count % self.k == 0 => Way::WorldOrder,
             Some(l) if (0..self.k).all(|m| self.map.node[m] == m / l) => Way::Blocked,
-            Some(_) if self.spread() => Way::Pieces,
+            Some(_) if spread(&self.map.node, self.nodes()) => Way::Pieces,
             Some(_) => Way::Packed,
         }
-    }
-
-    /// Whether every run of `n` consecutive ranks (`n` nodes) holds one member of every node: then
-    /// every local block holds one world block of every node (within a block's rounding), so in
-    /// pieces every member sends its share between nodes. World order is one such layout.
-    fn spread(&self) -> bool {
-        let n = self.nodes();
-        (0..self.k).step_by(n).all(|g| {
-            let mut seen = vec![false; n];
-            (g..(g + n).min(self.k)).all(|m| !std::mem::replace(&mut seen[self.map.node[m]], true))
-        })
     }
 
     /// `out` is the whole buffer in place (`input: None`), this member's block otherwise.
@@ -458,6 +447,17 @@ impl Stages {
     }
 }
 
+/// Whether every run of `n` consecutive members (`n` nodes, `node[m]` member `m`'s) holds one member
+/// of every node: then every local block holds one world block of every node (within a block's
+/// rounding), so in pieces every member sends its share between nodes. World order is one such
+/// layout.
+fn spread(node: &[usize], n: usize) -> bool {
+    node.chunks(n).all(|run| {
+        let mut seen = vec![false; n];
+        run.iter().all(|&a| !std::mem::replace(&mut seen[a], true))
+    })
+}
+
 /// The buffers of a pieces schedule: the elements a member holds as a carrier (its local block)
 /// and those it owns (its world block). In place both are views of the whole buffer; out of place
 /// (reduce-scatter) the held part is the local block in the scratch, starting at element `held_at`
@@ -495,6 +495,21 @@ impl Halves<'_> {
         if let Halves::Split { held, held_at, owned, owned_at } = self {
             owned[(r.start - *owned_at) * es..(r.end - *owned_at) * es]
                 .copy_from_slice(&held[(r.start - *held_at) * es..(r.end - *held_at) * es]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::spread;
+
+    #[test]
+    fn spread_layouts_hold_every_node_in_every_run_of_n_ranks() {
+        for (node, n) in [(vec![0, 1, 0, 1], 2), (vec![0, 1, 1, 0], 2), (vec![1, 0, 0, 1, 1, 0], 2), (vec![0, 1, 2, 2, 0, 1], 3)] {
+            assert!(spread(&node, n), "{node:?}");
+        }
+        for (node, n) in [(vec![0, 0, 1, 1], 2), (vec![0, 1, 1, 1, 0, 0], 2), (vec![0, 1, 1, 2, 2, 0], 3)] {
+            assert!(!spread(&node, n), "{node:?}");
         }
     }
 }

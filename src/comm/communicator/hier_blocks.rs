@@ -35,7 +35,10 @@
 //!   input: the local stage reduces it into this member's local block in the scratch (what a
 //!   carrier holds), pieces go from there over their carriers and to their owners' outputs, and
 //!   only the pieces a member both carries and owns are copied from the scratch to its output
-//!   (at most its world block, as the out-of-place world-order way copies it).
+//!   (at most its world block, as the out-of-place world-order way copies it). A node's local
+//!   stage over one member is that copy (its local block is the whole buffer, which the carrier
+//!   stage then reduces in place: the input stays unchanged), so the lone member of a 2+1 layout
+//!   still copies the whole input and, being the slowest, sets the time there.
 //!
 //! Bytes between nodes: world order, blocked and packed send `(n-1)/n` of the buffer per node,
 //! `1/L` of it per member (the minimum, evenly spread); pieces send every piece once from each node

@@ -41,7 +41,9 @@ fn every_collective_exact_in_stages_on_even_layouts() {
         vec![0, 0, 0, 1, 1, 1],       // 2 x 3, blocked
         vec![0, 0, 1, 1, 2, 2],       // 3 x 2, blocked
         vec![0, 0, 0, 0, 1, 1, 1, 1], // 2 x 4, blocked
-        vec![0, 1, 1, 0],             // 2 x 2, neither round robin nor blocked (packed)
+        vec![0, 1, 1, 0],             // 2 x 2, neither round robin nor blocked, spread (pieces)
+        vec![0, 1, 2, 2, 0, 1],       // 3 x 2, spread (pieces)
+        vec![0, 1, 1, 1, 0, 0],       // 2 x 3, not spread (packed)
     ];
     for nodes in layouts {
         let picked = exact_on(nodes.clone(), cfg(Algo::Auto));
@@ -203,6 +205,31 @@ fn bytes_between_nodes_meet_the_minimum_on_blocked_layouts() {
             let got = net_bytes(nodes.clone(), true, "reduce", count);
             let block = |r: usize| (crate::comm::block_range(count, l, r % l).len() * 4) as u64;
             within(&got, |r| if nodes[r] == 0 { 0 } else { block(r) }, &format!("reduce {n}x{l} blocked"));
+        }
+    }
+}
+
+#[test]
+fn bytes_between_nodes_meet_the_minimum_on_shuffled_even_layouts() {
+    // Spread layouts (pieces) and one that is not (packed): every rank sends (n-1)/n of the buffer
+    // over L for reduce-scatter and all-gather, within a block's rounding and one fingerprint per
+    // stage call, also with blocks of unequal length.
+    let layouts: Vec<(Vec<usize>, usize, usize)> = vec![
+        (vec![0, 1, 1, 0], 2, 2),
+        (vec![1, 0, 0, 1, 1, 0], 2, 3),
+        (vec![0, 1, 2, 2, 0, 1], 3, 2),
+        (vec![0, 1, 1, 1, 0, 0], 2, 3),
+    ];
+    for (nodes, n, l) in layouts {
+        for count in [24_000usize, 23_999] {
+            let (n64, l64, k) = (n as u64, l as u64, (n * l) as u64);
+            let share = (n64 - 1) * count as u64 * 4 / (n64 * l64);
+            for coll in ["reduce_scatter", "all_gather"] {
+                let got = net_bytes(nodes.clone(), true, coll, count);
+                let what = format!("{coll} on {nodes:?}, {count} f32");
+                within(&got, |_| share.saturating_sub(n64 * 4), &what);
+                assert!(got.iter().all(|&g| g <= share + n64 * 4 + 2 * k * PRINT_LEN as u64), "{what}: {got:?}");
+            }
         }
     }
 }

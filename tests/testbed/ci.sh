@@ -13,6 +13,8 @@
 #                 buffer: each node's minimum spread over its ranks) plus a fingerprint per segment;
 #   blocked       (tcp) a 1 MiB reduce-scatter on 2 nodes x 2 ranks placed blocked (0,1 | 2,3): staged
 #                 chunk by chunk, right, every rank at exactly its minimum share;
+#   shuffled      (tcp) the same on ranks placed 0,1 | 1,0 by node (MT_NETNS_ORDER=1,2,2,1): staged in
+#                 pieces without a packing copy, right, every rank at exactly its minimum share;
 #   partition     node 2's data cable goes down mid all-reduce: every rank exits with an error that
 #                 names a peer rank, within the deadline (MESHTRAIN_TIMEOUT) plus the verdict wait
 #                 plus a margin;
@@ -214,24 +216,29 @@ hierarchical() {
   fi
 }
 
-# hierarchical_blocked: reduce-scatter on 2 nodes x 2 ranks placed blocked (ranks 0,1 on node 1,
-# 2,3 on node 2: `--map-by ppr:2:node`), where every node's world blocks are one contiguous chunk and
-# the stages run chunk by chunk on the caller's buffer: the staged schedule runs, the result is right,
-# and every rank sends exactly its share between nodes, 1/4 of the buffer ((n-1)/n over L = 2), plus
-# a 32-byte fingerprint.
-# A one-rule table keeps the stages at this size (the built-in table picks the flat ring here).
-hierarchical_blocked() {
-  local name="hierarchical-blocked-$TRANSPORT" row
+# hierarchical_placed KIND MAP ORDER: a 1 MiB reduce-scatter on 2 nodes x 2 ranks placed by
+# MT_NETNS_MAP=MAP or MT_NETNS_ORDER=ORDER, kept in stages by a one-rule table (the built-in table
+# picks the flat ring here): the staged schedule runs, the result is right, and every rank sends
+# exactly its share between nodes, 1/4 of the buffer ((n-1)/n over L = 2), plus a 32-byte
+# fingerprint.
+# - blocked (ranks 0,1 on node 1, 2,3 on node 2: `--map-by ppr:2:node`): every node's world blocks
+#   are one contiguous chunk and the stages run chunk by chunk on the caller's buffer;
+# - shuffled (0,1,1,0: ranks 0 and 3 on node 1): neither round robin nor blocked, but every pair of
+#   consecutive ranks spans both nodes, so the stages run in pieces on the caller's buffer (no
+#   packing copy; the packed way would send the same bytes: the choice of way is checked by the
+#   unit tests, this checks the result and the bytes across real nodes).
+hierarchical_placed() {
+  local name="hierarchical-$1-$TRANSPORT" row
   printf '[[rule]]\ncoll = "reduce_scatter"\nranks = 4\nlink = "net"\nalgo = "hier"\nchunk_bytes = 1048576\n' >"$LOG/hier.toml"
   chmod 644 "$LOG/hier.toml"
-  DEADLINE_OF_JOB=60 MT_NETNS_MAP=ppr:2:node job "$name" 4 -x RUST_LOG=info -x MESHTRAIN_TUNING="$LOG/hier.toml" \
+  DEADLINE_OF_JOB=60 MT_NETNS_MAP=$2 MT_NETNS_ORDER=$3 job "$name" 4 -x RUST_LOG=info -x MESHTRAIN_TUNING="$LOG/hier.toml" \
     "$BIN" bench reduce_scatter --min 1M --max 1M --warmup 1 --iters 2 --csv
   row=$(sed -n 's/^\[1,0\]<stdout>:\(reduce_scatter,.*\)/\1/p' "$LOG/$name")
   if grep -q "hierarchical host collectives over 2 nodes (2+2 ranks)" "$LOG/$name" &&
     awk -F, '$2 == 1048576 && $8 == 0 && $11 == 262144 && $9 == $11 + 32 && $10 == $9 {ok = 1} END {exit !ok}' <<<"$row"; then
     ok "$name ($(cut -d, -f5 <<<"$row") us, $(cut -d, -f9 <<<"$row") B/rank between nodes)"
   else
-    bad "$name" "no staged blocked reduce-scatter at the minimum inter-node bytes (row: $row)" "$LOG/$name"
+    bad "$name" "no staged $1 reduce-scatter at the minimum inter-node bytes (row: $row)" "$LOG/$name"
   fi
 }
 
@@ -267,7 +274,8 @@ for TRANSPORT in ${MT_TESTBED_TRANSPORTS:-tcp ofi}; do
   [ "$TRANSPORT" = ofi ] && sizes="2 3 5 8" || sizes=4
   for np in ${MT_TESTBED_NP-$sizes}; do selftest "$np"; done
   hierarchical
-  [ "$TRANSPORT" = tcp ] && hierarchical_blocked
+  [ "$TRANSPORT" = tcp ] && hierarchical_placed blocked ppr:2:node ""
+  [ "$TRANSPORT" = tcp ] && hierarchical_placed shuffled "" 1,2,2,1
   partition
   sigkill
   strangers

@@ -29,7 +29,8 @@
 #   netns.sh exec K CMD...         run CMD on node K (K=head for the head)
 #   netns.sh mpirun NP ARGS...     mpirun of NP ranks over all nodes, round robin by node (rank r on
 #                                  node r mod N + 1; MT_NETNS_MAP=slot fills node 1 first); ARGS go
-#                                  to mpirun
+#                                  to mpirun; MT_NETNS_ORDER=1,2,2,1 places rank r on the r-th
+#                                  node listed instead (one entry per rank: shuffled layouts)
 #   netns.sh link K up|down        bring node K's data cable up or down (a partition)
 #   netns.sh shape K RATE|off      limit node K's data cable to RATE (tc syntax: 1gbit, 500mbit)
 #                                  in both directions (token bucket), or remove the limit
@@ -126,8 +127,20 @@ launch() {
   [[ "$np" =~ ^[1-9][0-9]*$ ]] || { echo "netns.sh mpirun: rank count must be a positive number, got '$np'" >&2; exit 2; }
   n=$(nodes)
   [ "$n" -gt 0 ] || { echo "netns.sh mpirun: no testbed (run 'netns.sh up N' first)" >&2; exit 1; }
+  local place=(--hostfile "$STATE/hostfile" --map-by "${MT_NETNS_MAP:-node}")
+  if [ -n "${MT_NETNS_ORDER:-}" ]; then
+    local order k
+    IFS=, read -ra order <<<"$MT_NETNS_ORDER"
+    [ "${#order[@]}" -eq "$np" ] || { echo "netns.sh mpirun: MT_NETNS_ORDER lists ${#order[@]} nodes for $np ranks" >&2; exit 2; }
+    : >"$STATE/order"
+    for k in "${order[@]}"; do
+      [[ "$k" =~ ^[0-9]+$ ]] && [ "$k" -ge 1 ] && [ "$k" -le "$n" ] || { echo "netns.sh mpirun: MT_NETNS_ORDER: no node '$k' (nodes 1..$n)" >&2; exit 2; }
+      host_of "$k" >>"$STATE/order"
+    done
+    place=(--hostfile "$STATE/order" --mca rmaps seq)
+  fi
   in_node head mpirun --allow-run-as-root --oversubscribe --bind-to none \
-    --hostfile "$STATE/hostfile" -np "$np" --map-by "${MT_NETNS_MAP:-node}" \
+    "${place[@]}" -np "$np" \
     --mca plm_rsh_agent "$SELF agent" --mca plm_rsh_no_tree_spawn 1 \
     --mca oob_tcp_if_include "$SUBNET.0/24" --mca btl_tcp_if_include "${MT_NETNS_MPI_NET:-$SUBNET.0/24}" \
     -x MESHTRAIN_SOCKET_IFNAME=eth1 -x FI_TCP_IFACE=eth1 "$@"

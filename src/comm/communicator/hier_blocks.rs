@@ -12,22 +12,33 @@
 //!   reduce-scatter of every chunk, then a reduce of every node's place-`p` block over place `p`'s
 //!   carrier onto that node (all-gather: a broadcast of each from its node over the carrier, then
 //!   a local all-gather of every chunk); `2n` stage calls instead of 2, no copy;
-//! - *packed* (the other even layouts, where members of one node are interleaved with other
-//!   nodes' in another order): a place's world blocks are neither one contiguous range nor one per
-//!   contiguous chunk, and a local stage only cuts contiguous blocks in place order, so they are
-//!   copied into `k` slots of the largest block ordered by (place, node), so that place `p`'s slots
-//!   are its local block; the stages run on the slots and this member's block is copied back (one
-//!   copy of the buffer per call). The pieces below would avoid the copy but put all of a local
-//!   block's bytes between nodes on one member;
-//! - *pieces* (uneven layouts, and world order with a count that does not divide by `k`): the
+//! - *packed* (the other even layouts that are not *spread*, see pieces): a place's world blocks
+//!   are neither one contiguous range nor one per contiguous chunk, and a local stage only cuts
+//!   contiguous blocks in place order, so they are copied into `k` slots of the largest block
+//!   ordered by (place, node), so that place `p`'s slots are its local block; the stages run on
+//!   the slots and this member's block is copied back (one copy of the buffer per call). Pieces
+//!   would avoid the copy but load the link between nodes unevenly there: a local block holding
+//!   world blocks of one node only (ranks 0,1,1,1,0,0 on 2 nodes: local block 1 holds the world
+//!   blocks of ranks 2 and 3, both on node 1) puts its carrier on that node at zero bytes and the
+//!   other node's at twice its share, and the busiest member sets the time;
+//! - *pieces* (uneven layouts, world order with a count that does not divide by `k`, and the
+//!   *spread* even layouts: every run of `n` consecutive ranks holds one member of every node,
+//!   e.g. 0,1,1,0, so every local block holds one world block of every node): the
 //!   buffer is cut at every local block end and every world block end; after the local
 //!   reduce-scatter, each piece is reduced over its carrier onto the node that owns its world
 //!   block, and its carrier there hands it to the owner within the node (the reverse for
 //!   all-gather: owners hand their pieces to the carriers, pieces are broadcast over their
-//!   carriers, each node all-gathers its local blocks). In world order the local blocks and the
-//!   place's world blocks differ by a few elements at their ends, so only those move within a node
-//!   and every member still sends its share between nodes. Out of place, reduce-scatter works on a
-//!   copy of the input (the local stage reduces in place).
+//!   carriers, each node all-gathers its local blocks). On spread layouts every member sends its
+//!   share between nodes (in world order with other counts the local blocks and the place's world
+//!   blocks differ by a few elements at their ends, so only those move within a node); a member
+//!   makes `n` carrier calls (one per piece) where world order makes one. Out of place, reduce-scatter copies no
+//!   input: the local stage reduces it into this member's local block in the scratch (what a
+//!   carrier holds), pieces go from there over their carriers and to their owners' outputs, and
+//!   only the pieces a member both carries and owns are copied from the scratch to its output
+//!   (at most its world block, as the out-of-place world-order way copies it). A node's local
+//!   stage over one member is that copy (its local block is the whole buffer, which the carrier
+//!   stage then reduces in place: the input stays unchanged), so the lone member of a 2+1 layout
+//!   still copies the whole input and, being the slowest, sets the time there.
 //!
 //! Bytes between nodes: world order, blocked and packed send `(n-1)/n` of the buffer per node,
 //! `1/L` of it per member (the minimum, evenly spread); pieces send every piece once from each node
@@ -60,8 +71,8 @@ impl Stages {
         match self.per {
             None => Way::Pieces,
             Some(_) if self.world_order && count % self.k == 0 => Way::WorldOrder,
-            Some(_) if self.world_order => Way::Pieces,
             Some(l) if (0..self.k).all(|m| self.map.node[m] == m / l) => Way::Blocked,
+            Some(_) if spread(&self.map.node, self.nodes()) => Way::Pieces,
             Some(_) => Way::Packed,
         }
     }
@@ -97,13 +108,17 @@ impl Stages {
             (Way::Packed, _) => {
                 return self.rs_packed(p, dtype, (input, out), n, (red, &mut *scratch))
             }
-            (Way::Pieces, None) => self.rs_pieces(p, dtype, out, n, red)?,
+            (Way::Pieces, None) => {
+                self.local_reduce_scatter(dtype, out, n, red)?;
+                self.rs_pieces(p, dtype, Halves::Whole(out), n, red)?;
+            }
             (Way::Pieces, Some(i)) => {
-                let work = sized(&mut scratch, n * es);
-                work.copy_from_slice(i);
-                self.rs_pieces(p, dtype, work, n, red)?;
-                let r = block_range(n, self.k, self.me);
-                out.copy_from_slice(&work[r.start * es..r.end * es]);
+                let lb = self.local_block(n);
+                let held = sized(&mut scratch, lb.len() * es);
+                self.local_reduce_scatter_into(dtype, i, held, red)?;
+                let owned_at = block_range(n, self.k, self.me).start;
+                let halves = Halves::Split { held, held_at: lb.start, owned: out, owned_at };
+                self.rs_pieces(p, dtype, halves, n, red)?;
             }
         }
         Ok(())
@@ -199,43 +214,44 @@ impl Stages {
         Ok(())
     }
 
-    /// Reduce-scatter in pieces on the whole buffer `work`: this member's world block ends up
-    /// reduced and finalized in place.
+    /// Reduce-scatter in pieces after the local stage (the node's partial sums of this member's
+    /// local block are in `bufs`' held part): this member's world block ends up reduced and
+    /// finalized in `bufs`' owned part.
     fn rs_pieces(
         &self,
         p: &Communicator,
         dtype: DType,
-        work: &mut [u8],
+        mut bufs: Halves,
         n: usize,
         red: &Reducer,
     ) -> Result<()> {
         let (es, sum) = (dtype.size(), stage_reducer(red));
-        self.local_reduce_scatter(dtype, work, n, red)?;
         let pieces = self.pieces(n, true);
         for s in pieces.iter().filter(|s| s.owners[self.node] == self.me) {
             let (root, len) = (self.map.node[s.block], s.range.len());
-            let part = &mut work[s.range.start * es..s.range.end * es];
             let call = Call::Reduce {
                 root,
                 input: None,
-                out: part,
+                out: bufs.held(&s.range, es),
                 n: len,
                 red: sum,
             };
             self.carrier(p, &s.owners, |c| c.collective(dtype, call))?;
         }
-        self.hand_over(&pieces, work, es, true)?;
+        self.hand_over(&pieces, &mut bufs, es, true)?;
         let r = block_range(n, self.k, self.me);
-        red.finalize(&mut work[r.start * es..r.end * es], self.k);
+        red.finalize(bufs.owned(&r, es), self.k);
         Ok(())
     }
 
     /// Within this node, moves every piece of a local member's world block between the piece's
-    /// carrier and that member: to the member (`to_owner`) or to the carrier.
+    /// carrier (its held part of `bufs`) and that member (its owned part): to the member
+    /// (`to_owner`) or to the carrier. A piece carried by its own owner is copied from the held
+    /// part to the owned one when they are apart (out of place, `to_owner`).
     fn hand_over(
         &self,
         pieces: &[Piece],
-        work: &mut [u8],
+        bufs: &mut Halves,
         es: usize,
         to_owner: bool,
     ) -> Result<()> {
@@ -244,17 +260,22 @@ impl Stages {
             .filter(|s| self.map.node[s.block] == self.node)
         {
             let carrier = s.owners[self.node];
+            if carrier == s.block {
+                if self.me == carrier && to_owner {
+                    bufs.settle(&s.range, es);
+                }
+                continue;
+            }
             let (from, to) = if to_owner {
                 (carrier, s.block)
             } else {
                 (s.block, carrier)
             };
-            let part = &mut work[s.range.start * es..s.range.end * es];
-            if from == to {
-                continue;
-            } else if self.me == from {
+            if self.me == from {
+                let part = if to_owner { bufs.held(&s.range, es) } else { bufs.owned(&s.range, es) };
                 self.local.send(&*part, self.map.place(to))?;
             } else if self.me == to {
+                let part = if to_owner { bufs.owned(&s.range, es) } else { bufs.held(&s.range, es) };
                 self.local.recv_into(part, self.map.place(from))?;
             }
         }
@@ -290,7 +311,7 @@ impl Stages {
                     out[r.start * es..r.end * es].copy_from_slice(i);
                 }
                 let pieces = self.pieces(n, true);
-                self.hand_over(&pieces, out, es, false)?;
+                self.hand_over(&pieces, &mut Halves::Whole(out), es, false)?;
                 for s in pieces.iter().filter(|s| s.owners[self.node] == self.me) {
                     let (root, part) = (
                         self.map.node[s.block],
@@ -426,5 +447,72 @@ impl Stages {
             out[r.start * es..r.end * es].copy_from_slice(&slots[s * es..(s + r.len()) * es]);
         }
         Ok(())
+    }
+}
+
+/// Whether every run of `n` consecutive members (`n` nodes, `node[m]` member `m`'s) holds one member
+/// of every node: then every local block holds one world block of every node (within a block's
+/// rounding), so in pieces every member sends its share between nodes. World order is one such
+/// layout.
+fn spread(node: &[usize], n: usize) -> bool {
+    node.chunks(n).all(|run| {
+        let mut seen = vec![false; n];
+        run.iter().all(|&a| !std::mem::replace(&mut seen[a], true))
+    })
+}
+
+/// The buffers of a pieces schedule: the elements a member holds as a carrier (its local block)
+/// and those it owns (its world block). In place both are views of the whole buffer; out of place
+/// (reduce-scatter) the held part is the local block in the scratch, starting at element `held_at`
+/// of the buffer, and the owned part the caller's output, starting at element `owned_at`.
+enum Halves<'a> {
+    Whole(&'a mut [u8]),
+    Split {
+        held: &'a mut [u8],
+        held_at: usize,
+        owned: &'a mut [u8],
+        owned_at: usize,
+    },
+}
+
+impl Halves<'_> {
+    /// The bytes of elements `r` (inside this member's local block) as held by the carrier.
+    fn held(&mut self, r: &Range<usize>, es: usize) -> &mut [u8] {
+        match self {
+            Halves::Whole(b) => &mut b[r.start * es..r.end * es],
+            Halves::Split { held, held_at, .. } => &mut held[(r.start - *held_at) * es..(r.end - *held_at) * es],
+        }
+    }
+
+    /// The bytes of elements `r` (inside this member's world block) as owned.
+    fn owned(&mut self, r: &Range<usize>, es: usize) -> &mut [u8] {
+        match self {
+            Halves::Whole(b) => &mut b[r.start * es..r.end * es],
+            Halves::Split { owned, owned_at, .. } => &mut owned[(r.start - *owned_at) * es..(r.end - *owned_at) * es],
+        }
+    }
+
+    /// Copies elements `r` (in both this member's local and world block) from the held part to
+    /// the owned one; nothing in place.
+    fn settle(&mut self, r: &Range<usize>, es: usize) {
+        if let Halves::Split { held, held_at, owned, owned_at } = self {
+            owned[(r.start - *owned_at) * es..(r.end - *owned_at) * es]
+                .copy_from_slice(&held[(r.start - *held_at) * es..(r.end - *held_at) * es]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::spread;
+
+    #[test]
+    fn spread_layouts_hold_every_node_in_every_run_of_n_ranks() {
+        for (node, n) in [(vec![0, 1, 0, 1], 2), (vec![0, 1, 1, 0], 2), (vec![1, 0, 0, 1, 1, 0], 2), (vec![0, 1, 2, 2, 0, 1], 3)] {
+            assert!(spread(&node, n), "{node:?}");
+        }
+        for (node, n) in [(vec![0, 0, 1, 1], 2), (vec![0, 1, 1, 1, 0, 0], 2), (vec![0, 1, 1, 2, 2, 0], 3)] {
+            assert!(!spread(&node, n), "{node:?}");
+        }
     }
 }

@@ -230,6 +230,10 @@ struct BenchArgs {
     /// Print CSV (header + one line per size).
     #[arg(long)]
     csv: bool,
+    /// Collectives: keep each size's element count as given instead of rounding it to a multiple
+    /// of the world size (uneven blocks); not with --vs-mpi or --tune.
+    #[arg(long)]
+    exact_count: bool,
     /// Collectives: time every schedule candidate per size and write the tuner's table
     /// (MESHTRAIN_TUNING=FILE loads it); rules for other world sizes in the file are kept.
     #[arg(long)]
@@ -273,6 +277,11 @@ impl BenchArgs {
         if self.min > self.max || self.iters == 0 {
             return Err(Error::InvalidArgument("bench: need --min <= --max and --iters >= 1".into()));
         }
+        if self.exact_count && (self.vs_mpi || self.tune) {
+            return Err(Error::InvalidArgument(
+                "bench: --exact-count times uneven blocks, which MPI's block collectives and the tuner's table do not describe; drop --vs-mpi/--tune".into(),
+            ));
+        }
         Ok(CollBench {
             colls,
             min_bytes: self.min,
@@ -286,6 +295,7 @@ impl BenchArgs {
             inplace: self.inplace,
             vs_mpi: self.vs_mpi,
             csv: self.csv,
+            exact_count: self.exact_count,
         })
     }
 }

@@ -73,6 +73,9 @@ pub struct CollBench {
     pub vs_mpi: bool,
     /// Print CSV instead of a table.
     pub csv: bool,
+    /// Element counts as the sizes give them, not rounded to a multiple of the world size (the
+    /// ranks' blocks then differ by one element; no MPI comparison or tuning then).
+    pub exact_count: bool,
 }
 
 /// Most timed calls per size under the `iter_bytes` rule.
@@ -534,7 +537,7 @@ pub fn counts(b: &CollBench, ranks: usize) -> Vec<usize> {
     let mut out = Vec::new();
     let mut bytes = b.min_bytes.max(1);
     while bytes <= b.max_bytes {
-        let n = (bytes / b.dtype.size() / ranks).max(1) * ranks;
+        let n = if b.exact_count { (bytes / b.dtype.size()).max(1) } else { (bytes / b.dtype.size() / ranks).max(1) * ranks };
         if out.last() != Some(&n) {
             out.push(n);
         }
@@ -601,6 +604,7 @@ mod tests {
                 inplace: c.size() == 3,
                 vs_mpi: false,
                 csv: true,
+                exact_count: false,
             };
             run(&c, None, &b, |_| {}).unwrap()
         });
@@ -612,6 +616,22 @@ mod tests {
             assert_eq!(r.copy_us.is_some(), moves, "{}", r.coll);
             assert!(r.copy_us.is_none_or(|t| t.is_finite() && t >= 0.0));
         }
+    }
+
+    #[test]
+    fn exact_counts_keep_uneven_blocks_and_check_right() {
+        let b = CollBench { min_bytes: 4096, max_bytes: 16384, exact_count: true, ..sweep(&["all_gather"], 20, 0) };
+        assert_eq!(counts(&b, 3), vec![1024, 4096]);
+        assert_eq!(counts(&CollBench { exact_count: false, ..b }, 3), vec![1023, 4095]);
+        use crate::comm::testing::run_ranks;
+        use crate::comm::CommConfig;
+        let rows = run_ranks(3, CommConfig { chunk_bytes: 256, small_bytes: 1024, ..CommConfig::default() }, |c| {
+            let all: Vec<&str> = COLLECTIVES.to_vec();
+            let b = CollBench { min_bytes: 28, max_bytes: 7000, factor: 5, vs_mpi: false, exact_count: true, warmup: 1, iters: 2, ..sweep(&all, 2, 0) };
+            run(&c, None, &b, |_| {}).unwrap()
+        });
+        assert!(rows[0].iter().any(|r| r.count % 3 != 0), "uneven counts timed");
+        assert!(rows.iter().flatten().all(|r| r.wrong == 0), "{:?}", rows[0]);
     }
 
     fn sweep(colls: &[&str], iters: usize, iter_bytes: usize) -> CollBench {
@@ -628,6 +648,7 @@ mod tests {
             inplace: false,
             vs_mpi: true,
             csv: true,
+            exact_count: false,
         }
     }
 

@@ -242,6 +242,7 @@ mod tests {
             inplace: false,
             vs_mpi: false,
             csv: true,
+            exact_count: false,
         }
     }
 

@@ -290,6 +290,7 @@ fn bench_all(comm: &Communicator, name: &str, max_bytes: usize) -> Result<Vec<Sa
         inplace: true,
         vs_mpi: false,
         csv: true,
+        exact_count: false,
     };
     Ok(collectives::run(comm, None, &b, |_| {})?
         .into_iter()

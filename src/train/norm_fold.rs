@@ -22,10 +22,13 @@ use crate::device::ops;
 use crate::error::{Error, Result};
 use crate::model::DeviceGpt;
 
+/// The block sums of one span, in block order (None: not taken this step).
+type BlockSums = Vec<Option<f64>>;
+
 /// Block sums of squares of the counted spans, taken unit by unit during the backward.
 pub struct NormFold {
-    /// Per bucket, per counted span: the span and its block sums (None: not taken this step).
-    spans: Vec<Vec<(Range<usize>, Vec<Option<f64>>)>>,
+    /// Per bucket, per counted span: the span and its block sums.
+    spans: Vec<Vec<(Range<usize>, BlockSums)>>,
     /// Whether this step's units are folded (one micro-batch).
     armed: bool,
     /// Scratch for the block sums of one call.

@@ -16,10 +16,7 @@
 //! - what the optimizer's memory-bound passes over all N parameters cost on their own (CPU arm:
 //!   the global norm's sum of squares of the gradients, and the AdamW update that zeroes each
 //!   gradient as it reads it), timed like the GEMMs on scratch buffers of the model's size, so
-//!   the time left besides the GEMMs splits into the optimizer and the other layers (the norm
-//!   is timed reading memory; the step itself takes most of it during the backward, unit by unit
-//!   while the gradients are in cache: `train/norm_fold.rs`, so "other layers" is an
-//!   underestimate by the difference);
+//!   the time left besides the GEMMs splits into the optimizer and the other layers;
 //! - peak resident memory (VmHWM) of the timed steps against what the step's objects hold
 //!   ([`HeldBytes`]: the model's per-tensor parameters and gradients, the device step's AdamW
 //!   moments, the step's bucket staging, activations and scratch, the CPU arm's bf16

@@ -740,24 +740,6 @@ pub fn sum_squares_parts(
     sum_squares(dev, partials, stage, 0, at)
 }
 
-/// The CPU arm's block sums of squares of the parts concatenated (`cpu::clip::block_sums_pieces`:
-/// the terms [`sum_squares_parts`] adds, for a caller that takes them in several calls, each
-/// starting on a block boundary), appended to `sums`. Other arms: an error (their norm kernel
-/// sums blocks differently).
-pub fn block_sums_parts(dev: &Device, parts: &[(&DeviceBuffer, Range<usize>)], sums: &mut Vec<f64>) -> Result<()> {
-    let k = "sum_squares_f32";
-    if !matches!(dev, Device::Cpu) {
-        return Err(Error::Check(format!("{k}: block sums are taken on the CPU arm only")));
-    }
-    let mut pieces = Vec::with_capacity(parts.len());
-    for (buf, r) in parts {
-        need(k, "g", buf, f32s(r.end))?;
-        pieces.push(&host(k, buf)?.view::<f32>(r.end)[r.clone()]);
-    }
-    super::cpu::clip::block_sums_pieces(&pieces, sums);
-    Ok(())
-}
-
 /// Sets `flag` (one u32 on the device) to 1 if any of x[start..start + n] (f32) is NaN or
 /// infinite; leaves it as it is otherwise, so one flag collects several calls until the caller
 /// reads and clears it. No host synchronization.

@@ -89,8 +89,6 @@ pub struct DeviceStep {
     overlap: Option<(Overlap, Arc<CommStats>)>,
     /// ZeRO-2/3: every backward's gradients are reduced (not only the step's last).
     every_backward: bool,
-    /// This step's units go to the norm fold as they become final (`norm_fold.rs`).
-    folds_units: bool,
 }
 
 impl DeviceStep {
@@ -164,7 +162,6 @@ impl DeviceStep {
             coll: GpuCommState::new(cfg),
             overlap,
             every_backward: sync.reduces_every_backward(),
-            folds_units: false,
         })
     }
 
@@ -186,7 +183,7 @@ impl DeviceStep {
     /// Whether a whole model's reporting backward should hand each unit's gradients to
     /// [`DeviceStep::reduce_unit`] as they become final.
     pub fn wants_units(&self, model: &DeviceGpt) -> bool {
-        model.releases_grads() || (self.overlap.is_some() || self.folds_units) && model.is_whole()
+        model.releases_grads() || self.overlap.is_some() && model.is_whole()
     }
 
     /// Starts a step of `micro_batches` micro-batches (their gradients are averaged).
@@ -197,10 +194,6 @@ impl DeviceStep {
             Some((Overlap::Ps(c), _)) => c.begin(micro_batches),
             None => {}
         }
-        self.folds_units = match &mut self.state {
-            State::Whole(w) if self.overlap.is_none() => w.begin(micro_batches),
-            _ => false,
-        };
     }
 
     /// Parameter servers: this worker's loss of the step (see [`PsClient::note_loss`]).
@@ -308,7 +301,6 @@ impl DeviceStep {
             return self.hand_over(model, unit);
         }
         match &mut self.state {
-            State::Whole(w) if self.folds_units && !model.releases_grads() => w.fold_unit(model, unit),
             State::Sharded(s) if s.per_unit() => s.reduce_unit(model, dp, &mut self.coll, micro_batches, unit),
             _ => Err(Error::Check("a unit's gradients reached a device step that reduces them whole".into())),
         }

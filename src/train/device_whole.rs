@@ -31,8 +31,7 @@ use crate::comm::{Communicator, DType, ReduceOp};
 use crate::device::cpu::adamw::AdamWStep;
 use crate::device::ipc::alloc_shareable;
 use crate::device::ops::{self, AdamWClearing};
-use super::norm_fold::NormFold;
-use crate::device::{Device, DeviceBuffer};
+use crate::device::DeviceBuffer;
 use crate::error::{Error, Result};
 use crate::model::DeviceGpt;
 use crate::optim::sum_of_squares;
@@ -52,8 +51,6 @@ pub struct WholeState {
     n: usize,
     /// The gradients packed for the device reduction held a NaN or an infinity.
     flag: LocalFlag,
-    /// The norm's block sums taken during the backward (CPU arm, one data-parallel rank).
-    fold: Option<NormFold>,
 }
 
 impl WholeState {
@@ -79,13 +76,8 @@ impl WholeState {
             squares: Vec::new(),
             n: model.layout().total_len(),
             flag: LocalFlag::new(dev)?,
-            fold: None,
         };
         state.counted = state.buckets.iter().map(|b| clip_spans(b, norm)).collect();
-        // On the CPU arm the reduction runs after the backward only with one data-parallel rank.
-        if device_reduce && matches!(dev, Device::Cpu) {
-            state.fold = Some(NormFold::new(&state.counted));
-        }
         state.squares = state.counted.iter().map(|c| vec![0.0; c.len()]).collect();
         if device_reduce {
             let largest = state.buckets.iter().map(|b| b.len()).max().unwrap_or(0);
@@ -160,24 +152,6 @@ impl WholeState {
         })
     }
 
-    /// Starts a step of `micro_batches` micro-batches: whether the backward should hand its units
-    /// to [`WholeState::fold_unit`] (see `norm_fold.rs`).
-    pub fn begin(&mut self, micro_batches: usize) -> bool {
-        self.fold.as_mut().is_some_and(|f| {
-            f.arm(micro_batches);
-            f.armed()
-        })
-    }
-
-    /// Takes the norm's block sums of the final gradients `unit` (a unit handed over by the
-    /// backward of a step [`WholeState::begin`] armed).
-    pub fn fold_unit(&mut self, model: &DeviceGpt, unit: Range<usize>) -> Result<()> {
-        match &mut self.fold {
-            Some(f) => f.unit_final(model, unit),
-            None => Err(Error::Check("a unit's gradients reached a step that reduces them whole".into())),
-        }
-    }
-
     /// Reduces every bucket with the device collectives (after the step's last backward): packs
     /// it, averages it over the micro-batches and `dp`, takes its squares and unpacks it into the
     /// model's gradients (`partials`: the norm kernel's block sums); returns the reduction time.
@@ -194,12 +168,7 @@ impl WholeState {
             let n = bucket.len();
             if dp.size() == 1 && micro_batches == 1 {
                 // Nothing to reduce or average: the squares are taken from the model's
-                // gradients (in place on the CPU), with the bits of the packed path; on the CPU
-                // partly during the backward (`norm_fold.rs`).
-                if let Some(fold) = &mut self.fold {
-                    fold.squares(model, b, &mut self.squares[b])?;
-                    continue;
-                }
+                // gradients (in place on the CPU), with the bits of the packed path.
                 for (sq, c) in self.squares[b].iter_mut().zip(&self.counted[b]) {
                     let parts = model.grad_parts(c.clone());
                     *sq = ops::sum_squares_parts(dev, partials, &mut self.stage, &parts)?;
@@ -223,9 +192,6 @@ impl WholeState {
                 *sq = ops::sum_squares(dev, partials, &self.stage, c.start - bucket.start, c.len())?;
             }
             model.unpack_grads_range(bucket.clone(), &self.stage)?;
-        }
-        if let Some(fold) = &mut self.fold {
-            fold.disarm();
         }
         Ok(comm)
     }

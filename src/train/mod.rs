@@ -23,7 +23,6 @@ mod loss_scale;
 mod memory_estimate;
 mod memory_fit;
 mod nonfinite;
-mod norm_fold;
 mod pipeline;
 mod ps;
 mod replica;

@@ -8,7 +8,7 @@ use super::float::Float;
 use super::parallel::{chunk_items, run_parts};
 
 /// Elements summed in the working precision before a block's sum is added in f64.
-pub const BLOCK: usize = 1024;
+const BLOCK: usize = 1024;
 /// Independent partial sums within a block: breaks the serial add chain so the loop vectorizes.
 const LANES: usize = 16;
 
@@ -25,21 +25,6 @@ pub fn sum_of_squares<F: Float>(grads: &[F]) -> f64 {
 /// block of its own.
 pub fn sum_of_squares_pieces<F: Float>(pieces: &[&[F]]) -> f64 {
     let mut sums: Vec<f64> = Vec::new();
-    block_sums_pieces(pieces, &mut sums);
-    fold_block_sums(&sums)
-}
-
-/// The total of block sums in block order: the last step of [`sum_of_squares_pieces`], for a
-/// caller that took the block sums of one concatenation in several calls (each starting on a
-/// block boundary of it) and gets the same bits.
-pub fn fold_block_sums(sums: &[f64]) -> f64 {
-    sums.iter().fold(0f64, |total, s| total + s)
-}
-
-/// Appends to `sums` the sum of squares of each `BLOCK`-element block of the concatenation of
-/// `pieces` (the last block may be shorter), in block order: the terms
-/// [`sum_of_squares_pieces`] adds.
-pub fn block_sums_pieces<F: Float>(pieces: &[&[F]], sums: &mut Vec<f64>) {
     let mut carry: Vec<F> = Vec::with_capacity(BLOCK);
     for &piece in pieces {
         let mut rest = piece;
@@ -54,12 +39,13 @@ pub fn block_sums_pieces<F: Float>(pieces: &[&[F]], sums: &mut Vec<f64>) {
             carry.clear();
         }
         let full = rest.len() - rest.len() % BLOCK;
-        block_sums_into(&rest[..full], sums);
+        block_sums_into(&rest[..full], &mut sums);
         carry.extend_from_slice(&rest[full..]);
     }
     if !carry.is_empty() {
         sums.push(block_sum(&carry));
     }
+    sums.iter().fold(0f64, |total, s| total + s)
 }
 
 /// Appends the sums of the whole blocks of `full` (a multiple of `BLOCK` long) to `sums`,

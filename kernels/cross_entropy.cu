@@ -25,7 +25,8 @@ extern "C" __global__ void cross_entropy_forward_f32(float *losses, float *lse, 
 
 // dlogits (N, vl) += (softmax - onehot(target)) * dloss over the `real` real columns of each row
 // of a vocabulary shard of ids start .. start + vl (the whole vocabulary: start 0, vl = Vp,
-// real = V); a grid-stride loop over the N*real real entries.
+// real = V); a grid-stride loop over the N*real real entries. `ops_vocab::cross_entropy_backward`
+// clears dlogits first, so the op overwrites it (padding 0) as the CPU arm does without reading it.
 extern "C" __global__ void cross_entropy_backward_f32(float *dlogits, const float *logits,
                                                       const float *lse, const unsigned int *targets,
                                                       float dloss, mt_u64 n, mt_u64 start, int vl,

@@ -263,7 +263,7 @@ pub fn cross_entropy_combine(
 
 /// The buffers of [`cross_entropy_backward`].
 pub struct CrossEntropyBackward<'a> {
-    /// Logit gradient (N, vl), accumulated.
+    /// Logit gradient (N, vl), overwritten.
     pub dlogits: &'a mut DeviceBuffer,
     /// Logits (N, vl).
     pub logits: &'a DeviceBuffer,
@@ -273,8 +273,9 @@ pub struct CrossEntropyBackward<'a> {
     pub targets: &'a DeviceBuffer,
 }
 
-/// dlogits (N, vl) += (softmax - onehot(targets)) * dloss over the real columns, padding
-/// untouched, with the global log-sum-exp `lse` (N); the whole vocabulary is the shard
+/// dlogits (N, vl) = (softmax - onehot(targets)) * dloss over the real columns, 0 on the
+/// padding (whatever the buffer held: the CPU arm writes every element without reading it, a GPU
+/// clears the buffer and then adds with `cross_entropy_backward_f32`), with the global log-sum-exp `lse` (N); the whole vocabulary is the shard
 /// `{ start: 0, vl: Vp, real: V }`. Targets must be < V (the kernel trusts them, as the CPU
 /// reference does). Reference: `vocab_parallel::cross_entropy_shard_backward` (with one shard,
 /// the arithmetic of `cpu::cross_entropy::cross_entropy_backward`).
@@ -298,6 +299,7 @@ pub fn cross_entropy_backward(dev: &Device, bufs: CrossEntropyBackward, dloss: f
         );
         return Ok(());
     }
+    super::ops::fill_zero(dev, dlogits, n * v.vl)?;
     let args = [
         A::Buf(dlogits),
         A::Buf(logits),

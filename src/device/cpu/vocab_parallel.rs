@@ -132,8 +132,9 @@ pub fn combine_shards<F: Float>(losses: &mut [F], lse: &mut [F], max: &[F], stat
     }
 }
 
-/// dlogits (N, Vl) += (softmax - onehot(targets)) * dloss on the real columns; padded untouched.
-/// `lse` (N) is the global log-sum-exp of each row.
+/// dlogits (N, Vl) = (softmax - onehot(targets)) * dloss on the real columns, 0 on the padded
+/// ones: written, never read, so the caller clears nothing first (the logit gradient is the
+/// largest activation buffer of the step). `lse` (N) is the global log-sum-exp of each row.
 pub fn cross_entropy_shard_backward<F: Float>(
     dlogits: &mut [F],
     logits: &[F],
@@ -155,9 +156,11 @@ pub fn cross_entropy_shard_backward<F: Float>(
         |(d, ((z, l), tg))| {
             let rows = d.chunks_exact_mut(vl).zip(z.chunks_exact(vl));
             for ((drow, row), (&l, &target)) in rows.zip(l.iter().zip(tg)) {
-                for (d, &z) in drow[..real].iter_mut().zip(&row[..real]) {
-                    *d += (z - l).fast_exp() * dloss;
+                let (dreal, padding) = drow.split_at_mut(real);
+                for (d, &z) in dreal.iter_mut().zip(&row[..real]) {
+                    *d = (z - l).fast_exp() * dloss;
                 }
+                padding.fill(F::zero());
                 if let Some(i) = (target as usize).checked_sub(start).filter(|&i| i < real) {
                     drow[i] -= dloss;
                 }

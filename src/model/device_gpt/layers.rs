@@ -246,7 +246,6 @@ impl DeviceGpt {
         let SlotActs { input, blocks, head, .. } = &self.chunks[ci].slots[si];
         let x = blocks.last().map_or(input, |blk| &blk.residual3); // (R, C)
         let h = head.as_ref().expect("the last chunk keeps the head's activations");
-        ops::fill_zero(dev, &mut s.dlogits, bt * vocab.vl)?;
         let dloss = match std::mem::take(&mut self.poison) {
             true => f32::NAN,
             false => (self.loss_scale / bt as f64) as f32,

@@ -452,7 +452,9 @@ impl Communicator {
                     sched = Sched::Ring;
                 }
             }
-            f(&mut st, sched, &w)
+            f(&mut st, sched, &w)?;
+            // A call is over once its sends have left (see `SendLink::flush`).
+            st.links.iter_mut().flatten().try_for_each(|l| l.link.send.flush(&w))
         })();
         let done = std::time::Instant::now();
         self.stats.record(op, bytes, done - start);

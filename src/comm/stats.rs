@@ -110,6 +110,9 @@ impl SendLink for CountedSend {
     fn depth(&self) -> usize {
         self.inner.depth()
     }
+    fn flush(&mut self, w: &Waiter) -> Result<()> {
+        self.inner.flush(w)
+    }
     #[cfg(feature = "ofi")]
     fn direct(&self) -> Option<Arc<crate::transport::DirectPeer>> {
         self.inner.direct()

@@ -203,6 +203,13 @@ pub trait SendLink: Send {
     fn max_chunk(&self) -> usize;
     /// Number of chunks that may be in flight before `reserve` blocks.
     fn depth(&self) -> usize;
+    /// Returns once every posted chunk has left this process's hands, driving the transport's
+    /// progress while it waits. A communicator calls it at the end of each operation, so that a
+    /// rank never moves on (to a blocking connect, to compute) while a peer still needs it to make
+    /// progress on its sends. Links whose `post` completes the send themselves need nothing here.
+    fn flush(&mut self, _w: &Waiter) -> Result<()> {
+        Ok(())
+    }
     /// The link's device-direct path (libfabric links only): device buffers posted as they are.
     #[cfg(feature = "ofi")]
     fn direct(&self) -> Option<Arc<DirectPeer>> {

@@ -178,7 +178,7 @@ mod imp {
             OfiNet { rank, provider, endpoint: OnceLock::new(), next_key: AtomicU32::new(1), gpu_direct }
         }
 
-        fn endpoint(&self, local_rank: usize) -> Result<Arc<Endpoint>> {
+        pub(super) fn endpoint(&self, local_rank: usize) -> Result<Arc<Endpoint>> {
             self.endpoint
                 .get_or_init(|| {
                     remove_own_shm_regions();
@@ -463,6 +463,20 @@ mod imp {
             self.slots.ops.len()
         }
 
+        /// Waits for every posted send to complete. Over a rendezvous protocol (the rxm provider's
+        /// large messages) a send completes only while the sender drives progress, so a rank that
+        /// left a collective with sends posted and then blocked elsewhere (a TCP handshake for the
+        /// next communicator) would stall the peers still waiting for those bytes.
+        fn flush(&mut self, w: &Waiter) -> Result<()> {
+            for op in &self.slots.ops {
+                // A failed send is reported here, not at the next call's reserve.
+                if matches!(op.state.load(Ordering::Acquire), BUSY | FAILED) {
+                    self.waits.until_idle(op, w)?;
+                }
+            }
+            Ok(())
+        }
+
         fn direct(&self) -> Option<Arc<DirectPeer>> {
             Some(self.direct.clone())
         }
@@ -563,5 +577,46 @@ mod tests {
         std::fs::remove_file(other).unwrap();
         assert!(!own_left, "{own} was left");
         assert!(other_left, "{other} was removed");
+    }
+
+    /// Over `tcp;ofi_rxm` a large send completes only while the sender calls into the provider.
+    /// A sender that flushed may then stop doing so (a rank blocked in the TCP handshake of its
+    /// next communicator) and the receiver still gets every byte; without the flush it waits for
+    /// the sender until its deadline.
+    #[cfg(feature = "ofi")]
+    #[test]
+    fn a_flushed_sender_may_stop_progressing() {
+        use crate::transport::select::GpuDirect;
+        use crate::transport::test_util::{pattern, stream_pair, waiter};
+        const CHUNK: usize = 4 << 20;
+        let provider = Some("tcp;ofi_rxm".to_string());
+        let (a, b) = stream_pair();
+        let (sender, receiver) = (super::OfiNet::new(0, provider.clone(), GpuDirect::Off), super::OfiNet::new(1, provider, GpuDirect::Off));
+        // Every wait also drives the first endpoint this process opened (the process-wide hook);
+        // the receiver's goes first, so nothing but the flush drives the sender's.
+        if let Err(e) = receiver.endpoint(0) {
+            eprintln!("skipped: no tcp;ofi_rxm provider: {e}");
+            return;
+        }
+        let (done, wait_done) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                let w = waiter(0, 30);
+                let (mut send, _recv) = sender.link(a, 1, 0, CHUNK, 2, 0, &w).expect("sender's link");
+                let slot = send.reserve(CHUNK, &w).expect("reserve");
+                slot.iter_mut().enumerate().for_each(|(j, b)| *b = pattern(5, 0, j));
+                send.post(CHUNK, &w).expect("post");
+                send.flush(&w).expect("flush");
+                // No call into the provider from here on; the links live until the receiver is done.
+                let _ = wait_done.recv_timeout(std::time::Duration::from_secs(30));
+            });
+            let w = waiter(1, 10);
+            let (_send, mut recv) = receiver.link(b, 0, 0, CHUNK, 2, 0, &w).expect("receiver's link");
+            let got = recv.wait(&w).map(|g| g.to_vec());
+            done.send(()).unwrap();
+            let got = got.expect("the receiver waited for a sender that had flushed");
+            assert_eq!(got.len(), CHUNK);
+            assert!(got.iter().enumerate().all(|(j, &b)| b == pattern(5, 0, j)), "bytes differ");
+        });
     }
 }

@@ -222,20 +222,10 @@ impl Tuning {
         Ok(out)
     }
 
-    /// The world size whose rules serve `ranks` members over `link` (see the module invariants).
-    fn measured_size(&self, coll: &str, ranks: usize, link: LinkKind) -> Option<usize> {
-        let sizes = self.rules.iter().filter(|r| r.coll == coll && r.link == link).map(|r| r.ranks);
-        let (below, smallest) = sizes.fold((None, None), |(b, s): (Option<usize>, Option<usize>), n| {
-            (if n <= ranks { Some(b.map_or(n, |b| b.max(n))) } else { b }, Some(s.map_or(n, |s| s.min(n))))
-        });
-        below.or(smallest)
-    }
-
-    /// The schedule for a call of `coll` on `ranks` members over `link` with `bytes` bytes;
-    /// `None` when the table has no rule for the collective and link kind.
-    pub fn select(&self, coll: &str, ranks: usize, link: LinkKind, bytes: usize) -> Option<Choice> {
+    /// The rules that serve `coll` on `ranks` members over `link`: those measured on the nearest
+    /// world size at or below `ranks`, else on the smallest (see the module invariants).
+    fn group_for(&self, coll: &str, ranks: usize, link: LinkKind) -> Option<&Group> {
         let c = TUNED.iter().position(|t| *t == coll)?;
-        // The nearest measured world size at or below `ranks`, else the smallest (as `measured_size`).
         let (mut below, mut smallest): (Option<&Group>, Option<&Group>) = (None, None);
         for g in self.groups.iter().filter(|g| g.coll == c && g.link == link) {
             if g.ranks <= ranks && below.is_none_or(|b| g.ranks > b.ranks) {
@@ -245,7 +235,13 @@ impl Tuning {
                 smallest = Some(g);
             }
         }
-        let g = below.or(smallest)?;
+        below.or(smallest)
+    }
+
+    /// The schedule for a call of `coll` on `ranks` members over `link` with `bytes` bytes;
+    /// `None` when the table has no rule for the collective and link kind.
+    pub fn select(&self, coll: &str, ranks: usize, link: LinkKind, bytes: usize) -> Option<Choice> {
+        let g = self.group_for(coll, ranks, link)?;
         g.buckets.iter().find(|(max, _)| bytes <= *max).or(g.buckets.last()).map(|(_, choice)| *choice)
     }
 
@@ -256,24 +252,25 @@ impl Tuning {
         TUNED
             .iter()
             .filter_map(|&coll| {
-                let n = self.measured_size(coll, ranks, link)?;
+                let g = self.group_for(coll, ranks, link)?;
                 let mut lo = 0;
-                let buckets: Vec<String> = self
-                    .bucket_rules(coll, n, link)
+                let buckets: Vec<String> = g
+                    .buckets
                     .iter()
-                    .map(|r| {
-                        let family = match r.algo {
-                            Family::Split => format!("split [{}]", self.split_halves(ranks, link, lo, r.max_bytes)),
+                    .map(|&(max, choice)| {
+                        let hi = (max != usize::MAX).then_some(max);
+                        let family = match choice.family {
+                            Family::Split => format!("split [{}]", self.split_halves(ranks, link, lo, hi)),
                             f => f.name().to_string(),
                         };
-                        lo = r.max_bytes.unwrap_or(usize::MAX);
-                        match r.max_bytes {
-                            Some(m) => format!("<={m} {family} ({})", r.chunk_bytes),
-                            None => format!("rest {family} ({})", r.chunk_bytes),
+                        lo = max;
+                        match hi {
+                            Some(m) => format!("<={m} {family} ({})", choice.chunk_bytes),
+                            None => format!("rest {family} ({})", choice.chunk_bytes),
                         }
                     })
                     .collect();
-                Some(format!("{coll} [as measured on {n} ranks]: {}", buckets.join(", ")))
+                Some(format!("{coll} [as measured on {} ranks]: {}", g.ranks, buckets.join(", ")))
             })
             .collect()
     }
@@ -289,38 +286,31 @@ impl Tuning {
         )
     }
 
-    /// The rules of `coll` measured on `n` ranks over `link`, by bucket bound.
-    fn bucket_rules(&self, coll: &str, n: usize, link: LinkKind) -> Vec<&Rule> {
-        let mut rules: Vec<&Rule> =
-            self.rules.iter().filter(|r| r.coll == coll && r.link == link && r.ranks == n).collect();
-        rules.sort_by_key(|r| r.max_bytes.unwrap_or(usize::MAX));
-        rules
-    }
-
     /// The schedules (family/chunk) the table gives `coll` for sizes above `lo` up to `hi` bytes
     /// (`None`: no bound), in size order: what a split all-reduce's half runs there.
     fn halves_in(&self, span: Span, coll: &str, lo: usize, hi: Option<usize>) -> String {
-        let Some(n) = self.measured_size(coll, span.ranks, span.link) else {
+        let Some(g) = self.group_for(coll, span.ranks, span.link) else {
             return "(fixed rule)".to_string();
         };
         let hi = hi.unwrap_or(usize::MAX);
+        let name = |c: Choice| {
+            // A half runs flat: the communicator runs a `hier` half as the ring.
+            let family = if c.family == Family::Hier { Family::Ring } else { c.family };
+            format!("{}/{}", family.name(), c.chunk_bytes)
+        };
         let mut prev = 0;
         let mut seen: Vec<String> = Vec::new();
-        for r in self.bucket_rules(coll, n, span.link) {
-            let max = r.max_bytes.unwrap_or(usize::MAX);
-            // A half runs flat: the communicator runs a `hier` half as the ring.
-            let family = if r.algo == Family::Hier { Family::Ring } else { r.algo };
-            let name = format!("{}/{}", family.name(), r.chunk_bytes);
-            if max > lo && prev < hi && seen.last() != Some(&name) {
-                seen.push(name);
+        for &(max, choice) in &g.buckets {
+            if max > lo && prev < hi && seen.last() != Some(&name(choice)) {
+                seen.push(name(choice));
             }
             prev = max;
         }
-        if seen.is_empty() {
-            // Every bucket ends below `lo`: the last one serves the larger sizes.
-            return self.halves_in(span, coll, 0, None).rsplit(" then ").next().unwrap_or_default().to_string();
+        match (seen.is_empty(), g.buckets.last()) {
+            // Every bucket ends at or below `lo`: the last one serves the larger sizes.
+            (true, Some(&(_, last))) => name(last),
+            _ => seen.join(" then "),
         }
-        seen.join(" then ")
     }
 }
 

@@ -110,6 +110,8 @@ pub struct StepBenchReport {
     pub executor: String,
     /// CPU threads of the GEMMs and the other layers, and where the count came from.
     pub threads: String,
+    /// The BLAS library and the kernels it runs.
+    pub blas: String,
     /// Parameter count (flat buffer length, padded vocabulary included).
     pub params: usize,
     /// Micro-batch size B.
@@ -224,6 +226,7 @@ pub fn run_step_bench(comm: &Communicator, args: &StepBenchArgs) -> Result<StepB
         size: args.size.clone(),
         executor,
         threads,
+        blas: crate::device::cpu::blas::describe(),
         params,
         batch: b,
         seq_len: t,
@@ -379,6 +382,7 @@ impl fmt::Display for StepBenchReport {
             "step bench: {} ({} params), B={} T={}, {} timed steps, executor DeviceGpt on {}, CPU threads {}",
             self.size, self.params, self.batch, self.seq_len, self.steps, self.executor, self.threads
         )?;
+        writeln!(f, "  {}", self.blas)?;
         writeln!(
             f,
             "  step {:.3} s (mean {:.3} s), {:.0} tokens/s, {:.1} GFLOP/s ({:.3e} FLOP/token)",

@@ -72,7 +72,7 @@ const RECORDED_ENV: [&str; 18] = [
     "ROCR_VISIBLE_DEVICES",
     "CUDA_VISIBLE_DEVICES",
     "OMP_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
+    "OPENBLAS_",
     "RUST_LOG",
 ];
 

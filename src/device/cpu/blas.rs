@@ -149,7 +149,10 @@ fn refit_kernels(core: &str) {
         quit();
         init();
     }
-    log::info!(
+    // Every rank of a node does the same; the launcher's rank 0 says it, the others at `-v`.
+    let level = if crate::bootstrap::rank_hint().unwrap_or(0) == 0 { log::Level::Info } else { log::Level::Debug };
+    log::log!(
+        level,
         "blas: OpenBLAS chose its SSE-only {before} kernels for this CPU (a model it does not know); the CPU has {}, \
          so it now runs {} kernels (OPENBLAS_CORETYPE={core}; set it yourself to choose)",
         level_name(cpu_level()),

@@ -113,6 +113,11 @@ impl Communicator {
         }
         let id = self.id;
         match found {
+            // Forced reads are always said at info, whatever the probe found (a user who forced
+            // them looks for the line).
+            Reads::Pay if self.cfg.cma == Cma::On => {
+                log::info!("comm {id:#x}: single-copy reads (CMA) work and pay; MESHTRAIN_CMA=on: collectives use them")
+            }
             Reads::Pay => log::debug!("comm {id:#x}: single-copy reads (CMA) work and pay; large collectives use them"),
             Reads::Slow(why) if self.cfg.cma == Cma::On => log::info!(
                 "comm {id:#x}: single-copy reads (CMA) work but measured slower than copies; MESHTRAIN_CMA=on: \

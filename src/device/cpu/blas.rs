@@ -83,7 +83,7 @@ const TIMEOUT_VAR: &str = "OPENBLAS_THREAD_TIMEOUT";
 /// model (no wake-up per GEMM), short against the milliseconds of a large model's non-GEMM layers.
 const QUIET_TIMEOUT: &str = "16";
 
-/// Names the user sets to choose OpenBLAS's kernels.
+/// The variable a user sets to choose OpenBLAS's kernels.
 const CORETYPE_VAR: &str = "OPENBLAS_CORETYPE";
 
 /// Once per process, before any GEMM or thread-count change of this module: OpenBLAS's kernels
@@ -115,6 +115,7 @@ pub fn prepare() {
         if let Some(core) = refit {
             refit_kernels(core);
         }
+        // SAFETY: as above; the kernels (if refitted) were selected while no worker existed.
         unsafe {
             openblas_read_env();
             blas_thread_init();

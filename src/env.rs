@@ -11,7 +11,8 @@
 //! Invariants:
 //! - a leaf: nothing from the crate but [`crate::error`] is imported, so every layer may use it;
 //!   the small mode enums of the variables ([`Transport`], [`Algo`], [`Cma`], [`GpuIpc`],
-//!   [`GpuDirect`]) are defined here for that reason and re-exported where they are used;
+//!   [`GpuDirect`], [`SimdLevel`]) are defined here for that reason and re-exported where they
+//!   are used;
 //! - a runtime variable that is set but empty counts as unset; the tool variables (emu compiler,
 //!   font, git sha, ...) keep the rule they always had, noted at each getter;
 //! - a bad value is an [`Error::Config`] whose key is the variable and whose message says what it
@@ -46,6 +47,7 @@ pub const RUNTIME_VARS: &[(&str, &str)] = &[
     ("MESHTRAIN_CMA", "auto, on (1) or off (0)"),
     ("MESHTRAIN_HIER", "auto or off"),
     ("MESHTRAIN_HUGEPAGES", "on or off"),
+    ("MESHTRAIN_CPU_SIMD", "auto, avx512, avx2 or baseline"),
     ("MESHTRAIN_SMALL_BYTES", "bytes > 0"),
     ("MESHTRAIN_CHUNK_BYTES", "a multiple of 64 bytes"),
     ("MESHTRAIN_TUNING", "the path of a tuning table (meshtrain bench --tune), or off"),
@@ -283,6 +285,39 @@ pub fn hugepages() -> Result<Option<bool>> {
     parsed("MESHTRAIN_HUGEPAGES", |v| {
         choice(v, &[("on", true), ("off", false)]).ok_or_else(|| format!("`{v}` is not one of on, off"))
     })
+}
+
+/// The vector instruction sets the CPU layers can be compiled for (`crate::device::cpu::simd`),
+/// narrowest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SimdLevel {
+    /// The build's own target (SSE2 on x86-64).
+    Baseline,
+    /// AVX2 (256-bit vectors).
+    Avx2,
+    /// AVX-512 F/BW/DQ/VL (512-bit vectors).
+    Avx512,
+}
+
+impl SimdLevel {
+    /// The name `MESHTRAIN_CPU_SIMD` takes and the logs print.
+    pub fn name(self) -> &'static str {
+        match self {
+            SimdLevel::Baseline => "baseline",
+            SimdLevel::Avx2 => "avx2",
+            SimdLevel::Avx512 => "avx512",
+        }
+    }
+}
+
+/// `MESHTRAIN_CPU_SIMD`: the widest vector unit the CPU layers may use, `None` for `auto` or
+/// unset (the widest the CPU has); a level the CPU lacks is never used whatever is asked.
+pub fn cpu_simd() -> Result<Option<SimdLevel>> {
+    let level = parsed("MESHTRAIN_CPU_SIMD", |v| {
+        choice(v, &[("auto", None), ("baseline", Some(SimdLevel::Baseline)), ("avx2", Some(SimdLevel::Avx2)), ("avx512", Some(SimdLevel::Avx512))])
+            .ok_or_else(|| format!("`{v}` is not one of auto, avx512, avx2, baseline"))
+    })?;
+    Ok(level.flatten())
 }
 
 /// `MESHTRAIN_SMALL_BYTES`: the largest message the direct schedule takes under `Algo::Auto`.

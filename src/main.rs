@@ -640,6 +640,10 @@ fn main() {
         Ok(on) => meshtrain::mem::set_advise(on.unwrap_or(true)),
         Err(e) => fail(&e),
     }
+    match meshtrain::env::cpu_simd() {
+        Ok(cap) => meshtrain::device::cpu::simd::set_cap(cap),
+        Err(e) => fail(&e),
+    }
     let result = match &cli.command {
         Command::Bench(args) if args.what == "step" => with_world(|w| bench_step(w, args)),
         Command::Bench(args) if args.what == "checkpoint" => with_world(|w| {

@@ -20,7 +20,7 @@ use meshtrain::comm::{DType, ReduceOp};
 use meshtrain::config::DeviceKind;
 use meshtrain::device::cpu::adamw::AdamWStep;
 use meshtrain::device::cpu::attention::{
-    attention_backward, attention_forward, attention_scratch_len, AttnShape,
+    attention_backward, attention_forward, AttnShape,
 };
 use meshtrain::device::cpu::rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 use meshtrain::device::cpu::rope::{self as cpu_rope, RopeShape};
@@ -249,8 +249,8 @@ fn attention_matches_cpu(kind: DeviceKind) {
     let (mut out, mut att) = (vec![0.0; s.b * s.t * c], vec![0.0; tt]);
     attention_forward(&mut out, &mut att, &widen(&qkv), s);
     let mut dqkv = widen(&dqkv0);
-    let mut scratch = vec![0.0; attention_scratch_len(s.t)];
-    attention_backward(&mut dqkv, &mut scratch, &widen(&dout), &widen(&qkv), &att, s);
+    let mut dpre = vec![0.0; tt];
+    attention_backward(&mut dqkv, &mut dpre, &widen(&dout), &widen(&qkv), &att, s);
 
     let g_qkv = dev.upload(&qkv).unwrap();
     let (mut g_out, mut g_att) = (poisoned(&dev, 4 * out.len()), poisoned(&dev, 4 * tt));
@@ -675,8 +675,8 @@ fn gqa_attention_matches_cpu(kind: DeviceKind) {
         let (mut out, mut att) = (vec![0.0; b * t * c], vec![0.0; tt]);
         attention_forward(&mut out, &mut att, &widen(&qkv), s);
         let mut dqkv = widen(&dqkv0);
-        let mut scratch = vec![0.0; attention_scratch_len(t)];
-        attention_backward(&mut dqkv, &mut scratch, &widen(&dout), &widen(&qkv), &att, s);
+        let mut dpre = vec![0.0; tt];
+        attention_backward(&mut dqkv, &mut dpre, &widen(&dout), &widen(&qkv), &att, s);
 
         let g_qkv = dev.upload(&qkv).unwrap();
         let (mut g_out, mut g_att) = (poisoned(&dev, 4 * out.len()), poisoned(&dev, 4 * tt));

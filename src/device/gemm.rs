@@ -21,6 +21,8 @@
 
 use std::borrow::Cow;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use half::{bf16, f16};
 
@@ -275,8 +277,24 @@ fn widen<'a>(op: &Operand<'a>, offset: usize, elems: usize) -> Result<Cow<'a, [f
     })
 }
 
-/// The batch as a loop of CPU products (sizes checked by the caller).
-fn cpu_matmul(c: &mut DeviceBuffer, a: Operand, b: Operand, (m, n, k): (usize, usize, usize), batch: &Batch, accumulate: bool) -> Result<()> {
+/// Nanoseconds the CPU device has spent in products since the process started (16-bit
+/// operands' widening included): `bench step` splits a step into its GEMMs and the rest by it.
+static CPU_GEMM_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// Seconds the CPU device has spent in products so far (see [`CPU_GEMM_NANOS`]).
+pub fn cpu_gemm_seconds() -> f64 {
+    CPU_GEMM_NANOS.load(Ordering::Relaxed) as f64 * 1e-9
+}
+
+/// The batch as a loop of CPU products (sizes checked by the caller), its time counted.
+fn cpu_matmul(c: &mut DeviceBuffer, a: Operand, b: Operand, shape: (usize, usize, usize), batch: &Batch, accumulate: bool) -> Result<()> {
+    let start = Instant::now();
+    let done = cpu_products(c, a, b, shape, batch, accumulate);
+    CPU_GEMM_NANOS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    done
+}
+
+fn cpu_products(c: &mut DeviceBuffer, a: Operand, b: Operand, (m, n, k): (usize, usize, usize), batch: &Batch, accumulate: bool) -> Result<()> {
     let c_len = batch.c.0 + (batch.count - 1) * batch.c.1 + m * n;
     let cv = host_mut("gemm", c)?.view_mut::<f32>(c_len);
     for i in 0..batch.count {

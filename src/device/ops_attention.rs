@@ -269,13 +269,10 @@ pub fn attention_backward(dev: &Device, bufs: AttentionBackward, w: &mut AttnWor
     need(k, "dpre", dpre, f32s(tt))?;
     need(k, "att", att, f32s(tt))?;
     if let Device::Cpu = dev {
-        // The reference needs only one (T) row of scratch; `dpre` is overwritten on a GPU, so
-        // it is zeroed here to keep the two arms' contracts alike.
-        host_mut(k, dpre)?.view_mut::<f32>(tt).fill(0.0);
-        let mut row = vec![0f32; attention::attention_scratch_len(s.t)];
         let n = btc + 2 * nk;
         let (dy, x, a) = (host(k, dout)?.view::<f32>(btc), host(k, qkv)?.view::<f32>(n), host(k, att)?.view::<f32>(tt));
-        attention::attention_backward(host_mut(k, dqkv)?.view_mut::<f32>(n), &mut row, dy, x, a, s);
+        let p = host_mut(k, dpre)?.view_mut::<f32>(tt);
+        attention::attention_backward(host_mut(k, dqkv)?.view_mut::<f32>(n), p, dy, x, a, s);
         return Ok(());
     }
     let f = |buf| Operand::plain(buf, GemmInput::F32);

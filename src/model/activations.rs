@@ -7,7 +7,6 @@
 //! `residual.rs`).
 
 use super::GptConfig;
-use crate::device::cpu::attention::attention_scratch_len;
 use crate::device::cpu::float::Float;
 
 /// Forward activations; shapes in comments (L = n_layer, NH = n_head, Vp = padded vocab).
@@ -72,8 +71,8 @@ pub struct GradActivations<F> {
     pub dfch_gelu: Vec<F>,
     /// d MLP hidden before GELU (B, T, 4C).
     pub dfch: Vec<F>,
-    /// Attention rows of d probabilities, one per thread (cores, T).
-    pub datt_row: Vec<F>,
+    /// Gradient of the attention's pre-softmax scores (B, NH, T, T), the backward's scratch.
+    pub dpre: Vec<F>,
 }
 
 impl<F: Float> Activations<F> {
@@ -146,7 +145,7 @@ impl<F: Float> Activations<F> {
 impl<F: Float> GradActivations<F> {
     /// Zeroed buffers for `config` at batch `b` and sequence length `t`.
     pub fn new(config: &GptConfig, b: usize, t: usize) -> Self {
-        let (c, vp) = (config.n_embd, config.padded_vocab_size());
+        let (c, nh, vp) = (config.n_embd, config.n_head, config.padded_vocab_size());
         let bt = b * t;
         let z = |n: usize| vec![F::zero(); n];
         GradActivations {
@@ -157,7 +156,7 @@ impl<F: Float> GradActivations<F> {
             dqkv: z(bt * 3 * c),
             dfch_gelu: z(bt * 4 * c),
             dfch: z(bt * 4 * c),
-            datt_row: z(attention_scratch_len(t)),
+            dpre: z(b * nh * t * t),
         }
     }
 
@@ -175,7 +174,7 @@ impl<F: Float> GradActivations<F> {
         .iter()
         .map(|v| v.len())
         .sum::<usize>()
-            + self.datt_row.len()
+            + self.dpre.len()
     }
 }
 

@@ -441,7 +441,7 @@ impl<F: Float> Gpt<F> {
         );
         zero(&mut d.dqkv);
         let (qkv, att) = (slab(&a.qkv, l, bt * 3 * c), slab(&a.att, l, att_len));
-        attention_backward(&mut d.dqkv, &mut d.datt_row, &d.datty, qkv, att, shape);
+        attention_backward(&mut d.dqkv, &mut d.dpre, &d.datty, qkv, att, shape);
         zero(&mut d.dln);
         let (dw, db) = pair_mut(g, r.qkv_w.clone(), r.qkv_b);
         let ln1 = slab(&a.ln1, l, bt * c); // (B, T, C)

@@ -32,6 +32,7 @@ pub fn validate_runtime_env(config_var: fn(&str) -> bool) -> Result<()> {
     GpuCommConfig::from_env()?;
     env::bootstrap_timeout()?;
     env::stalled_bootstrap_rank()?;
+    env::cpu_simd()?;
     if let Some(ip) = env::bind_addr()? {
         // Bind port 0 once and let go: an address this host does not own fails here, not after
         // MPI_Init on one rank.

@@ -5,6 +5,7 @@
 //! ([`Coefficients`], which the GPU launch passes too) exist only here.
 
 use super::float::Float;
+use super::simd;
 
 /// AdamW hyper-parameters (the learning rate comes from the schedule at each step).
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -57,9 +58,14 @@ pub fn update_elements<F: Float>(
     m: &mut [F],
     v: &mut [F],
 ) {
-    for (((pi, &gi), mi), vi) in p.iter_mut().zip(g).zip(m).zip(v) {
-        update_one(k, wd, pi, gi, mi, vi);
-    }
+    simd::widest(
+        #[inline(always)]
+        || {
+            for (((pi, &gi), mi), vi) in p.iter_mut().zip(g).zip(m).zip(v) {
+                update_one(k, wd, pi, gi, mi, vi);
+            }
+        },
+    )
 }
 
 /// [`update_elements`], bit for bit, that also sets each gradient to zero once it is read: the
@@ -74,10 +80,15 @@ pub fn update_elements_clearing<F: Float>(
     m: &mut [F],
     v: &mut [F],
 ) {
-    for (((pi, gi), mi), vi) in p.iter_mut().zip(g).zip(m).zip(v) {
-        update_one(k, wd, pi, *gi, mi, vi);
-        *gi = F::zero();
-    }
+    simd::widest(
+        #[inline(always)]
+        || {
+            for (((pi, gi), mi), vi) in p.iter_mut().zip(g).zip(m).zip(v) {
+                update_one(k, wd, pi, *gi, mi, vi);
+                *gi = F::zero();
+            }
+        },
+    )
 }
 
 /// One element of the update: the expression both loops above (and `adamw_f32`) compute.

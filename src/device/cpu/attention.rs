@@ -8,12 +8,18 @@
 //! tensor-parallel rank holding a subset of heads calls the same function with its local counts.
 //! The forward keeps the softmax probabilities `att` (B, NH, T, T) for the backward; entries
 //! above the diagonal are zero.
-//! Batch rows are independent, so they are split across cores (see `parallel.rs`). The q·k
-//! scores and the backward's dy·v products are taken four keys at a time (`dots`), each sum
-//! still in index order, so the results are bitwise those of one dot product at a time.
+//! Batch rows are independent, so they are split across cores (see `parallel.rs`). Every product
+//! (q·k scores, att·v, dy·v, and the three gradients) is an accumulation `out[j] += Σ_k c_k r_k[j]`
+//! done by [`accumulate`]: a block of 64 outputs stays in registers while k runs, each element's
+//! additions still one at a time in k order, so the results are bitwise those of one dot product
+//! (or one axpy) at a time; keys and values are transposed per head so the score and dy·v rows
+//! are such accumulations too, and the gradients of k and v are taken per key over the queries
+//! (the backward keeps the score gradients of a head in `dpre`) instead of as one axpy per query
+//! and key. The loops are compiled for the widest vector unit the CPU has (`simd.rs`).
 
 use super::float::Float;
 use super::parallel::{chunk_items, run_parts};
+use super::simd;
 use crate::error::{Error, Result};
 
 /// Shape of one attention call.
@@ -113,17 +119,28 @@ pub fn attention_forward<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], s: A
 }
 
 fn attention_forward_serial<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], s: AttnShape) {
+    simd::widest(#[inline(always)] || forward_body(out, att, qkv, s))
+}
+
+#[inline(always)]
+fn forward_body<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], s: AttnShape) {
     let AttnShape { b, t, nh, hs, .. } = s;
     let (c, w) = (s.c(), s.row());
     let scale = F::one() / F::from_f64(hs as f64).sqrt();
+    let neg_zero: F = std::iter::empty().sum(); // where `Iterator::sum` starts
+    let mut kt = vec![F::zero(); hs * t]; // (hs, T): one head's keys, transposed
     for bi in 0..b {
         for h in 0..nh {
             let (qo, ko, vo) = s.offsets(h);
+            transpose_head(&mut kt, &qkv[bi * t * w + ko..], w, (t, hs));
             for ti in 0..t {
                 let q = &qkv[(bi * t + ti) * w + qo..][..hs]; // (hs)
                 let row = &mut att[((bi * nh + h) * t + ti) * t..][..t]; // (T)
-                let key = |t2: usize| &qkv[(bi * t + t2) * w + ko..][..hs]; // (hs)
-                dots(&mut row[..=ti], q, key);
+                // Scores q·k[t2] for t2 <= ti, and for a few keys past it (a whole vector; they
+                // are zeroed below). Each is the plain dot product's sum, bit for bit.
+                let wide = &mut row[..padded(ti + 1, t)];
+                wide.fill(neg_zero);
+                accumulate(wide, hs, |i| q[i], |i| &kt[i * t..]);
                 let mut max = F::neg_infinity();
                 for a in row[..=ti].iter_mut() {
                     *a *= scale;
@@ -135,29 +152,19 @@ fn attention_forward_serial<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], s
                 row[..=ti].iter_mut().for_each(|a| *a *= inv);
                 row[ti + 1..].iter_mut().for_each(|a| *a = F::zero());
                 let o = &mut out[(bi * t + ti) * c + h * hs..][..hs]; // (hs)
-                o.iter_mut().for_each(|x| *x = F::zero());
-                for (t2, &a) in row[..=ti].iter().enumerate() {
-                    let v = &qkv[(bi * t + t2) * w + vo..][..hs]; // (hs)
-                    for (x, &vi) in o.iter_mut().zip(v) {
-                        *x += a * vi;
-                    }
-                }
+                o.fill(F::zero());
+                accumulate(o, ti + 1, |t2| row[t2], |t2| &qkv[(bi * t + t2) * w + vo..][..hs]);
             }
         }
     }
 }
 
-/// Scratch elements [`attention_backward`] should get for sequence length `t`: one row of T
-/// per thread (with less, it uses fewer threads).
-pub fn attention_scratch_len(t: usize) -> usize {
-    super::parallel::cores() * t
-}
-
 /// dqkv (B, T, (NH + 2*NKV)*hs) += ... from dout (B, T, NH*hs), qkv and att of the forward;
-/// `scratch` holds [`attention_scratch_len`] elements. Panics unless NKV divides NH.
+/// `dpre` (B, NH, T, T) is scratch, overwritten with the gradient of the pre-softmax scores
+/// (zero above the diagonal), as the GPU arm leaves it. Panics unless NKV divides NH.
 pub fn attention_backward<F: Float>(
     dqkv: &mut [F],
-    scratch: &mut [F],
+    dpre: &mut [F],
     dout: &[F],
     qkv: &[F],
     att: &[F],
@@ -165,24 +172,19 @@ pub fn attention_backward<F: Float>(
 ) {
     s.assert_valid();
     let (t, c, w) = (s.t, s.c(), s.row());
-    assert!(
-        scratch.len() >= t,
-        "attention_backward: scratch of {} < T = {t}",
-        scratch.len()
-    );
-    // No more parts than scratch rows.
-    let per = chunk_items(s.b, s.nh * t * t * s.hs).max(s.b.div_ceil(scratch.len() / t));
+    let tt = s.nh * t * t;
+    let per = chunk_items(s.b, s.nh * t * t * s.hs);
     let dqkvs = dqkv[..s.b * t * w].chunks_mut(per * t * w);
     let parts = dout
         .chunks(per * t * c)
         .zip(qkv.chunks(per * t * w))
-        .zip(att.chunks(per * s.nh * t * t));
+        .zip(att.chunks(per * tt));
     run_parts(
-        dqkvs.zip(scratch.chunks_mut(t)).zip(parts),
-        |((d, row), ((dy, x), a))| {
+        dqkvs.zip(dpre[..s.b * tt].chunks_mut(per * tt)).zip(parts),
+        |((d, p), ((dy, x), a))| {
             attention_backward_serial(
                 d,
-                row,
+                p,
                 dy,
                 x,
                 a,
@@ -197,7 +199,22 @@ pub fn attention_backward<F: Float>(
 
 fn attention_backward_serial<F: Float>(
     dqkv: &mut [F],
-    scratch: &mut [F],
+    dpre: &mut [F],
+    dout: &[F],
+    qkv: &[F],
+    att: &[F],
+    s: AttnShape,
+) {
+    simd::widest(#[inline(always)] || backward_body(dqkv, dpre, dout, qkv, att, s))
+}
+
+/// Every element of dq, dk and dv receives its terms in the order of the plain per-query loop
+/// (for each head, queries ti ascending, keys t2 ascending within a query): dq[ti] over t2, dk[t2]
+/// and dv[t2] over ti. The loops run per output row instead, with the row held in registers.
+#[inline(always)]
+fn backward_body<F: Float>(
+    dqkv: &mut [F],
+    dpre: &mut [F],
     dout: &[F],
     qkv: &[F],
     att: &[F],
@@ -206,71 +223,112 @@ fn attention_backward_serial<F: Float>(
     let AttnShape { b, t, nh, hs, .. } = s;
     let (c, w) = (s.c(), s.row());
     let scale = F::one() / F::from_f64(hs as f64).sqrt();
+    let neg_zero: F = std::iter::empty().sum();
+    let mut vt = vec![F::zero(); hs * t]; // (hs, T): one head's values, transposed
     for bi in 0..b {
         for h in 0..nh {
             let (qo, ko, vo) = s.offsets(h);
+            let head = (bi * nh + h) * t * t;
+            let a = &att[head..][..t * t]; // (T, T)
+            let p = &mut dpre[head..][..t * t]; // (T, T)
+            let dy = |ti: usize| &dout[(bi * t + ti) * c + h * hs..][..hs]; // (hs)
+            let row = |ti: usize, off: usize| (bi * t + ti) * w + off; // a qkv row's part
+            transpose_head(&mut vt, &qkv[bi * t * w + vo..], w, (t, hs));
             for ti in 0..t {
-                // out = sum_t2 a[t2] v[t2]: datt[t2] = dy·v[t2], dv[t2] += a[t2] dy.
-                let a = &att[((bi * nh + h) * t + ti) * t..][..=ti]; // (ti+1)
-                let dy = &dout[(bi * t + ti) * c + h * hs..][..hs]; // (hs)
-                let datt = &mut scratch[..=ti]; // (ti+1)
-                let value = |t2: usize| &qkv[(bi * t + t2) * w + vo..][..hs]; // (hs)
-                dots(datt, dy, value);
-                for (t2, &ai) in a.iter().enumerate() {
-                    let voff = (bi * t + t2) * w + vo;
-                    for (dv, &d) in dqkv[voff..][..hs].iter_mut().zip(dy) {
-                        *dv += ai * d;
-                    }
+                // out = sum_t2 a[t2] v[t2]: datt[t2] = dy·v[t2] (into dpre's row).
+                let dyi = dy(ti);
+                let pr = &mut p[ti * t..][..t]; // (T)
+                let wide = &mut pr[..padded(ti + 1, t)];
+                wide.fill(neg_zero);
+                accumulate(wide, hs, |i| dyi[i], |i| &vt[i * t..]);
+                // Softmax backward: dpre = a * (datt - sum(a * datt)) * scale (q·k was scaled).
+                let ar = &a[ti * t..][..=ti]; // (ti+1)
+                let dot: F = pr[..=ti].iter().zip(ar).map(|(&x, &y)| x * y).sum();
+                for (d, &ai) in pr[..=ti].iter_mut().zip(ar) {
+                    *d = ai * (*d - dot) * scale;
                 }
-                // Softmax backward: dpre = a * (datt - sum(a * datt)), then through q·k * scale.
-                let dot: F = datt.iter().zip(a).map(|(&x, &y)| x * y).sum();
-                let qoff = (bi * t + ti) * w + qo;
-                let q = &qkv[qoff..][..hs]; // (hs)
-                for (t2, (&da, &ai)) in datt.iter().zip(a).enumerate() {
-                    let dpre = ai * (da - dot) * scale;
-                    let koff = (bi * t + t2) * w + ko;
-                    let k = &qkv[koff..][..hs]; // (hs)
-                    let (dq, dk) = q_and_k_rows(dqkv, qoff, koff, hs);
-                    dq.iter_mut().zip(k).for_each(|(d, &x)| *d += dpre * x);
-                    dk.iter_mut().zip(q).for_each(|(d, &x)| *d += dpre * x);
-                }
+                pr[ti + 1..].fill(F::zero());
+                // dq[ti] += sum_t2 dpre[ti][t2] k[t2].
+                let pr = &p[ti * t..][..=ti]; // (ti+1)
+                let dq = &mut dqkv[row(ti, qo)..][..hs];
+                accumulate(dq, ti + 1, |t2| pr[t2], |t2| &qkv[row(t2, ko)..][..hs]);
+            }
+            for t2 in 0..t {
+                // dk[t2] += sum_ti dpre[ti][t2] q[ti]; dv[t2] += sum_ti a[ti][t2] dy[ti], ti >= t2.
+                let n = t - t2;
+                let dk = &mut dqkv[row(t2, ko)..][..hs];
+                accumulate(dk, n, |j| p[(t2 + j) * t + t2], |j| &qkv[row(t2 + j, qo)..][..hs]);
+                let dv = &mut dqkv[row(t2, vo)..][..hs];
+                accumulate(dv, n, |j| a[(t2 + j) * t + t2], |j| dy(t2 + j));
             }
         }
     }
 }
 
-/// `out[j] = Σ_i x[i] · row(j)[i]` for every j, each sum in index order exactly as
-/// `x.iter().zip(row(j)).map(|(a, b)| a * b).sum()` adds it: four rows at a time, so the four
-/// independent chains of additions overlap instead of each waiting on the previous (bitwise the
-/// same result, several times faster at head widths of 64).
-fn dots<'a, F: Float>(out: &mut [F], x: &[F], row: impl Fn(usize) -> &'a [F]) {
-    // The value `Iterator::sum` starts from (-0.0 in recent Rust), so a zero sum has its sign.
-    let zero: F = std::iter::empty().sum();
-    let done = out.len() / 4 * 4;
-    for (j, o) in out[..done].chunks_exact_mut(4).enumerate() {
-        let r = [row(4 * j), row(4 * j + 1), row(4 * j + 2), row(4 * j + 3)];
-        let mut acc = [zero; 4];
-        for (i, &xi) in x.iter().enumerate() {
-            for (a, r) in acc.iter_mut().zip(&r) {
-                *a += xi * r[i];
-            }
-        }
-        o.copy_from_slice(&acc);
+/// `n` rounded up to a whole [`WIDE`] block, at most `t`: a row's chains of additions are
+/// latency-bound, so four vectors of them take the time of one.
+fn padded(n: usize, t: usize) -> usize {
+    n.div_ceil(WIDE).saturating_mul(WIDE).min(t)
+}
+
+/// Elements of the widest accumulator block [`accumulate`] holds in registers (four 16-float
+/// AVX-512 vectors: four independent chains of additions).
+const WIDE: usize = 64;
+/// Elements of its narrower block, for what is left of a row after the wide blocks.
+const NARROW: usize = 16;
+
+/// `out[j] += coef(0) · row(0)[j] + coef(1) · row(1)[j] + ...` for k < n, each element's
+/// additions one at a time in that order (so bit for bit the plain loop over k of axpys, and,
+/// from a start of -0.0, the iterator sum of the products). Blocks of `out` stay in registers
+/// across all of k, where the axpy loop would load and store every element n times.
+/// `row(k)` must hold at least `out.len()` elements.
+#[inline(always)]
+fn accumulate<'a, F: Float>(out: &mut [F], n: usize, coef: impl Fn(usize) -> F, row: impl Fn(usize) -> &'a [F]) {
+    let wide = out.len() / WIDE * WIDE;
+    let narrow = out.len() / NARROW * NARROW;
+    for j0 in (0..wide).step_by(WIDE) {
+        accumulate_block::<F, WIDE>(&mut out[j0..j0 + WIDE], j0, n, &coef, &row);
     }
-    for (j, o) in out[done..].iter_mut().enumerate() {
-        *o = x.iter().zip(row(done + j)).map(|(&a, &b)| a * b).sum();
+    for j0 in (wide..narrow).step_by(NARROW) {
+        accumulate_block::<F, NARROW>(&mut out[j0..j0 + NARROW], j0, n, &coef, &row);
+    }
+    for (j, o) in out.iter_mut().enumerate().skip(narrow) {
+        let mut acc = *o;
+        for k in 0..n {
+            acc += coef(k) * row(k)[j];
+        }
+        *o = acc;
     }
 }
 
-/// The disjoint rows `dqkv[qoff..][..hs]` and `dqkv[koff..][..hs]` (a q part and a k part, which
-/// never overlap: each is `hs` wide inside its own part of a row).
-fn q_and_k_rows<F>(dqkv: &mut [F], qoff: usize, koff: usize, hs: usize) -> (&mut [F], &mut [F]) {
-    if qoff < koff {
-        let (lo, hi) = dqkv.split_at_mut(koff);
-        (&mut lo[qoff..][..hs], &mut hi[..hs])
-    } else {
-        let (lo, hi) = dqkv.split_at_mut(qoff);
-        (&mut hi[..hs], &mut lo[koff..][..hs])
+#[inline(always)]
+fn accumulate_block<'a, F: Float, const W: usize>(
+    out: &mut [F],
+    j0: usize,
+    n: usize,
+    coef: &impl Fn(usize) -> F,
+    row: &impl Fn(usize) -> &'a [F],
+) {
+    let mut acc: [F; W] = std::array::from_fn(|i| out[i]);
+    for k in 0..n {
+        let c = coef(k);
+        let r: &[F; W] = row(k)[j0..j0 + W].try_into().expect("W elements");
+        for i in 0..W {
+            acc[i] += c * r[i];
+        }
+    }
+    out.copy_from_slice(&acc);
+}
+
+/// `xt[i * T + t2] = x[t2 * stride + i]`: the (T, hs) head starting at `x` with rows `stride`
+/// apart, transposed to (hs, T).
+#[inline(always)]
+fn transpose_head<F: Float>(xt: &mut [F], x: &[F], stride: usize, (t, hs): (usize, usize)) {
+    for t2 in 0..t {
+        let row = &x[t2 * stride..][..hs]; // (hs)
+        for (i, &v) in row.iter().enumerate() {
+            xt[i * t + t2] = v;
+        }
     }
 }
 
@@ -293,21 +351,54 @@ mod tests {
         assert_eq!(&out[..4], &qkv[8..12]);
     }
 
-    /// Four dot products at a time give every sum bit for bit as the plain iterator sum, for
-    /// any count of rows (whole groups of four and the rest).
+    /// The register-blocked accumulation gives every element bit for bit the plain loop of
+    /// axpys (and, from -0.0, the iterator sum of the products), for widths that use the wide
+    /// blocks, the narrow blocks and the scalar rest, with any count of terms.
     #[test]
-    fn grouped_dots_equal_one_at_a_time_bitwise() {
-        let x: Vec<f32> = (0..64).map(|i| ((i * 29) % 83) as f32 * 0.013 - 0.5).collect();
-        let rows: Vec<Vec<f32>> = (0..11)
-            .map(|j| (0..64).map(|i| ((i * 17 + j * 31) % 89) as f32 * 0.021 - 0.9).collect())
+    fn blocked_accumulation_equals_axpys_bitwise() {
+        let rows: Vec<Vec<f32>> = (0..23)
+            .map(|k| (0..150).map(|j| ((j * 17 + k * 31) % 89) as f32 * 0.021 - 0.9).collect())
             .collect();
-        for n in 0..=rows.len() {
-            let mut got = vec![f32::NAN; n];
-            dots(&mut got, &x, |j| &rows[j][..]);
-            for (j, g) in got.iter().enumerate() {
-                let want: f32 = x.iter().zip(&rows[j]).map(|(&a, &b)| a * b).sum();
-                assert_eq!(g.to_bits(), want.to_bits(), "row {j} of {n}");
+        let coef = |k: usize| ((k * 29) % 83) as f32 * 0.013 - 0.5;
+        for width in [0, 1, 5, 15, 16, 17, 63, 64, 65, 80, 97, 128, 150] {
+            for n in [0, 1, 2, 7, 23] {
+                let start: Vec<f32> = (0..width).map(|j| ((j * 7) % 5) as f32 * 0.3 - 0.6).collect();
+                let mut got = start.clone();
+                accumulate(&mut got, n, coef, |k| &rows[k][..]);
+                let mut want = start.clone();
+                for (k, row) in rows.iter().enumerate().take(n) {
+                    want.iter_mut().zip(row).for_each(|(w, &r)| *w += coef(k) * r);
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "width {width}, {n} terms");
+                // From -0.0 it is the dot product as `Iterator::sum` adds it.
+                let mut dots = vec![-0.0f32; width];
+                accumulate(&mut dots, n, coef, |k| &rows[k][..]);
+                for (j, d) in dots.iter().enumerate() {
+                    let sum: f32 = (0..n).map(|k| coef(k) * rows[k][j]).sum();
+                    assert_eq!(d.to_bits(), sum.to_bits(), "width {width}, {n} terms, element {j}");
+                }
             }
+        }
+    }
+
+    /// The forward and backward compiled for each vector unit this CPU has give the same bits
+    /// (T = 70 and hs = 64 use the wide blocks, the narrow ones and the scalar rest).
+    #[test]
+    fn every_vector_level_gives_the_same_bits() {
+        let s = AttnShape::gqa(2, 70, 4, 2, 64).unwrap();
+        let qkv: Vec<f32> = (0..2 * 70 * s.row()).map(|i| ((i * 37) % 101) as f32 * 0.02 - 1.0).collect();
+        let dout: Vec<f32> = (0..2 * 70 * s.c()).map(|i| ((i * 53) % 97) as f32 * 0.01 - 0.5).collect();
+        let run = |level| {
+            let (mut out, mut att) = (vec![0f32; dout.len()], vec![0f32; 2 * 4 * 70 * 70]);
+            simd::run_at(level, || forward_body(&mut out, &mut att, &qkv, s));
+            let (mut d, mut p) = (vec![0.5f32; qkv.len()], vec![f32::NAN; att.len()]);
+            simd::run_at(level, || backward_body(&mut d, &mut p, &dout, &qkv, &att, s));
+            [out, att, d, p].map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+        };
+        let base = run(simd::Level::Baseline);
+        for level in [simd::Level::Avx2, simd::Level::Avx512] {
+            assert!(run(level) == base, "{} differs from the baseline", level.name());
         }
     }
 
@@ -342,11 +433,11 @@ mod tests {
             attention_forward(&mut o1, &mut a1, &qkv, s);
             attention_forward(&mut o2, &mut a2, &big, m);
             assert_eq!((&o1, &a1), (&o2, &a2), "nkv {nkv}");
-            let mut scratch = vec![0.0; attention_scratch_len(t)];
+            let mut dpre = vec![0.0; a1.len()];
             let mut d1 = vec![0.0; qkv.len()];
             let mut d2 = vec![0.0; big.len()];
-            attention_backward(&mut d1, &mut scratch, &dout, &qkv, &a1, s);
-            attention_backward(&mut d2, &mut scratch, &dout, &big, &a2, m);
+            attention_backward(&mut d1, &mut dpre, &dout, &qkv, &a1, s);
+            attention_backward(&mut d2, &mut dpre, &dout, &big, &a2, m);
             for (tok, (r1, r2)) in d1.chunks(s.row()).zip(d2.chunks(m.row())).enumerate() {
                 assert_eq!(&r1[..s.c()], &r2[..s.c()], "nkv {nkv} token {tok} dq");
                 for (part, big_part) in [(s.c(), m.c()), (s.c() + s.c_kv(), 2 * m.c())] {
@@ -379,7 +470,7 @@ mod tests {
             let (mut out, mut att) = (vec![0.0; g.len()], vec![0.0; 2 * 4 * 16]);
             attention_forward(&mut out, &mut att, &qkv, s);
             let mut d = vec![0.0; qkv.len()];
-            attention_backward(&mut d, &mut vec![0.0; attention_scratch_len(4)], &g, &qkv, &att, s);
+            attention_backward(&mut d, &mut vec![0.0; att.len()], &g, &qkv, &att, s);
             let h = 1e-6;
             for i in 0..qkv.len() {
                 let (mut p, mut m) = (qkv.clone(), qkv.clone());
@@ -407,15 +498,9 @@ mod tests {
         attention_forward_serial(&mut o2, &mut a2, &qkv, s);
         assert_eq!((&o1, &a1), (&o2, &a2));
         let (mut d1, mut d2) = (vec![0f32; qkv.len()], vec![0f32; qkv.len()]);
-        attention_backward(
-            &mut d1,
-            &mut vec![0f32; attention_scratch_len(32)],
-            &dout,
-            &qkv,
-            &a1,
-            s,
-        );
-        attention_backward_serial(&mut d2, &mut [0f32; 32], &dout, &qkv, &a1, s);
-        assert_eq!(d1, d2);
+        let (mut p1, mut p2) = (vec![f32::NAN; a1.len()], vec![f32::NAN; a1.len()]);
+        attention_backward(&mut d1, &mut p1, &dout, &qkv, &a1, s);
+        attention_backward_serial(&mut d2, &mut p2, &dout, &qkv, &a1, s);
+        assert_eq!((&d1, &p1), (&d2, &p2));
     }
 }

@@ -6,6 +6,7 @@
 
 use super::float::Float;
 use super::parallel::{chunk_items, run_parts};
+use super::simd;
 
 /// Elements summed in the working precision before a block's sum is added in f64.
 const BLOCK: usize = 1024;
@@ -57,14 +58,20 @@ fn block_sums_into<F: Float>(full: &[F], sums: &mut Vec<f64>) {
     let per = chunk_items(blocks, BLOCK);
     let parts = sums[start..].chunks_mut(per).zip(full.chunks(per * BLOCK));
     run_parts(parts, |(out, data)| {
-        for (o, block) in out.iter_mut().zip(data.chunks(BLOCK)) {
-            *o = block_sum(block);
-        }
+        simd::widest(
+            #[inline(always)]
+            || {
+                for (o, block) in out.iter_mut().zip(data.chunks(BLOCK)) {
+                    *o = block_sum(block);
+                }
+            },
+        )
     });
 }
 
 /// Σ g² of one block of at most `BLOCK` elements: `LANES` partial sums in `F`, a short block's
 /// remainder summed apart, the two added in f64.
+#[inline(always)]
 fn block_sum<F: Float>(block: &[F]) -> f64 {
     let mut acc = [F::zero(); LANES];
     let lanes = block.chunks_exact(LANES);

@@ -9,6 +9,7 @@
 use super::exp::{max_of, sum_exp};
 use super::float::Float;
 use super::parallel::{chunk_items, run_parts};
+use super::simd;
 
 /// losses (N) and lse (N) from logits (N, Vp) and targets (N); softmax over columns `0..v`.
 pub fn cross_entropy_forward<F: Float>(
@@ -74,13 +75,18 @@ fn cross_entropy_backward_serial<F: Float>(
     v: usize,
     vp: usize,
 ) {
-    let rows = dlogits.chunks_exact_mut(vp).zip(logits.chunks_exact(vp));
-    for ((drow, row), (&l, &target)) in rows.zip(lse.iter().zip(targets)) {
-        for (d, &z) in drow[..v].iter_mut().zip(&row[..v]) {
-            *d += (z - l).fast_exp() * dloss;
-        }
-        drow[target as usize] -= dloss;
-    }
+    simd::widest(
+        #[inline(always)]
+        || {
+            let rows = dlogits.chunks_exact_mut(vp).zip(logits.chunks_exact(vp));
+            for ((drow, row), (&l, &target)) in rows.zip(lse.iter().zip(targets)) {
+                for (d, &z) in drow[..v].iter_mut().zip(&row[..v]) {
+                    *d += (z - l).fast_exp() * dloss;
+                }
+                drow[target as usize] -= dloss;
+            }
+        },
+    )
 }
 
 #[cfg(test)]

@@ -19,6 +19,7 @@
 //! here sum in a fixed order that does not depend on the thread count.
 
 use super::float::Float;
+use super::simd;
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// ln 2 rounded to 9 significant bits, so that `n · LN2_HI` is exact for |n| <= 2¹⁵.
@@ -65,6 +66,11 @@ const CHUNK: usize = 256;
 
 /// The maximum of `z` (-inf when empty): order-free, so the same bits as a serial fold.
 pub fn max_of<F: Float>(z: &[F]) -> F {
+    simd::widest(#[inline(always)] || max_of_body(z))
+}
+
+#[inline(always)]
+fn max_of_body<F: Float>(z: &[F]) -> F {
     let mut acc = [F::neg_infinity(); LANES];
     let lanes = z.chunks_exact(LANES);
     let tail = lanes
@@ -83,6 +89,11 @@ pub fn max_of<F: Float>(z: &[F]) -> F {
 /// Σ exp(z - shift): exponentials in slices of `CHUNK` (vectorised), summed over `LANES` partial
 /// sums in a fixed order.
 pub fn sum_exp<F: Float>(z: &[F], shift: F) -> F {
+    simd::widest(#[inline(always)] || sum_exp_body(z, shift))
+}
+
+#[inline(always)]
+fn sum_exp_body<F: Float>(z: &[F], shift: F) -> F {
     let mut acc = [F::zero(); LANES];
     let mut buf = [F::zero(); CHUNK];
     let mut tail = F::zero();

@@ -6,6 +6,7 @@
 
 use super::float::Float;
 use super::parallel::{chunk_items, run_parts};
+use super::simd;
 
 const GELU_COEFF: f64 = 0.044715;
 
@@ -18,6 +19,7 @@ fn consts<F: Float>() -> (F, F) {
 }
 
 /// sigmoid(2u) = 0.5 (1 + tanh(u)) for u = sqrt(2/pi) (x + k x³).
+#[inline(always)]
 fn half_one_plus_tanh<F: Float>(x: F, s: F, k: F) -> F {
     let two_u = (s + s) * (x + k * x * x * x);
     F::one() / (F::one() + (-two_u).fast_exp())
@@ -33,9 +35,14 @@ pub fn gelu_forward<F: Float>(out: &mut [F], inp: &[F]) {
 
 fn gelu_forward_serial<F: Float>(out: &mut [F], inp: &[F]) {
     let (s, k) = consts::<F>();
-    for (o, &x) in out.iter_mut().zip(inp) {
-        *o = x * half_one_plus_tanh(x, s, k);
-    }
+    simd::widest(
+        #[inline(always)]
+        || {
+            for (o, &x) in out.iter_mut().zip(inp) {
+                *o = x * half_one_plus_tanh(x, s, k);
+            }
+        },
+    )
 }
 
 /// dinp (N) += gelu'(inp (N)) * dout (N).
@@ -51,12 +58,17 @@ pub fn gelu_backward<F: Float>(dinp: &mut [F], inp: &[F], dout: &[F]) {
 fn gelu_backward_serial<F: Float>(dinp: &mut [F], inp: &[F], dout: &[F]) {
     let (s, k) = consts::<F>();
     let (two, three_k) = (F::from_f64(2.0), F::from_f64(3.0 * GELU_COEFF));
-    for ((d, &x), &dy) in dinp.iter_mut().zip(inp).zip(dout) {
-        // With g = 0.5 (1 + tanh u) = sigmoid(2u): g' = 2 g (1 - g) u', u' = s (1 + 3k x²).
-        let g = half_one_plus_tanh(x, s, k);
-        let local = g + x * two * g * (F::one() - g) * s * (F::one() + three_k * x * x);
-        *d += local * dy;
-    }
+    simd::widest(
+        #[inline(always)]
+        || {
+            for ((d, &x), &dy) in dinp.iter_mut().zip(inp).zip(dout) {
+                // With g = 0.5 (1 + tanh u) = sigmoid(2u): g' = 2 g (1 - g) u', u' = s (1 + 3k x²).
+                let g = half_one_plus_tanh(x, s, k);
+                let local = g + x * two * g * (F::one() - g) * s * (F::one() + three_k * x * x);
+                *d += local * dy;
+            }
+        },
+    )
 }
 
 #[cfg(test)]

@@ -26,6 +26,7 @@ pub mod parallel;
 pub mod residual;
 pub mod rmsnorm;
 pub mod rope;
+pub mod simd;
 pub mod swiglu;
 pub mod vocab_parallel;
 

@@ -16,6 +16,7 @@
 use super::exp::{max_of, sum_exp};
 use super::float::Float;
 use super::parallel::{chunk_items, run_parts};
+use super::simd;
 
 /// Columns of a shard of `vl` ids starting at `start` that are real ids (below `v`).
 pub fn real_columns(start: usize, vl: usize, v: usize) -> usize {
@@ -154,17 +155,22 @@ pub fn cross_entropy_shard_backward<F: Float>(
     run_parts(
         dlogits.chunks_mut(per * vl).zip(ins),
         |(d, ((z, l), tg))| {
-            let rows = d.chunks_exact_mut(vl).zip(z.chunks_exact(vl));
-            for ((drow, row), (&l, &target)) in rows.zip(l.iter().zip(tg)) {
-                let (dreal, padding) = drow.split_at_mut(real);
-                for (d, &z) in dreal.iter_mut().zip(&row[..real]) {
-                    *d = (z - l).fast_exp() * dloss;
-                }
-                padding.fill(F::zero());
-                if let Some(i) = (target as usize).checked_sub(start).filter(|&i| i < real) {
-                    drow[i] -= dloss;
-                }
-            }
+            simd::widest(
+                #[inline(always)]
+                || {
+                    let rows = d.chunks_exact_mut(vl).zip(z.chunks_exact(vl));
+                    for ((drow, row), (&l, &target)) in rows.zip(l.iter().zip(tg)) {
+                        let (dreal, padding) = drow.split_at_mut(real);
+                        for (d, &z) in dreal.iter_mut().zip(&row[..real]) {
+                            *d = (z - l).fast_exp() * dloss;
+                        }
+                        padding.fill(F::zero());
+                        if let Some(i) = (target as usize).checked_sub(start).filter(|&i| i < real) {
+                            drow[i] -= dloss;
+                        }
+                    }
+                },
+            )
         },
     );
 }

@@ -165,3 +165,17 @@ fn strangers_are_rejected_and_the_job_completes() {
     let rejections = stderr.lines().filter(|l| l.contains("127.0.0.1:") && l.to_lowercase().contains("reject")).count();
     assert!(rejections >= 6, "expected the strangers to be logged as rejected, got {rejections}:\n{stderr}");
 }
+
+/// mpirun may cut a rank's line where it read a piece and put another rank's piece after it on
+/// the same output line: each rank's lines are still whole (the CI flake this parser fixes).
+#[test]
+fn split_tagged_lines_are_joined_per_rank() {
+    let stderr = "[1,3]<stderr>:meshtrain: error: rank 3: blame: rank [1,1]<stderr>:log one\n\
+                  [1,1]<stderr>:meshtrain: error: rank 1: blame: rank [1,3]<stderr>:2: stopped\n\
+                  --------\nMPI_ABORT was invoked\n[1,1]<stderr>:2: stopped\n[1,0]<stderr>:fine\n";
+    let out = common::Finished { status: None, stdout: String::new(), stderr: stderr.into(), elapsed: Duration::ZERO };
+    assert_eq!(out.rank_stderr(3), ["meshtrain: error: rank 3: blame: rank 2: stopped"]);
+    assert_eq!(out.rank_stderr(1), ["log one", "meshtrain: error: rank 1: blame: rank 2: stopped"]);
+    assert_eq!(out.rank_stderr(0), ["fine"]);
+    assert!(out.rank_stderr(2).is_empty());
+}

@@ -173,7 +173,7 @@ fn on_is_an_error(transport: &str, provider: &str, why: &str) {
     let out = common::run(cmd, Duration::from_secs(300));
     assert!(!out.stdout.contains("mismatches"), "selftest ran with MESHTRAIN_GPU_DIRECT=on over {transport}:\n{}", out.stdout);
     for r in 0..2 {
-        let errors: Vec<&str> = out.rank_stderr(r).into_iter().filter(|l| l.contains("meshtrain: error")).collect();
+        let errors: Vec<String> = out.rank_stderr(r).into_iter().filter(|l| l.contains("meshtrain: error")).collect();
         assert!(
             errors.iter().any(|l| l.contains("`MESHTRAIN_GPU_DIRECT`: on, but") && l.contains(why)),
             "rank {r} did not name MESHTRAIN_GPU_DIRECT and `{why}`:\n{}",

@@ -214,8 +214,8 @@ pub fn run_step_bench(comm: &Communicator, args: &StepBenchArgs) -> Result<StepB
     }
     let peak_rss_bytes = crate::memory::peak_rss_bytes()?;
     // Each timed step again, right next to one timing of the GEMM mix: the pair's ratio holds
-    // when a shared machine's speed drifts between the steps above and the GEMMs (the step
-    // itself sometimes ran at 70% of the GEMM rate and sometimes at 95% of it, minutes apart).
+    // when a shared machine's speed drifts between the steps above and the GEMM timing (timed
+    // apart, the same binary's ratio came out anywhere from 0.56 to 0.94 in consecutive runs).
     let (l, c) = (config.n_layer, config.n_embd);
     let n_flop_params = harness.params() - ParamLayout::new(&config).wpe().len();
     let flops_per_token = 6.0 * n_flop_params as f64 + 12.0 * (l * c * t) as f64;

@@ -41,15 +41,54 @@ pub struct Finished {
 }
 
 impl Finished {
-    /// Lines that rank `r` printed on stderr (tagged output).
-    pub fn rank_stderr(&self, r: usize) -> Vec<&str> {
-        let tag = format!(",{r}]<stderr>:");
-        self.stderr.lines().chain(self.stdout.lines()).filter(|l| l.contains(&tag)).collect()
+    /// Lines that rank `r` printed on stderr (mpirun's `--tag-output`), without their tags.
+    /// mpirun tags each line of what it forwards, in the pieces it reads: a piece may end inside a
+    /// line (when a rank writes faster than it is read), and then another rank's tag follows on
+    /// the same output line while the rest of the line comes later under its own tag. So the text
+    /// after each tag, up to the next tag or the end of its line, is joined into the rank's stream
+    /// before that is cut into lines; untagged lines (mpirun's own messages) belong to nobody.
+    pub fn rank_stderr(&self, r: usize) -> Vec<String> {
+        let mut stream = String::new();
+        for text in [&self.stderr, &self.stdout] {
+            let mut rest = text.as_str();
+            while let Some((start, len, rank)) = tag_at(rest) {
+                let body = &rest[start + len..];
+                let end = match (tag_at(body), body.find('\n')) {
+                    (Some((t, _, _)), Some(nl)) => t.min(nl + 1),
+                    (Some((t, _, _)), None) => t,
+                    (None, Some(nl)) => nl + 1,
+                    (None, None) => body.len(),
+                };
+                if rank == r {
+                    stream.push_str(&body[..end]);
+                }
+                rest = &body[end..];
+            }
+        }
+        stream.lines().map(str::to_string).collect()
     }
 
     pub fn success(&self) -> bool {
         self.status.is_some_and(|s| s.success())
     }
+}
+
+/// The first `[J,N]<stderr>:` tag in `s` (J the job, N the rank): its offset, its length and N.
+fn tag_at(s: &str) -> Option<(usize, usize, usize)> {
+    let mut from = 0;
+    while let Some(i) = s[from..].find("]<stderr>:").map(|i| i + from) {
+        let open = s[..i].rfind('[');
+        let tag = open.and_then(|o| {
+            let (job, rank) = s[o + 1..i].split_once(',')?;
+            let ok = !job.is_empty() && job.bytes().all(|b| b.is_ascii_digit());
+            Some((o, rank.parse::<usize>().ok().filter(|_| ok)?))
+        });
+        if let Some((o, rank)) = tag {
+            return Some((o, i + "]<stderr>:".len() - o, rank));
+        }
+        from = i + 1;
+    }
+    None
 }
 
 fn drain(mut r: impl Read + Send + 'static) -> std::thread::JoinHandle<String> {
